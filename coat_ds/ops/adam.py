@@ -1,0 +1,69 @@
+"""The FP8 AdamW step and group (de)quantization: compiled kernels when they build, else the reference.
+
+All tensors of one call live on one device; moments are lists of (codes, scale, expo) triples with
+codes stored as FP8 tensors (the kernels see them as uint8)."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ..formats import E4M3, FP8Format, dequantize as ref_dequantize, get_format, quantize as ref_quantize
+from ..optim.reference import adamw_step_reference
+from .loader import load_op
+
+
+def _op(device: torch.device):
+    return load_op("CoatAdamBuilder" if device.type == "cuda" else "CPUCoatAdamBuilder")
+
+
+def _u8(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8)
+
+
+def adamw_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], m: Sequence[tuple], v: Sequence[tuple],
+               *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
+               v_format: FP8Format, group_size: int, expansion: bool,
+               bf16_out: Sequence[torch.Tensor] = ()) -> None:
+    """One fused step over many tensors; params, moments (and the optional bf16 copies) update in place.
+
+    m is always E4M3 (COAT: E4M3 beats E5M2 for the first moment); v is E4M3 or E5M2."""
+    if not params:
+        return
+    op = _op(params[0].device)
+    if op is not None:
+        op.adam_step(list(params), list(grads), [_u8(x[0]) for x in m], [x[1] for x in m], [x[2] for x in m],
+                     [_u8(x[0]) for x in v], [x[1] for x in v], [x[2] for x in v], list(bf16_out),
+                     lr, beta1, beta2, eps, weight_decay, step, group_size, v_format.name == "e5m2", expansion)
+        return
+    for i, (p, g, mi, vi) in enumerate(zip(params, grads, m, v)):
+        new_m, new_v = adamw_step_reference(p, g, mi, vi, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                                            weight_decay=weight_decay, step=step, m_format=E4M3,
+                                            v_format=v_format, group_size=group_size, expansion=expansion)
+        for dst, src in zip((*mi, *vi), (*new_m, *new_v)):
+            dst.copy_(src)
+        if bf16_out:
+            bf16_out[i].copy_(p)
+
+
+def quantize(x: torch.Tensor, fmt: str | FP8Format = "e4m3", group_size: int = 128, expansion: bool = True):
+    """(codes, scale, expo) of x; same result as formats.quantize, on the kernel when there is one."""
+    fmt = get_format(fmt)
+    op = _op(x.device)
+    if op is None:
+        return tuple(ref_quantize(x, fmt, group_size, expansion))
+    n = (x.numel() + group_size - 1) // group_size
+    codes = torch.empty(x.shape, dtype=fmt.dtype, device=x.device)
+    scale = torch.empty(n, dtype=torch.float32, device=x.device)
+    expo = torch.empty(n, dtype=torch.float32, device=x.device)
+    op.quantize(x.float().contiguous(), _u8(codes), scale, expo, group_size, fmt.name == "e5m2", expansion)
+    return codes, scale, expo
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, expo: torch.Tensor, group_size: int = 128) -> torch.Tensor:
+    op = _op(codes.device)
+    if op is None:
+        return ref_dequantize(codes, scale, expo, group_size)
+    out = torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
+    op.dequantize(_u8(codes.contiguous()), scale, expo, out, group_size, codes.dtype == torch.float8_e5m2)
+    return out

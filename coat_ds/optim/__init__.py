@@ -1,0 +1,5 @@
+"""CoatAdamW and its reference step."""
+from .coat_adamw import CoatAdamW
+from .reference import adamw_step_reference
+
+__all__ = ["CoatAdamW", "adamw_step_reference"]

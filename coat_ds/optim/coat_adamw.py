@@ -1,0 +1,145 @@
+"""CoatAdamW: AdamW whose moments are stored in FP8 with per-group range expansion."""
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Iterable
+
+import torch
+
+from .. import ops
+from ..formats import E4M3, check_group_size, get_format, n_groups
+
+_STATE_KEYS = ("exp_avg_q", "exp_avg_scale", "exp_avg_expo", "exp_avg_sq_q", "exp_avg_sq_scale", "exp_avg_sq_expo")
+
+
+def _check(cond: bool, key: str, value: Any, allowed: str) -> None:
+    if not cond:
+        raise ValueError(f"CoatAdamW: {key}={value!r} is invalid; allowed: {allowed}")
+
+
+class CoatAdamW(torch.optim.Optimizer):
+    """Decoupled-weight-decay Adam (torch.optim.AdamW's defaults) with 2-byte optimizer state per parameter.
+
+    State per parameter with `fp8_state=True` (the default): `exp_avg_q` (E4M3 codes, the param's shape),
+    `exp_avg_sq_q` (E4M3 or E5M2), and per group of `group_size` values a scale and an exponent for each
+    (`*_scale`, `*_expo`, fp32). A param group with `fp8_state=False` keeps fp32 `exp_avg`/`exp_avg_sq`
+    like torch's AdamW: use it for embeddings and lm_head, where quantized states can destabilise
+    pretraining.
+
+    A step whose gradients hold inf/NaN (`check_finite=True`) changes nothing, warns with the parameter's
+    name and is counted in `skipped_steps`.
+    """
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, *, group_size: int = 128, v_format: str = "e4m3",
+                 expansion: bool = True, fp8_state: bool = True, check_finite: bool = True) -> None:
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, group_size=group_size,
+                        v_format=v_format, expansion=expansion, fp8_state=fp8_state)
+        self.check_finite = check_finite
+        self.skipped_steps = 0
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        self._validate(self.param_groups[-1])
+
+    @staticmethod
+    def _validate(group: dict) -> None:
+        lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+        _check(isinstance(lr, (float, int)) and lr >= 0 and math.isfinite(lr), "lr", lr, "a finite float >= 0")
+        betas = group["betas"]
+        _check(isinstance(betas, (tuple, list)) and len(betas) == 2 and all(0 <= b < 1 for b in betas), "betas",
+               betas, "two floats in [0, 1)")
+        group["betas"] = tuple(float(b) for b in betas)
+        _check(isinstance(eps, (float, int)) and eps >= 0, "eps", eps, "a float >= 0")
+        _check(isinstance(wd, (float, int)) and wd >= 0, "weight_decay", wd, "a float >= 0")
+        check_group_size(group["group_size"])
+        group["v_format"] = get_format(group["v_format"], "v_format").name
+        for key in ("expansion", "fp8_state"):
+            _check(isinstance(group[key], bool), key, group[key], "true or false")
+
+    def _param_name(self, gi: int, pi: int) -> str:
+        names = self.param_groups[gi].get("param_names")
+        return names[pi] if names else f"param_groups[{gi}].params[{pi}]"
+
+    def _init_state(self, p: torch.Tensor, group: dict) -> dict:
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32)
+            if group["fp8_state"]:
+                n = n_groups(p.numel(), group["group_size"])
+                for name, fmt in (("exp_avg", E4M3), ("exp_avg_sq", get_format(group["v_format"]))):
+                    state[f"{name}_q"] = torch.zeros(p.shape, dtype=fmt.dtype, device=p.device)
+                    state[f"{name}_scale"] = torch.zeros(n, dtype=torch.float32, device=p.device)
+                    state[f"{name}_expo"] = torch.ones(n, dtype=torch.float32, device=p.device)
+            else:
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state
+
+    def _nonfinite(self) -> str | None:
+        """Name of the first parameter whose gradient holds inf/NaN, with one device sync."""
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if not grads:
+            return None
+        norms = torch._foreach_norm(grads, math.inf)
+        if torch.stack([n.float() for n in norms]).isfinite().all():
+            return None
+        for gi, group in enumerate(self.param_groups):
+            for pi, p in enumerate(group["params"]):
+                if p.grad is not None and not torch.isfinite(p.grad).all():
+                    return self._param_name(gi, pi)
+        return None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.check_finite:
+            bad = self._nonfinite()
+            if bad is not None:
+                self.skipped_steps += 1
+                warnings.warn(f"CoatAdamW: non-finite gradient in {bad}; step skipped "
+                              f"({self.skipped_steps} so far), parameters and states unchanged", RuntimeWarning)
+                return loss
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            for p in params:
+                if p.grad.is_sparse:
+                    raise RuntimeError("CoatAdamW does not support sparse gradients")
+                self._init_state(p, group)
+            if not group["fp8_state"]:
+                self._fp32_step(params, group)
+                continue
+            # one launch per distinct step count (counts differ only after add_param_group)
+            by_step: dict[int, list] = {}
+            for p in params:
+                self.state[p]["step"] += 1
+                by_step.setdefault(int(self.state[p]["step"].item()), []).append(p)
+            for step, ps in by_step.items():
+                self._fp8_step(ps, group, step)
+        return loss
+
+    def _fp8_step(self, params: list, group: dict, step: int) -> None:
+        beta1, beta2 = group["betas"]
+        states = [self.state[p] for p in params]
+        ops.adamw_step(params, [p.grad for p in params],
+                       [(s["exp_avg_q"], s["exp_avg_scale"], s["exp_avg_expo"]) for s in states],
+                       [(s["exp_avg_sq_q"], s["exp_avg_sq_scale"], s["exp_avg_sq_expo"]) for s in states],
+                       lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                       weight_decay=group["weight_decay"], step=step, v_format=get_format(group["v_format"]),
+                       group_size=group["group_size"], expansion=group["expansion"])
+
+    def _fp32_step(self, params: list, group: dict) -> None:
+        from torch.optim.adam import adam
+
+        beta1, beta2 = group["betas"]
+        states = [self.state[p] for p in params]
+        adam(params, [p.grad for p in params], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], [],
+             [s["step"] for s in states], decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2,
+             lr=float(group["lr"]), weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)

@@ -1,0 +1,32 @@
+"""coat_ds: FP8 memory-efficient training (COAT) for DeepSpeed.
+
+`pip install -e ".[dev]"` installs the Python package; the kernels JIT-build (ninja) on first use.
+`COAT_BUILD_OPS=1 pip install --no-build-isolation .` pre-builds them, like DS_BUILD_OPS for DeepSpeed.
+"""
+import os
+
+from setuptools import find_packages, setup
+
+ext_modules, cmdclass = [], {}
+if os.environ.get("COAT_BUILD_OPS", "0") == "1":
+    from op_builder.prebuild import extensions  # needs torch (and nvcc for the CUDA ops) at build time
+
+    ext_modules, cmdclass = extensions()
+
+setup(
+    name="coat_ds",
+    version="0.1.0",
+    description="FP8 optimizer states and activations (COAT) for DeepSpeed",
+    packages=find_packages(include=["coat_ds", "coat_ds.*", "op_builder", "op_builder.*"]),
+    package_data={"op_builder": ["../csrc/**/*"]},
+    include_package_data=True,
+    python_requires=">=3.10",
+    install_requires=["torch>=2.5", "deepspeed>=0.16", "transformers>=4.45", "ninja", "pybind11", "tokenizers",
+                      "tqdm", "matplotlib", "numpy"],
+    extras_require={
+        "dev": ["pytest", "pytest-benchmark", "accelerate", "datasets"],
+        "bench": ["torchao", "bitsandbytes"],
+    },
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+)
