@@ -1,0 +1,156 @@
+"""inject / revert: swap a HF model's decoder layers for coat_ds's FP8 layers in place, and back.
+
+The FP8 layer is built from the stock layer and reuses its submodules under the same names, so the
+parameters (and state_dict keys, tied embeddings, ZeRO-3 partitions) are untouched; only the forward
+changes. What the model has attached to a layer (training flag, HF gradient checkpointing, hooks)
+moves with the swap in both directions."""
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from . import policies as _builtin_policies  # noqa: F401  (registers llama, mistral, qwen2)
+from .registry import InjectionPolicy, get_policy
+
+# Set on the model (a plain attribute: not in state_dict, not in config.json, so saving stays stock).
+INJECTED_ATTR = "_coat_injected"
+# Forward/backward hook tables of nn.Module; moved so that hooks follow the layer (HF's output capture).
+_HOOK_TABLES = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+                "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_backward_pre_hooks",
+                "_backward_hooks")
+# What transformers' set_gradient_checkpointing puts on each GradientCheckpointingLayer.
+_CHECKPOINT_ATTRS = ("gradient_checkpointing", "_gradient_checkpointing_func")
+
+
+def _activation():
+    # Imported late: coat_ds.inject must import (and list policies) even where the activation layers fail to.
+    from coat_ds import activation
+    return activation
+
+
+def _as_config(config: Any):
+    cfg_cls = _activation().ActivationConfig
+    if config is None:
+        return cfg_cls()
+    if isinstance(config, cfg_cls):
+        return config
+    if isinstance(config, dict):
+        return cfg_cls.from_dict(config)
+    raise TypeError(f"config must be an ActivationConfig, a dict (the \"coat\": {{\"activation\": ...}} section) "
+                    f"or None, got {type(config).__name__}")
+
+
+def policy_for(model: nn.Module) -> InjectionPolicy:
+    """The registered policy for `model.config.model_type` (ValueError listing supported types if none)."""
+    hf_config = getattr(model, "config", None)
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type is None:
+        raise ValueError(f"{type(model).__name__} has no config.model_type; coat_ds.inject expects a transformers "
+                         "PreTrainedModel (e.g. from AutoModelForCausalLM)")
+    return get_policy(model_type)
+
+
+def _refuse_wrapped(model: nn.Module, what: str) -> None:
+    """ZeRO-3 decides which parameters to gather per module when deepspeed.initialize installs its hooks
+    (a leaf layer's children get none), so swapping afterwards would run layers on unfetched parameters."""
+    if type(model).__name__ == "DeepSpeedEngine":
+        raise ValueError(f"coat_ds.{what} got a DeepSpeedEngine; call it on the model before deepspeed.initialize "
+                         "(or use coat_ds.deepspeed.initialize with a \"coat\": {\"activation\": ...} section)")
+    if any(hasattr(m, "ds_grads_remaining") for m in model.modules()):
+        raise ValueError(f"coat_ds.{what}: this model already carries DeepSpeed ZeRO-3 hooks; call it before "
+                         "deepspeed.initialize (to save, use the engine: state_dict keys are the stock ones)")
+
+
+def _install_output_capture(model: nn.Module) -> None:
+    """Install transformers' output_hidden_states hooks now, while the layers are still stock classes
+    (they match by class), so that the swap can carry them to the FP8 layers. Private API: best effort."""
+    try:
+        from transformers.utils.output_capturing import maybe_install_capturing_hooks
+    except ImportError:
+        return
+    for module in model.modules():
+        if hasattr(module, "config") and type(module).__name__.endswith(("Model", "ForCausalLM")):
+            try:
+                maybe_install_capturing_hooks(module)
+            except Exception:  # noqa: BLE001 - a model this helper does not understand keeps its old behaviour
+                pass
+
+
+def _move_attached_state(src: nn.Module, dst: nn.Module) -> None:
+    """Give `dst` what the model attached to `src`: train/eval flag, gradient checkpointing, hooks."""
+    dst.training = src.training
+    for attr in _CHECKPOINT_ATTRS:
+        if attr in src.__dict__:
+            setattr(dst, attr, src.__dict__[attr])
+    for table in _HOOK_TABLES:
+        moved = getattr(src, table, None)
+        if moved is None or not moved:
+            continue
+        # Same dict object: RemovableHandles created on `src` keep working on `dst`.
+        moved.update(getattr(dst, table))
+        setattr(dst, table, moved)
+        setattr(src, table, type(moved)())
+
+
+def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, module)
+
+
+def _build_layer(layer: nn.Module, cfg: Any, policy: InjectionPolicy) -> nn.Module:
+    return _activation().CoatDecoderLayer(layer, cfg, attention_kwargs=policy.attention_kwargs(layer.self_attn))
+
+
+def _original_layer(layer: nn.Module) -> nn.Module:
+    return layer.to_hf()
+
+
+def inject(model: nn.Module, config: Any = None) -> nn.Module:
+    """Swap every decoder layer of `model` for coat_ds's FP8 layer, in place; returns `model`.
+
+    config: an ActivationConfig, the dict of the `"coat": {"activation": ...}` section, or None for the
+    defaults. Call it before deepspeed.initialize (ZeRO-3 included: parameters created under
+    zero.Init stay partitioned; the swap never touches their data). Injecting twice is a no-op."""
+    _refuse_wrapped(model, "inject")
+    cfg = _as_config(config)
+    policy = policy_for(model)
+    problems = policy.check(model.config)
+    if problems:
+        raise ValueError(f"coat_ds.inject cannot handle this {policy.model_type} model: " + "; ".join(problems))
+    coat_cls = _activation().CoatDecoderLayer
+    targets = [(name, m) for name, m in model.named_modules()
+               if type(m).__name__ in policy.layer_class_names and not isinstance(m, coat_cls)]
+    if not targets:
+        if getattr(model, INJECTED_ATTR, None):
+            return model
+        raise ValueError(f"coat_ds.inject found no {list(policy.layer_class_names)} in {type(model).__name__}")
+    _install_output_capture(model)
+    for name, layer in targets:
+        new = _build_layer(layer, cfg, policy)
+        _move_attached_state(layer, new)
+        # ZeRO-3: gather all of the layer's parameters when it is entered, since the FP8 Functions read
+        # the children's weights directly instead of calling the children (DeepSpeed's own mechanism).
+        new._z3_leaf = True
+        _set_submodule(model, name, new)
+    object.__setattr__(model, INJECTED_ATTR, policy.model_type)
+    return model
+
+
+def revert(model: nn.Module) -> nn.Module:
+    """Put the stock HF decoder layers back (same parameter tensors), in place; returns `model`."""
+    _refuse_wrapped(model, "revert")
+    coat_cls = _activation().CoatDecoderLayer
+    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, coat_cls)]
+    for name, layer in targets:
+        original = _original_layer(layer)
+        _move_attached_state(layer, original)
+        _set_submodule(model, name, original)
+    if INJECTED_ATTR in model.__dict__:
+        object.__delattr__(model, INJECTED_ATTR)
+    return model
+
+
+def is_injected(model: nn.Module) -> bool:
+    return bool(getattr(model, INJECTED_ATTR, None))
