@@ -1,0 +1,64 @@
+"""The `"coat": {"activation": {...}}` section: which parts of a decoder layer run in FP8, and how."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Mapping
+
+from ..formats import FP8Format, get_format
+
+MODES = ("linear", "full")
+ACT_GROUP_SIZES = (16, 32, 64, 128)
+
+
+@dataclass(frozen=True)
+class ActivationConfig:
+    """FP8 activation flow of a decoder layer.
+
+    mode "linear": only the linears are FP8 (what TransformerEngine / torchao do); norms and SiLU*mul stay
+    bf16. mode "full": COAT's flow; RMSNorm and SiLU*mul also save FP8 inputs with per-group scales.
+    Forward tensors use `fwd_format` (E4M3 by default), output gradients `bwd_format` (E5M2): gradients
+    need range more than precision. `group_size` is the 1 x G group of the non-linear layers' saved
+    inputs along the hidden dimension; the fused CUDA kernels exist for G = 16, other sizes use the
+    plain-PyTorch path. `cache_weights` keeps each FP8 weight (and its transpose) until the weight
+    changes, so gradient-accumulation micro-batches quantize it once per optimizer step."""
+
+    enabled: bool = True
+    mode: str = "full"
+    fwd_format: str = "e4m3"
+    bwd_format: str = "e5m2"
+    group_size: int = 16
+    cache_weights: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enabled, bool):
+            raise ValueError(f"activation.enabled={self.enabled!r} must be true or false")
+        if self.mode not in MODES:
+            raise ValueError(f"activation.mode={self.mode!r} is not supported; allowed: {list(MODES)}")
+        get_format(self.fwd_format, "activation.fwd_format")
+        get_format(self.bwd_format, "activation.bwd_format")
+        if self.group_size not in ACT_GROUP_SIZES:
+            raise ValueError(f"activation.group_size={self.group_size!r} is not supported; "
+                             f"allowed: {list(ACT_GROUP_SIZES)}")
+        if not isinstance(self.cache_weights, bool):
+            raise ValueError(f"activation.cache_weights={self.cache_weights!r} must be true or false")
+
+    @property
+    def fwd(self) -> FP8Format:
+        return get_format(self.fwd_format)
+
+    @property
+    def bwd(self) -> FP8Format:
+        return get_format(self.bwd_format)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None) -> "ActivationConfig":
+        """Build from the JSON section; an unknown key is a ValueError naming it and the allowed keys."""
+        d = dict(d or {})
+        allowed = [f.name for f in fields(cls)]
+        for key in d:
+            if key not in allowed:
+                raise ValueError(f"coat.activation has no key {key!r}; allowed keys: {allowed}")
+        return cls(**d)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -1,0 +1,137 @@
+"""FP8 autograd Functions of a decoder layer. Everything they save is FP8 plus small scale tensors.
+
+Each Function covers a stretch of the layer whose backward can rebuild its GEMM inputs from what the
+stretch saves anyway (COAT's "save the minimum"):
+  NormLinearFn    RMSNorm -> fused q/k/v (or any) linear: saves the norm's FP8 input; the linear's FP8
+                  input is rebuilt from it in backward.
+  MlpFn           RMSNorm -> gate/up -> SiLU*mul -> down -> + residual: saves the norm's FP8 input and the
+                  FP8 gate/up outputs; the down_proj input is rebuilt from the latter.
+  LinearFn        one FP8 linear (+ residual). It saves either the FP8 transposed input (mode "linear") or
+                  a reference to a bf16 input that another op already saves (attention's output for o_proj).
+Forward operands are E4M3 per tensor, output gradients E5M2 per tensor; every GEMM is torch._scaled_mm;
+the transposed operands of the weight-gradient GEMMs come from the quantizing kernels."""
+from __future__ import annotations
+
+import torch
+from torch.autograd import Function
+
+from ..formats import FP8Format
+from . import ops
+from .config import ActivationConfig
+from .gemm import fp8_mm
+from .weight_cache import WeightGroup
+
+
+def quant_operand(x: torch.Tensor, fmt: FP8Format, rowmajor: bool = True, transposed: bool = False):
+    """(codes, transposed codes, scale) of a per-tensor FP8 GEMM operand: row maxima, then one scale."""
+    scale = ops.tensor_scale(ops.row_amax(x), fmt)
+    q, qt = ops.quant_tensor(x, scale, fmt, rowmajor, transposed)
+    return q, qt, scale
+
+
+def _linear_backward(dout: torch.Tensor, group: WeightGroup, xt: torch.Tensor, xs: torch.Tensor,
+                     bwd: FP8Format, need_dx: bool = True):
+    """(dx, per-param grads) of out = x W^T (+ b), given the FP8 transposed input xt [K, M] and its scale."""
+    dq, dqt, ds = quant_operand(dout, bwd, rowmajor=need_dx, transposed=True)
+    dx = None
+    if need_dx:
+        wt, ws = group.operand(transposed=True)
+        dx = fp8_mm(dq, ds, wt, ws, dout.dtype)
+    w = group.weights[0]
+    dw = fp8_mm(dqt, ds, xt, xs, w.dtype)
+    db = dout.sum(dim=0).to(w.dtype) if group.has_bias else None
+    return dx, group.split_grad(dw, db)
+
+
+class NormLinearFn(Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, norm_w: torch.Tensor, eps: float, cfg: ActivationConfig,
+                group: WeightGroup, *params: torch.Tensor) -> torch.Tensor:
+        fwd, g = cfg.fwd, cfg.group_size
+        xq, xs, rstd, ymax = ops.rmsnorm_quant(x, norm_w, eps, fwd, g)
+        ys = ops.tensor_scale(ymax, fwd)
+        y, _ = ops.rmsnorm_rebuild(xq, xs, rstd, norm_w, ys, fwd, g)
+        wq, ws = group.operand(transposed=False)
+        out = fp8_mm(y, ys, wq, ws, x.dtype, group.bias_cat())
+        ctx.save_for_backward(xq, xs, rstd, ys, norm_w)
+        ctx.cfg, ctx.group = cfg, group
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor):
+        xq, xs, rstd, ys, norm_w = ctx.saved_tensors
+        cfg, group = ctx.cfg, ctx.group
+        _, yt = ops.rmsnorm_rebuild(xq, xs, rstd, norm_w, ys, cfg.fwd, cfg.group_size, rowmajor=False,
+                                    transposed=True)
+        dy, pgrads = _linear_backward(dout.contiguous(), group, yt, ys, cfg.bwd)
+        dx, dnw = ops.rmsnorm_backward(dy, xq, xs, rstd, norm_w, cfg.group_size)
+        return dx, dnw.to(norm_w.dtype), None, None, None, *pgrads
+
+
+class MlpFn(Function):
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, norm_w: torch.Tensor, eps: float, cfg: ActivationConfig,
+                gu: WeightGroup, down: WeightGroup, *params: torch.Tensor) -> torch.Tensor:
+        fwd, g = cfg.fwd, cfg.group_size
+        xq, xs, rstd, ymax = ops.rmsnorm_quant(h, norm_w, eps, fwd, g)
+        ys = ops.tensor_scale(ymax, fwd)
+        y, _ = ops.rmsnorm_rebuild(xq, xs, rstd, norm_w, ys, fwd, g)
+        wq, ws = gu.operand(transposed=False)
+        gate_up = fp8_mm(y, ys, wq, ws, h.dtype, gu.bias_cat())
+        del y
+        q, s, amax = ops.silu_mul_quant(gate_up, fwd, g)
+        del gate_up
+        a_s = ops.tensor_scale(amax, fwd)
+        a, _ = ops.silu_mul_rebuild(q, s, a_s, fwd, g)
+        wq, ws = down.operand(transposed=False)
+        out = fp8_mm(a, a_s, wq, ws, h.dtype, down.bias_cat())
+        out += h
+        ctx.save_for_backward(xq, xs, rstd, ys, q, s, a_s, norm_w)
+        ctx.cfg, ctx.gu, ctx.down = cfg, gu, down
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor):
+        xq, xs, rstd, ys, q, s, a_s, norm_w = ctx.saved_tensors
+        cfg, g = ctx.cfg, ctx.cfg.group_size
+        dout = dout.contiguous()
+        _, at = ops.silu_mul_rebuild(q, s, a_s, cfg.fwd, g, rowmajor=False, transposed=True)
+        da, down_grads = _linear_backward(dout, ctx.down, at, a_s, cfg.bwd)
+        del at
+        dgu, amax = ops.silu_mul_backward(da, q, s, g)
+        del da
+        dgs = ops.tensor_scale(amax, cfg.bwd)
+        dq, dqt = ops.quant_tensor(dgu, dgs, cfg.bwd, rowmajor=True, transposed=True)
+        wt, ws = ctx.gu.operand(transposed=True)
+        dy = fp8_mm(dq, dgs, wt, ws, dout.dtype)
+        del dq
+        _, yt = ops.rmsnorm_rebuild(xq, xs, rstd, norm_w, ys, cfg.fwd, g, rowmajor=False, transposed=True)
+        w = ctx.gu.weights[0]
+        dw = fp8_mm(dqt, dgs, yt, ys, w.dtype)
+        db = dgu.sum(dim=0).to(w.dtype) if ctx.gu.has_bias else None
+        gu_grads = ctx.gu.split_grad(dw, db)
+        dh, dnw = ops.rmsnorm_backward(dy, xq, xs, rstd, norm_w, g, dres=dout)
+        return dh, dnw.to(norm_w.dtype), None, None, None, None, *gu_grads, *down_grads
+
+
+class LinearFn(Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, residual: torch.Tensor | None, cfg: ActivationConfig, group: WeightGroup,
+                save_fp8: bool, *params: torch.Tensor) -> torch.Tensor:
+        q, qt, xs = quant_operand(x, cfg.fwd, rowmajor=True, transposed=save_fp8)
+        wq, ws = group.operand(transposed=False)
+        out = fp8_mm(q, xs, wq, ws, x.dtype, group.bias_cat())
+        if residual is not None:
+            out += residual
+        ctx.save_for_backward(qt if save_fp8 else x, xs)
+        ctx.cfg, ctx.group, ctx.save_fp8, ctx.has_res = cfg, group, save_fp8, residual is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor):
+        saved, xs = ctx.saved_tensors
+        cfg = ctx.cfg
+        xt = saved if ctx.save_fp8 else ops.quant_tensor(saved, xs, cfg.fwd, rowmajor=False, transposed=True)[1]
+        dout = dout.contiguous()
+        dx, pgrads = _linear_backward(dout, ctx.group, xt, xs, cfg.bwd)
+        return dx, (dout if ctx.has_res else None), None, None, None, *pgrads

@@ -1,0 +1,152 @@
+"""CoatDecoderLayer: a stock HF Llama/Mistral/Qwen2 decoder layer running COAT's FP8 flow.
+
+It reuses the HF layer's submodules under the same names, so state_dict keys, checkpoints and weight
+tying are unchanged, and `to_hf()` gives the original layer back. The forward keeps HF's signature and
+return value and HF's own pieces for what stays bf16: rotary embeddings (`position_embeddings`), the
+KV cache, masks and the attention backend (`ALL_ATTENTION_FUNCTIONS`: sdpa / eager / flash)."""
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+from torch import nn
+
+from .config import ActivationConfig
+from .functions import LinearFn, MlpFn, NormLinearFn
+from .weight_cache import WeightGroup
+
+try:
+    from transformers.modeling_layers import GradientCheckpointingLayer as _Base
+except ImportError:  # pragma: no cover - older transformers
+    _Base = nn.Module
+
+_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj")
+_SILU = ("silu", "swish")
+
+
+def _as_config(config: ActivationConfig | dict | None) -> ActivationConfig:
+    if config is None:
+        return ActivationConfig()
+    if isinstance(config, ActivationConfig):
+        return config
+    return ActivationConfig.from_dict(config)
+
+
+def _check_layer(hf_layer: nn.Module, cfg: ActivationConfig) -> None:
+    attn, mlp = getattr(hf_layer, "self_attn", None), getattr(hf_layer, "mlp", None)
+    missing = [f"self_attn.{n}" for n in _ATTN if not isinstance(getattr(attn, n, None), nn.Linear)]
+    missing += [f"mlp.{n}" for n in _MLP if not isinstance(getattr(mlp, n, None), nn.Linear)]
+    missing += [n for n in ("input_layernorm", "post_attention_layernorm") if not hasattr(hf_layer, n)]
+    if missing:
+        raise ValueError(f"{type(hf_layer).__name__} is not a Llama-shaped decoder layer: missing {missing}")
+    act = getattr(getattr(attn, "config", None), "hidden_act", "silu")
+    if cfg.mode == "full" and act not in _SILU:
+        raise ValueError(f"activation.mode='full' needs a SiLU MLP, this layer uses hidden_act={act!r}; "
+                         "use activation.mode='linear'")
+
+
+class CoatDecoderLayer(_Base):
+    """FP8 twin of an HF decoder layer; same parameters, same forward signature and output."""
+
+    def __init__(self, hf_layer: nn.Module, config: ActivationConfig | dict | None = None) -> None:
+        super().__init__()
+        cfg = _as_config(config)
+        _check_layer(hf_layer, cfg)
+        self.coat_config = cfg
+        self.self_attn = hf_layer.self_attn
+        self.mlp = hf_layer.mlp
+        self.input_layernorm = hf_layer.input_layernorm
+        self.post_attention_layernorm = hf_layer.post_attention_layernorm
+        for name in ("hidden_size", "attention_type", "layer_idx"):
+            if hasattr(hf_layer, name):
+                setattr(self, name, getattr(hf_layer, name))
+        self.gradient_checkpointing = getattr(hf_layer, "gradient_checkpointing", False)
+        object.__setattr__(self, "_hf_layer", hf_layer)  # not a submodule: state_dict keys stay unchanged
+        a, m, fwd, cache = self.self_attn, self.mlp, cfg.fwd, cfg.cache_weights
+        self._qkv = WeightGroup([a.q_proj, a.k_proj, a.v_proj], fwd, cache)
+        self._o = WeightGroup([a.o_proj], fwd, cache)
+        self._gu = WeightGroup([m.gate_proj, m.up_proj], fwd, cache)
+        self._down = WeightGroup([m.down_proj], fwd, cache)
+        hf_module = sys.modules[type(a).__module__]
+        self._rope = hf_module.apply_rotary_pos_emb
+        self._eager_attention = hf_module.eager_attention_forward
+
+    # ---------------------------------------------------------------- bookkeeping
+    def to_hf(self) -> nn.Module:
+        """The original HF layer (its submodules are the ones this layer trained)."""
+        self.clear_weight_cache()
+        return self._hf_layer
+
+    @property
+    def weight_groups(self) -> tuple[WeightGroup, ...]:
+        return self._qkv, self._o, self._gu, self._down
+
+    def clear_weight_cache(self) -> None:
+        for g in self.weight_groups:
+            g.clear()
+
+    def weight_cache_bytes(self) -> int:
+        return sum(g.nbytes() for g in self.weight_groups)
+
+    def extra_repr(self) -> str:
+        c = self.coat_config
+        return f"mode={c.mode}, fwd={c.fwd_format}, bwd={c.bwd_format}, group_size={c.group_size}"
+
+    # ---------------------------------------------------------------- forward
+    def _attention(self, qkv: torch.Tensor, input_shape, position_embeddings, attention_mask, past_key_values,
+                   **kwargs: Any) -> torch.Tensor:
+        attn = self.self_attn
+        hd = attn.head_dim
+        q, k, v = qkv.split(self._qkv.out_features, dim=-1)
+        shape = (*input_shape, -1, hd)
+        q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
+        cos, sin = position_embeddings
+        q, k = self._rope(q, k, cos, sin)
+        if past_key_values is not None:
+            k, v = past_key_values.update(k, v, attn.layer_idx)
+        impl = attn.config._attn_implementation
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+        if hasattr(ALL_ATTENTION_FUNCTIONS, "get_interface"):
+            fn = ALL_ATTENTION_FUNCTIONS.get_interface(impl, self._eager_attention)
+        else:  # pragma: no cover - older transformers
+            fn = self._eager_attention if impl in (None, "eager") else ALL_ATTENTION_FUNCTIONS[impl]
+        sliding = getattr(attn, "sliding_window", None)
+        if sliding is None and "mistral" in type(attn).__name__.lower():
+            sliding = getattr(attn.config, "sliding_window", None)
+        if sliding is not None:
+            kwargs["sliding_window"] = sliding
+        out, _ = fn(attn, q, k, v, attention_mask, dropout=0.0 if not self.training else attn.attention_dropout,
+                    scaling=attn.scaling, **kwargs)
+        return out.reshape(-1, out.shape[-2] * out.shape[-1])
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.LongTensor | None = None, past_key_values: Any = None,
+                use_cache: bool | None = False, position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+                **kwargs: Any) -> torch.Tensor:
+        cfg = self.coat_config
+        if not cfg.enabled:
+            return self._hf_layer(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+                                  past_key_values=past_key_values, use_cache=use_cache,
+                                  position_embeddings=position_embeddings, **kwargs)
+        input_shape = hidden_states.shape[:-1]
+        hsz = hidden_states.shape[-1]
+        x = hidden_states.reshape(-1, hsz)
+        full = cfg.mode == "full"
+        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+        if full:
+            qkv = NormLinearFn.apply(x, ln1.weight, ln1.variance_epsilon, cfg, self._qkv, *self._qkv.params())
+        else:
+            qkv = LinearFn.apply(ln1(x), None, cfg, self._qkv, True, *self._qkv.params())
+        o = self._attention(qkv, input_shape, position_embeddings, attention_mask, past_key_values, **kwargs)
+        # full: o is attention's own saved output, so o_proj keeps a reference to it instead of an FP8 copy
+        h = LinearFn.apply(o, x, cfg, self._o, not full, *self._o.params())
+        if full:
+            out = MlpFn.apply(h, ln2.weight, ln2.variance_epsilon, cfg, self._gu, self._down,
+                              *self._gu.params(), *self._down.params())
+        else:
+            gate_up = LinearFn.apply(ln2(h), None, cfg, self._gu, True, *self._gu.params())
+            gate, up = gate_up.split(self._gu.out_features, dim=-1)
+            out = h + LinearFn.apply(self.mlp.act_fn(gate) * up, None, cfg, self._down, True, *self._down.params())
+        return out.view(*input_shape, hsz)

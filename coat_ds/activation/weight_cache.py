@@ -1,0 +1,93 @@
+"""FP8 copies of a layer's weights, made once per optimizer step and reused across micro-batches.
+
+Linears that read the same input (q/k/v, gate/up) are fused into one GEMM over their concatenated
+weights, quantized per tensor with one shared scale. A cached copy is valid while every weight has the
+same storage and autograd version: an optimizer's in-place update bumps the version (views of a flat
+buffer, as under DeepSpeed ZeRO, share the version counter of the buffer), so the next forward re-quantizes.
+Each layout is made when first needed: the row-major copy by the forward, the transposed one (the
+grad-input GEMM's operand) by the backward, so the first micro-batch's forward holds only one copy."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from ..formats import FP8Format
+from . import ops
+
+
+class WeightGroup:
+    """The FP8 operand of one GEMM: the row-wise concatenation of the weights of `linears`."""
+
+    def __init__(self, linears: Sequence[nn.Linear], fmt: FP8Format, cache: bool = True) -> None:
+        self.linears = list(linears)
+        self.fmt = fmt
+        self.cache = cache
+        self._key: tuple | None = None
+        self._scale: torch.Tensor | None = None
+        self._codes: dict[bool, torch.Tensor] = {}
+
+    @property
+    def weights(self) -> list[torch.Tensor]:
+        return [lin.weight for lin in self.linears]
+
+    @property
+    def biases(self) -> list[torch.Tensor]:
+        return [lin.bias for lin in self.linears if lin.bias is not None]
+
+    @property
+    def has_bias(self) -> bool:
+        return bool(self.biases)
+
+    def params(self) -> list[torch.Tensor]:
+        """Weights, then biases: the tensors an autograd Function takes so that their gradients flow."""
+        return self.weights + self.biases
+
+    @property
+    def out_features(self) -> list[int]:
+        return [lin.out_features for lin in self.linears]
+
+    def bias_cat(self) -> torch.Tensor | None:
+        if not self.has_bias:
+            return None
+        if len(self.biases) != len(self.linears):
+            raise ValueError("a fused FP8 GEMM needs a bias on all of its linears or on none")
+        b = self.biases
+        return b[0] if len(b) == 1 else torch.cat(b)
+
+    def _state_key(self) -> tuple:
+        return tuple((w.data_ptr(), w._version, w.dtype, w.shape) for w in self.weights)
+
+    def operand(self, transposed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(FP8 codes, fp32 scale): [N, K] for the forward, [K, N] (transposed) for the grad-input GEMM."""
+        key = self._state_key()
+        if key != self._key:
+            self.clear()
+            self._key = key
+        if transposed not in self._codes:
+            w = self.weights
+            w = w[0] if len(w) == 1 else torch.cat([x.detach() for x in w])
+            w = w.detach()
+            if self._scale is None:
+                self._scale = ops.tensor_scale(ops.row_amax(w), self.fmt)
+            q, qt = ops.quant_tensor(w, self._scale, self.fmt, rowmajor=not transposed, transposed=transposed)
+            codes = qt if transposed else q
+            if not self.cache:
+                return codes, self._scale
+            self._codes[transposed] = codes
+        return self._codes[transposed], self._scale
+
+    def clear(self) -> None:
+        self._key, self._scale, self._codes = None, None, {}
+
+    def nbytes(self) -> int:
+        return sum(c.numel() * c.element_size() for c in self._codes.values())
+
+    def split_grad(self, dw: torch.Tensor, db: torch.Tensor | None) -> list[torch.Tensor | None]:
+        """Per-parameter gradients, in params() order, from the fused weight (and bias) gradient."""
+        sizes = self.out_features
+        grads = list(dw.split(sizes, dim=0))
+        if self.has_bias:
+            grads += list(db.split(sizes, dim=0))
+        return grads
