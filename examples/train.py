@@ -1,0 +1,457 @@
+"""Causal-LM training of a Llama-family model with DeepSpeed and coat_ds (FP8 optimizer states and activations).
+
+    deepspeed examples/train.py --deepspeed ds_configs/zero2_coat.json            # the default job
+    deepspeed --num_gpus 8 examples/train.py --deepspeed ds_configs/zero2_coat.json --model-size 125m
+    deepspeed --hostfile hostfile examples/train.py --deepspeed ds_configs/zero3_coat.json --model-size 1b
+    python examples/train.py --deepspeed ds_configs/zero2_coat.json --steps 20     # one process, no launcher
+
+Everything about the optimizer, ZeRO stage, precision and FP8 activations comes from the JSON config; this
+script brings the model, the data and the loop. Defaults run offline on any machine (DeepSpeed's CPU
+accelerator when there is no GPU): a small Llama built from a config, trained on the running interpreter's
+standard library sources. See docs/train.md for every flag and config key.
+
+Outputs in --save-dir: log.jsonl (one line per step and per evaluation), loss.png (train/val loss and
+memory), summary.json, checkpoints/ (DeepSpeed checkpoints; `latest` is only moved once a checkpoint is
+complete, so a kill mid-write never breaks --resume).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))                 # examples/data.py
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))          # coat_ds from a checkout
+
+import data as data_lib  # noqa: E402
+
+# ------------------------------------------------------------------------------------------------------------
+# Configuration: defaults live here; every one of them is a flag.
+# ------------------------------------------------------------------------------------------------------------
+MODEL_SIZES = {  # Llama shapes; parameter counts are for the default 8192-token vocabulary
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                 intermediate_size=192),                                                      # ~1.2M
+    "small": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+                  intermediate_size=704),                                                     # ~7.4M
+    "125m": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=12,
+                 intermediate_size=3072),                                                     # ~126M
+    "1b": dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=16, num_key_value_heads=4,
+               intermediate_size=5632),                                                       # ~1.0B
+}
+DEFAULTS = dict(
+    deepspeed="ds_configs/zero2_coat.json",
+    model=None, model_size="small", data=None, data_dtype="uint16", vocab_size=data_lib.DEFAULT_VOCAB,
+    seq_len=256, steps=200, eval_every=50, eval_batches=8, save_dir="runs/train", save_every=100, keep_last=2,
+    seed=1234, micro_batch=None, grad_accum=None, lr=None,
+)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--deepspeed", "--deepspeed_config", dest="deepspeed", metavar="JSON",
+                   help="DeepSpeed config (optimizer, ZeRO, precision, the coat section)")
+    p.add_argument("--model", help="HF model name or path to fine-tune (default: a Llama built from --model-size)")
+    p.add_argument("--model-size", choices=list(MODEL_SIZES), help="shape of the Llama built when --model is unset")
+    p.add_argument("--data", help="text file or folder, tokenized .npy/.bin (or a folder with train/val ones), or "
+                                  "a datasets.save_to_disk folder (default: the Python standard library sources)")
+    p.add_argument("--data-dtype", choices=list(data_lib.TOKEN_DTYPES), help="token dtype of a raw .bin file")
+    p.add_argument("--vocab-size", type=int, help="vocabulary of the BPE trained on text data (no --model)")
+    p.add_argument("--seq-len", type=int, help="tokens per sample")
+    p.add_argument("--steps", type=int, help="optimizer steps in total (a resumed run counts from 0 too)")
+    p.add_argument("--eval-every", type=int, help="validate every N steps (0: only at the end)")
+    p.add_argument("--eval-batches", type=int, help="validation micro-batches per rank")
+    p.add_argument("--save-dir", help="run directory: log, plot, summary and checkpoints/")
+    p.add_argument("--save-every", type=int, help="checkpoint every N steps (0: only at the end and on signals)")
+    p.add_argument("--keep-last", type=int, help="checkpoints kept on disk (older ones are deleted)")
+    p.add_argument("--resume", action="store_true", help="continue from save-dir/checkpoints/latest")
+    p.add_argument("--seed", type=int, help="model init and data order")
+    p.add_argument("--export", metavar="DIR", help="at the end, write an HF save_pretrained model + tokenizer")
+    p.add_argument("--micro-batch", type=int, help="override train_micro_batch_size_per_gpu")
+    p.add_argument("--grad-accum", type=int, help="override gradient_accumulation_steps")
+    p.add_argument("--lr", type=float, help="override optimizer.params.lr")
+    p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)  # from the launcher
+    p.set_defaults(**DEFAULTS)
+    args = p.parse_args(argv)
+    for key in ("steps", "seq_len", "eval_batches", "keep_last"):
+        if getattr(args, key) < 1:
+            p.error(f"--{key.replace('_', '-')}={getattr(args, key)} is invalid; allowed: an integer >= 1")
+    for key in ("eval_every", "save_every"):
+        if getattr(args, key) < 0:
+            p.error(f"--{key.replace('_', '-')}={getattr(args, key)} is invalid; allowed: an integer >= 0")
+    for key in ("micro_batch", "grad_accum"):
+        if getattr(args, key) is not None and getattr(args, key) < 1:
+            p.error(f"--{key.replace('_', '-')}={getattr(args, key)} is invalid; allowed: an integer >= 1")
+    if args.lr is not None and not (math.isfinite(args.lr) and args.lr >= 0):
+        p.error(f"--lr={args.lr} is invalid; allowed: a finite float >= 0")
+    return args
+
+
+def load_ds_config(args: argparse.Namespace) -> dict:
+    """Read the JSON config and apply the command-line overrides ("auto" values are filled from flags)."""
+    path = Path(args.deepspeed)
+    if not path.is_file():
+        raise SystemExit(f"error: --deepspeed {path}: no such file (ready configs: ds_configs/*.json)")
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"error: --deepspeed {path}: not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise SystemExit(f"error: --deepspeed {path}: the top level must be a JSON object")
+    cfg.pop("train_batch_size", None)  # derived by DeepSpeed from micro batch x grad accum x world size
+    if args.micro_batch is not None or cfg.get("train_micro_batch_size_per_gpu") in (None, "auto"):
+        cfg["train_micro_batch_size_per_gpu"] = args.micro_batch or 4
+    if args.grad_accum is not None or cfg.get("gradient_accumulation_steps") in (None, "auto"):
+        cfg["gradient_accumulation_steps"] = args.grad_accum or 1
+    if args.lr is not None and "optimizer" in cfg:
+        cfg["optimizer"].setdefault("params", {})["lr"] = args.lr
+    sched = cfg.get("scheduler", {}).get("params", {})
+    if sched.get("total_num_steps") in (None, "auto") and "scheduler" in cfg:
+        sched["total_num_steps"] = args.steps
+    if isinstance(sched.get("warmup_num_steps"), int) and sched.get("total_num_steps", 0) <= sched["warmup_num_steps"]:
+        sched["warmup_num_steps"] = max(1, sched["total_num_steps"] // 10)  # short runs: warm up for 10%
+    return cfg
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Model
+# ------------------------------------------------------------------------------------------------------------
+def build_model(args: argparse.Namespace, vocab_size: int, seq_len: int):
+    """An HF model to fine-tune (--model), or a freshly initialised Llama of --model-size (no download)."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(args.seed)
+    if args.model:
+        return AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    vocab = (vocab_size + 63) // 64 * 64   # tensor-core and FP8-friendly width
+    cfg = LlamaConfig(vocab_size=vocab, max_position_embeddings=max(seq_len, 2048), tie_word_embeddings=False,
+                      rms_norm_eps=1e-5, **MODEL_SIZES[args.model_size])
+    return LlamaForCausalLM(cfg)
+
+
+def param_groups(model) -> list[dict]:
+    """Weight decay on matrices only (norm weights and biases are not decayed), the usual LM recipe."""
+    decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() < 2]
+    return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def initialize(model, ds_config: dict):
+    """coat_ds.deepspeed.initialize applies the config's coat section (FP8 layers) and registers CoatAdamW."""
+    try:
+        from coat_ds.deepspeed import initialize as coat_initialize
+    except ImportError:   # older coat_ds without the DeepSpeed glue: build CoatAdamW ourselves
+        coat_initialize = None
+    if coat_initialize is not None:
+        engine, _, _, _ = coat_initialize(model=model, model_parameters=param_groups(model), config=ds_config)
+        return engine
+    import deepspeed
+    from coat_ds import CoatAdamW
+
+    cfg = {k: v for k, v in ds_config.items() if k != "coat"}
+    opt = None
+    if cfg.get("optimizer", {}).get("type") == "CoatAdamW":
+        opt = CoatAdamW(param_groups(model), **cfg.pop("optimizer").get("params", {}))
+        cfg["zero_allow_untested_optimizer"] = True
+        cfg.setdefault("zero_force_ds_cpu_optimizer", False)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg,
+                                           model_parameters=None if opt else param_groups(model))
+    return engine
+
+
+def lm_loss(engine, x, y):
+    """Next-token cross-entropy in fp32 over the model's logits."""
+    import torch.nn.functional as F
+
+    logits = engine(input_ids=x.to(engine.device)).logits
+    return F.cross_entropy(logits.flatten(0, 1).float(), y.to(engine.device).flatten())
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Checkpoints
+# ------------------------------------------------------------------------------------------------------------
+def save_checkpoint(engine, ckpt_dir: Path, step: int, client_state: dict, keep_last: int) -> Path:
+    """Write to a temporary tag, then rename it and atomically point `latest` at it."""
+    import deepspeed.comm as dist
+
+    tag = f"step{step:07d}"
+    engine.save_checkpoint(str(ckpt_dir), tag=f"{tag}.tmp", client_state=client_state, save_latest=False)
+    owner = engine.local_rank == 0 if engine.use_node_local_storage() else engine.global_rank == 0
+    if owner:
+        final = ckpt_dir / tag
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(ckpt_dir / f"{tag}.tmp", final)
+        (ckpt_dir / "latest.tmp").write_text(tag)
+        os.replace(ckpt_dir / "latest.tmp", ckpt_dir / "latest")
+        old = sorted(d for d in ckpt_dir.glob("step*") if d.is_dir() and not d.name.endswith(".tmp"))
+        for d in old[:-keep_last]:
+            shutil.rmtree(d, ignore_errors=True)
+    dist.barrier()
+    return ckpt_dir / tag
+
+
+def clean_partial_checkpoints(ckpt_dir: Path) -> None:
+    """Remove `*.tmp` tags left by a run killed while saving; `latest` never points at them."""
+    for d in ckpt_dir.glob("*.tmp"):
+        shutil.rmtree(d, ignore_errors=True) if d.is_dir() else d.unlink(missing_ok=True)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Logging, plot and summary
+# ------------------------------------------------------------------------------------------------------------
+def read_log(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot(records: list[dict], path: Path) -> None:
+    """Train/validation loss and peak memory against the step, as a PNG."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [r for r in records if r["kind"] == "train"]
+    val = [r for r in records if r["kind"] == "eval"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    ax1.plot([r["step"] for r in train], [r["loss"] for r in train], lw=1, label="train")
+    if val:
+        ax1.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation")
+    ax1.set(xlabel="step", ylabel="loss", title="loss")
+    ax1.legend()
+    ax1.grid(alpha=0.3)
+    ax2.plot([r["step"] for r in train], [r["peak_mem_gb"] for r in train], lw=1)
+    ax2.set(xlabel="step", ylabel="GiB", title="peak memory (rank 0)")
+    ax2.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def summarize(records: list[dict], info: dict) -> dict:
+    train = [r for r in records if r["kind"] == "train"]
+    val = [r for r in records if r["kind"] == "eval"]
+    steady = [r["tokens_per_s"] for r in train[min(3, len(train) - 1):]] if train else []
+    s = dict(info)
+    s.update(steps_done=train[-1]["step"] if train else 0,
+             first_loss=train[0]["loss"] if train else None, last_loss=train[-1]["loss"] if train else None,
+             last_val_loss=val[-1]["val_loss"] if val else None,
+             best_val_loss=min((r["val_loss"] for r in val), default=None),
+             tokens_per_s=sorted(steady)[len(steady) // 2] if steady else None,
+             peak_mem_gb=max((r["peak_mem_gb"] for r in train), default=None))
+    return s
+
+
+def print_summary(s: dict) -> None:
+    f = lambda v, spec=".4f": "-" if v is None else format(v, spec)  # noqa: E731
+    lines = [
+        f"model      {s['model']}  ({s['params'] / 1e6:.1f}M params)",
+        f"config     {s['config']}  (ZeRO-{s['zero_stage']}, {s['precision']}, optimizer {s['optimizer']})",
+        f"data       {s['data']}",
+        f"batch      {s['micro_batch']} x {s['grad_accum']} accum x {s['world_size']} ranks x {s['seq_len']} "
+        f"tokens = {s['tokens_per_step']} tokens/step",
+        f"steps      {s['steps_done']}/{s['steps']} in {s['wall_s']:.0f} s" + ("  (interrupted)" if s["interrupted"]
+                                                                              else ""),
+        f"loss       train {f(s['first_loss'])} -> {f(s['last_loss'])}   val {f(s['last_val_loss'])} "
+        f"(best {f(s['best_val_loss'])})",
+        f"speed      {f(s['tokens_per_s'], ',.0f')} tokens/s (median step)   peak memory {f(s['peak_mem_gb'], '.2f')} "
+        f"GiB (rank 0, {s['device']})",
+        f"files      {s['log']}  {s['plot']}",
+        f"checkpoint {s['checkpoint']}",
+    ]
+    width = max(map(len, lines))
+    print("=" * width + "\n" + "\n".join(lines) + "\n" + "=" * width, flush=True)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The job
+# ------------------------------------------------------------------------------------------------------------
+def set_single_process_env() -> None:
+    """`python examples/train.py` without a launcher: a world of one on this host."""
+    if "RANK" in os.environ or "OMPI_COMM_WORLD_RANK" in os.environ:
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    ds_config = load_ds_config(args)
+    save_dir = Path(args.save_dir)
+    ckpt_dir = save_dir / "checkpoints"
+    if args.resume and not (ckpt_dir / "latest").is_file():
+        raise SystemExit(f"error: --resume: no checkpoint to resume from ({ckpt_dir / 'latest'} does not exist)")
+    if args.export and Path(args.export).is_file():
+        raise SystemExit(f"error: --export {args.export}: is a file; give a directory")
+
+    # Data and model first, on the host: bad inputs fail here, before any device memory is touched.
+    try:
+        if args.model:
+            from transformers import AutoConfig
+            model_vocab = AutoConfig.from_pretrained(args.model).vocab_size
+        else:
+            model_vocab = None
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: --model {args.model}: cannot load its config ({e})") from None
+    try:
+        tokens = data_lib.load(args.data, args.seq_len, tokenizer=args.model, vocab_size=args.vocab_size,
+                               data_dtype=args.data_dtype, model_vocab=model_vocab)
+    except data_lib.DataError as e:
+        raise SystemExit(f"error: {e}") from None
+    model = build_model(args, tokens.vocab_size, args.seq_len)
+    n_params = sum(p.numel() for p in model.parameters())
+
+    import torch
+    import deepspeed
+    import deepspeed.comm as dist
+    from deepspeed.accelerator import get_accelerator
+    from tqdm import tqdm
+
+    set_single_process_env()
+    deepspeed.init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    engine = initialize(model, ds_config)
+    micro_bs, grad_accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    tokens_per_step = micro_bs * grad_accum * world * args.seq_len
+    batches = data_lib.Batches(tokens, args.seq_len, micro_bs, grad_accum, rank, world, args.seed)
+    accel = get_accelerator()
+    log_path, plot_path = save_dir / "log.jsonl", save_dir / "loss.png"
+
+    start = 0
+    if args.resume:
+        load_path, client = engine.load_checkpoint(str(ckpt_dir))
+        if load_path is None:
+            raise SystemExit(f"error: --resume: DeepSpeed found no loadable checkpoint in {ckpt_dir}")
+        start = int(client["step"])
+        if client.get("data") != [args.seed, args.seq_len, micro_bs, grad_accum, world]:
+            print(f"warning: resuming with a different seed/seq-len/batch/world size than the checkpoint "
+                  f"({client.get('data')}); the data order will differ", file=sys.stderr)
+    if rank == 0:
+        save_dir.mkdir(parents=True, exist_ok=True)
+        ckpt_dir.mkdir(exist_ok=True)
+        clean_partial_checkpoints(ckpt_dir)
+        # keep the log consistent with the checkpoint: drop records past the step we resume from
+        kept = [r for r in read_log(log_path) if r["step"] <= start] if args.resume else []
+        log_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    dist.barrier()
+
+    stop = {"signal": 0}
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: stop.update(signal=signum))
+
+    def evaluate(step: int) -> float:
+        engine.eval()
+        with torch.no_grad():
+            losses = [lm_loss(engine, x, y).detach() for x, y in batches.val_batches(args.eval_batches)]
+        engine.train()
+        v = torch.stack(losses).mean().reshape(1).float().to(engine.device)
+        dist.all_reduce(v)
+        val = v.item() / world
+        if rank == 0:
+            with open(log_path, "a") as fh:
+                fh.write(json.dumps({"kind": "eval", "step": step, "val_loss": val}) + "\n")
+            engine.monitor.write_events([("Eval/val_loss", val, step * tokens_per_step)])
+        return val
+
+    def checkpoint(step: int) -> Path:
+        client = {"step": step, "data": [args.seed, args.seq_len, micro_bs, grad_accum, world]}
+        return save_checkpoint(engine, ckpt_dir, step, client, args.keep_last)
+
+    bar = tqdm(total=args.steps, initial=start, disable=rank != 0, dynamic_ncols=True, unit="step")
+    t_start, step, last_ckpt, val = time.time(), start, None, None
+    engine.train()
+    stopping = False
+    while step < args.steps and not stopping:
+        t0 = time.perf_counter()
+        accel.reset_peak_memory_stats()
+        loss_sum = 0.0
+        for micro in range(grad_accum):
+            x, y = batches.train_batch(step, micro)
+            loss = lm_loss(engine, x, y)
+            engine.backward(loss)
+            engine.step()
+            loss_sum += loss.detach().float()
+        step += 1
+        # one collective per step: the mean loss and whether any rank was signalled (all stop together)
+        stats = torch.stack([torch.as_tensor(loss_sum / grad_accum, dtype=torch.float32).cpu(),
+                             torch.tensor(float(stop["signal"]))]).to(engine.device)
+        dist.all_reduce(stats)
+        mean_loss, stopping = stats[0].item() / world, stats[1].item() > 0
+        dt = time.perf_counter() - t0
+        peak = accel.max_memory_allocated() / 2**30
+        lr = engine.get_lr()[0]
+        if rank == 0:
+            rec = {"kind": "train", "step": step, "loss": mean_loss, "lr": lr, "tokens": step * tokens_per_step,
+                   "tokens_per_s": tokens_per_step / dt, "step_time_s": dt, "peak_mem_gb": peak}
+            with open(log_path, "a") as fh:
+                fh.write(json.dumps(rec) + "\n")
+            engine.monitor.write_events([("Train/tokens_per_s", rec["tokens_per_s"], step * tokens_per_step),
+                                         ("Train/peak_mem_gb", peak, step * tokens_per_step)])
+            bar.set_postfix(loss=f"{mean_loss:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}", mem=f"{peak:.2f}G",
+                            lr=f"{lr:.2e}", refresh=False)
+            bar.update(1)
+        if not math.isfinite(mean_loss):
+            raise SystemExit(f"error: the loss became {mean_loss} at step {step}; lower --lr or check the data")
+        if args.eval_every and step % args.eval_every == 0 and step < args.steps:
+            val = evaluate(step)
+        if args.save_every and step % args.save_every == 0 and step < args.steps and not stopping:
+            last_ckpt = checkpoint(step)
+    bar.close()
+
+    interrupted = stopping
+    if step > start or last_ckpt is None:
+        last_ckpt = checkpoint(step)
+    if not interrupted:
+        val = evaluate(step)
+    if rank == 0:
+        records = read_log(log_path)
+        plot(records, plot_path)
+        zero = ds_config.get("zero_optimization", {}).get("stage", 0)
+        info = dict(model=args.model or f"llama-{args.model_size}", params=n_params, config=args.deepspeed,
+                    zero_stage=zero, precision="bf16" if ds_config.get("bf16", {}).get("enabled") else
+                    "fp16" if ds_config.get("fp16", {}).get("enabled") else "fp32",
+                    optimizer=ds_config.get("optimizer", {}).get("type", "client"),
+                    coat_activation=bool(ds_config.get("coat", {}).get("activation", {}).get("enabled", False)),
+                    data=tokens.source, micro_batch=micro_bs, grad_accum=grad_accum, world_size=world,
+                    seq_len=args.seq_len, tokens_per_step=tokens_per_step, steps=args.steps,
+                    wall_s=time.time() - t_start, interrupted=interrupted, device=accel.device_name(),
+                    log=str(log_path), plot=str(plot_path), checkpoint=str(last_ckpt))
+        s = summarize(records, info)
+        (save_dir / "summary.json").write_text(json.dumps(s, indent=1))
+        print_summary(s)
+    if args.export and not interrupted:
+        export(engine, tokens, Path(args.export), rank)
+    dist.barrier()
+    return 128 + (stop["signal"] or signal.SIGTERM) if interrupted else 0
+
+
+def export(engine, tokens, out: Path, rank: int) -> None:
+    """HF `save_pretrained` of the trained model (16-bit weights, gathered under ZeRO-3) and its tokenizer."""
+    state = engine._zero3_consolidated_16bit_state_dict() if engine.zero_optimization_partition_weights() else None
+    if rank != 0:
+        return
+    model = engine.module
+    try:
+        from coat_ds import revert   # swap FP8 layers back to the HF ones so the export loads anywhere
+        model = revert(model)
+    except ImportError:
+        pass
+    model.save_pretrained(str(out), state_dict=state)
+    if tokens.tokenizer is not None:
+        tokens.tokenizer.save_pretrained(str(out))
+    print(f"exported an HF model to {out} (AutoModelForCausalLM.from_pretrained({str(out)!r}))", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
