@@ -100,6 +100,8 @@ class CoatDecoderLayer(_Base):
         attn = self.self_attn
         hd = attn.head_dim
         q, k, v = qkv.split(self._qkv.out_features, dim=-1)
+        # attention saves v as it gets it; a view would keep the whole fused q/k/v output alive
+        v = v.contiguous()
         shape = (*input_shape, -1, hd)
         q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
         cos, sin = position_embeddings
