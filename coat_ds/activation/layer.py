@@ -50,8 +50,11 @@ def _check_layer(hf_layer: nn.Module, cfg: ActivationConfig) -> None:
 class CoatDecoderLayer(_Base):
     """FP8 twin of an HF decoder layer; same parameters, same forward signature and output."""
 
-    def __init__(self, hf_layer: nn.Module, config: ActivationConfig | dict | None = None) -> None:
+    def __init__(self, hf_layer: nn.Module, config: ActivationConfig | dict | None = None,
+                 attention_kwargs: dict[str, Any] | None = None) -> None:
+        """attention_kwargs: extra keyword arguments for HF's attention function (e.g. sliding_window)."""
         super().__init__()
+        self.attention_kwargs = dict(attention_kwargs or {})
         cfg = _as_config(config)
         _check_layer(hf_layer, cfg)
         self.coat_config = cfg
@@ -118,7 +121,8 @@ class CoatDecoderLayer(_Base):
         if sliding is None and "mistral" in type(attn).__name__.lower():
             sliding = getattr(attn.config, "sliding_window", None)
         if sliding is not None:
-            kwargs["sliding_window"] = sliding
+            kwargs.setdefault("sliding_window", sliding)
+        kwargs = {**kwargs, **self.attention_kwargs}
         out, _ = fn(attn, q, k, v, attention_mask, dropout=0.0 if not self.training else attn.attention_dropout,
                     scaling=attn.scaling, **kwargs)
         return out.reshape(-1, out.shape[-2] * out.shape[-1])

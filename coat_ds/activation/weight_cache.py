@@ -4,7 +4,7 @@ Linears that read the same input (q/k/v, gate/up) are fused into one GEMM over t
 weights, quantized per tensor with one shared scale. A cached copy is valid while every weight has the
 same storage and autograd version: an optimizer's in-place update bumps the version (views of a flat
 buffer, as under DeepSpeed ZeRO, share the version counter of the buffer), so the next forward re-quantizes.
-Each layout is made when first needed: the row-major copy by the forward, the transposed one (the
+Under ZeRO-3 (parameters with `ds_id`) nothing is cached. Each layout is made when first needed: the row-major copy by the forward, the transposed one (the
 grad-input GEMM's operand) by the backward, so the first micro-batch's forward holds only one copy."""
 from __future__ import annotations
 
@@ -73,7 +73,8 @@ class WeightGroup:
                 self._scale = ops.tensor_scale(ops.row_amax(w), self.fmt)
             q, qt = ops.quant_tensor(w, self._scale, self.fmt, rowmajor=not transposed, transposed=transposed)
             codes = qt if transposed else q
-            if not self.cache:
+            # ZeRO-3 gathers a parameter for each use and frees it after: an FP8 copy must not outlive that
+            if not self.cache or any(hasattr(w, "ds_id") for w in self.weights):
                 return codes, self._scale
             self._codes[transposed] = codes
         return self._codes[transposed], self._scale
