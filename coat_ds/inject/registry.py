@@ -1,43 +1,27 @@
-"""Policy registry: HF `config.model_type` -> how to find and check that family's decoder layers.
+"""Policy registry: HF `config.model_type` -> which modules of that family are its decoder layers.
 
 A family with the Llama block shape (RMSNorm -> attention -> residual -> RMSNorm -> gated MLP -> residual)
-needs only a policy, never its own injection code."""
+needs only a policy, never its own injection code: the FP8 layer reads everything else (sliding window,
+biases, head layout, attention backend) from the stock modules it takes over."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable
-
-from torch import nn
-
-ConfigCheck = Callable[[Any], "list[str]"]
-AttentionKwargs = Callable[[nn.Module], "dict[str, Any]"]
-
-
-def _no_problems(hf_config: Any) -> list[str]:
-    return []
-
-
-def _no_attention_kwargs(attn: nn.Module) -> dict[str, Any]:
-    return {}
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
 class InjectionPolicy:
-    """What the swap needs to know about one model family.
-
-    model_type: the HF `config.model_type` this policy serves ("llama", ...).
-    layer_class_names: class names of the decoder layers to swap; matched by name so that the policy
-        does not import the modeling file (and works with subclasses HF generates, e.g. for FSDP).
-    check: returns why a config cannot be injected (empty list: it can); inject raises them as one
-        ValueError, so an unsupported variant fails at once, not with wrong numbers later.
-    attention_kwargs: per-layer extra arguments for HF's attention interface that the stock attention
-        module computes itself (Mistral/Qwen2 sliding window); the FP8 layer passes them on.
-    """
+    """model_type: the HF `config.model_type` this policy serves ("llama", ...).
+    layer_class_names: class names of the decoder layers to swap; matched by name so that the registry
+    does not import modeling files, and so that a class transformers derives from it (same name) matches."""
 
     model_type: str
     layer_class_names: tuple[str, ...]
-    check: ConfigCheck = field(default=_no_problems)
-    attention_kwargs: AttentionKwargs = field(default=_no_attention_kwargs)
+
+    def __post_init__(self) -> None:
+        if not self.model_type or not isinstance(self.model_type, str):
+            raise ValueError(f"model_type={self.model_type!r} must be a non-empty string")
+        if isinstance(self.layer_class_names, str) or not self.layer_class_names:
+            raise ValueError(f"layer_class_names={self.layer_class_names!r} must be a non-empty tuple of class names")
 
 
 _POLICIES: dict[str, InjectionPolicy] = {}

@@ -19,6 +19,8 @@ INJECTED_ATTR = "_coat_injected"
 _HOOK_TABLES = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
                 "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_backward_pre_hooks",
                 "_backward_hooks")
+# Handle of the pre-hook that keeps FP8 weight caches fresh under ZeRO-3 (removed by revert).
+_ZERO3_HOOK_ATTR = "_coat_zero3_hook"
 # What transformers' set_gradient_checkpointing puts on each GradientCheckpointingLayer.
 _CHECKPOINT_ATTRS = ("gradient_checkpointing", "_gradient_checkpointing_func")
 
@@ -93,32 +95,32 @@ def _move_attached_state(src: nn.Module, dst: nn.Module) -> None:
         setattr(src, table, type(moved)())
 
 
+def _drop_stale_zero3_weights(layer: nn.Module, args: Any) -> None:
+    """Forward pre-hook: under ZeRO-3 a weight is re-gathered into whatever buffer is free and the
+    optimizer updates its partition through `.data`, so neither data_ptr nor _version tells a new step
+    from an old one; the FP8 weight cache would keep serving step-0 weights. Clear it once per forward
+    (the backward and a checkpoint's recompute still reuse what this forward quantized)."""
+    if hasattr(layer.self_attn.q_proj.weight, "ds_id"):
+        layer.clear_weight_cache()
+
+
 def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
     parent_name, _, child = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     setattr(parent, child, module)
 
 
-def _build_layer(layer: nn.Module, cfg: Any, policy: InjectionPolicy) -> nn.Module:
-    return _activation().CoatDecoderLayer(layer, cfg, attention_kwargs=policy.attention_kwargs(layer.self_attn))
-
-
-def _original_layer(layer: nn.Module) -> nn.Module:
-    return layer.to_hf()
-
-
 def inject(model: nn.Module, config: Any = None) -> nn.Module:
     """Swap every decoder layer of `model` for coat_ds's FP8 layer, in place; returns `model`.
 
     config: an ActivationConfig, the dict of the `"coat": {"activation": ...}` section, or None for the
-    defaults. Call it before deepspeed.initialize (ZeRO-3 included: parameters created under
+    defaults (`enabled: false` leaves the model stock). Call it before deepspeed.initialize (ZeRO-3 included: parameters created under
     zero.Init stay partitioned; the swap never touches their data). Injecting twice is a no-op."""
     _refuse_wrapped(model, "inject")
     cfg = _as_config(config)
     policy = policy_for(model)
-    problems = policy.check(model.config)
-    if problems:
-        raise ValueError(f"coat_ds.inject cannot handle this {policy.model_type} model: " + "; ".join(problems))
+    if not cfg.enabled:  # "enabled": false in the JSON section: leave the model stock
+        return model
     coat_cls = _activation().CoatDecoderLayer
     targets = [(name, m) for name, m in model.named_modules()
                if type(m).__name__ in policy.layer_class_names and not isinstance(m, coat_cls)]
@@ -126,13 +128,16 @@ def inject(model: nn.Module, config: Any = None) -> nn.Module:
         if getattr(model, INJECTED_ATTR, None):
             return model
         raise ValueError(f"coat_ds.inject found no {list(policy.layer_class_names)} in {type(model).__name__}")
+    # Build every new layer before swapping any: a layer the FP8 flow cannot take (ValueError from
+    # CoatDecoderLayer) then leaves the model untouched.
+    built = [(name, layer, coat_cls(layer, cfg)) for name, layer in targets]
     _install_output_capture(model)
-    for name, layer in targets:
-        new = _build_layer(layer, cfg, policy)
+    for name, layer, new in built:
         _move_attached_state(layer, new)
         # ZeRO-3: gather all of the layer's parameters when it is entered, since the FP8 Functions read
         # the children's weights directly instead of calling the children (DeepSpeed's own mechanism).
         new._z3_leaf = True
+        object.__setattr__(new, _ZERO3_HOOK_ATTR, new.register_forward_pre_hook(_drop_stale_zero3_weights))
         _set_submodule(model, name, new)
     object.__setattr__(model, INJECTED_ATTR, policy.model_type)
     return model
@@ -144,7 +149,10 @@ def revert(model: nn.Module) -> nn.Module:
     coat_cls = _activation().CoatDecoderLayer
     targets = [(name, m) for name, m in model.named_modules() if isinstance(m, coat_cls)]
     for name, layer in targets:
-        original = _original_layer(layer)
+        handle = layer.__dict__.pop(_ZERO3_HOOK_ATTR, None)
+        if handle is not None:
+            handle.remove()
+        original = layer.to_hf()
         _move_attached_state(layer, original)
         _set_submodule(model, name, original)
     if INJECTED_ATTR in model.__dict__:
