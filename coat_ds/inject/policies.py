@@ -1,12 +1,25 @@
 """Built-in policies: Llama (1/2/3, GQA, llama3 rope scaling), Mistral, Qwen2.
 
-All three share the Llama block shape. What differs is read from the stock modules by the FP8 layer:
-Mistral's and Qwen2's sliding window, Qwen2's q/k/v biases. RoPE (llama3 scaling included) is computed
-once per model outside the decoder layers and handed to them as `position_embeddings`."""
+All three share the Llama block shape. What differs is read from the stock modules by the FP8 layer
+(Qwen2's per-layer sliding window, Qwen2's q/k/v biases), except Mistral's sliding window, which
+MistralAttention takes from its config inside its forward: the policy hands that one over.
+RoPE (llama3 scaling included) is computed once per model outside the decoder layers and handed to
+them as `position_embeddings`."""
 from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
 
 from .registry import InjectionPolicy, register_policy
 
+
+def mistral_attention_kwargs(layer: nn.Module) -> dict[str, Any]:
+    """One window from the config for every layer (None: full attention)."""
+    return {"sliding_window": getattr(layer.self_attn.config, "sliding_window", None)}
+
+
 LLAMA = register_policy(InjectionPolicy("llama", ("LlamaDecoderLayer",)))
-MISTRAL = register_policy(InjectionPolicy("mistral", ("MistralDecoderLayer",)))
+MISTRAL = register_policy(InjectionPolicy("mistral", ("MistralDecoderLayer",),
+                                          attention_kwargs=mistral_attention_kwargs))
 QWEN2 = register_policy(InjectionPolicy("qwen2", ("Qwen2DecoderLayer",)))

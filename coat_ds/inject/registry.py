@@ -6,16 +6,22 @@ biases, head layout, attention backend) from the stock modules it takes over."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from torch import nn
 
 
 @dataclass(frozen=True)
 class InjectionPolicy:
     """model_type: the HF `config.model_type` this policy serves ("llama", ...).
     layer_class_names: class names of the decoder layers to swap; matched by name so that the registry
-    does not import modeling files, and so that a class transformers derives from it (same name) matches."""
+    does not import modeling files, and so that a class transformers derives from it (same name) matches.
+    attention_kwargs: optional, stock layer -> extra keyword arguments for HF's attention function that the
+    stock attention module computes in its own forward (Mistral's sliding window); None: nothing extra."""
 
     model_type: str
     layer_class_names: tuple[str, ...]
+    attention_kwargs: Optional[Callable[[nn.Module], dict[str, Any]]] = None
 
     def __post_init__(self) -> None:
         if not self.model_type or not isinstance(self.model_type, str):

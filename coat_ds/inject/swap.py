@@ -110,12 +110,19 @@ def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(parent, child, module)
 
 
+def _attention_kwargs(policy: InjectionPolicy, layer: nn.Module) -> dict[str, Any]:
+    kwargs = policy.attention_kwargs(layer) if policy.attention_kwargs else {}
+    # None means "not set" to HF's attention functions; dropping it keeps the call identical to stock.
+    return {k: v for k, v in kwargs.items() if v is not None}
+
+
 def inject(model: nn.Module, config: Any = None) -> nn.Module:
     """Swap every decoder layer of `model` for coat_ds's FP8 layer, in place; returns `model`.
 
     config: an ActivationConfig, the dict of the `"coat": {"activation": ...}` section, or None for the
-    defaults (`enabled: false` leaves the model stock). Call it before deepspeed.initialize (ZeRO-3 included: parameters created under
-    zero.Init stay partitioned; the swap never touches their data). Injecting twice is a no-op."""
+    defaults (`enabled: false` leaves the model stock). Call it before deepspeed.initialize (ZeRO-3
+    included: parameters created under zero.Init stay partitioned; the swap never touches their data).
+    Injecting twice is a no-op."""
     _refuse_wrapped(model, "inject")
     cfg = _as_config(config)
     policy = policy_for(model)
@@ -130,7 +137,8 @@ def inject(model: nn.Module, config: Any = None) -> nn.Module:
         raise ValueError(f"coat_ds.inject found no {list(policy.layer_class_names)} in {type(model).__name__}")
     # Build every new layer before swapping any: a layer the FP8 flow cannot take (ValueError from
     # CoatDecoderLayer) then leaves the model untouched.
-    built = [(name, layer, coat_cls(layer, cfg)) for name, layer in targets]
+    built = [(name, layer, coat_cls(layer, cfg, attention_kwargs=_attention_kwargs(policy, layer)))
+             for name, layer in targets]
     _install_output_capture(model)
     for name, layer, new in built:
         _move_attached_state(layer, new)
