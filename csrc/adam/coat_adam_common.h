@@ -1,0 +1,125 @@
+// Argument checks and AdamW scalars shared by the CPU op and the CUDA op's torch bindings.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <cmath>
+#include <vector>
+
+#include "coat_fp8_math.h"
+
+namespace coat_ops {
+
+// Raw pointers of one tensor's step (checked once, then used by the kernels).
+struct AdamTensorRefs {
+    float* param;
+    const void* grad;
+    bool grad_bf16;
+    uint8_t* m_codes;
+    float* m_scale;
+    float* m_expo;
+    uint8_t* v_codes;
+    float* v_scale;
+    float* v_expo;
+    uint16_t* bf16_out;  // nullptr: no bf16 copy
+    int64_t numel;
+};
+
+inline void check_group_size(int64_t group_size) {
+    TORCH_CHECK_VALUE(group_size == 32 || group_size == 64 || group_size == 128 || group_size == 256,
+                      "group_size=", group_size, " is not supported; allowed: [32, 64, 128, 256]");
+}
+
+inline void check_tensor(const torch::Tensor& t, const char* what, size_t i, at::ScalarType dtype, int64_t numel,
+                         const torch::Device& device) {
+    TORCH_CHECK(t.scalar_type() == dtype, what, "[", i, "] must be ", dtype, ", got ", t.scalar_type());
+    TORCH_CHECK(t.is_contiguous(), what, "[", i, "] must be contiguous");
+    TORCH_CHECK(t.numel() == numel, what, "[", i, "] has ", t.numel(), " values, expected ", numel);
+    TORCH_CHECK(t.device() == device, what, "[", i, "] is on ", t.device(), ", expected ", device);
+}
+
+inline std::vector<AdamTensorRefs> check_adam_args(
+    const std::vector<torch::Tensor>& params, const std::vector<torch::Tensor>& grads,
+    const std::vector<torch::Tensor>& m_q, const std::vector<torch::Tensor>& m_scale,
+    const std::vector<torch::Tensor>& m_expo, const std::vector<torch::Tensor>& v_q,
+    const std::vector<torch::Tensor>& v_scale, const std::vector<torch::Tensor>& v_expo,
+    const std::vector<torch::Tensor>& bf16_out, int64_t group_size, bool cuda) {
+    check_group_size(group_size);
+    const size_t n = params.size();
+    TORCH_CHECK(grads.size() == n && m_q.size() == n && m_scale.size() == n && m_expo.size() == n &&
+                    v_q.size() == n && v_scale.size() == n && v_expo.size() == n,
+                "adam_step: every tensor list must have one entry per param (", n, ")");
+    TORCH_CHECK(bf16_out.empty() || bf16_out.size() == n, "adam_step: bf16_out must be empty or one per param");
+    std::vector<AdamTensorRefs> refs;
+    refs.reserve(n);
+    if (n == 0) return refs;
+    const torch::Device device = params[0].device();
+    TORCH_CHECK(device.is_cuda() == cuda, "adam_step: tensors are on ", device, ", this op runs on ",
+                cuda ? "CUDA" : "CPU");
+    for (size_t i = 0; i < n; ++i) {
+        const int64_t numel = params[i].numel();
+        const int64_t ng = (numel + group_size - 1) / group_size;
+        check_tensor(params[i], "params", i, at::kFloat, numel, device);
+        const bool bf16 = grads[i].scalar_type() == at::kBFloat16;
+        check_tensor(grads[i], "grads", i, bf16 ? at::kBFloat16 : at::kFloat, numel, device);
+        check_tensor(m_q[i], "m_q", i, at::kByte, numel, device);
+        check_tensor(v_q[i], "v_q", i, at::kByte, numel, device);
+        check_tensor(m_scale[i], "m_scale", i, at::kFloat, ng, device);
+        check_tensor(m_expo[i], "m_expo", i, at::kFloat, ng, device);
+        check_tensor(v_scale[i], "v_scale", i, at::kFloat, ng, device);
+        check_tensor(v_expo[i], "v_expo", i, at::kFloat, ng, device);
+        uint16_t* out = nullptr;
+        if (!bf16_out.empty()) {
+            check_tensor(bf16_out[i], "bf16_out", i, at::kBFloat16, numel, device);
+            out = reinterpret_cast<uint16_t*>(bf16_out[i].data_ptr());
+        }
+        refs.push_back({params[i].data_ptr<float>(), grads[i].data_ptr(), bf16, m_q[i].data_ptr<uint8_t>(),
+                        m_scale[i].data_ptr<float>(), m_expo[i].data_ptr<float>(), v_q[i].data_ptr<uint8_t>(),
+                        v_scale[i].data_ptr<float>(), v_expo[i].data_ptr<float>(), out, numel});
+    }
+    return refs;
+}
+
+inline void check_quant_args(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
+                             const torch::Tensor& expo, int64_t group_size, bool cuda) {
+    check_group_size(group_size);
+    const torch::Device device = x.device();
+    TORCH_CHECK(device.is_cuda() == cuda, "quantize: x is on ", device);
+    const int64_t ng = (x.numel() + group_size - 1) / group_size;
+    check_tensor(x, "x", 0, at::kFloat, x.numel(), device);
+    check_tensor(codes, "codes", 0, at::kByte, x.numel(), device);
+    check_tensor(scale, "scale", 0, at::kFloat, ng, device);
+    check_tensor(expo, "expo", 0, at::kFloat, ng, device);
+}
+
+inline void check_dequant_args(const torch::Tensor& codes, const torch::Tensor& scale, const torch::Tensor& expo,
+                               const torch::Tensor& out, int64_t group_size, bool cuda) {
+    check_group_size(group_size);
+    const torch::Device device = codes.device();
+    TORCH_CHECK(device.is_cuda() == cuda, "dequantize: codes are on ", device);
+    const int64_t ng = (codes.numel() + group_size - 1) / group_size;
+    check_tensor(codes, "codes", 0, at::kByte, codes.numel(), device);
+    check_tensor(scale, "scale", 0, at::kFloat, ng, device);
+    check_tensor(expo, "expo", 0, at::kFloat, ng, device);
+    check_tensor(out, "out", 0, at::kFloat, codes.numel(), device);
+}
+
+// Python scalars -> fp32 coefficients, computed in double first as the reference does.
+inline coat::AdamCoefs adam_coefs(double lr, double beta1, double beta2, double eps, double weight_decay,
+                                  int64_t step) {
+    TORCH_CHECK_VALUE(step >= 1, "step=", step, " must be >= 1");
+    const double bc1 = 1.0 - std::pow(beta1, (double)step);
+    const double bc2 = 1.0 - std::pow(beta2, (double)step);
+    coat::AdamCoefs c;
+    c.decay = (float)(1.0 - lr * weight_decay);
+    c.beta1 = (float)beta1;
+    c.one_minus_beta1 = (float)(1.0 - beta1);
+    c.beta2 = (float)beta2;
+    c.one_minus_beta2 = (float)(1.0 - beta2);
+    c.step_size = (float)(-(lr / bc1));
+    c.bc2_sqrt = (float)std::pow(bc2, 0.5);
+    c.eps = (float)eps;
+    return c;
+}
+
+}  // namespace coat_ops

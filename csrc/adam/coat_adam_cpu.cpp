@@ -1,0 +1,168 @@
+// CPU FP8 AdamW step and group (de)quantisation: C++ with OpenMP over groups, vectorisable inner loops.
+// Same math and semantics as coat_ds/optim/reference.py (shared with the CUDA kernels via coat_fp8_math.h).
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "coat_adam_common.h"
+#include "coat_fp8_math.h"
+
+namespace {
+
+using coat::GroupScale;
+using coat::HostMath;
+
+constexpr int kMaxGroup = 256;
+
+inline const float* log2_table(bool e5m2) { return e5m2 ? coat::kLog2AbsE5M2 : coat::kLog2AbsE4M3; }
+
+inline uint8_t encode(float y, bool e5m2) {
+    return e5m2 ? coat::fp8_encode<true>(y) : coat::fp8_encode<false>(y);
+}
+
+// Largest and smallest non-zero magnitude of buf[0..n).
+inline void magnitude_range(const float* buf, int n, float& big, float& small) {
+    float b = 0.0f, s = INFINITY;
+#pragma omp simd reduction(max : b) reduction(min : s)
+    for (int i = 0; i < n; ++i) {
+        const float a = std::fabs(buf[i]);
+        b = std::max(b, a);
+        s = std::min(s, a > 0.0f ? a : INFINITY);
+    }
+    big = b;
+    small = s;
+}
+
+inline void quantize_buf(const float* buf, int n, const GroupScale& s, bool e5m2, uint8_t* codes) {
+    if (e5m2) {
+#pragma omp simd
+        for (int i = 0; i < n; ++i) codes[i] = coat::fp8_encode<true>(coat::expand_value<HostMath>(buf[i], s));
+    } else {
+#pragma omp simd
+        for (int i = 0; i < n; ++i) codes[i] = coat::fp8_encode<false>(coat::expand_value<HostMath>(buf[i], s));
+    }
+}
+
+inline void dequantize_buf(const uint8_t* codes, int n, const GroupScale& s, bool e5m2, float* out) {
+    const float* tab = log2_table(e5m2);
+#pragma omp simd
+    for (int i = 0; i < n; ++i) out[i] = coat::dequant_value<HostMath>(codes[i], tab[codes[i] & 0x7F], s);
+}
+
+// Re-quantise buf into codes + (scale, expo) of one group.
+inline void requantize_group(const float* buf, int n, bool e5m2, bool expansion, uint8_t* codes, float* scale,
+                             float* expo) {
+    float big, small;
+    magnitude_range(buf, n, big, small);
+    const GroupScale s = coat::group_scale<HostMath>(big, small, e5m2, expansion);
+    *scale = s.d;
+    *expo = s.k;
+    quantize_buf(buf, n, s, e5m2, codes);
+}
+
+template <typename GradT>
+inline float grad_value(const GradT* g, int64_t i);
+template <>
+inline float grad_value<float>(const float* g, int64_t i) { return g[i]; }
+template <>
+inline float grad_value<uint16_t>(const uint16_t* g, int64_t i) { return coat::bf16_to_f32(g[i]); }
+
+template <typename GradT>
+void adam_tensor(const coat_ops::AdamTensorRefs& t, const coat::AdamCoefs& c, int group_size, bool v_e5m2,
+                 bool expansion) {
+    const GradT* grad = static_cast<const GradT*>(t.grad);
+    const int64_t n_groups = (t.numel + group_size - 1) / group_size;
+    const float* m_tab = log2_table(false);
+    const float* v_tab = log2_table(v_e5m2);
+#pragma omp parallel for schedule(static)
+    for (int64_t gi = 0; gi < n_groups; ++gi) {
+        const int64_t off = gi * group_size;
+        const int n = (int)std::min<int64_t>(group_size, t.numel - off);
+        float m[kMaxGroup], v[kMaxGroup];
+        const GroupScale sm = coat::stored_scale<HostMath>(t.m_scale[gi], t.m_expo[gi]);
+        const GroupScale sv = coat::stored_scale<HostMath>(t.v_scale[gi], t.v_expo[gi]);
+        float* p = t.param + off;
+        const uint8_t* mq = t.m_codes + off;
+        const uint8_t* vq = t.v_codes + off;
+#pragma omp simd
+        for (int i = 0; i < n; ++i) {
+            float mi = coat::dequant_value<HostMath>(mq[i], m_tab[mq[i] & 0x7F], sm);
+            float vi = coat::dequant_value<HostMath>(vq[i], v_tab[vq[i] & 0x7F], sv);
+            float pi = p[i];
+            coat::adam_update(pi, grad_value(grad, off + i), mi, vi, c);
+            p[i] = pi;
+            m[i] = mi;
+            v[i] = vi;
+        }
+        if (t.bf16_out != nullptr) {
+            uint16_t* o = t.bf16_out + off;
+#pragma omp simd
+            for (int i = 0; i < n; ++i) o[i] = coat::f32_to_bf16(p[i]);
+        }
+        requantize_group(m, n, false, expansion, t.m_codes + off, t.m_scale + gi, t.m_expo + gi);
+        requantize_group(v, n, v_e5m2, expansion, t.v_codes + off, t.v_scale + gi, t.v_expo + gi);
+    }
+}
+
+void adam_step(const std::vector<torch::Tensor>& params, const std::vector<torch::Tensor>& grads,
+               const std::vector<torch::Tensor>& m_q, const std::vector<torch::Tensor>& m_scale,
+               const std::vector<torch::Tensor>& m_expo, const std::vector<torch::Tensor>& v_q,
+               const std::vector<torch::Tensor>& v_scale, const std::vector<torch::Tensor>& v_expo,
+               const std::vector<torch::Tensor>& bf16_out, double lr, double beta1, double beta2, double eps,
+               double weight_decay, int64_t step, int64_t group_size, bool v_e5m2, bool expansion) {
+    const auto refs = coat_ops::check_adam_args(params, grads, m_q, m_scale, m_expo, v_q, v_scale, v_expo, bf16_out,
+                                                group_size, /*cuda=*/false);
+    const coat::AdamCoefs c = coat_ops::adam_coefs(lr, beta1, beta2, eps, weight_decay, step);
+    for (const auto& t : refs) {
+        if (t.grad_bf16) {
+            adam_tensor<uint16_t>(t, c, (int)group_size, v_e5m2, expansion);
+        } else {
+            adam_tensor<float>(t, c, (int)group_size, v_e5m2, expansion);
+        }
+    }
+}
+
+void quantize(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
+              const torch::Tensor& expo, int64_t group_size, bool e5m2, bool expansion) {
+    coat_ops::check_quant_args(x, codes, scale, expo, group_size, /*cuda=*/false);
+    const float* xp = x.data_ptr<float>();
+    uint8_t* cp = codes.data_ptr<uint8_t>();
+    float* sp = scale.data_ptr<float>();
+    float* ep = expo.data_ptr<float>();
+    const int64_t numel = x.numel();
+    const int64_t n_groups = (numel + group_size - 1) / group_size;
+#pragma omp parallel for schedule(static)
+    for (int64_t gi = 0; gi < n_groups; ++gi) {
+        const int64_t off = gi * group_size;
+        const int n = (int)std::min<int64_t>(group_size, numel - off);
+        requantize_group(xp + off, n, e5m2, expansion, cp + off, sp + gi, ep + gi);
+    }
+}
+
+void dequantize(const torch::Tensor& codes, const torch::Tensor& scale, const torch::Tensor& expo,
+                const torch::Tensor& out, int64_t group_size, bool e5m2) {
+    coat_ops::check_dequant_args(codes, scale, expo, out, group_size, /*cuda=*/false);
+    const uint8_t* cp = codes.data_ptr<uint8_t>();
+    const float* sp = scale.data_ptr<float>();
+    const float* ep = expo.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    const int64_t numel = codes.numel();
+    const int64_t n_groups = (numel + group_size - 1) / group_size;
+#pragma omp parallel for schedule(static)
+    for (int64_t gi = 0; gi < n_groups; ++gi) {
+        const int64_t off = gi * group_size;
+        const int n = (int)std::min<int64_t>(group_size, numel - off);
+        dequantize_buf(cp + off, n, coat::stored_scale<HostMath>(sp[gi], ep[gi]), e5m2, op + off);
+    }
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.doc() = "coat_ds FP8 AdamW step and group (de)quantisation (CPU, OpenMP)";
+    m.def("adam_step", &adam_step, "Fused FP8 AdamW step over lists of tensors (in place)");
+    m.def("quantize", &quantize, "Group-quantise fp32 x into FP8 codes + per-group scale and exponent");
+    m.def("dequantize", &dequantize, "FP8 codes + per-group scale and exponent -> fp32");
+}

@@ -1,0 +1,6 @@
+"""DeepSpeed op builders of coat_ds's compiled ops (JIT-built with ninja on first use, or prebuilt by
+`COAT_BUILD_OPS=1 pip install --no-build-isolation .`)."""
+from .adam import CPUCoatAdamBuilder, CoatAdamBuilder
+from .builder import CoatCPUOpBuilder, CoatCUDAOpBuilder
+
+__all__ = ["CoatAdamBuilder", "CPUCoatAdamBuilder", "CoatCPUOpBuilder", "CoatCUDAOpBuilder"]

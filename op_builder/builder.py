@@ -1,0 +1,123 @@
+"""Base classes of coat_ds's op builders, on top of DeepSpeed's OpBuilder / CUDAOpBuilder.
+
+What they add to DeepSpeed's: absolute source paths from this package (DeepSpeed resolves relative ones
+against its own install), a prebuilt-module import for `COAT_BUILD_OPS=1` installs (DeepSpeed's `load()`
+only imports modules it built itself), and a TORCH_CUDA_ARCH_LIST parser that accepts `9.0a` and `9.0+PTX`
+(DeepSpeed 0.19.8's `compute_capability_args` raises on them)."""
+from __future__ import annotations
+
+import importlib
+import os
+import re
+
+from deepspeed.ops.op_builder.builder import CUDAOpBuilder, OpBuilder
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+# a checkout keeps csrc/ beside op_builder/; an install may ship it inside the package
+CSRC_DIR = next((d for d in (os.path.join(os.path.dirname(_HERE), "csrc"), os.path.join(_HERE, "csrc"))
+                 if os.path.isdir(d)), os.path.join(os.path.dirname(_HERE), "csrc"))
+
+DEFAULT_CUDA_ARCHS = "8.0;9.0"
+_ARCH_RE = re.compile(r"(\d+)\.(\d+)([af]?)(\+PTX)?", re.IGNORECASE)
+
+
+def csrc(*parts: str) -> str:
+    """Absolute path of a file under csrc/."""
+    return os.path.join(CSRC_DIR, *parts)
+
+
+def parse_cuda_arch_list(text: str) -> list[tuple[int, int, str, bool]]:
+    """`8.0;9.0a 9.0+PTX` -> sorted unique (major, minor, suffix, ptx); suffix is '' or 'a'/'f'."""
+    found: dict[tuple[int, int, str], bool] = {}
+    for token in re.split(r"[;,\s]+", text.strip()):
+        if not token:
+            continue
+        m = _ARCH_RE.fullmatch(token)
+        if m is None:
+            raise ValueError(f"TORCH_CUDA_ARCH_LIST entry {token!r} is not understood; "
+                             "allowed forms: 9.0, 9.0a, 9.0+PTX, 9.0a+PTX")
+        key = (int(m.group(1)), int(m.group(2)), m.group(3).lower())
+        found[key] = found.get(key, False) or m.group(4) is not None
+    if not found:
+        raise ValueError(f"TORCH_CUDA_ARCH_LIST={text!r} names no architecture")
+    return [(*key, ptx) for key, ptx in sorted(found.items())]
+
+
+def gencode_flags(archs: list[tuple[int, int, str, bool]]) -> list[str]:
+    """nvcc -gencode flags: SASS for each arch, PTX where asked (`9.0a` -> sm_90a / compute_90a)."""
+    flags = []
+    for major, minor, suffix, ptx in archs:
+        num = f"{major}{minor}{suffix}"
+        flags.append(f"-gencode=arch=compute_{num},code=sm_{num}")
+        if ptx:
+            flags.append(f"-gencode=arch=compute_{num},code=compute_{num}")
+    return flags
+
+
+class CoatBuilderMixin:
+    """Naming and loading shared by every coat_ds builder (NAME is set by each subclass)."""
+
+    NAME: str
+
+    def __init__(self) -> None:
+        super().__init__(name=self.NAME)
+
+    def absolute_name(self) -> str:
+        return f"coat_ds.ops.{self.NAME}_op"
+
+    def load(self, verbose: bool = False):
+        """The prebuilt module if `COAT_BUILD_OPS=1` installed one that imports, else DeepSpeed's JIT build."""
+        if self.name in OpBuilder._loaded_ops:
+            return OpBuilder._loaded_ops[self.name]
+        try:
+            module = importlib.import_module(self.absolute_name())
+        except ImportError:
+            return self.jit_load(verbose)
+        OpBuilder._loaded_ops[self.name] = module
+        return module
+
+
+class CoatCPUOpBuilder(CoatBuilderMixin, OpBuilder):
+    """C++ + OpenMP op, flags as DeepSpeed's CPU builders use them (-O3 -march=native -fopenmp)."""
+
+    def cxx_args(self) -> list[str]:
+        # -fno-math-errno lets sqrtf vectorise; no -ffast-math: results must track the reference
+        return ["-O3", "-std=c++20", "-g", "-Wno-reorder", self.cpu_arch(), "-fopenmp", "-fno-math-errno"]
+
+    def extra_ldflags(self) -> list[str]:
+        return ["-fopenmp"]
+
+
+class CoatCUDAOpBuilder(CoatBuilderMixin, CUDAOpBuilder):
+    """CUDA op: no --use_fast_math (it flushes denormals, which the FP8 states round-trip exactly)."""
+
+    def compute_capability_args(self, cross_compile_archs: str | None = None) -> list[str]:
+        text = os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip() or (cross_compile_archs or "").strip()
+        if not text:
+            text = self._device_archs() or DEFAULT_CUDA_ARCHS
+        archs = parse_cuda_arch_list(text)
+        if not any(ptx for *_, ptx in archs):  # PTX of the newest arch keeps newer GPUs working
+            archs[-1] = (*archs[-1][:3], True)
+        self.enable_bf16 = all(major >= 8 for major, *_ in archs)
+        return gencode_flags(archs)
+
+    @staticmethod
+    def _device_archs() -> str:
+        import torch
+
+        if not torch.cuda.is_available():
+            return ""
+        caps = {torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())}
+        return ";".join(f"{major}.{minor}" for major, minor in sorted(caps))
+
+    @staticmethod
+    def portable_nvcc_flags() -> list[str]:
+        """nvcc flags that need neither torch nor a GPU (tests/test_nvcc_compile.py uses them too)."""
+        return ["-O3", "-std=c++17", "-lineinfo", f"-I{csrc('includes')}"]
+
+    def nvcc_args(self) -> list[str]:
+        threads = max(1, min(os.cpu_count() or 1, 8))
+        return self.portable_nvcc_flags() + [f"--threads={threads}"] + self.compute_capability_args()
+
+    def cxx_args(self) -> list[str]:
+        return ["-O3", "-std=c++20", "-g", "-Wno-reorder"]
