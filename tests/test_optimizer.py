@@ -72,6 +72,8 @@ def test_state_dict_round_trip_continues_bit_exactly():
     model2.load_state_dict(saved_model)
     opt2 = CoatAdamW(model2.parameters(), lr=2e-3)
     opt2.load_state_dict(saved_opt)
+    for s in opt2.state.values():  # loading must not widen the FP8 codes to the param's dtype
+        assert s["exp_avg_q"].dtype == torch.float8_e4m3fn and s["exp_avg_scale"].dtype == torch.float32
     resumed = _train(model2, opt2, x, y, 10, seed=7)
     assert resumed == after
     for a, b in zip(model.parameters(), model2.parameters()):
@@ -134,3 +136,20 @@ def test_bad_param_group_is_refused():
     opt = CoatAdamW([torch.nn.Parameter(torch.randn(4))])
     with pytest.raises(ValueError, match="v_format"):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(4))], "v_format": "int8"})
+
+
+def test_bf16_params_train_through_an_fp32_copy():
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(300, dtype=torch.bfloat16))
+    opt = CoatAdamW([p], lr=1e-2)
+    sd = opt.state_dict()
+    start = p.detach().clone()
+    p.grad = torch.randn(300, dtype=torch.bfloat16)
+    opt.step()
+    assert p.dtype == torch.bfloat16 and not torch.equal(p, start)
+    # Adam's first step moves every value by ~lr against its gradient's sign
+    moved = (p.float() - start.float() * (1 - 1e-2 * 1e-2)) * p.grad.float().sign()
+    assert (moved < 0).float().mean() > 0.95
+    opt2 = CoatAdamW([p], lr=1e-2)
+    opt2.load_state_dict(opt.state_dict())
+    assert opt2.state[p]["exp_avg_scale"].dtype == torch.float32

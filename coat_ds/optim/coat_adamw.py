@@ -125,15 +125,34 @@ class CoatAdamW(torch.optim.Optimizer):
                 self._fp8_step(ps, group, step)
         return loss
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Like torch's, but the state keeps its dtypes (moved to each param's device).
+
+        torch casts every floating state tensor to the param's dtype, which would widen FP8 codes to
+        fp32 (4x the memory) and round the fp32 scales of a bf16 param to bf16."""
+        super().load_state_dict({**state_dict, "state": {}})
+        params = {pid: p for saved, group in zip(state_dict["param_groups"], self.param_groups)
+                  for pid, p in zip(saved["params"], group["params"])}
+        for pid, st in state_dict["state"].items():
+            p = params[pid]
+            self.state[p] = {k: v.clone() if k == "step" else v.to(device=p.device, copy=True)
+                             for k, v in st.items()}
+
     def _fp8_step(self, params: list, group: dict, step: int) -> None:
         beta1, beta2 = group["betas"]
         states = [self.state[p] for p in params]
-        ops.adamw_step(params, [p.grad for p in params],
+        # the kernels update fp32 contiguous masters (what ZeRO hands over); others go through an fp32 copy
+        masters = [p if p.dtype == torch.float32 and p.is_contiguous() else p.detach().float().contiguous()
+                   for p in params]
+        ops.adamw_step(masters, [p.grad.contiguous() for p in params],
                        [(s["exp_avg_q"], s["exp_avg_scale"], s["exp_avg_expo"]) for s in states],
                        [(s["exp_avg_sq_q"], s["exp_avg_sq_scale"], s["exp_avg_sq_expo"]) for s in states],
                        lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
                        weight_decay=group["weight_decay"], step=step, v_format=get_format(group["v_format"]),
                        group_size=group["group_size"], expansion=group["expansion"])
+        for p, master in zip(params, masters):
+            if master is not p:
+                p.copy_(master)
 
     def _fp32_step(self, params: list, group: dict) -> None:
         from torch.optim.adam import adam
