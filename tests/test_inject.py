@@ -1,0 +1,237 @@
+"""coat_ds.inject / revert on tiny random-init HF models (no download): FP8 layers in, weights intact.
+
+Bounds (FP8 E4M3 forward, E5M2 backward, fp32 model; measured on these configs over 3 seeds, modes full
+and linear: loss 1e-5..3.4e-4, logits 0.035..0.048, per-parameter gradient 0.11..0.16 relative error):
+  loss      |loss - stock| / stock                         < 2e-3
+  logits    ||logits - stock|| / ||stock||                  in (1e-3, 0.08)   (above 1e-3: FP8 really ran)
+  gradients ||grad - stock|| / ||stock|| for every param   < 0.25, mean over params < 0.15
+"""
+import copy
+
+import pytest
+import torch
+from transformers import (AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
+                          MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+
+import coat_ds
+from coat_ds.activation import ActivationConfig, CoatDecoderLayer
+from coat_ds.inject import InjectionPolicy, get_policy, is_injected, register_policy, supported_model_types
+
+VOCAB, SEQ = 256, 24
+_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               max_position_embeddings=128)
+_LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+FAMILIES = {
+    "llama2": lambda **kw: LlamaForCausalLM(LlamaConfig(**_COMMON, num_key_value_heads=4, **kw)),
+    # GQA (4 query heads on 2 kv heads), llama3 rope scaling, tied embeddings
+    "llama3-gqa": lambda **kw: LlamaForCausalLM(LlamaConfig(**_COMMON, num_key_value_heads=2, tie_word_embeddings=True,
+                                                            rope_parameters=_LLAMA3_ROPE, **kw)),
+    # a window (8) shorter than the sequence (24), so the window matters
+    "mistral": lambda **kw: MistralForCausalLM(MistralConfig(**_COMMON, num_key_value_heads=2, sliding_window=8, **kw)),
+    # q/k/v biases; layer 1 slides, layer 0 does not
+    "qwen2": lambda **kw: Qwen2ForCausalLM(Qwen2Config(**_COMMON, num_key_value_heads=2, use_sliding_window=True,
+                                                       sliding_window=8, max_window_layers=1, **kw)),
+}
+
+
+def _model(family, seed=0, **kw):
+    torch.manual_seed(seed)
+    return FAMILIES[family](**kw)
+
+
+def _batch(seed=0, batch=2):
+    return torch.randint(0, VOCAB, (batch, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def _layers(model):
+    return list(model.model.layers)
+
+
+def _assert_close_to_stock(stock, injected, x, **fwd):
+    ref, out = stock(input_ids=x, labels=x, **fwd), injected(input_ids=x, labels=x, **fwd)
+    ref.loss.backward()
+    out.loss.backward()
+    assert torch.isfinite(out.loss) and torch.isfinite(out.logits).all()
+    assert abs(out.loss.item() - ref.loss.item()) / ref.loss.item() < 2e-3
+    assert 1e-3 < _rel(out.logits, ref.logits) < 0.08
+    errs = {}
+    for (name, p), (name2, q) in zip(stock.named_parameters(), injected.named_parameters()):
+        assert name == name2
+        assert q.grad is not None and torch.isfinite(q.grad).all(), name
+        errs[name] = _rel(q.grad, p.grad)
+    assert max(errs.values()) < 0.25, errs
+    assert sum(errs.values()) / len(errs) < 0.15, errs
+    return ref, out
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_forward_backward_close_to_stock(family):
+    stock = _model(family)
+    injected = coat_ds.inject(copy.deepcopy(stock))
+    assert all(isinstance(layer, CoatDecoderLayer) for layer in _layers(injected)) and is_injected(injected)
+    _assert_close_to_stock(stock, injected, _batch())
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+def test_attention_backends(backend):
+    stock = _model("mistral", attn_implementation=backend)
+    injected = coat_ds.inject(copy.deepcopy(stock), {"mode": "linear"})
+    assert injected.config._attn_implementation == backend
+    _assert_close_to_stock(stock, injected, _batch(1))
+
+
+@pytest.mark.parametrize("family", ["llama3-gqa", "qwen2"])
+def test_same_parameters_and_state_dict_keys(family):
+    model = _model(family)
+    params = dict(model.named_parameters())
+    keys = list(model.state_dict())
+    coat_ds.inject(model, ActivationConfig(mode="full"))
+    assert list(model.state_dict()) == keys
+    assert {n: id(p) for n, p in model.named_parameters()} == {n: id(p) for n, p in params.items()}
+    if model.config.tie_word_embeddings:
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_save_pretrained_loads_into_stock_transformers(tmp_path):
+    model = coat_ds.inject(_model("llama3-gqa"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = _batch()
+    for _ in range(2):  # train a little so the saved weights are not the init ones
+        opt.zero_grad()
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied after training
+    model.save_pretrained(tmp_path)
+
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert type(loaded) is LlamaForCausalLM and not any(isinstance(m, CoatDecoderLayer) for m in loaded.modules())
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    saved = model.state_dict()
+    assert list(loaded.state_dict()) == list(saved)
+    for name, tensor in loaded.state_dict().items():
+        assert torch.equal(tensor, saved[name]), name
+    with torch.no_grad():
+        stock_logits = loaded(input_ids=x).logits
+        assert torch.equal(coat_ds.revert(model)(input_ids=x).logits, stock_logits)
+        # from_pretrained -> inject: the same logits within FP8 tolerance
+        injected_logits = coat_ds.inject(AutoModelForCausalLM.from_pretrained(tmp_path))(input_ids=x).logits
+    assert 1e-3 < _rel(injected_logits, stock_logits) < 0.08
+
+
+def _saved_tensor_count(model, x):
+    count = 0
+
+    def pack(t):
+        nonlocal count
+        count += 1
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(input_ids=x, labels=x).loss
+    loss.backward()
+    return count
+
+
+@pytest.mark.parametrize("enable", ["before_inject", "after_inject"])
+def test_gradient_checkpointing(enable):
+    x = _batch()
+    plain = coat_ds.inject(_model("qwen2"))
+    plain.train()
+    checkpointed = _model("qwen2")
+    if enable == "before_inject":
+        checkpointed.gradient_checkpointing_enable()
+        coat_ds.inject(checkpointed)
+    else:
+        coat_ds.inject(checkpointed)
+        checkpointed.gradient_checkpointing_enable()
+    checkpointed.train()
+    assert all(layer.gradient_checkpointing for layer in _layers(checkpointed))
+    # checkpointing really happens: the layers' FP8 saves are dropped in the forward
+    assert _saved_tensor_count(checkpointed, x) < _saved_tensor_count(plain, x) / 2
+    # and the recompute gives the same gradients (the FP8 quantization is deterministic)
+    for (name, p), (_, q) in zip(plain.named_parameters(), checkpointed.named_parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_revert_restores_stock_modules():
+    stock = _model("mistral")
+    model = copy.deepcopy(stock)
+    originals = _layers(model)
+    model.gradient_checkpointing_enable()
+    coat_ds.inject(model)
+    model.eval()
+    coat_ds.revert(model)
+    assert _layers(model) == originals and not is_injected(model)
+    assert all(type(layer).__name__ == "MistralDecoderLayer" for layer in _layers(model))
+    # what the model set on the FP8 layers came back with the stock ones; inject's own hook did not
+    assert all(layer.gradient_checkpointing and not layer.training for layer in _layers(model))
+    assert all(not layer._forward_pre_hooks and not hasattr(layer, "_z3_leaf") for layer in _layers(model))
+    x = _batch()
+    model.gradient_checkpointing_disable()
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=x).logits, stock.eval()(input_ids=x).logits)
+
+
+def test_inject_twice_and_disabled_are_noops():
+    model = coat_ds.inject(_model("llama2"))
+    layers = _layers(model)
+    assert _layers(coat_ds.inject(model)) == layers
+    stock = _model("llama2")
+    assert not is_injected(coat_ds.inject(stock, {"enabled": False}))
+    assert all(type(layer).__name__ == "LlamaDecoderLayer" for layer in _layers(stock))
+
+
+def test_unknown_model_type_lists_supported():
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32))
+    with pytest.raises(ValueError, match="gpt2") as err:
+        coat_ds.inject(gpt2)
+    for model_type in ("llama", "mistral", "qwen2"):
+        assert model_type in str(err.value)
+    with pytest.raises(ValueError, match="model_type"):
+        coat_ds.inject(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="mode"):
+        coat_ds.inject(_model("llama2"), {"mode": "fp4"})
+
+
+def test_refused_layer_leaves_model_untouched():
+    model = _model("llama2", hidden_act="gelu")  # COAT's full mode fuses SiLU*mul only
+    with pytest.raises(ValueError, match="hidden_act"):
+        coat_ds.inject(model, {"mode": "full"})
+    assert all(type(layer).__name__ == "LlamaDecoderLayer" for layer in _layers(model)) and not is_injected(model)
+
+
+def test_policy_registry():
+    assert {"llama", "mistral", "qwen2"} <= set(supported_model_types())
+    with pytest.raises(ValueError, match="already has a policy"):
+        register_policy(InjectionPolicy("llama", ("LlamaDecoderLayer",)))
+    with pytest.raises(ValueError, match="layer_class_names"):
+        InjectionPolicy("x", "LlamaDecoderLayer")
+    with pytest.raises(ValueError, match="supported"):
+        get_policy("falcon")
+
+
+def test_output_hidden_states_and_generate():
+    stock = _model("llama3-gqa")
+    model = coat_ds.inject(copy.deepcopy(stock)).eval()
+    x = _batch(2, batch=1)
+    with torch.no_grad():
+        ref = stock.eval()(input_ids=x, output_hidden_states=True)
+        out = model(input_ids=x, output_hidden_states=True)
+    assert len(out.hidden_states) == len(ref.hidden_states) == model.config.num_hidden_layers + 1
+    for h, r in zip(out.hidden_states[1:], ref.hidden_states[1:]):
+        assert _rel(h, r) < 0.08
+
+    gen = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=6, do_sample=False,
+                         output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    assert gen.sequences.shape == (1, SEQ + 6) and not model.training
+    # prefill is the plain forward; later steps read the KV cache and must agree with a full forward
+    assert gen.sequences[0, SEQ].item() == out.logits[0, -1].argmax().item()
+    with torch.no_grad():
+        full = model(input_ids=gen.sequences).logits
+    for step, logits in enumerate(gen.logits):
+        assert _rel(logits[0], full[0, SEQ - 1 + step]) < 0.1, step
