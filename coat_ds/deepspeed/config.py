@@ -1,0 +1,38 @@
+"""The `"coat"` section of a DeepSpeed config: what coat_ds.deepspeed.initialize does to the model.
+
+    "coat": {"activation": {...}}     FP8 activation flow (keys: coat_ds.activation.ActivationConfig)
+
+DeepSpeed ignores top-level keys it does not know, so the same JSON file serves both.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+SECTION = "coat"
+_KEYS = ("activation",)
+
+
+@dataclass(frozen=True)
+class CoatSection:
+    activation: Any = None  # ActivationConfig, or None when the section has no "activation"
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None) -> "CoatSection":
+        d = dict(d or {})
+        for key in d:
+            if key not in _KEYS:
+                raise ValueError(f"coat.{key}: unknown key; allowed keys: {list(_KEYS)}")
+        activation = None
+        if "activation" in d:
+            if not isinstance(d["activation"], Mapping):
+                raise ValueError(f"coat.activation={d['activation']!r} is invalid; allowed: an object of "
+                                 "ActivationConfig keys")
+            from ..activation import ActivationConfig
+
+            activation = ActivationConfig.from_dict(d["activation"])
+        return cls(activation=activation)
+
+
+def coat_section(config: Mapping[str, Any] | None) -> CoatSection:
+    return CoatSection.from_dict((config or {}).get(SECTION))

@@ -1,0 +1,95 @@
+"""Make `"optimizer": {"type": "CoatAdamW", ...}` work through DeepSpeed's own extension points.
+
+DeepSpeed builds an optimizer it does not know by `getattr(torch.optim, name)(params, **params_cfg)`
+and lets ZeRO run any class listed in `ZERO_SUPPORTED_OPTIMIZERS`. We put a validating factory named
+CoatAdamW on `torch.optim` and CoatAdamW on that list, and wrap `DeepSpeedEngine._configure_optimizer`
+so the engine binds partition layouts (bind.py) as soon as ZeRO has built its flat partitions: that
+covers deepspeed.initialize, the launcher, HF Trainer and accelerate alike.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Iterable
+
+from ..formats import FORMATS, GROUP_SIZES
+from ..optim import CoatAdamW
+
+NAME = "CoatAdamW"
+
+# key -> (check, allowed values in words)
+_PARAMS: dict[str, tuple] = {
+    "lr": (lambda v: _num(v) and v >= 0 and math.isfinite(v), "a finite number >= 0"),
+    "betas": (lambda v: isinstance(v, (list, tuple)) and len(v) == 2 and all(_num(b) and 0 <= b < 1 for b in v),
+              "two numbers in [0, 1), e.g. [0.9, 0.95]"),
+    "eps": (lambda v: _num(v) and v >= 0, "a number >= 0"),
+    "weight_decay": (lambda v: _num(v) and v >= 0, "a number >= 0"),
+    "group_size": (lambda v: v in GROUP_SIZES and not isinstance(v, bool), f"one of {list(GROUP_SIZES)}"),
+    "v_format": (lambda v: isinstance(v, str) and v.lower() in FORMATS, f"one of {sorted(FORMATS)}"),
+    "expansion": (lambda v: isinstance(v, bool), "true or false"),
+    "fp8_state": (lambda v: isinstance(v, bool), "true or false"),
+    "check_finite": (lambda v: isinstance(v, bool), "true or false"),
+}
+
+
+def _num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def validate_params(params: dict | None) -> dict:
+    """The optimizer "params" of a DeepSpeed config, checked; a ValueError names the key and what is allowed."""
+    params = dict(params or {})
+    for key, value in params.items():
+        if key not in _PARAMS:
+            raise ValueError(f"optimizer.params.{key}: unknown key for CoatAdamW; allowed keys: {sorted(_PARAMS)}")
+        check, allowed = _PARAMS[key]
+        if not check(value):
+            raise ValueError(f"optimizer.params.{key}={value!r} is invalid for CoatAdamW; allowed: {allowed}")
+    if "betas" in params:
+        params["betas"] = tuple(float(b) for b in params["betas"])
+    if "v_format" in params:
+        params["v_format"] = params["v_format"].lower()
+    return params
+
+
+def coat_adamw_from_config(model_parameters: Iterable, **params: Any) -> CoatAdamW:
+    """What DeepSpeed calls for `"type": "CoatAdamW"`: validate the params, then build the optimizer."""
+    return CoatAdamW(model_parameters, **validate_params(params))
+
+
+coat_adamw_from_config.__name__ = coat_adamw_from_config.__qualname__ = NAME
+
+
+def _wrap_configure_optimizer(engine_cls) -> None:
+    original = engine_cls._configure_optimizer
+    if getattr(original, "_coat_wrapped", False):
+        return
+
+    @functools.wraps(original)
+    def _configure_optimizer(self, client_optimizer, model_parameters):
+        original(self, client_optimizer, model_parameters)
+        from .bind import bind
+        from .checkpoint import install
+
+        if isinstance(getattr(self, "basic_optimizer", None), CoatAdamW):
+            bind(self)
+            install(self)
+
+    _configure_optimizer._coat_wrapped = True
+    engine_cls._configure_optimizer = _configure_optimizer
+
+
+def register() -> None:
+    """Idempotent; `import coat_ds` calls it."""
+    import torch
+
+    try:
+        from deepspeed.runtime.engine import DeepSpeedEngine
+        from deepspeed.runtime.zero import utils as zero_utils
+    except ImportError:  # DeepSpeed not installed: CoatAdamW still works as a plain torch optimizer
+        return
+
+    setattr(torch.optim, NAME, coat_adamw_from_config)
+    if CoatAdamW not in zero_utils.ZERO_SUPPORTED_OPTIMIZERS:
+        zero_utils.ZERO_SUPPORTED_OPTIMIZERS.append(CoatAdamW)
+    _wrap_configure_optimizer(DeepSpeedEngine)
