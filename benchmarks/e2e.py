@@ -1,0 +1,649 @@
+"""End-to-end memory and speed: BF16 + FusedAdam vs coat_ds optimizer-only vs coat_ds full, one process each.
+
+    python benchmarks/e2e.py --model llama-1b --equal-batch 2 --out /tmp/e2e             # one GPU
+    python benchmarks/e2e.py --model llama2-7b --num-gpus 2 --zero-stage 2 --out /tmp/e2e  # ZeRO-2, 2 GPUs
+    python benchmarks/e2e.py --smoke --out /tmp/e2e_smoke                                # CPU, tiny, < 60 s
+
+Each configuration runs in its own worker process (`deepspeed --num_gpus N` when N > 1): a DeepSpeed
+engine never gives its memory back, so two engines in one process would measure each other. A worker
+builds one engine and climbs a ladder of micro-batch sizes on it, starting at the equal micro-batch:
+doubling, cut short by a linear fit of peak memory against batch size, then bisection between the
+largest size that fit and the smallest that did not. "Fits" means the peak reserved memory stays within
+--mem-fraction of the device (a real OOM ends the worker; the parent restarts it once below the
+failing size). Peak *allocated* memory does not depend on which sizes ran before in the same process,
+so the rungs of one ladder are comparable with fresh processes; expandable segments keep the
+allocator from fragmenting between rungs. The data are random tokens: memory and speed do not depend
+on them.
+
+At the equal micro-batch each worker also breaks its memory down from the real tensors: weights (the
+16-bit model plus the fp32 master partition), optimizer state (every tensor in the base optimizer's
+state), gradients (the model's `.grad`s and the ZeRO optimizer's gradient buffers, after backward) and
+activations (the bytes autograd saves for backward, seen through `saved_tensors_hooks`); on CUDA the
+allocator's deltas around forward and backward are reported beside them.
+
+Output in --out: e2e.json (device, model, memory_reduction, speedup_at_max_batch, one row per
+configuration, versions, command, date) and e2e.png.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "examples"))       # examples/train.py, examples/data.py
+sys.path.insert(0, str(ROOT))                    # coat_ds from a checkout
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+# Llama shapes by name. llama-1b is examples/train.py's "1b" (TinyLlama's shape); llama-3b is OpenLLaMA-3B's.
+MODELS = {
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                 intermediate_size=192, vocab_size=512),
+    "llama-125m": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=12,
+                       intermediate_size=3072, vocab_size=32000),
+    "llama-1b": dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=16, num_key_value_heads=4,
+                     intermediate_size=5632, vocab_size=32000),
+    "llama-3b": dict(hidden_size=3200, num_hidden_layers=26, num_attention_heads=32, num_key_value_heads=32,
+                     intermediate_size=8640, vocab_size=32000),
+    "llama2-7b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                      intermediate_size=11008, vocab_size=32000),
+}
+
+# The three configurations, as shipped in ds_configs/. A file not there yet is derived from zero2_coat.json.
+CONFIGS = {
+    "bf16": ("BF16 + FusedAdam", "ds_configs/zero2_bf16.json"),
+    "coat_opt": ("coat_ds optimizer-only", "ds_configs/zero2_coat_optimizer_only.json"),
+    "coat_full": ("coat_ds full", "ds_configs/zero2_coat.json"),
+}
+TARGETS = {"memory_reduction": 1.54, "speedup_at_max_batch": 1.43}   # COAT's paper, Llama-2-7B
+GIB = 2 ** 30
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Shared with convergence.py: configs, model, run metadata
+# ---------------------------------------------------------------------------------------------------------
+def ds_config(name: str, *, micro_batch: int, zero_stage: int | None = None, on_cpu: bool = False,
+              lr: float | None = None, total_steps: int | None = None, warmup_steps: int | None = None) -> dict:
+    """The DeepSpeed config of configuration `name` with the benchmark's overrides applied.
+
+    On CPU the BF16 baseline uses torch's AdamW (`torch_adam`): FusedAdam would JIT-build a C++ op there."""
+    if name not in CONFIGS:
+        raise ValueError(f"configuration {name!r} is unknown; allowed: {list(CONFIGS)}")
+    path = ROOT / CONFIGS[name][1]
+    if path.is_file():
+        cfg = json.loads(path.read_text())
+        source = CONFIGS[name][1]
+    else:  # derive from the full COAT config: same optimizer settings, so only the named change differs
+        cfg = json.loads((ROOT / CONFIGS["coat_full"][1]).read_text())
+        source = f"{CONFIGS['coat_full'][1]} (derived: {CONFIGS[name][1]} not found)"
+        if name == "bf16":
+            cfg.pop("coat", None)
+            cfg["optimizer"]["type"] = "AdamW"
+        elif name == "coat_opt":
+            cfg.pop("coat", None)
+    cfg.pop("train_batch_size", None)
+    cfg["train_micro_batch_size_per_gpu"] = micro_batch
+    cfg["gradient_accumulation_steps"] = 1
+    cfg["steps_per_print"] = 10 ** 9
+    cfg.setdefault("wall_clock_breakdown", False)
+    if zero_stage is not None:
+        cfg.setdefault("zero_optimization", {})["stage"] = zero_stage
+    opt = cfg.get("optimizer", {})
+    if on_cpu and opt.get("type", "").lower() in ("adam", "adamw"):
+        opt.setdefault("params", {})["torch_adam"] = True
+    if lr is not None:
+        opt.setdefault("params", {})["lr"] = lr
+    sched = cfg.get("scheduler", {}).get("params")
+    if sched is not None:
+        if total_steps is not None:
+            sched["total_num_steps"] = total_steps
+        elif sched.get("total_num_steps") == "auto":
+            sched["total_num_steps"] = 10 ** 6
+        if warmup_steps is not None:
+            sched["warmup_num_steps"] = warmup_steps
+    cfg["_source"] = source
+    return cfg
+
+
+def build_llama(model: str, device, dtype, seed: int, vocab_size: int | None = None):
+    """A randomly initialised Llama of shape `model`, built directly on `device` in `dtype` (a 7B model
+    built in fp32 on the host would take a minute per worker)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if model not in MODELS:
+        raise ValueError(f"--model {model!r} is unknown; allowed: {list(MODELS)}")
+    shape = dict(MODELS[model])
+    if vocab_size is not None:
+        shape["vocab_size"] = vocab_size
+    cfg = LlamaConfig(max_position_embeddings=4096, tie_word_embeddings=False, rms_norm_eps=1e-5, **shape)
+    torch.manual_seed(seed)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            net = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(prev)
+    return net
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
+                             timeout=10)
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10)
+        if out.returncode == 0:
+            return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return os.environ.get("COAT_GIT_COMMIT")
+
+
+def versions() -> dict:
+    """Versions of everything that shapes the numbers."""
+    import torch
+
+    v = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+         "coat_ds_commit": _git_commit()}
+    for mod in ("deepspeed", "transformers", "coat_ds"):
+        try:
+            v[mod] = __import__(mod).__version__
+        except Exception as e:  # noqa: BLE001 - a version is informative, never fatal
+            v[mod] = f"unavailable ({type(e).__name__})"
+    if torch.cuda.is_available():
+        v["gpu"] = torch.cuda.get_device_name(0)
+        v["gpu_count"] = torch.cuda.device_count()
+    return v
+
+
+def device_name() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        n = torch.cuda.device_count()
+        return f"{n}x {torch.cuda.get_device_name(0)}" if n > 1 else torch.cuda.get_device_name(0)
+    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def command() -> str:
+    return " ".join([Path(sys.executable).name] + sys.argv)
+
+
+class WarningLog:
+    """Collects coat_ds's warnings (a kernel that fell back to the reference path changes every figure)."""
+
+    def __init__(self) -> None:
+        self.messages: list[str] = []
+        self._show = warnings.showwarning
+        warnings.showwarning = self._record
+
+    def _record(self, message, category, filename, lineno, file=None, line=None):
+        text = str(message)
+        if "coat" in text.lower() and text not in self.messages:
+            self.messages.append(text)
+        self._show(message, category, filename, lineno, file, line)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Memory accounting from the real tensors
+# ---------------------------------------------------------------------------------------------------------
+def _tensors(obj, depth: int = 0):
+    """Every tensor in a (nested) container."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif depth < 4 and isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v, depth + 1)
+    elif depth < 4 and isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v, depth + 1)
+
+
+class StorageCounter:
+    """Bytes of distinct storages, each counted once across all categories (views share a storage)."""
+
+    def __init__(self) -> None:
+        self.seen: set[int] = set()
+
+    def add(self, tensors) -> int:
+        total = 0
+        for t in tensors:
+            if t is None or t.device.type == "meta":
+                continue
+            st = t.untyped_storage()
+            key = st.data_ptr()
+            if key == 0 or key in self.seen:
+                continue
+            self.seen.add(key)
+            total += st.nbytes()
+        return total
+
+
+def base_optimizer(engine):
+    """The optimizer that owns the Adam state (ZeRO and bf16 wrappers keep it as `.optimizer`)."""
+    opt = engine.optimizer
+    for _ in range(4):
+        inner = getattr(opt, "optimizer", None)
+        if inner is None or inner is opt or not hasattr(inner, "state"):
+            break
+        opt = inner
+    return opt
+
+
+def grad_tensors(engine):
+    """Gradient storage after backward: the model's `.grad`s, the master params' `.grad`s, and whatever the
+    ZeRO / bf16 optimizer wrapper holds under a gradient-named attribute (buckets, partition buffers)."""
+    for p in engine.module.parameters():
+        yield p.grad
+    base = base_optimizer(engine)
+    for g in base.param_groups:
+        for p in g["params"]:
+            yield p.grad
+    wrapper = engine.optimizer
+    if wrapper is not base:
+        for name, val in vars(wrapper).items():
+            if "grad" in name.lower() or "ipg" in name.lower():
+                yield from _tensors(val)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Worker: one configuration, one engine, a ladder of micro-batch sizes
+# ---------------------------------------------------------------------------------------------------------
+def worker(args: argparse.Namespace) -> int:
+    import torch
+    import deepspeed
+    import deepspeed.comm as dist
+    from deepspeed.accelerator import get_accelerator
+
+    import train as train_lib   # examples/train.py: engine initialisation (coat_ds.deepspeed glue) and the loss
+
+    wlog = WarningLog()
+    train_lib.set_single_process_env()
+    deepspeed.init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    accel = get_accelerator()
+    on_cuda = torch.cuda.is_available()
+    device = torch.device(accel.device_name(int(os.environ.get("LOCAL_RANK", 0)))) if on_cuda else \
+        torch.device("cpu")
+    if on_cuda:
+        torch.cuda.set_device(device)
+    out = Path(args.result)
+
+    def emit(rec: dict) -> None:
+        if rank == 0:
+            with open(out, "a") as fh:
+                fh.write(json.dumps(rec) + "\n")
+
+    t_start = time.time()
+    net = build_llama(args.model, device, torch.bfloat16 if on_cuda else torch.float32, args.seed)
+    n_params = sum(p.numel() for p in net.parameters())
+    vocab = net.config.vocab_size
+    cfg = ds_config(args.config, micro_batch=args.start_batch, zero_stage=args.zero_stage, on_cpu=not on_cuda)
+    source = cfg.pop("_source")
+    engine = train_lib.initialize(net, cfg)
+    engine.train()
+    limit = args.mem_fraction * accel.total_memory() if on_cuda else float("inf")
+    emit({"kind": "setup", "params": n_params, "world_size": world, "config_source": source, "ds_config": cfg,
+          "setup_s": time.time() - t_start, "device_total_gb": accel.total_memory() / GIB,
+          "limit_gb": limit / GIB if math.isfinite(limit) else None})
+    gen = torch.Generator(device="cpu").manual_seed(args.seed + rank)
+
+    def sync():
+        if on_cuda:
+            torch.cuda.synchronize()
+
+    def reduce_max(vals: list[float]) -> list[float]:
+        t = torch.tensor(vals, dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.tolist()
+
+    def one_step(x, y):
+        loss = train_lib.lm_loss(engine, x, y)
+        engine.backward(loss)
+        engine.step()
+        return loss
+
+    def breakdown(x, y) -> dict:
+        """One instrumented step: tensors per category and the allocator's view around it."""
+        counter = StorageCounter()
+        weights = counter.add(p for p in engine.module.parameters())
+        base = base_optimizer(engine)
+        master = counter.add(p for g in base.param_groups for p in g["params"])
+        opt_state = counter.add(t for st in base.state.values() for t in _tensors(st))
+        param_keys = set(counter.seen)
+        saved: dict[int, int] = {}
+
+        def pack(t):
+            st = t.untyped_storage()
+            key = st.data_ptr()
+            if key and key not in param_keys:
+                saved[key] = st.nbytes()
+            return t
+
+        sync()
+        a0 = accel.memory_allocated() if on_cuda else None
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = train_lib.lm_loss(engine, x, y)
+        sync()
+        a1 = accel.memory_allocated() if on_cuda else None
+        engine.backward(loss)
+        sync()
+        a2 = accel.memory_allocated() if on_cuda else None
+        grads = counter.add(grad_tensors(engine))
+        engine.step()
+        sync()
+        acts = sum(v for k, v in saved.items() if k not in counter.seen)
+        rec = {"weights_gb": (weights + master) / GIB, "model_weights_gb": weights / GIB,
+               "master_weights_gb": master / GIB, "optimizer_state_gb": opt_state / GIB, "grads_gb": grads / GIB,
+               "activations_gb": acts / GIB,
+               "alloc_forward_delta_gb": (a1 - a0) / GIB if on_cuda else None,
+               "alloc_backward_delta_gb": (a2 - a0) / GIB if on_cuda else None}
+        return rec
+
+    def rung(b: int, first: bool) -> dict:
+        x_all = torch.randint(0, vocab, (b, args.seq_len + 1), generator=gen)
+        x, y = x_all[:, :-1].to(device), x_all[:, 1:].to(device)
+        for _ in range(args.warmup + (1 if first else 0)):
+            one_step(x, y)
+        sync()
+        accel.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            loss = one_step(x, y)
+        sync()
+        dt = time.perf_counter() - t0
+        peak_alloc, peak_res, dt = reduce_max([accel.max_memory_allocated(), accel.max_memory_reserved(), dt])
+        rec = {"kind": "rung", "micro_batch": b, "peak_alloc_gb": peak_alloc / GIB, "peak_reserved_gb": peak_res / GIB,
+               "step_time_s": dt / args.steps, "tokens_per_s": b * args.seq_len * world * args.steps / dt,
+               "loss": float(loss.detach().float()), "fits": bool(peak_res <= limit)}
+        if first:
+            rec["breakdown"] = breakdown(x, y)
+        return rec
+
+    lo, hi = None, args.known_fail
+    points: list[tuple[int, float]] = []
+    b, first = args.start_batch, True
+    while b is not None:
+        try:
+            rec = rung(b, first)
+        except torch.OutOfMemoryError as e:
+            emit({"kind": "oom", "micro_batch": b, "error": str(e).splitlines()[0]})
+            sys.stdout.flush()
+            os._exit(17)   # ranks may be mid-collective: end now, the launcher stops the others
+        rec["elapsed_s"] = time.time() - t_start
+        emit(rec)
+        if rank == 0:
+            print(f"[{args.config}] micro-batch {b}: peak {rec['peak_alloc_gb']:.2f} GiB allocated, "
+                  f"{rec['peak_reserved_gb']:.2f} reserved, {rec['tokens_per_s']:,.0f} tokens/s", flush=True)
+        first = False
+        if rec["fits"]:
+            lo = b if lo is None else max(lo, b)
+            points.append((b, rec["peak_reserved_gb"] * GIB))
+        else:
+            hi = b if hi is None else min(hi, b)
+        over_time = time.time() - t_start > args.budget_s
+        n_rungs = sum(1 for _ in points) + (0 if hi is None else 1)
+        b = None if over_time or n_rungs >= args.max_rungs else next_batch(points, lo, hi, limit, args.max_batch)
+    emit({"kind": "done", "largest_fitting": lo, "smallest_failing": hi, "coat_warnings": wlog.messages,
+          "elapsed_s": time.time() - t_start})
+    dist.barrier()
+    return 0
+
+
+def next_batch(points: list[tuple[int, float]], lo: int | None, hi: int | None, limit: float,
+               max_batch: int) -> int | None:
+    """The next micro-batch to try: doubling, cut short by a linear fit of peak memory against batch size
+    through the two largest sizes that fit, then bisection inside [largest fit, smallest failure)."""
+    if lo is None:                       # nothing fit yet: halve
+        return None if hi is None or hi <= 1 else hi // 2
+    if lo >= max_batch or (hi is not None and hi <= lo + 1):
+        return None
+    guess = 2 * lo
+    fit = sorted(points)[-2:]
+    if len(fit) == 2 and math.isfinite(limit) and fit[1][0] > fit[0][0]:
+        (b0, m0), (b1, m1) = fit
+        slope = (m1 - m0) / (b1 - b0)
+        if slope > 0:
+            guess = min(int((limit - m1) / slope) + b1, 4 * lo)
+    if hi is not None:
+        guess = min(guess, hi - 1) if guess < hi else (lo + hi) // 2
+    guess = min(guess, max_batch)
+    return guess if guess > lo else None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Parent: one worker per configuration, then the summary and the chart
+# ---------------------------------------------------------------------------------------------------------
+def read_records(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def launch(args: argparse.Namespace, name: str, result: Path, start: int, known_fail: int | None,
+           budget: float) -> tuple[int, str]:
+    """Run one worker (under `deepspeed --num_gpus N` when N > 1); returns its exit code and output tail."""
+    wargs = ["--worker", "--config", name, "--model", args.model, "--seq-len", str(args.seq_len),
+             "--start-batch", str(start), "--max-batch", str(args.max_batch), "--steps", str(args.steps),
+             "--warmup", str(args.warmup), "--mem-fraction", str(args.mem_fraction), "--seed", str(args.seed),
+             "--budget-s", str(max(budget - 60, 10)), "--max-rungs", str(args.max_rungs), "--result", str(result)]
+    if args.zero_stage is not None:
+        wargs += ["--zero-stage", str(args.zero_stage)]
+    if known_fail is not None:
+        wargs += ["--known-fail", str(known_fail)]
+    if args.num_gpus > 1:
+        cmd = ["deepspeed", "--num_gpus", str(args.num_gpus), "--master_port", str(free_port()),
+               str(Path(__file__).resolve())] + wargs
+    else:
+        cmd = [sys.executable, str(Path(__file__).resolve())] + wargs
+    env = dict(os.environ)
+    env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    print(f"== {name}: {' '.join(cmd)}", flush=True)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    tail: list[str] = []
+    deadline = time.time() + budget
+    try:
+        import selectors
+        sel = selectors.DefaultSelector()
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        while True:
+            if time.time() > deadline:
+                raise subprocess.TimeoutExpired(cmd, budget)
+            if not sel.select(timeout=1.0):
+                if proc.poll() is not None:
+                    break
+                continue
+            line = proc.stdout.readline()
+            if not line:
+                break
+            if args.verbose or line.startswith("[") or "Error" in line or "error" in line:
+                print(line, end="", flush=True)
+            tail = (tail + [line])[-40:]
+        rc = proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        rc = 124
+        tail.append(f"killed after {budget:.0f} s (time budget)\n")
+    return rc, "".join(tail)
+
+
+def summarize_config(name: str, records: list[dict], equal_batch: int, errors: list[str]) -> dict:
+    setup = next((r for r in records if r["kind"] == "setup"), {})
+    rungs = [r for r in records if r["kind"] == "rung"]
+    ooms = [r["micro_batch"] for r in records if r["kind"] == "oom"]
+    warns = sorted({w for r in records if r["kind"] == "done" for w in r.get("coat_warnings", [])})
+    eq = next((r for r in rungs if r["micro_batch"] == equal_batch), None)
+    fitting = [r for r in rungs if r["fits"]]
+    best = max(fitting, key=lambda r: r["micro_batch"]) if fitting else None
+    failing = sorted([r["micro_batch"] for r in rungs if not r["fits"]] + ooms)
+    row = {"name": name, "label": CONFIGS[name][0], "config_source": setup.get("config_source"),
+           "ds_config": setup.get("ds_config"), "params": setup.get("params"),
+           "setup_s": setup.get("setup_s"),
+           "equal_batch": None if eq is None else {k: eq[k] for k in ("micro_batch", "peak_alloc_gb",
+                                                                     "peak_reserved_gb", "tokens_per_s",
+                                                                     "step_time_s")},
+           "breakdown": None, "max_batch": None,
+           "smallest_failing_batch": failing[0] if failing else None,
+           "rungs": [{k: v for k, v in r.items() if k not in ("kind", "breakdown")} for r in rungs],
+           "coat_warnings": warns, "errors": errors}
+    first = next((r for r in rungs if "breakdown" in r), None)
+    if first is not None:
+        bd = dict(first["breakdown"])
+        known = bd["weights_gb"] + bd["optimizer_state_gb"] + bd["grads_gb"] + bd["activations_gb"]
+        bd["other_gb"] = first["peak_alloc_gb"] - known   # transients at the peak: logits, temporaries
+        bd["at_micro_batch"] = first["micro_batch"]
+        row["breakdown"] = bd
+    if best is not None:
+        row["max_batch"] = {k: best[k] for k in ("micro_batch", "peak_alloc_gb", "peak_reserved_gb",
+                                                 "tokens_per_s", "step_time_s")}
+        row["max_batch"]["exact"] = bool(failing and failing[0] == best["micro_batch"] + 1)
+    return row
+
+
+def ratio(a, b):
+    return a / b if a and b else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="llama-1b", choices=list(MODELS))
+    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from {list(CONFIGS)}")
+    p.add_argument("--num-gpus", type=int, default=1, help="world size (deepspeed launcher when > 1)")
+    p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], help="override the configs' ZeRO stage")
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--equal-batch", type=int, default=1, help="micro-batch at which peak memory is compared")
+    p.add_argument("--max-batch", type=int, default=256, help="largest micro-batch the search tries")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per micro-batch size")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps per micro-batch size")
+    p.add_argument("--max-rungs", type=int, default=7, help="micro-batch sizes tried per configuration")
+    p.add_argument("--mem-fraction", type=float, default=0.95, help="'fits': peak reserved <= this x device memory")
+    p.add_argument("--time-budget", type=float, default=420.0, help="seconds for all configurations together")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--smoke", action="store_true", help="tiny model, few steps (CPU is fine)")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--verbose", action="store_true", help="echo the workers' whole output")
+    # worker-only
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--config", help=argparse.SUPPRESS)
+    p.add_argument("--start-batch", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--known-fail", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--budget-s", type=float, default=1e9, help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        return worker(args)
+    if args.smoke:
+        args.model, args.seq_len, args.steps, args.warmup = "tiny", 32, 1, 0
+        args.max_batch, args.equal_batch, args.max_rungs = min(args.max_batch, 4), 1, 3
+    names = [n.strip() for n in args.configs.split(",") if n.strip()]
+    for n in names:
+        if n not in CONFIGS:
+            p.error(f"--configs: {n!r} is unknown; allowed: {list(CONFIGS)}")
+    for key in ("seq_len", "equal_batch", "max_batch", "steps", "num_gpus", "max_rungs"):
+        if getattr(args, key) < 1:
+            p.error(f"--{key.replace('_', '-')}={getattr(args, key)} is invalid; allowed: an integer >= 1")
+    if not 0 < args.mem_fraction <= 1:
+        p.error(f"--mem-fraction={args.mem_fraction} is invalid; allowed: a float in (0, 1]")
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    rows = []
+    for i, name in enumerate(names):
+        result = out / f"e2e_{name}.jsonl"
+        result.unlink(missing_ok=True)
+        errors: list[str] = []
+        share = (args.time_budget - (time.time() - t0)) / (len(names) - i)
+        rc, tail = launch(args, name, result, args.equal_batch, None, share)
+        recs = read_records(result)
+        if rc != 0:
+            ooms = [r["micro_batch"] for r in recs if r["kind"] == "oom"]
+            fit = [r["micro_batch"] for r in recs if r["kind"] == "rung" and r["fits"]]
+            errors.append(f"worker exit {rc}" + (f" (OOM at micro-batch {ooms[-1]})" if ooms else "") +
+                          ("" if ooms else f": {tail[-1500:]}"))
+            remaining = args.time_budget - (time.time() - t0) - (len(names) - i - 1) * 60
+            if ooms and remaining > 90:        # restart once, below the failing size
+                start = (max(fit) + ooms[-1]) // 2 if fit else ooms[-1] // 2
+                if start >= 1 and start not in fit:
+                    rc2, tail2 = launch(args, name, result, start, ooms[-1], remaining)
+                    recs = read_records(result)
+                    if rc2 != 0:
+                        errors.append(f"restart exit {rc2}: {tail2[-1500:]}")
+        rows.append(summarize_config(name, recs, args.equal_batch, errors))
+
+    import torch  # noqa: F401  (versions() and device_name() need it; imported late to keep workers separate)
+
+    by = {r["name"]: r for r in rows}
+    peak = lambda n: (by.get(n) or {}).get("equal_batch") and by[n]["equal_batch"]["peak_alloc_gb"]  # noqa: E731
+    tps = lambda n: (by.get(n) or {}).get("max_batch") and by[n]["max_batch"]["tokens_per_s"]  # noqa: E731
+    tps_eq = lambda n: (by.get(n) or {}).get("equal_batch") and by[n]["equal_batch"]["tokens_per_s"]  # noqa: E731
+    common: dict[str, float] = {}
+    if "bf16" in by and "coat_full" in by:
+        full = {r["micro_batch"]: r["peak_alloc_gb"] for r in by["coat_full"]["rungs"]}
+        for r in by["bf16"]["rungs"]:
+            if r["micro_batch"] in full:
+                common[str(r["micro_batch"])] = r["peak_alloc_gb"] / full[r["micro_batch"]]
+    setup = rows[0]
+    res = {
+        "device": device_name(),
+        "model": args.model, "params": setup.get("params"), "shape": MODELS[args.model],
+        "world_size": args.num_gpus, "zero_stage": args.zero_stage if args.zero_stage is not None else
+        ((setup.get("ds_config") or {}).get("zero_optimization") or {}).get("stage"),
+        "seq_len": args.seq_len, "equal_micro_batch": args.equal_batch,
+        "memory_reduction": ratio(peak("bf16"), peak("coat_full")),
+        "memory_reduction_optimizer_only": ratio(peak("bf16"), peak("coat_opt")),
+        "memory_reduction_by_batch": common,
+        "speedup_at_max_batch": ratio(tps("coat_full"), tps("bf16")),
+        "speedup_at_max_batch_optimizer_only": ratio(tps("coat_opt"), tps("bf16")),
+        "speedup_at_equal_batch": ratio(tps_eq("coat_full"), tps_eq("bf16")),
+        "targets": TARGETS, "fit_rule": f"peak reserved <= {args.mem_fraction} x device memory",
+        "configs": rows, "versions": versions(), "command": command(), "date": now(),
+        "wall_s": time.time() - t0, "smoke": args.smoke,
+    }
+    path = out / "e2e.json"
+    path.write_text(json.dumps(res, indent=1))
+    try:
+        from plot_utils import plot_e2e
+        plot_e2e(res, out / "e2e.png")
+        res["png"] = str(out / "e2e.png")
+    except ImportError as e:   # no matplotlib on this node: `python benchmarks/plot_utils.py e2e.json` later
+        print(f"warning: no plot ({e}); render it later with benchmarks/plot_utils.py {path}", file=sys.stderr)
+    path.write_text(json.dumps(res, indent=1))
+    f = lambda v: "-" if v is None else f"{v:.2f}x"  # noqa: E731
+    print(f"memory reduction at micro-batch {args.equal_batch}: {f(res['memory_reduction'])} (target "
+          f"{TARGETS['memory_reduction']}x); speedup at max batch: {f(res['speedup_at_max_batch'])} (target "
+          f"{TARGETS['speedup_at_max_batch']}x)  ->  {path}")
+    return 0 if all(r["equal_batch"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""Charts for e2e.json and convergence.json; also re-renders them from the JSON alone.
+
+    python benchmarks/plot_utils.py benchmarks/results/e2e.json benchmarks/results/convergence.json
+
+The JSON files hold every number a chart shows, so a node without matplotlib can run the benchmark and
+the chart can be drawn later anywhere.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+COLORS = {"bf16": "#4c72b0", "coat_opt": "#dd8452", "coat_full": "#55a868"}
+PARTS = [("weights_gb", "weights (16-bit + fp32 master)"), ("optimizer_state_gb", "optimizer state"),
+         ("grads_gb", "gradients"), ("activations_gb", "activations (saved for backward)"),
+         ("other_gb", "other (transients at peak)")]
+
+
+def _plt():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def plot_e2e(res: dict, path: Path) -> None:
+    """Memory breakdown at the equal micro-batch, the largest micro-batch, and tokens/s there."""
+    plt = _plt()
+    rows = res["configs"]
+    labels = [r["label"].replace(" + ", "\n+ ").replace("coat_ds ", "coat_ds\n") for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.8))
+    ax = axes[0]
+    for i, r in enumerate(rows):
+        bd = r.get("breakdown") or {}
+        bottom = 0.0
+        for j, (key, name) in enumerate(PARTS):
+            v = max(bd.get(key) or 0.0, 0.0)
+            ax.bar(i, v, bottom=bottom, color=f"C{j}", label=name if i == 0 else None, width=0.6)
+            bottom += v
+        peak = (r.get("equal_batch") or {}).get("peak_alloc_gb")
+        if peak:
+            ax.text(i, max(bottom, peak), f"{peak:.1f} GiB", ha="center", va="bottom", fontsize=9)
+    red = res.get("memory_reduction")
+    ax.set(xticks=range(len(rows)), xticklabels=labels, ylabel="GiB (rank 0)",
+           title=f"peak memory at micro-batch {res['equal_micro_batch']}" +
+                 (f" ({red:.2f}x less)" if red else ""))
+    tops = [max((r.get("equal_batch") or {}).get("peak_alloc_gb") or 0.0,
+                sum(max((r.get("breakdown") or {}).get(k) or 0.0, 0.0) for k, _ in PARTS)) for r in rows]
+    ax.set_ylim(0, 1.6 * max(tops + [1e-9]))
+    ax.legend(fontsize=7, loc="upper center", ncol=2)
+
+    ax = axes[1]
+    mb = [(r.get("max_batch") or {}).get("micro_batch") or 0 for r in rows]
+    ax.bar(range(len(rows)), mb, color=[COLORS.get(r["name"], "gray") for r in rows], width=0.6)
+    for i, (v, r) in enumerate(zip(mb, rows)):
+        exact = (r.get("max_batch") or {}).get("exact")
+        ax.text(i, v, f"{v}" + ("" if exact else " (>=)"), ha="center", va="bottom", fontsize=9)
+    ax.set(xticks=range(len(rows)), xticklabels=labels, ylabel="micro-batch", title="largest micro-batch that fits")
+    ax.margins(y=0.15)
+
+    ax = axes[2]
+    tps = [(r.get("max_batch") or {}).get("tokens_per_s") or 0 for r in rows]
+    ax.bar(range(len(rows)), tps, color=[COLORS.get(r["name"], "gray") for r in rows], width=0.6)
+    for i, v in enumerate(tps):
+        ax.text(i, v, f"{v:,.0f}", ha="center", va="bottom", fontsize=9)
+    sp = res.get("speedup_at_max_batch")
+    ax.set(xticks=range(len(rows)), xticklabels=labels, ylabel="tokens/s (all ranks)",
+           title="throughput at each one's largest micro-batch" + (f" ({sp:.2f}x)" if sp else ""))
+    ax.margins(y=0.15)
+    fig.suptitle(f"{res['model']} ({(res.get('params') or 0) / 1e9:.2f}B params), seq {res['seq_len']}, "
+                 f"ZeRO-{res.get('zero_stage')}, {res['world_size']} rank(s), {res['device']}", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_convergence(res: dict, path: Path) -> None:
+    """Train (thin) and validation (markers) loss of every configuration, and the validation gap to BF16."""
+    plt = _plt()
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [2, 1]})
+    runs = res["runs"]
+    base = {s: v for s, v in (runs.get("bf16") or {}).get("val", [])}
+    for name, run in runs.items():
+        c = COLORS.get(name, None)
+        tr = run.get("train", [])
+        if tr:
+            ax.plot([s for s, _ in tr], [v for _, v in tr], lw=0.8, alpha=0.6, color=c,
+                    label=f"{run.get('label', name)} train")
+        va = run.get("val", [])
+        if va:
+            ax.plot([s for s, _ in va], [v for _, v in va], "o-", ms=3, lw=1.5, color=c,
+                    label=f"{run.get('label', name)} val")
+        if name != "bf16" and base:
+            gap = [(s, 100 * (v - base[s]) / base[s]) for s, v in va if s in base]
+            if gap:
+                ax2.plot([s for s, _ in gap], [g for _, g in gap], "o-", ms=3, color=c, label=run.get("label", name))
+    ax.set(xlabel="step", ylabel="loss", title=f"{res.get('model')} from scratch, {res.get('data', '')}"[:90])
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    lo = [v for run in runs.values() for _, v in run.get("val", [])]
+    if lo:
+        ax.set_ylim(min(lo) * 0.95, min(lo) * 2.2)
+    ax2.axhline(0, color="black", lw=0.8)
+    ax2.axhspan(-0.5, 0.5, color="green", alpha=0.08, label="target: within 0.5%")
+    ax2.set(xlabel="step", ylabel="val loss vs BF16 (%)", title="validation loss gap to BF16")
+    ax2.grid(alpha=0.3)
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(paths: list[str]) -> int:
+    for p in map(Path, paths):
+        res = json.loads(p.read_text())
+        out = p.with_suffix(".png")
+        (plot_convergence if "runs" in res else plot_e2e)(res, out)
+        print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
