@@ -2,5 +2,6 @@
 `COAT_BUILD_OPS=1 pip install --no-build-isolation .`)."""
 from .adam import CPUCoatAdamBuilder, CoatAdamBuilder
 from .builder import CoatCPUOpBuilder, CoatCUDAOpBuilder
+from .coat_quant import CoatQuantBuilder
 
-__all__ = ["CoatAdamBuilder", "CPUCoatAdamBuilder", "CoatCPUOpBuilder", "CoatCUDAOpBuilder"]
+__all__ = ["CoatAdamBuilder", "CPUCoatAdamBuilder", "CoatCPUOpBuilder", "CoatCUDAOpBuilder", "CoatQuantBuilder"]

@@ -1,0 +1,369 @@
+// Fused FP8 AdamW step (dequantise m, v -> AdamW update -> per-group range -> re-quantise), plus group
+// (de)quantisation, on CUDA. Memory-bound: one read and one write of every byte, nothing else.
+//
+// Layout: 256-thread blocks; a group of G values is handled by G/V lanes of one warp, V values per thread
+// (V = 4, or 8 for G = 256), so a warp holds 128/G groups (one for G >= 128). The group's max/min reduce
+// over its lanes with shuffles. Each segment finds its tensor in a device table (multi-tensor launch:
+// one launch per param group), blocks are persistent and stride over the groups.
+#include "coat_adam_cuda.h"
+#include "coat_fp8.cuh"
+
+namespace coat_cuda {
+namespace {
+
+using coat::DeviceMath;
+using coat::GroupScale;
+
+constexpr int kThreads = 256;
+
+template <int G>
+struct Tile {
+    static constexpr int kVpt = G >= 256 ? 8 : 4;  // values per thread
+    static constexpr int kWords = kVpt / 4;        // 4-code words per thread
+    static constexpr int kLanes = G / kVpt;        // lanes per group
+    static constexpr int kGroupsPerBlock = kThreads / kLanes;
+};
+
+// Index of the tensor holding global group gid: the last entry whose group_begin <= gid.
+__device__ __forceinline__ int find_tensor(const AdamTensor* __restrict__ t, int n, int64_t gid) {
+    int lo = 0, hi = n - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (__ldg(&t[mid].group_begin) <= gid) {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    return lo;
+}
+
+__device__ __forceinline__ uint32_t code_at(const uint32_t* words, int j) { return (words[j >> 2] >> (8 * (j & 3))) & 0xFFu; }
+
+template <int G, bool BF16_GRAD>
+__global__ void __launch_bounds__(kThreads) adam_kernel(const AdamTensor* __restrict__ tensors, int n_tensors,
+                                                        int64_t total_groups, coat::AdamCoefs c, bool v_e5m2,
+                                                        bool expansion) {
+    using T = Tile<G>;
+    constexpr int V = T::kVpt;
+    __shared__ float s_log2_m[128];
+    __shared__ float s_log2_v[128];
+    for (int i = threadIdx.x; i < 128; i += blockDim.x) {
+        s_log2_m[i] = coat::log2_abs_code_table(i, false);
+        s_log2_v[i] = coat::log2_abs_code_table(i, v_e5m2);
+    }
+    __syncthreads();
+
+    const int seg = threadIdx.x / T::kLanes;
+    const int lane = threadIdx.x % T::kLanes;
+    const int64_t stride = (int64_t)gridDim.x * T::kGroupsPerBlock;
+    for (int64_t first = (int64_t)blockIdx.x * T::kGroupsPerBlock; first < total_groups; first += stride) {
+        const int64_t gid = first + seg;
+        const bool active = gid < total_groups;
+        AdamTensor t = {};
+        int64_t lg = 0, off = 0;
+        int n_valid = 0;
+        bool vec = false;
+        float ms = 0.0f, me = 1.0f, vs = 0.0f, ve = 1.0f;
+        if (active) {
+            t = tensors[n_tensors == 1 ? 0 : find_tensor(tensors, n_tensors, gid)];
+            lg = gid - t.group_begin;
+            const int64_t goff = lg * G;
+            off = goff + (int64_t)lane * V;
+            const int64_t rem = t.numel - off;
+            n_valid = rem <= 0 ? 0 : (rem >= V ? V : (int)rem);
+            vec = t.vec_ok && t.numel - goff >= G;
+            ms = t.m_scale[lg];
+            me = t.m_expo[lg];
+            vs = t.v_scale[lg];
+            ve = t.v_expo[lg];
+        }
+
+        float p[V], g[V], m[V], v[V];
+        uint32_t mw[T::kWords], vw[T::kWords];
+        if (vec) {
+#pragma unroll
+            for (int q = 0; q < T::kWords; ++q) {
+                const float4 pp = coat::load_f32x4_stream(t.param + off + 4 * q);
+                p[4 * q] = pp.x, p[4 * q + 1] = pp.y, p[4 * q + 2] = pp.z, p[4 * q + 3] = pp.w;
+                if (BF16_GRAD) {
+                    coat::load_bf16x4(static_cast<const uint16_t*>(t.grad) + off + 4 * q, g + 4 * q);
+                } else {
+                    const float4 gg = coat::load_f32x4_stream(static_cast<const float*>(t.grad) + off + 4 * q);
+                    g[4 * q] = gg.x, g[4 * q + 1] = gg.y, g[4 * q + 2] = gg.z, g[4 * q + 3] = gg.w;
+                }
+                mw[q] = coat::load_u8x4(t.m_codes + off + 4 * q);
+                vw[q] = coat::load_u8x4(t.v_codes + off + 4 * q);
+            }
+        } else {
+#pragma unroll
+            for (int q = 0; q < T::kWords; ++q) mw[q] = vw[q] = 0u;
+#pragma unroll
+            for (int j = 0; j < V; ++j) {
+                p[j] = g[j] = 0.0f;
+                if (j < n_valid) {
+                    p[j] = t.param[off + j];
+                    g[j] = BF16_GRAD ? coat::bf16_to_f32(static_cast<const uint16_t*>(t.grad)[off + j])
+                                     : static_cast<const float*>(t.grad)[off + j];
+                    mw[j >> 2] |= (uint32_t)t.m_codes[off + j] << (8 * (j & 3));
+                    vw[j >> 2] |= (uint32_t)t.v_codes[off + j] << (8 * (j & 3));
+                }
+            }
+        }
+
+        // dequantise, update, and track each moment's largest / smallest non-zero magnitude
+        const GroupScale sm = coat::stored_scale<DeviceMath>(ms, me);
+        const GroupScale sv = coat::stored_scale<DeviceMath>(vs, ve);
+        float m_big = 0.0f, m_small = COAT_F32_INF, v_big = 0.0f, v_small = COAT_F32_INF;
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+            const uint32_t mc = code_at(mw, j), vc = code_at(vw, j);
+            m[j] = coat::dequant_value<DeviceMath>((uint8_t)mc, s_log2_m[mc & 0x7Fu], sm);
+            v[j] = coat::dequant_value<DeviceMath>((uint8_t)vc, s_log2_v[vc & 0x7Fu], sv);
+            coat::adam_update(p[j], g[j], m[j], v[j], c);
+            if (j < n_valid) {
+                const float am = fabsf(m[j]), av = fabsf(v[j]);
+                m_big = fmaxf(m_big, am);
+                v_big = fmaxf(v_big, av);
+                m_small = fminf(m_small, am > 0.0f ? am : COAT_F32_INF);
+                v_small = fminf(v_small, av > 0.0f ? av : COAT_F32_INF);
+            }
+        }
+
+        if (vec) {
+#pragma unroll
+            for (int q = 0; q < T::kWords; ++q) {
+                coat::store_f32x4_stream(t.param + off + 4 * q,
+                                         make_float4(p[4 * q], p[4 * q + 1], p[4 * q + 2], p[4 * q + 3]));
+                if (t.bf16_out != nullptr) {
+                    coat::store_bf16x4(t.bf16_out + off + 4 * q, p[4 * q], p[4 * q + 1], p[4 * q + 2], p[4 * q + 3]);
+                }
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < V; ++j) {
+                if (j < n_valid) {
+                    t.param[off + j] = p[j];
+                    if (t.bf16_out != nullptr) t.bf16_out[off + j] = coat::f32_to_bf16(p[j]);
+                }
+            }
+        }
+
+        m_big = coat::segment_max<T::kLanes>(m_big);
+        v_big = coat::segment_max<T::kLanes>(v_big);
+        m_small = coat::segment_min<T::kLanes>(m_small);
+        v_small = coat::segment_min<T::kLanes>(v_small);
+        const GroupScale qm = coat::group_scale<DeviceMath>(m_big, m_small, false, expansion);
+        const GroupScale qv = coat::group_scale<DeviceMath>(v_big, v_small, v_e5m2, expansion);
+        if (active && lane == 0) {
+            t.m_scale[lg] = qm.d;
+            t.m_expo[lg] = qm.k;
+            t.v_scale[lg] = qv.d;
+            t.v_expo[lg] = qv.k;
+        }
+
+#pragma unroll
+        for (int q = 0; q < T::kWords; ++q) {
+            mw[q] = coat::fp8x4_encode<false>(
+                coat::expand_value<DeviceMath>(m[4 * q], qm), coat::expand_value<DeviceMath>(m[4 * q + 1], qm),
+                coat::expand_value<DeviceMath>(m[4 * q + 2], qm), coat::expand_value<DeviceMath>(m[4 * q + 3], qm));
+            vw[q] = coat::fp8x4_encode(
+                coat::expand_value<DeviceMath>(v[4 * q], qv), coat::expand_value<DeviceMath>(v[4 * q + 1], qv),
+                coat::expand_value<DeviceMath>(v[4 * q + 2], qv), coat::expand_value<DeviceMath>(v[4 * q + 3], qv),
+                v_e5m2);
+        }
+        if (vec) {
+#pragma unroll
+            for (int q = 0; q < T::kWords; ++q) {
+                coat::store_u8x4(t.m_codes + off + 4 * q, mw[q]);
+                coat::store_u8x4(t.v_codes + off + 4 * q, vw[q]);
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < V; ++j) {
+                if (j < n_valid) {
+                    t.m_codes[off + j] = (uint8_t)code_at(mw, j);
+                    t.v_codes[off + j] = (uint8_t)code_at(vw, j);
+                }
+            }
+        }
+    }
+}
+
+template <int G>
+__global__ void __launch_bounds__(kThreads) quantize_kernel(const float* __restrict__ x, uint8_t* __restrict__ codes,
+                                                            float* __restrict__ scale, float* __restrict__ expo,
+                                                            int64_t numel, int64_t n_groups, bool e5m2,
+                                                            bool expansion) {
+    using T = Tile<G>;
+    constexpr int V = T::kVpt;
+    const int seg = threadIdx.x / T::kLanes;
+    const int lane = threadIdx.x % T::kLanes;
+    const int64_t stride = (int64_t)gridDim.x * T::kGroupsPerBlock;
+    for (int64_t first = (int64_t)blockIdx.x * T::kGroupsPerBlock; first < n_groups; first += stride) {
+        const int64_t gid = first + seg;
+        const int64_t off = gid * G + (int64_t)lane * V;
+        const int64_t rem = gid < n_groups ? numel - off : 0;
+        const int n_valid = rem <= 0 ? 0 : (rem >= V ? V : (int)rem);
+        float xv[V];
+        float big = 0.0f, small = COAT_F32_INF;
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+            xv[j] = j < n_valid ? x[off + j] : 0.0f;
+            const float a = fabsf(xv[j]);
+            big = fmaxf(big, a);
+            small = fminf(small, a > 0.0f ? a : COAT_F32_INF);
+        }
+        big = coat::segment_max<T::kLanes>(big);
+        small = coat::segment_min<T::kLanes>(small);
+        const GroupScale s = coat::group_scale<DeviceMath>(big, small, e5m2, expansion);
+        if (gid < n_groups && lane == 0) {
+            scale[gid] = s.d;
+            expo[gid] = s.k;
+        }
+#pragma unroll
+        for (int q = 0; q < T::kWords; ++q) {
+            const uint32_t w = coat::fp8x4_encode(
+                coat::expand_value<DeviceMath>(xv[4 * q], s), coat::expand_value<DeviceMath>(xv[4 * q + 1], s),
+                coat::expand_value<DeviceMath>(xv[4 * q + 2], s), coat::expand_value<DeviceMath>(xv[4 * q + 3], s),
+                e5m2);
+#pragma unroll
+            for (int b = 0; b < 4; ++b) {
+                if (4 * q + b < n_valid) codes[off + 4 * q + b] = (uint8_t)(w >> (8 * b));
+            }
+        }
+    }
+}
+
+template <int G>
+__global__ void __launch_bounds__(kThreads) dequantize_kernel(const uint8_t* __restrict__ codes,
+                                                              const float* __restrict__ scale,
+                                                              const float* __restrict__ expo, float* __restrict__ out,
+                                                              int64_t numel, int64_t n_groups, bool e5m2) {
+    using T = Tile<G>;
+    constexpr int V = T::kVpt;
+    __shared__ float s_log2[128];
+    for (int i = threadIdx.x; i < 128; i += blockDim.x) s_log2[i] = coat::log2_abs_code_table(i, e5m2);
+    __syncthreads();
+    const int seg = threadIdx.x / T::kLanes;
+    const int lane = threadIdx.x % T::kLanes;
+    const int64_t stride = (int64_t)gridDim.x * T::kGroupsPerBlock;
+    for (int64_t first = (int64_t)blockIdx.x * T::kGroupsPerBlock; first < n_groups; first += stride) {
+        const int64_t gid = first + seg;
+        if (gid >= n_groups) continue;  // no shuffles below: inactive lanes may leave
+        const GroupScale s = coat::stored_scale<DeviceMath>(scale[gid], expo[gid]);
+        const int64_t off = gid * G + (int64_t)lane * V;
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+            if (off + j < numel) {
+                const uint8_t c = codes[off + j];
+                out[off + j] = coat::dequant_value<DeviceMath>(c, s_log2[c & 0x7F], s);
+            }
+        }
+    }
+}
+
+// Persistent grid: as many blocks as fit on the device at once, never more than there are tiles.
+template <typename Kernel>
+cudaError_t grid_size(Kernel kernel, int64_t tiles, int* grid) {
+    static int blocks_per_sm = 0;  // one per kernel instantiation
+    if (blocks_per_sm == 0) {
+        const cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, kThreads, 0);
+        if (err != cudaSuccess) return err;
+        if (blocks_per_sm < 1) blocks_per_sm = 1;
+    }
+    int dev = 0, sms = 0;
+    cudaError_t err = cudaGetDevice(&dev);
+    if (err != cudaSuccess) return err;
+    err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    if (err != cudaSuccess) return err;
+    const int64_t resident = (int64_t)sms * blocks_per_sm;
+    *grid = (int)(tiles < resident ? tiles : resident);
+    return cudaSuccess;
+}
+
+template <int G, bool BF16_GRAD>
+cudaError_t launch_adam(const AdamTensor* tensors, int n_tensors, int64_t total_groups, const coat::AdamCoefs& c,
+                        bool v_e5m2, bool expansion, cudaStream_t stream) {
+    int grid = 0;
+    const int64_t tiles = (total_groups + Tile<G>::kGroupsPerBlock - 1) / Tile<G>::kGroupsPerBlock;
+    cudaError_t err = grid_size(adam_kernel<G, BF16_GRAD>, tiles, &grid);
+    if (err != cudaSuccess) return err;
+    adam_kernel<G, BF16_GRAD><<<grid, kThreads, 0, stream>>>(tensors, n_tensors, total_groups, c, v_e5m2, expansion);
+    return cudaGetLastError();
+}
+
+template <int G>
+cudaError_t launch_quantize(const float* x, uint8_t* codes, float* scale, float* expo, int64_t numel, bool e5m2,
+                            bool expansion, cudaStream_t stream) {
+    const int64_t n_groups = (numel + G - 1) / G;
+    int grid = 0;
+    cudaError_t err = grid_size(quantize_kernel<G>, (n_groups + Tile<G>::kGroupsPerBlock - 1) / Tile<G>::kGroupsPerBlock, &grid);
+    if (err != cudaSuccess) return err;
+    quantize_kernel<G><<<grid, kThreads, 0, stream>>>(x, codes, scale, expo, numel, n_groups, e5m2, expansion);
+    return cudaGetLastError();
+}
+
+template <int G>
+cudaError_t launch_dequantize(const uint8_t* codes, const float* scale, const float* expo, float* out, int64_t numel,
+                              bool e5m2, cudaStream_t stream) {
+    const int64_t n_groups = (numel + G - 1) / G;
+    int grid = 0;
+    cudaError_t err = grid_size(dequantize_kernel<G>, (n_groups + Tile<G>::kGroupsPerBlock - 1) / Tile<G>::kGroupsPerBlock, &grid);
+    if (err != cudaSuccess) return err;
+    dequantize_kernel<G><<<grid, kThreads, 0, stream>>>(codes, scale, expo, out, numel, n_groups, e5m2);
+    return cudaGetLastError();
+}
+
+bool aligned(const void* p, uintptr_t bytes) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+}  // namespace
+
+bool adam_vector_aligned(const AdamTensor& t, bool bf16_grad) {
+    return aligned(t.param, 16) && aligned(t.grad, bf16_grad ? 8 : 16) && aligned(t.m_codes, 4) &&
+           aligned(t.v_codes, 4) && aligned(t.bf16_out, 8);
+}
+
+cudaError_t adam_step(const AdamTensor* tensors, int n_tensors, int64_t total_groups, int group_size, bool bf16_grad,
+                      const coat::AdamCoefs& c, bool v_e5m2, bool expansion, cudaStream_t stream) {
+    if (n_tensors == 0 || total_groups == 0) return cudaSuccess;
+#define COAT_ADAM_CASE(G)                                                                                    \
+    case G:                                                                                                  \
+        return bf16_grad ? launch_adam<G, true>(tensors, n_tensors, total_groups, c, v_e5m2, expansion, stream) \
+                         : launch_adam<G, false>(tensors, n_tensors, total_groups, c, v_e5m2, expansion, stream);
+    switch (group_size) {
+        COAT_ADAM_CASE(32)
+        COAT_ADAM_CASE(64)
+        COAT_ADAM_CASE(128)
+        COAT_ADAM_CASE(256)
+        default:
+            return cudaErrorInvalidValue;
+    }
+#undef COAT_ADAM_CASE
+}
+
+cudaError_t quantize(const float* x, uint8_t* codes, float* scale, float* expo, int64_t numel, int group_size,
+                     bool e5m2, bool expansion, cudaStream_t stream) {
+    if (numel == 0) return cudaSuccess;
+    switch (group_size) {
+        case 32: return launch_quantize<32>(x, codes, scale, expo, numel, e5m2, expansion, stream);
+        case 64: return launch_quantize<64>(x, codes, scale, expo, numel, e5m2, expansion, stream);
+        case 128: return launch_quantize<128>(x, codes, scale, expo, numel, e5m2, expansion, stream);
+        case 256: return launch_quantize<256>(x, codes, scale, expo, numel, e5m2, expansion, stream);
+        default: return cudaErrorInvalidValue;
+    }
+}
+
+cudaError_t dequantize(const uint8_t* codes, const float* scale, const float* expo, float* out, int64_t numel,
+                       int group_size, bool e5m2, cudaStream_t stream) {
+    if (numel == 0) return cudaSuccess;
+    switch (group_size) {
+        case 32: return launch_dequantize<32>(codes, scale, expo, out, numel, e5m2, stream);
+        case 64: return launch_dequantize<64>(codes, scale, expo, out, numel, e5m2, stream);
+        case 128: return launch_dequantize<128>(codes, scale, expo, out, numel, e5m2, stream);
+        case 256: return launch_dequantize<256>(codes, scale, expo, out, numel, e5m2, stream);
+        default: return cudaErrorInvalidValue;
+    }
+}
+
+}  // namespace coat_cuda

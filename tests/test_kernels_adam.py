@@ -1,0 +1,239 @@
+"""The compiled FP8 AdamW ops (CPU, and CUDA on `gpu`) against the plain-PyTorch reference.
+
+Fresh random inputs, every element checked. Kernel and reference use different log2/exp2, so one FP8 code
+may differ by one step where a value sits on a rounding midpoint, and the exponent k by 1/16 in a group
+whose floor(16 log2(R) / span) sits on an integer; everything else must agree."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import op_builder
+from coat_ds.formats import E4M3, E5M2, GROUP_SIZES, cast_to_fp8, dequantize, n_groups, quantize
+from coat_ds.formats.group_quant import K_STEPS
+from coat_ds.optim.reference import adamw_step_reference
+from op_builder.builder import gencode_flags, parse_cuda_arch_list
+
+CPU_SIZES = (1, 127, 128, 129, 4099)
+GPU_SIZES = (1, 127, 128, 129, 10**6 + 3)
+HP = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
+
+
+@pytest.fixture(scope="module")
+def cpu_op():
+    return op_builder.CPUCoatAdamBuilder().load()
+
+
+@pytest.fixture(scope="module")
+def cuda_op():
+    return op_builder.CoatAdamBuilder().load()
+
+
+def _op(request, device):
+    return request.getfixturevalue("cuda_op" if device == "cuda" else "cpu_op")
+
+
+def _ordinal(codes: torch.Tensor) -> torch.Tensor:
+    """FP8 codes as signed integers monotonic in value (+0 and -0 both 0)."""
+    c = codes.view(torch.uint8).reshape(-1).long()
+    return torch.where(c >= 128, -(c - 128), c)
+
+
+def _grouped(x: torch.Tensor, g: int) -> torch.Tensor:
+    flat = x.reshape(-1).double()
+    pad = n_groups(flat.numel(), g) * g - flat.numel()
+    return torch.cat([flat, flat.new_zeros(pad)]).view(-1, g)
+
+
+def _codes_with(x: torch.Tensor, d: torch.Tensor, k: torch.Tensor, fmt, g: int) -> torch.Tensor:
+    """The reference's encode formula (group_quant.quantize) applied with the given per-group d and k."""
+    xg = _grouped(x, g).float()
+    y = torch.exp2(k[:, None] * (torch.log2(xg.abs()) - torch.log2(d)[:, None]))
+    y = torch.where(xg == 0, 0.0, y.copysign(xg))
+    return cast_to_fp8(y, fmt).reshape(-1)[: x.numel()]
+
+
+def _no_nan_codes(codes: torch.Tensor, fmt) -> bool:
+    mag = codes.view(torch.uint8).long() & 0x7F
+    return bool((mag < (0x7C if fmt is E5M2 else 0x7F)).all())
+
+
+def assert_quantized_like_reference(x, codes, scale, expo, fmt, g, expansion):
+    """(codes, scale, expo) from a kernel quantise x the way formats.quantize does; x is the reference's input."""
+    x, codes, scale, expo = (t.detach().cpu() for t in (x, codes, scale, expo))
+    assert torch.isfinite(scale).all() and torch.isfinite(expo).all() and _no_nan_codes(codes, fmt)
+    ref = quantize(x, fmt, g, expansion)
+    # k: equal, or one step off where the reference's floor argument is within 1e-3 of an integer
+    a = _grouped(x, g).abs()
+    big, small = a.amax(1), torch.where(a > 0, a, math.inf).amin(1)
+    u = K_STEPS * math.log2(fmt.expansion_range) / (big.log2() - small.log2())
+    boundary = ((u - u.round()).abs() < 1e-3) & torch.isfinite(u) & (u / K_STEPS > 1 / K_STEPS) & (u / K_STEPS < 16)
+    k_off = (expo - ref.expo).abs()
+    assert ((k_off == 0) | (boundary & expansion & (k_off <= 1.0 / K_STEPS + 1e-6))).all(), "exponent k differs"
+    assert (k_off > 0).sum() <= 2 + ref.expo.numel() // 1000
+    same = k_off == 0
+    torch.testing.assert_close(scale[same], ref.scale[same], rtol=2e-5, atol=0)
+    zero = ref.scale == 0  # all-zero groups: d = 0, k = 1, codes exactly zero
+    assert (scale[zero] == 0).all() and (expo[zero] == 1).all()
+    assert (_ordinal(codes).view(-1)[_grouped(x, g).eq(0).all(1).repeat_interleave(g)[: x.numel()]] == 0).all()
+    # every code within one FP8 step of the reference formula under the kernel's own (d, k)
+    diff = (_ordinal(codes) - _ordinal(_codes_with(x, scale, expo, fmt, g))).abs()
+    assert diff.max().item() <= 1, f"{(diff > 1).sum().item()} codes off by more than one step"
+    # and of the reference's own codes wherever k agrees
+    in_same = same.repeat_interleave(g)[: x.numel()]
+    assert (_ordinal(codes) - _ordinal(ref.codes))[in_same].abs().max().item() <= 1 if in_same.any() else True
+
+
+def _random_moments(numel, g, v_fmt, expansion, gen, device, zero_group=False):
+    """Quantised (m, v) of plausible Adam states, spread over several decades, as the reference stores them."""
+    m = torch.randn(numel, generator=gen) * 1e-3 * torch.exp(torch.randn(numel, generator=gen))
+    v = (torch.randn(numel, generator=gen) * 1e-3) ** 2 * torch.exp(torch.randn(numel, generator=gen)) + 1e-12
+    if zero_group:
+        m[:g] = 0
+        v[:g] = 0
+    mq, vq = quantize(m, E4M3, g, expansion), quantize(v, v_fmt, g, expansion)
+    return [t.to(device) for t in mq], [t.to(device) for t in vq]
+
+
+def _make_case(sizes, g, v_fmt, expansion, grad_dtype, device, seed):
+    gen = torch.Generator().manual_seed(seed)
+    params, grads, ms, vs = [], [], [], []
+    for i, n in enumerate(sizes):
+        params.append(torch.randn(n, generator=gen).to(device))
+        grad = torch.randn(n, generator=gen) * 1e-3 * torch.exp(torch.randn(n, generator=gen))
+        zero_group = n >= 2 * g and i % 2 == 0
+        if zero_group:
+            grad[:g] = 0
+        grads.append(grad.to(grad_dtype).to(device))
+        m, v = _random_moments(n, g, v_fmt, expansion, gen, device, zero_group)
+        ms.append(m)
+        vs.append(v)
+    return params, grads, ms, vs
+
+
+def _u8(t):
+    return t.view(torch.uint8)
+
+
+def _run_and_check(op, params, grads, ms, vs, g, v_fmt, expansion, step, bf16_copy):
+    """One kernel step on copies, one reference step per tensor; every output compared."""
+    kp = [p.clone() for p in params]
+    km = [tuple(t.clone() for t in m) for m in ms]
+    kv = [tuple(t.clone() for t in v) for v in vs]
+    out = [torch.full_like(p, float("nan"), dtype=torch.bfloat16) for p in params] if bf16_copy else []
+    op.adam_step(kp, list(grads), [_u8(m[0]) for m in km], [m[1] for m in km], [m[2] for m in km],
+                 [_u8(v[0]) for v in kv], [v[1] for v in kv], [v[2] for v in kv], out, HP["lr"], HP["beta1"],
+                 HP["beta2"], HP["eps"], HP["weight_decay"], step, g, v_fmt is E5M2, expansion)
+    for i, (p, grad, m, v) in enumerate(zip(params, grads, ms, vs)):
+        rp = p.clone()
+        adamw_step_reference(rp, grad, m, v, step=step, m_format=E4M3, v_format=v_fmt, group_size=g,
+                             expansion=expansion, **HP)
+        # the reference's pre-quantisation moments (reference.py, first lines)
+        gf = grad.float()
+        m_new = HP["beta1"] * dequantize(*m, g) + (1 - HP["beta1"]) * gf
+        v_new = HP["beta2"] * dequantize(*v, g) + (1 - HP["beta2"]) * gf * gf
+        assert torch.isfinite(kp[i]).all()
+        torch.testing.assert_close(kp[i], rp, rtol=1e-6, atol=HP["lr"] * 1e-4)
+        assert_quantized_like_reference(m_new, *km[i], E4M3, g, expansion)
+        assert_quantized_like_reference(v_new, *kv[i], v_fmt, g, expansion)
+        if bf16_copy:
+            assert torch.equal(out[i], kp[i].to(torch.bfloat16))
+    return kp, km, kv
+
+
+def _adam_case(request, device, sizes, g, v_fmt, expansion, grad_dtype):
+    op = _op(request, device)
+    params, grads, ms, vs = _make_case(sizes, g, v_fmt, expansion, grad_dtype, device, seed=g + 7 * expansion)
+    # two steps: the second reuses the CUDA op's cached tensor table and continues from the kernel's state
+    kp, km, kv = _run_and_check(op, params, grads, ms, vs, g, v_fmt, expansion, step=3, bf16_copy=True)
+    _run_and_check(op, kp, grads, km, kv, g, v_fmt, expansion, step=4, bf16_copy=False)
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16], ids=["g32", "gbf16"])
+@pytest.mark.parametrize("expansion", [True, False], ids=["exp", "noexp"])
+@pytest.mark.parametrize("v_fmt", [E4M3, E5M2], ids=["v_e4m3", "v_e5m2"])
+@pytest.mark.parametrize("g", GROUP_SIZES)
+def test_cpu_adam_step_matches_reference(request, g, v_fmt, expansion, grad_dtype):
+    _adam_case(request, "cpu", CPU_SIZES, g, v_fmt, expansion, grad_dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16], ids=["g32", "gbf16"])
+@pytest.mark.parametrize("expansion", [True, False], ids=["exp", "noexp"])
+@pytest.mark.parametrize("v_fmt", [E4M3, E5M2], ids=["v_e4m3", "v_e5m2"])
+@pytest.mark.parametrize("g", GROUP_SIZES)
+def test_cuda_adam_step_matches_reference(request, g, v_fmt, expansion, grad_dtype):
+    _adam_case(request, "cuda", GPU_SIZES, g, v_fmt, expansion, grad_dtype)
+
+
+@pytest.mark.gpu
+def test_cuda_adam_step_misaligned_views(request):
+    """Views at odd offsets take the kernel's scalar path; results must not change."""
+    g, device = 128, "cuda"
+    params, grads, ms, vs = _make_case((1000, 777), g, E4M3, True, torch.float32, device, seed=3)
+    base = torch.randn(1001, device=device)
+    base[1:].copy_(params[0])
+    params[0] = base[1:]  # contiguous, 4-byte aligned only
+    _run_and_check(_op(request, device), params, grads, ms, vs, g, E4M3, True, step=2, bf16_copy=True)
+
+
+def _quantize_inputs(numel, gen):
+    x = torch.randn(numel, generator=gen) * torch.exp(3 * torch.randn(numel, generator=gen))
+    if numel >= 1024:
+        x[:256] = 0  # all-zero groups
+        x[256:512] = 0.5  # one magnitude: k stays finite (K_MAX)
+        x[512:768] = torch.randn(256, generator=gen) * 1e-39  # fp32 subnormals
+    return x
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("g", GROUP_SIZES)
+def test_quantize_dequantize_match_reference(request, device, fmt, g):
+    op = _op(request, device)
+    gen = torch.Generator().manual_seed(g)
+    for numel in (1, 127, 128, 129, 5000) + ((10**6 + 3,) if device == "cuda" else ()):
+        x = _quantize_inputs(numel, gen).to(device)
+        for expansion in (True, False):
+            ng = n_groups(numel, g)
+            codes = torch.full((numel,), 0x7F, dtype=torch.uint8, device=device)  # poison
+            scale = torch.full((ng,), float("nan"), device=device)
+            expo = torch.full((ng,), float("nan"), device=device)
+            op.quantize(x, codes, scale, expo, g, fmt is E5M2, expansion)
+            assert_quantized_like_reference(x, codes.view(fmt.dtype), scale, expo, fmt, g, expansion)
+            # dequantize the reference's own state: decoded values within a few ulp, zeros exact
+            ref = quantize(x.cpu(), fmt, g, expansion)
+            out = torch.full((numel,), float("nan"), device=device)
+            op.dequantize(_u8(ref.codes).to(device), ref.scale.to(device), ref.expo.to(device), out, g, fmt is E5M2)
+            want = dequantize(*ref, g)
+            out = out.cpu()
+            assert torch.isfinite(out).all()
+            assert torch.equal(out == 0, want == 0)
+            torch.testing.assert_close(out, want, rtol=1e-5, atol=2.0**-140)  # atol: fp32 subnormal ulps
+
+
+def test_bad_group_size_is_a_value_error(cpu_op):
+    x = torch.randn(64)
+    with pytest.raises(ValueError, match="group_size"):
+        cpu_op.quantize(x, torch.empty(64, dtype=torch.uint8), torch.empty(1), torch.empty(1), 48, False, True)
+
+
+def test_arch_list_accepts_arch_specific_and_ptx(monkeypatch):
+    assert parse_cuda_arch_list("9.0a;8.0 9.0+PTX") == [(8, 0, "", False), (9, 0, "", True), (9, 0, "a", False)]
+    assert gencode_flags([(9, 0, "a", True)]) == ["-gencode=arch=compute_90a,code=sm_90a",
+                                                  "-gencode=arch=compute_90a,code=compute_90a"]
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a")
+    flags = op_builder.CoatAdamBuilder().compute_capability_args()
+    assert "-gencode=arch=compute_90a,code=sm_90a" in flags
+    with pytest.raises(ValueError, match="TORCH_CUDA_ARCH_LIST"):
+        parse_cuda_arch_list("sm90x")
+
+
+def test_builders_use_absolute_sources():
+    import os
+
+    for builder in (op_builder.CoatAdamBuilder(), op_builder.CPUCoatAdamBuilder()):
+        for path in builder.sources() + builder.include_paths():
+            assert os.path.isabs(path) and os.path.exists(path), path
