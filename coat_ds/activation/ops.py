@@ -15,14 +15,17 @@ from . import reference as R
 KERNEL_GROUP = 16
 
 
-def _kernels(*tensors: torch.Tensor, group_size: int = KERNEL_GROUP):
+def _kernels(*tensors: torch.Tensor, group_size: int = KERNEL_GROUP, rows: int | None = None):
+    """The compiled module if the kernels apply to these tensors (bf16/FP8 on CUDA, 1 x 16 groups, 16-byte
+    aligned; `rows`, where given, a multiple of 16 for the tile kernels), else None."""
     t = tensors[0]
     if not t.is_cuda or group_size != KERNEL_GROUP or os.environ.get("COAT_ACT_REFERENCE", "0") == "1":
         return None
-    if any(x.dtype not in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8, torch.float32)
-           for x in tensors):
-        return None
     if t.dtype not in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2):
+        return None
+    if rows is not None and rows % 16:
+        return None
+    if any(x.data_ptr() % 16 for x in tensors):
         return None
     return load_op("CoatQuantBuilder")
 
@@ -43,7 +46,7 @@ def _alloc(m: int, n: int, fmt: FP8Format, rowmajor: bool, transposed: bool, dev
 
 def row_amax(x: torch.Tensor) -> torch.Tensor:
     op = _kernels(x)
-    if op is None or x.dtype != torch.bfloat16:
+    if op is None or x.dtype != torch.bfloat16 or x.shape[1] % 8:
         return R.row_amax(x)
     out = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
     op.row_amax(x.contiguous(), out)
@@ -55,8 +58,8 @@ tensor_scale = R.tensor_scale
 
 def quant_tensor(x: torch.Tensor, scale: torch.Tensor, fmt: FP8Format, rowmajor: bool = True,
                  transposed: bool = False):
-    op = _kernels(x)
-    if op is None or x.dtype != torch.bfloat16:
+    op = _kernels(x, rows=x.shape[0])
+    if op is None or x.dtype != torch.bfloat16 or x.shape[1] % 16:
         return R.quant_tensor(x, scale, fmt, rowmajor, transposed)
     q, qt = _alloc(*x.shape, fmt, rowmajor, transposed, x.device)
     op.quant_tensor(x.contiguous(), scale, _u8(q), _u8(qt), _e5m2(fmt))
@@ -78,7 +81,7 @@ def rmsnorm_quant(x: torch.Tensor, w: torch.Tensor, eps: float, fmt: FP8Format, 
 
 
 def rmsnorm_rebuild(xq, xs, rstd, w, scale, fmt: FP8Format, group_size: int, rowmajor=True, transposed=False):
-    op = _kernels(xq, w, group_size=group_size)
+    op = _kernels(xq, w, group_size=group_size, rows=xq.shape[0])
     if op is None or w.dtype != torch.bfloat16:
         return R.rmsnorm_rebuild(xq, xs, rstd, w, scale, fmt, group_size, rowmajor, transposed)
     q, qt = _alloc(*xq.shape, fmt, rowmajor, transposed, xq.device)
@@ -88,8 +91,8 @@ def rmsnorm_rebuild(xq, xs, rstd, w, scale, fmt: FP8Format, group_size: int, row
 
 
 def rmsnorm_backward(dy, xq, xs, rstd, w, group_size: int, dres: torch.Tensor | None = None):
-    op = _kernels(dy, w, group_size=group_size)
-    if op is None or dy.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or (
+    op = _kernels(dy, w, xq, *([] if dres is None else [dres]), group_size=group_size)
+    if op is None or dy.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or dy.shape[1] > 16384 or (
             dres is not None and dres.dtype != torch.bfloat16):
         return R.rmsnorm_backward(dy, xq, xs, rstd, w, group_size, dres)
     dx = torch.empty_like(dy)
@@ -114,7 +117,7 @@ def silu_mul_quant(gu: torch.Tensor, fmt: FP8Format, group_size: int):
 
 
 def silu_mul_rebuild(q, s, scale, fmt: FP8Format, group_size: int, rowmajor=True, transposed=False):
-    op = _kernels(q, group_size=group_size)
+    op = _kernels(q, group_size=group_size, rows=q.shape[0])
     if op is None:
         return R.silu_mul_rebuild(q, s, scale, fmt, group_size, rowmajor, transposed)
     out, out_t = _alloc(q.shape[0], q.shape[1] // 2, fmt, rowmajor, transposed, q.device)
@@ -123,7 +126,7 @@ def silu_mul_rebuild(q, s, scale, fmt: FP8Format, group_size: int, rowmajor=True
 
 
 def silu_mul_backward(da: torch.Tensor, q, s, group_size: int):
-    op = _kernels(da, group_size=group_size)
+    op = _kernels(da, q, group_size=group_size)
     if op is None or da.dtype != torch.bfloat16:
         return R.silu_mul_backward(da, q, s, group_size)
     dgu = torch.empty(q.shape, dtype=da.dtype, device=da.device)

@@ -1,0 +1,255 @@
+"""Activation memory and step time of one Llama decoder layer: bf16 / torchao float8 / coat_ds FP8 flow.
+
+Each variant runs a stack of 4 identical-shape layers on the same weights and input, so what a layer keeps
+of its input is counted the way it is in a real model. Activation memory per layer is
+(torch.cuda.memory_allocated after the stack's forward - before) / 4, taken with coat's FP8 weight cache
+emptied before that forward (the first micro-batch of a step); the cache's own size is reported beside it.
+Time: forward + backward of the stack / 4, median over CUDA-event-timed iterations after warm-up; coat
+variants are timed with the cache emptied every iteration (first micro-batch) and, as `fwd_bwd_ms_cached`,
+with it kept (later micro-batches).
+
+    python benchmarks/llama_layer.py --out benchmarks/results/llama_layer.json [--shapes 7b 8b] [--variants ...]
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import platform
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+from torch import nn
+
+SHAPES = {
+    "llama2-7b": dict(hidden_size=4096, intermediate_size=11008, num_attention_heads=32, num_key_value_heads=32),
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8),
+}
+VARIANTS = ["bf16_eager", "bf16_compiled", "torchao_fp8_compiled", "coat_linear", "coat_full", "coat_full_compiled"]
+N_LAYERS, BATCH, SEQ = 4, 4, 2048
+DEV = "cuda"
+
+
+class Stack(nn.Module):
+    def __init__(self, layers):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+
+    def forward(self, x, cos, sin):
+        for layer in self.layers:
+            x = layer(x, attention_mask=None, position_embeddings=(cos, sin))
+        return x
+
+
+def build_base(shape: str, seed: int = 0):
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    cfg = LlamaConfig(**SHAPES[shape], max_position_embeddings=SEQ)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    layers = []
+    for i in range(N_LAYERS):
+        layer = LlamaDecoderLayer(cfg, i).to(DEV, torch.bfloat16)
+        with torch.no_grad():
+            for p in layer.parameters():
+                p.normal_(0, 0.02) if p.dim() > 1 else p.uniform_(0.8, 1.2)
+        layers.append(layer)
+    x = torch.randn(BATCH, SEQ, cfg.hidden_size, device=DEV, dtype=torch.bfloat16)
+    pos = torch.arange(SEQ, device=DEV)[None].expand(BATCH, SEQ)
+    cos, sin = LlamaRotaryEmbedding(cfg).to(DEV)(x, pos)
+    return cfg, layers, x, cos, sin
+
+
+def make_variant(name: str, layers):
+    layers = [copy.deepcopy(l) for l in layers]
+    if name.startswith("coat"):
+        from coat_ds.activation import CoatDecoderLayer
+
+        layers = [CoatDecoderLayer(l, {"mode": "linear" if name == "coat_linear" else "full"}) for l in layers]
+    if name.startswith("torchao"):
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        layers = [convert_to_float8_training(l, config=Float8LinearConfig()) for l in layers]  # tensorwise
+    stack = Stack(layers)
+    if name.endswith("compiled"):
+        for i, l in enumerate(stack.layers):  # one compiled graph, reused by the 4 layers
+            stack.layers[i] = torch.compile(l)
+    return stack
+
+
+def coat_layers(stack):
+    from coat_ds.activation import CoatDecoderLayer
+
+    return [m for m in stack.modules() if isinstance(m, CoatDecoderLayer)]
+
+
+def clear_cache(stack):
+    for l in coat_layers(stack):
+        l.clear_weight_cache()
+
+
+def cache_bytes(stack):
+    return sum(l.weight_cache_bytes() for l in coat_layers(stack))
+
+
+def step(stack, x, cos, sin, grad):
+    xi = x.detach().requires_grad_()
+    out = stack(xi, cos, sin)
+    out.backward(grad)
+    stack.zero_grad(set_to_none=True)
+
+
+def measure(name, shape, cfg, base, x, cos, sin, iters, warmup):
+    stack = make_variant(name, base)
+    grad = torch.randn_like(x) * 1e-3
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.time()
+    for _ in range(warmup):
+        clear_cache(stack)
+        step(stack, x, cos, sin, grad)
+    torch.cuda.synchronize()
+    warm_s = time.time() - t0
+    # activation memory: first micro-batch (cache emptied)
+    clear_cache(stack)
+    xi = x.detach().requires_grad_()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    out = stack(xi, cos, sin)
+    torch.cuda.synchronize()
+    after = torch.cuda.memory_allocated()
+    cache_fwd = cache_bytes(stack)
+    out.backward(grad)
+    cache_full = cache_bytes(stack)
+    del out, xi
+    stack.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+
+    def timed(keep_cache):
+        times = []
+        for _ in range(iters):
+            if not keep_cache:
+                clear_cache(stack)
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            step(stack, x, cos, sin, grad)
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b) / N_LAYERS)
+        return statistics.median(times)
+
+    ms = timed(keep_cache=False)
+    ms_cached = timed(keep_cache=True) if name.startswith("coat") else ms
+    tokens = BATCH * SEQ
+    act = (after - before) / N_LAYERS
+    row = dict(shape=shape, variant=name, act_bytes=int(act), act_bytes_per_token_hidden=act / tokens / cfg.hidden_size,
+               weight_cache_bytes=int(cache_full / N_LAYERS), weight_cache_bytes_in_act=int(cache_fwd / N_LAYERS),
+               act_bytes_excl_cache=int(act - cache_fwd / N_LAYERS),
+               act_bytes_per_token_hidden_excl_cache=(act - cache_fwd / N_LAYERS) / tokens / cfg.hidden_size,
+               fwd_bwd_ms=ms, fwd_bwd_ms_cached=ms_cached, warmup_s=warm_s,
+               peak_mem_bytes=torch.cuda.max_memory_allocated())
+    del stack
+    torch.cuda.empty_cache()
+    return row
+
+
+def profile(shape, base, x, cos, sin, path):
+    """Top CUDA kernels of one coat_full forward+backward (cache emptied), for the write-up."""
+    from torch.profiler import ProfilerActivity, profile as prof
+
+    stack = make_variant("coat_full", base)
+    grad = torch.randn_like(x) * 1e-3
+    for _ in range(2):
+        clear_cache(stack)
+        step(stack, x, cos, sin, grad)
+    torch.cuda.synchronize()
+    clear_cache(stack)
+    with prof(activities=[ProfilerActivity.CUDA]) as p:
+        step(stack, x, cos, sin, grad)
+        torch.cuda.synchronize()
+    with open(path, "a") as f:
+        f.write(f"== {shape} coat_full, 4 layers, one fwd+bwd\n")
+        f.write(p.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
+        f.write("\n")
+
+
+def versions():
+    out = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version()}
+    for mod in ("transformers", "torchao", "deepspeed"):
+        try:
+            out[mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001
+            out[mod] = None
+    return out
+
+
+def dry_run():
+    """Swap CUDA for the CPU and the shapes for tiny ones (memory and events read as 0)."""
+    global DEV, BATCH, SEQ
+    DEV, BATCH, SEQ = "cpu", 2, 32
+    for s in SHAPES.values():
+        s.update(hidden_size=64, intermediate_size=160 if s["num_key_value_heads"] == 32 else 224,
+                 num_attention_heads=4, num_key_value_heads=4 if s["num_key_value_heads"] == 32 else 2)
+
+    class _Event:
+        def __init__(self, **_):
+            self.t = 0.0
+
+        def record(self):
+            self.t = time.perf_counter()
+
+        def elapsed_time(self, other):
+            return (other.t - self.t) * 1e3
+
+    torch.cuda.Event = _Event
+    for fn in ("synchronize", "reset_peak_memory_stats", "empty_cache"):
+        setattr(torch.cuda, fn, lambda *a, **k: None)
+    torch.cuda.memory_allocated = torch.cuda.max_memory_allocated = lambda *a, **k: 0
+    torch.cuda.get_device_name = lambda *a, **k: "cpu (dry run)"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="benchmarks/results/llama_layer.json")
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    ap.add_argument("--variants", nargs="+", default=VARIANTS)
+    ap.add_argument("--iters", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--profile", default="")
+    ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU: checks the script only")
+    args = ap.parse_args()
+    if args.dry_run:
+        dry_run()
+    meta = dict(device=torch.cuda.get_device_name(), versions=versions(), command=" ".join(sys.argv),
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                layers=N_LAYERS, batch=BATCH, seq=SEQ)
+    rows = []
+    for shape in args.shapes:
+        cfg, base, x, cos, sin = build_base(shape)
+        for name in args.variants:
+            try:
+                row = measure(name, shape, cfg, base, x, cos, sin, args.iters, args.warmup)
+            except Exception as exc:  # noqa: BLE001 - a variant that fails is reported, not fatal
+                traceback.print_exc()
+                row = dict(shape=shape, variant=name, error=f"{type(exc).__name__}: {exc}"[:500])
+                torch.cuda.empty_cache()
+            row = {**meta, **row}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            with open(args.out, "w") as f:
+                json.dump(rows, f, indent=1)
+        if args.profile:
+            try:
+                profile(shape, base, x, cos, sin, args.profile)
+            except Exception:  # noqa: BLE001
+                traceback.print_exc()
+        del base
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+// Launchers of the FP8 activation kernels (coat_ds/activation/reference.py is the source of truth).
+// Raw pointers and a stream only: this header is shared by the CUDA file and the torch binding.
+#pragma once
+
+#include <cstdint>
+#include <cuda_runtime.h>
+
+namespace coat_quant {
+
+// out[m] = max_n |x[m, n]| (bf16 in, fp32 out); n % 8 == 0
+void row_amax(const void* x, float* out, int64_t m, int64_t n, cudaStream_t s);
+
+// Per-tensor FP8 of a bf16 [m, n] with the power-of-two scale *scale: out [m, n] and/or out_t [n, m]
+void quant_tensor(const void* x, const float* scale, uint8_t* out, uint8_t* out_t, int64_t m, int64_t n,
+                  bool e5m2, cudaStream_t s);
+
+// RMSNorm pass 1: x bf16 [m, n], w bf16 [n] -> xq [m, n], xs [m, n/16], rstd [m], ymax [m]
+void rmsnorm_quant(const void* x, const void* w, float eps, uint8_t* xq, uint8_t* xs, float* rstd, float* ymax,
+                   int64_t m, int64_t n, bool e5m2, cudaStream_t s);
+
+// RMSNorm pass 2 (forward and backward): y = deq(xq) rstd w as per-tensor FP8, [m, n] and/or [n, m]
+void rmsnorm_rebuild(const uint8_t* xq, const uint8_t* xs, const float* rstd, const void* w, const float* scale,
+                     uint8_t* out, uint8_t* out_t, int64_t m, int64_t n, bool in_e5m2, bool out_e5m2,
+                     cudaStream_t s);
+
+// RMSNorm backward: dx = rstd (dy w - xh mean(dy w xh)) (+ dres), dw += sum_rows dy xh (dw zeroed by caller)
+void rmsnorm_backward(const void* dy, const uint8_t* xq, const uint8_t* xs, const float* rstd, const void* w,
+                      const void* dres, void* dx, float* dw, int64_t m, int64_t n, bool in_e5m2, cudaStream_t s);
+
+// SiLU*mul pass 1 on gu bf16 [m, 2i] = [gate | up]: q [m, 2i], s [m, 2i/16], amax [m] of silu(g) u
+void silu_mul_quant(const void* gu, uint8_t* q, uint8_t* sc, float* amax, int64_t m, int64_t i, bool e5m2,
+                    cudaStream_t s);
+
+// SiLU*mul pass 2: a = silu(g) u as per-tensor FP8, [m, i] and/or [i, m]
+void silu_mul_rebuild(const uint8_t* q, const uint8_t* sc, const float* scale, uint8_t* out, uint8_t* out_t,
+                      int64_t m, int64_t i, bool in_e5m2, bool out_e5m2, cudaStream_t s);
+
+// SiLU*mul backward: dgu bf16 [m, 2i] and its row maxima from da bf16 [m, i]
+void silu_mul_backward(const void* da, const uint8_t* q, const uint8_t* sc, void* dgu, float* amax, int64_t m,
+                       int64_t i, bool in_e5m2, cudaStream_t s);
+
+}  // namespace coat_quant

@@ -1,0 +1,100 @@
+// Torch bindings of the FP8 activation kernels (coat_quant.h). Python allocates every output
+// (coat_ds/activation/ops.py); these functions check shapes and hand raw pointers to the launchers.
+#include <ATen/cuda/CUDAContext.h>
+#include <torch/extension.h>
+
+#include "coat_quant.h"
+
+namespace {
+
+void check(const torch::Tensor& t, const char* name, c10::ScalarType dtype) {
+    TORCH_CHECK(t.is_cuda() && t.is_contiguous(), name, " must be a contiguous CUDA tensor");
+    TORCH_CHECK(t.scalar_type() == dtype, name, " has dtype ", t.scalar_type(), ", expected ", dtype);
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name, " must be 16-byte aligned");
+}
+
+uint8_t* opt_u8(torch::Tensor& t) { return t.numel() ? t.data_ptr<uint8_t>() : nullptr; }
+
+cudaStream_t stream() { return at::cuda::getCurrentCUDAStream(); }
+
+void row_amax(torch::Tensor x, torch::Tensor out) {
+    check(x, "x", at::kBFloat16);
+    TORCH_CHECK(x.dim() == 2 && x.size(1) % 8 == 0, "x must be [m, n] with n % 8 == 0");
+    coat_quant::row_amax(x.data_ptr(), out.data_ptr<float>(), x.size(0), x.size(1), stream());
+}
+
+void quant_tensor(torch::Tensor x, torch::Tensor scale, torch::Tensor out, torch::Tensor out_t, bool e5m2) {
+    check(x, "x", at::kBFloat16);
+    TORCH_CHECK(x.dim() == 2 && x.size(1) % 16 == 0 && x.size(0) % 16 == 0, "x must be [m, n], m, n % 16 == 0");
+    coat_quant::quant_tensor(x.data_ptr(), scale.data_ptr<float>(), opt_u8(out), opt_u8(out_t), x.size(0),
+                             x.size(1), e5m2, stream());
+}
+
+void rmsnorm_quant(torch::Tensor x, torch::Tensor w, double eps, torch::Tensor xq, torch::Tensor xs,
+                   torch::Tensor rstd, torch::Tensor ymax, bool e5m2) {
+    check(x, "x", at::kBFloat16);
+    check(w, "w", at::kBFloat16);
+    TORCH_CHECK(x.dim() == 2 && x.size(1) % 16 == 0, "x must be [m, n] with n % 16 == 0");
+    coat_quant::rmsnorm_quant(x.data_ptr(), w.data_ptr(), (float)eps, xq.data_ptr<uint8_t>(),
+                              xs.data_ptr<uint8_t>(), rstd.data_ptr<float>(), ymax.data_ptr<float>(), x.size(0),
+                              x.size(1), e5m2, stream());
+}
+
+void rmsnorm_rebuild(torch::Tensor xq, torch::Tensor xs, torch::Tensor rstd, torch::Tensor w, torch::Tensor scale,
+                     torch::Tensor out, torch::Tensor out_t, bool in_e5m2, bool out_e5m2) {
+    check(xq, "xq", at::kByte);
+    check(w, "w", at::kBFloat16);
+    TORCH_CHECK(xq.size(0) % 16 == 0 && xq.size(1) % 16 == 0, "xq must be [m, n], m, n % 16 == 0");
+    coat_quant::rmsnorm_rebuild(xq.data_ptr<uint8_t>(), xs.data_ptr<uint8_t>(), rstd.data_ptr<float>(),
+                                w.data_ptr(), scale.data_ptr<float>(), opt_u8(out), opt_u8(out_t), xq.size(0),
+                                xq.size(1), in_e5m2, out_e5m2, stream());
+}
+
+void rmsnorm_backward(torch::Tensor dy, torch::Tensor xq, torch::Tensor xs, torch::Tensor rstd, torch::Tensor w,
+                      torch::Tensor dres, torch::Tensor dx, torch::Tensor dw, bool in_e5m2) {
+    check(dy, "dy", at::kBFloat16);
+    check(xq, "xq", at::kByte);
+    check(dx, "dx", at::kBFloat16);
+    TORCH_CHECK(dy.size(1) % 16 == 0 && dy.size(1) <= 16384, "hidden size must be a multiple of 16, <= 16384");
+    if (dres.numel()) check(dres, "dres", at::kBFloat16);
+    coat_quant::rmsnorm_backward(dy.data_ptr(), xq.data_ptr<uint8_t>(), xs.data_ptr<uint8_t>(),
+                                 rstd.data_ptr<float>(), w.data_ptr(), dres.numel() ? dres.data_ptr() : nullptr,
+                                 dx.data_ptr(), dw.data_ptr<float>(), dy.size(0), dy.size(1), in_e5m2, stream());
+}
+
+void silu_mul_quant(torch::Tensor gu, torch::Tensor q, torch::Tensor s, torch::Tensor amax, bool e5m2) {
+    check(gu, "gu", at::kBFloat16);
+    TORCH_CHECK(gu.dim() == 2 && gu.size(1) % 32 == 0, "gu must be [m, 2i] with i % 16 == 0");
+    coat_quant::silu_mul_quant(gu.data_ptr(), q.data_ptr<uint8_t>(), s.data_ptr<uint8_t>(), amax.data_ptr<float>(),
+                               gu.size(0), gu.size(1) / 2, e5m2, stream());
+}
+
+void silu_mul_rebuild(torch::Tensor q, torch::Tensor s, torch::Tensor scale, torch::Tensor out, torch::Tensor out_t,
+                      bool in_e5m2, bool out_e5m2) {
+    check(q, "q", at::kByte);
+    TORCH_CHECK(q.size(0) % 16 == 0 && q.size(1) % 32 == 0, "q must be [m, 2i], m, i % 16 == 0");
+    coat_quant::silu_mul_rebuild(q.data_ptr<uint8_t>(), s.data_ptr<uint8_t>(), scale.data_ptr<float>(),
+                                 opt_u8(out), opt_u8(out_t), q.size(0), q.size(1) / 2, in_e5m2, out_e5m2, stream());
+}
+
+void silu_mul_backward(torch::Tensor da, torch::Tensor q, torch::Tensor s, torch::Tensor dgu, torch::Tensor amax,
+                       bool in_e5m2) {
+    check(da, "da", at::kBFloat16);
+    check(q, "q", at::kByte);
+    check(dgu, "dgu", at::kBFloat16);
+    coat_quant::silu_mul_backward(da.data_ptr(), q.data_ptr<uint8_t>(), s.data_ptr<uint8_t>(), dgu.data_ptr(),
+                                  amax.data_ptr<float>(), q.size(0), q.size(1) / 2, in_e5m2, stream());
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.def("row_amax", &row_amax, "per-row max |x| (bf16)");
+    m.def("quant_tensor", &quant_tensor, "per-tensor FP8, row-major and/or transposed");
+    m.def("rmsnorm_quant", &rmsnorm_quant, "RMSNorm pass 1: FP8 input, rstd, output row maxima");
+    m.def("rmsnorm_rebuild", &rmsnorm_rebuild, "RMSNorm output as a per-tensor FP8 operand");
+    m.def("rmsnorm_backward", &rmsnorm_backward, "RMSNorm backward from the saved FP8 input");
+    m.def("silu_mul_quant", &silu_mul_quant, "SiLU*mul pass 1: FP8 gate/up, output row maxima");
+    m.def("silu_mul_rebuild", &silu_mul_rebuild, "silu(g) u as a per-tensor FP8 operand");
+    m.def("silu_mul_backward", &silu_mul_backward, "SiLU*mul backward from the saved FP8 gate/up");
+}

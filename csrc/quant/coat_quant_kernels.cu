@@ -1,0 +1,451 @@
+// FP8 activation kernels of COAT's precision flow. Mirrors coat_ds/activation/reference.py exactly:
+// power-of-two scales (frexp), saturating round-to-nearest-even casts, the same fp32 order of operations.
+//
+// Row kernels (one block per row, a thread owns whole 1 x 16 groups, so a group's maximum never leaves
+// its thread): rmsnorm_quant, silu_mul_quant, rmsnorm_backward, silu_mul_backward, row_amax.
+// Tile kernel (64 x 64 tiles, 256 threads, a thread owns one 16-wide group of one row): per-tensor FP8
+// quantization of a value produced on the fly (bf16 input, RMSNorm output rebuilt from its saved FP8
+// input, SiLU*mul rebuilt from saved FP8 gate/up), written row-major and/or transposed through shared
+// memory, so GEMM operands of either layout come out of the quantizing kernel itself.
+#include "coat_quant.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+namespace coat_quant {
+namespace {
+
+using bf16 = __nv_bfloat16;
+constexpr int G = 16;
+constexpr int kThreads = 256;
+constexpr int kTile = 64;
+
+template <bool E5M2>
+__device__ __forceinline__ uint8_t enc(float x) {
+    return (uint8_t)__nv_cvt_float_to_fp8(x, __NV_SATFINITE, E5M2 ? __NV_E5M2 : __NV_E4M3);
+}
+
+template <bool E5M2>
+__device__ __forceinline__ float dec(uint8_t c) {
+    __half_raw h = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)c, E5M2 ? __NV_E5M2 : __NV_E4M3);
+    return __half2float(__half(h));
+}
+
+// p with 2^p the smallest power of two mapping amax into the format (reference.pow2_exponent)
+template <bool E5M2>
+__device__ __forceinline__ int pow2_exp(float amax) {
+    if (!(amax > 0.0f)) return -127;
+    int e;
+    const float m = frexpf(amax, &e);
+    int p = e - (E5M2 ? 16 : 9) + (m > 0.875f ? 1 : 0);
+    return p < -127 ? -127 : (p > 127 ? 127 : p);
+}
+
+__device__ __forceinline__ float exp2i(int p) { return ldexpf(1.0f, p); }
+
+__device__ __forceinline__ void load16(const bf16* p, float* v) {
+    const uint4 a = reinterpret_cast<const uint4*>(p)[0];
+    const uint4 b = reinterpret_cast<const uint4*>(p)[1];
+    const bf16* pa = reinterpret_cast<const bf16*>(&a);
+    const bf16* pb = reinterpret_cast<const bf16*>(&b);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        v[j] = __bfloat162float(pa[j]);
+        v[8 + j] = __bfloat162float(pb[j]);
+    }
+}
+
+__device__ __forceinline__ void store16(bf16* p, const bf16* v) {
+    reinterpret_cast<uint4*>(p)[0] = reinterpret_cast<const uint4*>(v)[0];
+    reinterpret_cast<uint4*>(p)[1] = reinterpret_cast<const uint4*>(v)[1];
+}
+
+__device__ __forceinline__ void load_codes(const uint8_t* p, uint8_t* c) {
+    *reinterpret_cast<uint4*>(c) = *reinterpret_cast<const uint4*>(p);
+}
+
+__device__ __forceinline__ void store_codes(uint8_t* p, const uint8_t* c) {
+    *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(c);
+}
+
+__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+// Block-wide sum / max over kThreads threads; safe to call repeatedly (syncs before reusing smem).
+template <bool MAX>
+__device__ __forceinline__ float block_reduce(float v) {
+    __shared__ float part[kThreads / 32];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float w = __shfl_xor_sync(0xffffffffu, v, o);
+        v = MAX ? fmaxf(v, w) : v + w;
+    }
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = v;
+    __syncthreads();
+    v = part[0];
+#pragma unroll
+    for (int k = 1; k < kThreads / 32; ++k) v = MAX ? fmaxf(v, part[k]) : v + part[k];
+    return v;
+}
+
+// ------------------------------------------------------------------------------------------ row kernels
+
+__global__ void row_amax_k(const bf16* x, float* out, int64_t n) {
+    const bf16* xr = x + blockIdx.x * n;
+    float m = 0.0f;
+    for (int64_t c = threadIdx.x * 8; c < n; c += kThreads * 8) {
+        const uint4 a = *reinterpret_cast<const uint4*>(xr + c);
+        const bf16* pa = reinterpret_cast<const bf16*>(&a);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) m = fmaxf(m, fabsf(__bfloat162float(pa[j])));
+    }
+    m = block_reduce<true>(m);
+    if (threadIdx.x == 0) out[blockIdx.x] = m;
+}
+
+template <bool E5M2>
+__global__ void rmsnorm_quant_k(const bf16* x, const bf16* w, float eps, uint8_t* xq, uint8_t* xs, float* rstd,
+                                float* ymax, int64_t n) {
+    const int64_t row = blockIdx.x;
+    const int ng = (int)(n / G);
+    const bf16* xr = x + row * n;
+    float v[G];
+    float ss = 0.0f;
+    for (int g = threadIdx.x; g < ng; g += kThreads) {
+        load16(xr + g * G, v);
+#pragma unroll
+        for (int j = 0; j < G; ++j) ss += v[j] * v[j];
+    }
+    ss = block_reduce<false>(ss);
+    const float r = 1.0f / sqrtf(ss / (float)n + eps);
+    if (threadIdx.x == 0) rstd[row] = r;
+    float ym = 0.0f;
+    for (int g = threadIdx.x; g < ng; g += kThreads) {
+        load16(xr + g * G, v);
+        float wv[G];
+        load16(w + g * G, wv);
+        float amax = 0.0f;
+#pragma unroll
+        for (int j = 0; j < G; ++j) amax = fmaxf(amax, fabsf(v[j]));
+        const int p = pow2_exp<E5M2>(amax);
+        const float inv = exp2i(-p), sc = exp2i(p);
+        alignas(16) uint8_t c[G];
+#pragma unroll
+        for (int j = 0; j < G; ++j) {
+            c[j] = enc<E5M2>(v[j] * inv);
+            ym = fmaxf(ym, fabsf(dec<E5M2>(c[j]) * sc * r * wv[j]));
+        }
+        store_codes(xq + row * n + g * G, c);
+        xs[row * ng + g] = (uint8_t)(p + 127);
+    }
+    ym = block_reduce<true>(ym);
+    if (threadIdx.x == 0) ymax[row] = ym;
+}
+
+template <bool IN_E5M2, int GPT>
+__global__ void rmsnorm_backward_k(const bf16* dy, const uint8_t* xq, const uint8_t* xs, const float* rstd,
+                                   const bf16* w, const bf16* dres, bf16* dx, float* dw, int64_t m, int64_t n) {
+    const int ng = (int)(n / G);
+    float acc[GPT][G];
+#pragma unroll
+    for (int k = 0; k < GPT; ++k)
+#pragma unroll
+        for (int j = 0; j < G; ++j) acc[k][j] = 0.0f;
+    for (int64_t row = blockIdx.x; row < m; row += gridDim.x) {
+        const float r = rstd[row];
+        float dot = 0.0f;
+        float d[G], wv[G], xh[G];
+        alignas(16) uint8_t c[G];
+#pragma unroll
+        for (int k = 0; k < GPT; ++k) {
+            const int g = threadIdx.x + k * kThreads;
+            if (g < ng) {
+                load16(dy + row * n + g * G, d);
+                load16(w + g * G, wv);
+                load_codes(xq + row * n + g * G, c);
+                const float sc = exp2i((int)xs[row * ng + g] - 127);
+#pragma unroll
+                for (int j = 0; j < G; ++j) dot += (d[j] * wv[j]) * (dec<IN_E5M2>(c[j]) * sc * r);
+            }
+        }
+        const float mean = block_reduce<false>(dot) / (float)n;
+#pragma unroll
+        for (int k = 0; k < GPT; ++k) {
+            const int g = threadIdx.x + k * kThreads;
+            if (g < ng) {
+                load16(dy + row * n + g * G, d);
+                load16(w + g * G, wv);
+                load_codes(xq + row * n + g * G, c);
+                const float sc = exp2i((int)xs[row * ng + g] - 127);
+                float rs[G];
+                if (dres != nullptr) {
+                    load16(dres + row * n + g * G, rs);
+                } else {
+#pragma unroll
+                    for (int j = 0; j < G; ++j) rs[j] = 0.0f;
+                }
+                alignas(16) bf16 o[G];
+#pragma unroll
+                for (int j = 0; j < G; ++j) {
+                    xh[j] = dec<IN_E5M2>(c[j]) * sc * r;
+                    float v = r * (d[j] * wv[j] - xh[j] * mean);
+                    if (dres != nullptr) v += rs[j];
+                    o[j] = __float2bfloat16_rn(v);
+                    acc[k][j] += d[j] * xh[j];
+                }
+                store16(dx + row * n + g * G, o);
+            }
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < GPT; ++k) {
+        const int g = threadIdx.x + k * kThreads;
+        if (g < ng)
+#pragma unroll
+            for (int j = 0; j < G; ++j) atomicAdd(dw + g * G + j, acc[k][j]);
+    }
+}
+
+template <bool E5M2>
+__global__ void silu_mul_quant_k(const bf16* gu, uint8_t* q, uint8_t* sc, float* amax, int64_t i) {
+    const int64_t row = blockIdx.x;
+    const int ngi = (int)(i / G);
+    const bf16* src = gu + row * 2 * i;
+    float am = 0.0f;
+    for (int g = threadIdx.x; g < ngi; g += kThreads) {
+        float gv[G], uv[G];
+        load16(src + g * G, gv);
+        load16(src + i + g * G, uv);
+        float mg = 0.0f, mu = 0.0f;
+#pragma unroll
+        for (int j = 0; j < G; ++j) {
+            mg = fmaxf(mg, fabsf(gv[j]));
+            mu = fmaxf(mu, fabsf(uv[j]));
+        }
+        const int pg = pow2_exp<E5M2>(mg), pu = pow2_exp<E5M2>(mu);
+        const float ig = exp2i(-pg), iu = exp2i(-pu), sg = exp2i(pg), su = exp2i(pu);
+        alignas(16) uint8_t cg[G];
+        alignas(16) uint8_t cu[G];
+#pragma unroll
+        for (int j = 0; j < G; ++j) {
+            cg[j] = enc<E5M2>(gv[j] * ig);
+            cu[j] = enc<E5M2>(uv[j] * iu);
+            const float gd = dec<E5M2>(cg[j]) * sg, ud = dec<E5M2>(cu[j]) * su;
+            am = fmaxf(am, fabsf(gd * sigmoid(gd) * ud));
+        }
+        store_codes(q + row * 2 * i + g * G, cg);
+        store_codes(q + row * 2 * i + i + g * G, cu);
+        sc[row * 2 * ngi + g] = (uint8_t)(pg + 127);
+        sc[row * 2 * ngi + ngi + g] = (uint8_t)(pu + 127);
+    }
+    am = block_reduce<true>(am);
+    if (threadIdx.x == 0) amax[row] = am;
+}
+
+template <bool IN_E5M2>
+__global__ void silu_mul_backward_k(const bf16* da, const uint8_t* q, const uint8_t* sc, bf16* dgu, float* amax,
+                                    int64_t i) {
+    const int64_t row = blockIdx.x;
+    const int ngi = (int)(i / G);
+    float am = 0.0f;
+    for (int g = threadIdx.x; g < ngi; g += kThreads) {
+        float d[G];
+        load16(da + row * i + g * G, d);
+        alignas(16) uint8_t cg[G];
+        alignas(16) uint8_t cu[G];
+        load_codes(q + row * 2 * i + g * G, cg);
+        load_codes(q + row * 2 * i + i + g * G, cu);
+        const float sg = exp2i((int)sc[row * 2 * ngi + g] - 127), su = exp2i((int)sc[row * 2 * ngi + ngi + g] - 127);
+        alignas(16) bf16 og[G];
+        alignas(16) bf16 ou[G];
+#pragma unroll
+        for (int j = 0; j < G; ++j) {
+            const float gv = dec<IN_E5M2>(cg[j]) * sg, uv = dec<IN_E5M2>(cu[j]) * su;
+            const float s = sigmoid(gv);
+            og[j] = __float2bfloat16_rn(d[j] * uv * s * (1.0f + gv * (1.0f - s)));
+            ou[j] = __float2bfloat16_rn(d[j] * gv * s);
+            am = fmaxf(am, fmaxf(fabsf(__bfloat162float(og[j])), fabsf(__bfloat162float(ou[j]))));
+        }
+        store16(dgu + row * 2 * i + g * G, og);
+        store16(dgu + row * 2 * i + i + g * G, ou);
+    }
+    am = block_reduce<true>(am);
+    if (threadIdx.x == 0) amax[row] = am;
+}
+
+// ------------------------------------------------------------------------------------------ tile kernel
+
+struct Bf16Src {
+    const bf16* x;
+    int64_t n;
+    __device__ __forceinline__ void load(int64_t r, int64_t c, float* v) const { load16(x + r * n + c, v); }
+};
+
+template <bool IN_E5M2>
+struct NormSrc {
+    const uint8_t* q;
+    const uint8_t* s;
+    const float* rstd;
+    const bf16* w;
+    int64_t n;
+    __device__ __forceinline__ void load(int64_t r, int64_t c, float* v) const {
+        alignas(16) uint8_t cd[G];
+        load_codes(q + r * n + c, cd);
+        float wv[G];
+        load16(w + c, wv);
+        const float sc = exp2i((int)s[r * (n / G) + c / G] - 127), rs = rstd[r];
+#pragma unroll
+        for (int j = 0; j < G; ++j) v[j] = dec<IN_E5M2>(cd[j]) * sc * rs * wv[j];
+    }
+};
+
+template <bool IN_E5M2>
+struct SiluSrc {
+    const uint8_t* q;
+    const uint8_t* s;
+    int64_t i;  // output width; q rows are [gate | up] of 2i
+    __device__ __forceinline__ void load(int64_t r, int64_t c, float* v) const {
+        alignas(16) uint8_t cg[G];
+        alignas(16) uint8_t cu[G];
+        load_codes(q + r * 2 * i + c, cg);
+        load_codes(q + r * 2 * i + i + c, cu);
+        const int64_t ng = 2 * i / G;
+        const float sg = exp2i((int)s[r * ng + c / G] - 127), su = exp2i((int)s[r * ng + (i + c) / G] - 127);
+#pragma unroll
+        for (int j = 0; j < G; ++j) {
+            const float g = dec<IN_E5M2>(cg[j]) * sg, u = dec<IN_E5M2>(cu[j]) * su;
+            v[j] = g * sigmoid(g) * u;
+        }
+    }
+};
+
+template <bool OUT_E5M2, class Src>
+__global__ void tile_quant_k(Src src, const float* scale, uint8_t* out, uint8_t* out_t, int64_t m, int64_t n) {
+    __shared__ alignas(16) uint8_t tile[kTile][kTile + 16];  // [column][row]
+    const int t = threadIdx.x;
+    const int rr = t >> 2, cc = (t & 3) * G;
+    const int64_t r = (int64_t)blockIdx.y * kTile + rr, c0 = (int64_t)blockIdx.x * kTile + cc;
+    const float inv = 1.0f / *scale;  // a power of two: exact
+    if (r < m && c0 < n) {
+        float v[G];
+        src.load(r, c0, v);
+        alignas(16) uint8_t c[G];
+#pragma unroll
+        for (int j = 0; j < G; ++j) c[j] = enc<OUT_E5M2>(v[j] * inv);
+        if (out != nullptr) store_codes(out + r * n + c0, c);
+        if (out_t != nullptr)
+#pragma unroll
+            for (int j = 0; j < G; ++j) tile[cc + j][rr] = c[j];
+    }
+    if (out_t == nullptr) return;
+    __syncthreads();
+    const int tc = t >> 2, tr = (t & 3) * G;
+    const int64_t oc = (int64_t)blockIdx.x * kTile + tc, orow = (int64_t)blockIdx.y * kTile + tr;
+    if (oc < n && orow < m) store_codes(out_t + oc * m + orow, &tile[tc][tr]);
+}
+
+template <class Src>
+void launch_tile(Src src, const float* scale, uint8_t* out, uint8_t* out_t, int64_t m, int64_t n, bool e5m2,
+                 cudaStream_t s) {
+    const dim3 grid((unsigned)((n + kTile - 1) / kTile), (unsigned)((m + kTile - 1) / kTile));
+    if (e5m2)
+        tile_quant_k<true><<<grid, kThreads, 0, s>>>(src, scale, out, out_t, m, n);
+    else
+        tile_quant_k<false><<<grid, kThreads, 0, s>>>(src, scale, out, out_t, m, n);
+}
+
+int num_sms() {
+    int dev = 0, sms = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    return sms > 0 ? sms : 80;
+}
+
+}  // namespace
+
+void row_amax(const void* x, float* out, int64_t m, int64_t n, cudaStream_t s) {
+    if (m > 0) row_amax_k<<<(unsigned)m, kThreads, 0, s>>>(static_cast<const bf16*>(x), out, n);
+}
+
+void quant_tensor(const void* x, const float* scale, uint8_t* out, uint8_t* out_t, int64_t m, int64_t n,
+                  bool e5m2, cudaStream_t s) {
+    launch_tile(Bf16Src{static_cast<const bf16*>(x), n}, scale, out, out_t, m, n, e5m2, s);
+}
+
+void rmsnorm_quant(const void* x, const void* w, float eps, uint8_t* xq, uint8_t* xs, float* rstd, float* ymax,
+                   int64_t m, int64_t n, bool e5m2, cudaStream_t s) {
+    if (m == 0) return;
+    auto xb = static_cast<const bf16*>(x);
+    auto wb = static_cast<const bf16*>(w);
+    if (e5m2)
+        rmsnorm_quant_k<true><<<(unsigned)m, kThreads, 0, s>>>(xb, wb, eps, xq, xs, rstd, ymax, n);
+    else
+        rmsnorm_quant_k<false><<<(unsigned)m, kThreads, 0, s>>>(xb, wb, eps, xq, xs, rstd, ymax, n);
+}
+
+void rmsnorm_rebuild(const uint8_t* xq, const uint8_t* xs, const float* rstd, const void* w, const float* scale,
+                     uint8_t* out, uint8_t* out_t, int64_t m, int64_t n, bool in_e5m2, bool out_e5m2,
+                     cudaStream_t s) {
+    auto wb = static_cast<const bf16*>(w);
+    if (in_e5m2)
+        launch_tile(NormSrc<true>{xq, xs, rstd, wb, n}, scale, out, out_t, m, n, out_e5m2, s);
+    else
+        launch_tile(NormSrc<false>{xq, xs, rstd, wb, n}, scale, out, out_t, m, n, out_e5m2, s);
+}
+
+template <bool IN_E5M2>
+static void launch_rms_bwd(const bf16* dy, const uint8_t* xq, const uint8_t* xs, const float* rstd, const bf16* w,
+                           const bf16* dres, bf16* dx, float* dw, int64_t m, int64_t n, cudaStream_t s) {
+    const int ng = (int)(n / G);
+    const unsigned grid = (unsigned)(m < 2 * num_sms() ? m : 2 * num_sms());
+    if (ng <= kThreads)
+        rmsnorm_backward_k<IN_E5M2, 1><<<grid, kThreads, 0, s>>>(dy, xq, xs, rstd, w, dres, dx, dw, m, n);
+    else if (ng <= 2 * kThreads)
+        rmsnorm_backward_k<IN_E5M2, 2><<<grid, kThreads, 0, s>>>(dy, xq, xs, rstd, w, dres, dx, dw, m, n);
+    else
+        rmsnorm_backward_k<IN_E5M2, 4><<<grid, kThreads, 0, s>>>(dy, xq, xs, rstd, w, dres, dx, dw, m, n);
+}
+
+void rmsnorm_backward(const void* dy, const uint8_t* xq, const uint8_t* xs, const float* rstd, const void* w,
+                      const void* dres, void* dx, float* dw, int64_t m, int64_t n, bool in_e5m2, cudaStream_t s) {
+    if (m == 0) return;
+    auto a = static_cast<const bf16*>(dy);
+    auto wb = static_cast<const bf16*>(w);
+    auto r = static_cast<const bf16*>(dres);
+    auto o = static_cast<bf16*>(dx);
+    if (in_e5m2)
+        launch_rms_bwd<true>(a, xq, xs, rstd, wb, r, o, dw, m, n, s);
+    else
+        launch_rms_bwd<false>(a, xq, xs, rstd, wb, r, o, dw, m, n, s);
+}
+
+void silu_mul_quant(const void* gu, uint8_t* q, uint8_t* sc, float* amax, int64_t m, int64_t i, bool e5m2,
+                    cudaStream_t s) {
+    if (m == 0) return;
+    auto g = static_cast<const bf16*>(gu);
+    if (e5m2)
+        silu_mul_quant_k<true><<<(unsigned)m, kThreads, 0, s>>>(g, q, sc, amax, i);
+    else
+        silu_mul_quant_k<false><<<(unsigned)m, kThreads, 0, s>>>(g, q, sc, amax, i);
+}
+
+void silu_mul_rebuild(const uint8_t* q, const uint8_t* sc, const float* scale, uint8_t* out, uint8_t* out_t,
+                      int64_t m, int64_t i, bool in_e5m2, bool out_e5m2, cudaStream_t s) {
+    if (in_e5m2)
+        launch_tile(SiluSrc<true>{q, sc, i}, scale, out, out_t, m, i, out_e5m2, s);
+    else
+        launch_tile(SiluSrc<false>{q, sc, i}, scale, out, out_t, m, i, out_e5m2, s);
+}
+
+void silu_mul_backward(const void* da, const uint8_t* q, const uint8_t* sc, void* dgu, float* amax, int64_t m,
+                       int64_t i, bool in_e5m2, cudaStream_t s) {
+    if (m == 0) return;
+    auto d = static_cast<const bf16*>(da);
+    auto o = static_cast<bf16*>(dgu);
+    if (in_e5m2)
+        silu_mul_backward_k<true><<<(unsigned)m, kThreads, 0, s>>>(d, q, sc, o, amax, i);
+    else
+        silu_mul_backward_k<false><<<(unsigned)m, kThreads, 0, s>>>(d, q, sc, o, amax, i);
+}
+
+}  // namespace coat_quant
