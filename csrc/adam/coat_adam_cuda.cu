@@ -264,9 +264,9 @@ __global__ void __launch_bounds__(kThreads) dequantize_kernel(const uint8_t* __r
 }
 
 // Persistent grid: as many blocks as fit on the device at once, never more than there are tiles.
+// blocks_per_sm caches the occupancy of this kernel (0: not asked yet).
 template <typename Kernel>
-cudaError_t grid_size(Kernel kernel, int64_t tiles, int* grid) {
-    static int blocks_per_sm = 0;  // one per kernel instantiation
+cudaError_t grid_size(Kernel kernel, int64_t tiles, int& blocks_per_sm, int* grid) {
     if (blocks_per_sm == 0) {
         const cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, kThreads, 0);
         if (err != cudaSuccess) return err;
@@ -287,7 +287,8 @@ cudaError_t launch_adam(const AdamTensor* tensors, int n_tensors, int64_t total_
                         bool v_e5m2, bool expansion, cudaStream_t stream) {
     int grid = 0;
     const int64_t tiles = (total_groups + Tile<G>::kGroupsPerBlock - 1) / Tile<G>::kGroupsPerBlock;
-    cudaError_t err = grid_size(adam_kernel<G, BF16_GRAD>, tiles, &grid);
+    static int occupancy = 0;
+    cudaError_t err = grid_size(adam_kernel<G, BF16_GRAD>, tiles, occupancy, &grid);
     if (err != cudaSuccess) return err;
     adam_kernel<G, BF16_GRAD><<<grid, kThreads, 0, stream>>>(tensors, n_tensors, total_groups, c, v_e5m2, expansion);
     return cudaGetLastError();
@@ -298,7 +299,9 @@ cudaError_t launch_quantize(const float* x, uint8_t* codes, float* scale, float*
                             bool expansion, cudaStream_t stream) {
     const int64_t n_groups = (numel + G - 1) / G;
     int grid = 0;
-    cudaError_t err = grid_size(quantize_kernel<G>, (n_groups + Tile<G>::kGroupsPerBlock - 1) / Tile<G>::kGroupsPerBlock, &grid);
+    static int occupancy = 0;
+    cudaError_t err = grid_size(quantize_kernel<G>, (n_groups + Tile<G>::kGroupsPerBlock - 1) / Tile<G>::kGroupsPerBlock,
+                                occupancy, &grid);
     if (err != cudaSuccess) return err;
     quantize_kernel<G><<<grid, kThreads, 0, stream>>>(x, codes, scale, expo, numel, n_groups, e5m2, expansion);
     return cudaGetLastError();
@@ -309,7 +312,9 @@ cudaError_t launch_dequantize(const uint8_t* codes, const float* scale, const fl
                               bool e5m2, cudaStream_t stream) {
     const int64_t n_groups = (numel + G - 1) / G;
     int grid = 0;
-    cudaError_t err = grid_size(dequantize_kernel<G>, (n_groups + Tile<G>::kGroupsPerBlock - 1) / Tile<G>::kGroupsPerBlock, &grid);
+    static int occupancy = 0;
+    cudaError_t err = grid_size(dequantize_kernel<G>, (n_groups + Tile<G>::kGroupsPerBlock - 1) / Tile<G>::kGroupsPerBlock,
+                                occupancy, &grid);
     if (err != cudaSuccess) return err;
     dequantize_kernel<G><<<grid, kThreads, 0, stream>>>(codes, scale, expo, out, numel, n_groups, e5m2);
     return cudaGetLastError();

@@ -23,10 +23,11 @@ void check_cuda(cudaError_t err, const char* what) {
 class TableCache {
   public:
     const coat_cuda::AdamTensor* get(const std::vector<coat_cuda::AdamTensor>& host, int64_t group_size,
-                                     const torch::Device& device, cudaStream_t stream) {
+                                     bool bf16_grad, const torch::Device& device, cudaStream_t stream) {
         std::vector<int64_t> key;
-        key.reserve(host.size() * 10 + 2);
+        key.reserve(host.size() * 10 + 3);
         key.push_back(group_size);
+        key.push_back(bf16_grad);
         key.push_back(device.index());
         for (const auto& t : host) {
             const void* ptrs[] = {t.param, t.grad, t.m_codes, t.m_scale, t.m_expo, t.v_codes, t.v_scale, t.v_expo,
@@ -75,7 +76,7 @@ void launch_group(const std::vector<coat_ops::AdamTensorRefs>& refs, bool bf16_g
         groups += (r.numel + group_size - 1) / group_size;
     }
     if (host.empty()) return;
-    const coat_cuda::AdamTensor* table = table_cache().get(host, group_size, device, stream);
+    const coat_cuda::AdamTensor* table = table_cache().get(host, group_size, bf16_grad, device, stream);
     check_cuda(coat_cuda::adam_step(table, (int)host.size(), groups, (int)group_size, bf16_grad, c, v_e5m2,
                                     expansion, stream),
                "adam_step launch");

@@ -1,0 +1,256 @@
+"""One optimizer step over one flat fp32 master tensor (as ZeRO hands it over): CoatAdamW against its peers.
+
+GPU (default): 1e8 and 1e9 values, fp32 and bf16 grads; rows for CoatAdamW (kernel step `coat_ms`, and the
+optimizer's full step with its non-finite-grad check `coat_step_ms`), DeepSpeed FusedAdam, torch fused AdamW,
+torchao AdamWFp8 / AdamW8bit and bitsandbytes AdamW8bit. Each: median ms over CUDA-event timings after
+warm-up, bytes it must move (param read+write, grad read, state read+write, counted from the real state
+tensors), GB/s, optimizer-state bytes per param; the device's copy bandwidth is measured in the same run.
+Peers run one at a time and are freed in between. Peers take grads in the param's dtype only, so bf16-grad
+rows time CoatAdamW alone.
+
+    python benchmarks/optimizer_step.py                   # -> benchmarks/results/optimizer_step.json
+    python benchmarks/optimizer_step.py --device cpu      # CPU op vs DeepSpeedCPUAdam, 1e7 values
+    python benchmarks/optimizer_step.py --smoke           # tiny sizes on CPU, seconds; prints the JSON
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from coat_ds import ops  # noqa: E402
+from coat_ds.formats import E4M3, get_format, n_groups  # noqa: E402
+from coat_ds.optim import CoatAdamW  # noqa: E402
+
+HP = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+# ---------------------------------------------------------------- measuring
+
+def median_ms(fn, device: str, warmup: int, runs: int) -> float:
+    for _ in range(warmup):
+        fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(runs):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Storage bytes of t; a tensor subclass (torchao's quantised states) counts its inner tensors."""
+    if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return sum(tensor_bytes(getattr(t, n)) for n in names)
+    return t.numel() * t.element_size()
+
+
+def state_bytes(opt: torch.optim.Optimizer) -> int:
+    return sum(tensor_bytes(v) for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+
+
+def copy_gbps(numel: int, device: str, runs: int) -> float:
+    src = torch.randn(numel, device=device)
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src), device, 3, runs)
+    del src, dst
+    return 2 * numel * 4 / (ms * 1e6)
+
+
+def free(device: str) -> None:
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------- contenders
+
+def coat_kernel(p: torch.Tensor, g: torch.Tensor, group_size: int = 128, v_format: str = "e4m3"):
+    """ops.adamw_step on one flat tensor with states laid out as CoatAdamW's: the step alone."""
+    ng = n_groups(p.numel(), group_size)
+    vf = get_format(v_format)
+
+    def moment(fmt):
+        return (torch.zeros(p.shape, dtype=fmt.dtype, device=p.device), torch.zeros(ng, device=p.device),
+                torch.ones(ng, device=p.device))
+
+    m, v = moment(E4M3), moment(vf)
+    state = {"step": 0}
+
+    def step():
+        state["step"] += 1
+        ops.adamw_step([p], [g], [m], [v], lr=HP["lr"], beta1=HP["betas"][0], beta2=HP["betas"][1], eps=HP["eps"],
+                       weight_decay=HP["weight_decay"], step=state["step"], v_format=vf, group_size=group_size,
+                       expansion=True)
+
+    return step, sum(t.numel() * t.element_size() for t in (*m, *v))
+
+
+def make_optimizer(name: str, p: torch.nn.Parameter) -> torch.optim.Optimizer:
+    if name == "coat_step":
+        return CoatAdamW([p], **HP)
+    if name == "fused_adam":
+        from deepspeed.ops.adam import FusedAdam
+
+        return FusedAdam([p], adam_w_mode=True, **HP)
+    if name == "torch_adamw":
+        return torch.optim.AdamW([p], fused=True, **HP)
+    if name == "torchao_fp8":
+        from torchao.optim import AdamWFp8
+
+        return AdamWFp8([p], **HP)
+    if name == "torchao_8bit":
+        from torchao.optim import AdamW8bit
+
+        return AdamW8bit([p], **HP)
+    if name == "bnb_8bit":
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit([p], **HP)
+    if name == "ds_cpu_adam":
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam([p], adamw_mode=True, **HP)
+    raise ValueError(f"unknown optimizer {name!r}")
+
+
+def time_optimizer(name: str, p: torch.nn.Parameter, device: str, warmup: int, runs: int):
+    opt = make_optimizer(name, p)
+    ms = median_ms(opt.step, device, warmup, runs)
+    sb = state_bytes(opt)
+    del opt
+    return ms, sb
+
+
+# ---------------------------------------------------------------- runs
+
+def bench_size(numel: int, device: str, peers: list[str], warmup: int, runs: int, copy_bw: float) -> list[dict]:
+    rows = []
+    p = torch.nn.Parameter(torch.randn(numel, device=device) * 0.02)
+    g32 = torch.randn(numel, device=device) * 1e-3
+    for grad_dtype in (torch.float32, torch.bfloat16):
+        g = g32 if grad_dtype == torch.float32 else g32.to(torch.bfloat16)
+        gb = g.element_size()
+        row = dict(device=device_name(device), numel=numel, grad_dtype=str(grad_dtype).replace("torch.", ""),
+                   copy_gbps=round(copy_bw, 1), errors={})
+        step, sbytes = coat_kernel(p.data, g)
+        ms = median_ms(step, device, warmup, runs)
+        moved = numel * (8 + gb) + 2 * sbytes
+        row.update(coat_ms=round(ms, 4), coat_bytes=moved, coat_gbps=round(moved / (ms * 1e6), 1),
+                   coat_frac_of_copy=round(moved / (ms * 1e6) / copy_bw, 3),
+                   state_bytes_per_param=round(sbytes / numel, 4))
+        del step
+        free(device)
+        for name in peers:
+            key = name
+            if grad_dtype != torch.float32:
+                row[f"{key}_ms"] = None
+                row["errors"][key] = "needs grads in the param's dtype (fp32)"
+                continue
+            p.grad = g
+            try:
+                ms, sb = time_optimizer(name, p, device, warmup, runs)
+                moved = numel * (8 + gb) + 2 * sb
+                row.update({f"{key}_ms": round(ms, 4), f"{key}_gbps": round(moved / (ms * 1e6), 1),
+                            f"{key}_state_bytes_per_param": round(sb / numel, 4)})
+            except Exception as exc:  # noqa: BLE001 - a peer that fails is reported, the run goes on
+                row[f"{key}_ms"] = None
+                row["errors"][key] = f"{type(exc).__name__}: {exc}"[:300]
+                traceback.print_exc()
+            p.grad = None
+            free(device)
+        for name in peers:
+            if row.get(f"{name}_ms"):
+                row[f"speedup_vs_{name}"] = round(row[f"{name}_ms"] / row["coat_ms"], 2)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    del p, g32
+    free(device)
+    return rows
+
+
+def device_name(device: str) -> str:
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    return f"{platform.processor() or platform.machine()} x{torch.get_num_threads()} threads"
+
+
+def versions() -> dict:
+    out = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
+    for mod in ("deepspeed", "torchao", "bitsandbytes"):
+        try:
+            out[mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001
+            out[mod] = None
+    try:
+        out["coat_ds_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                               text=True, cwd=os.path.dirname(__file__)).stdout.strip() or None
+    except OSError:
+        out["coat_ds_commit"] = None
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    ap.add_argument("--sizes", type=float, nargs="+", help="numels (default: 1e8 1e9 on cuda, 1e7 on cpu)")
+    ap.add_argument("--runs", type=int, default=None, help="timed steps per contender")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes on CPU in seconds; prints, writes only --out")
+    ap.add_argument("--out", help="output JSON path")
+    args = ap.parse_args()
+    device = "cpu" if args.smoke else args.device
+    if device == "cuda":
+        sizes = args.sizes or [1e8, 1e9]
+        peers = ["coat_step", "fused_adam", "torch_adamw", "torchao_fp8", "torchao_8bit", "bnb_8bit"]
+        out = args.out or os.path.join(RESULTS, "optimizer_step.json")
+    else:
+        sizes = args.sizes or ([1e5] if args.smoke else [1e7])
+        peers = ["coat_step"] + ([] if args.smoke else ["ds_cpu_adam"])
+        out = args.out or (None if args.smoke else os.path.join(RESULTS, "optimizer_step_cpu.json"))
+    runs = args.runs or (3 if args.smoke else 20)
+    torch.manual_seed(0)
+    copy_bw = copy_gbps(int(max(sizes)), device, runs)
+    rows = []
+    for n in sizes:
+        rows += bench_size(int(n), device, peers, warmup=2 if args.smoke else 3, runs=runs, copy_bw=copy_bw)
+    result = dict(command=" ".join([os.path.basename(sys.executable)] + sys.argv), device=device_name(device),
+                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  versions=versions(), hyperparams=HP, group_size=128, v_format="e4m3", copy_gbps=round(copy_bw, 1),
+                  rows=rows)
+    if out:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"wrote {out}")
+    else:
+        print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
