@@ -187,6 +187,19 @@ def test_revert_restores_stock_modules():
         assert torch.equal(model(input_ids=x).logits, stock.eval()(input_ids=x).logits)
 
 
+def test_deepcopy_of_injected_model_is_independent():
+    model = coat_ds.inject(_model("qwen2"))
+    clone = copy.deepcopy(model)
+    assert all(isinstance(layer, CoatDecoderLayer) for layer in _layers(clone))
+    x = _batch()
+    with torch.no_grad():
+        torch.testing.assert_close(clone(input_ids=x).logits, model(input_ids=x).logits, rtol=0, atol=0)
+    coat_ds.revert(clone)
+    assert all(isinstance(layer, CoatDecoderLayer) and layer._forward_pre_hooks for layer in _layers(model))
+    shared = {id(p) for p in model.parameters()} & {id(p) for p in clone.parameters()}
+    assert not shared and set(clone.state_dict()) == set(model.state_dict())
+
+
 def test_inject_twice_and_disabled_are_noops():
     model = coat_ds.inject(_model("llama2"))
     layers = _layers(model)

@@ -93,7 +93,8 @@ def test_zero3_trains_injected_model(tmp_path, device):
     script.write_text(JOB)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", LOCAL_RANK="0",
-               WORLD_SIZE="1", COAT_TEST_DEVICE=device, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+               WORLD_SIZE="1", COAT_TEST_DEVICE=device,
+               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]

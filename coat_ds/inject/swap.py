@@ -19,8 +19,6 @@ INJECTED_ATTR = "_coat_injected"
 _HOOK_TABLES = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
                 "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_backward_pre_hooks",
                 "_backward_hooks")
-# Handle of the pre-hook that keeps FP8 weight caches fresh under ZeRO-3 (removed by revert).
-_ZERO3_HOOK_ATTR = "_coat_zero3_hook"
 # What transformers' set_gradient_checkpointing puts on each GradientCheckpointingLayer.
 _CHECKPOINT_ATTRS = ("gradient_checkpointing", "_gradient_checkpointing_func")
 
@@ -68,11 +66,12 @@ def _install_output_capture(model: nn.Module) -> None:
     """Install transformers' output_hidden_states hooks now, while the layers are still stock classes
     (they match by class), so that the swap can carry them to the FP8 layers. Private API: best effort."""
     try:
+        from transformers import PreTrainedModel
         from transformers.utils.output_capturing import maybe_install_capturing_hooks
     except ImportError:
         return
-    for module in model.modules():
-        if hasattr(module, "config") and type(module).__name__.endswith(("Model", "ForCausalLM")):
+    for module in model.modules():  # the outermost call reaches nested models; later calls are no-ops
+        if isinstance(module, PreTrainedModel):
             try:
                 maybe_install_capturing_hooks(module)
             except Exception:  # noqa: BLE001 - a model this helper does not understand keeps its old behaviour
@@ -145,7 +144,7 @@ def inject(model: nn.Module, config: Any = None) -> nn.Module:
         # ZeRO-3: gather all of the layer's parameters when it is entered, since the FP8 Functions read
         # the children's weights directly instead of calling the children (DeepSpeed's own mechanism).
         new._z3_leaf = True
-        object.__setattr__(new, _ZERO3_HOOK_ATTR, new.register_forward_pre_hook(_drop_stale_zero3_weights))
+        new.register_forward_pre_hook(_drop_stale_zero3_weights)
         _set_submodule(model, name, new)
     object.__setattr__(model, INJECTED_ATTR, policy.model_type)
     return model
@@ -157,9 +156,10 @@ def revert(model: nn.Module) -> nn.Module:
     coat_cls = _activation().CoatDecoderLayer
     targets = [(name, m) for name, m in model.named_modules() if isinstance(m, coat_cls)]
     for name, layer in targets:
-        handle = layer.__dict__.pop(_ZERO3_HOOK_ATTR, None)
-        if handle is not None:
-            handle.remove()
+        # found by identity rather than by a stored handle, so deepcopy / pickle of the model cannot confuse it
+        for key, hook in list(layer._forward_pre_hooks.items()):
+            if hook is _drop_stale_zero3_weights:
+                del layer._forward_pre_hooks[key]
         original = layer.to_hf()
         _move_attached_state(layer, original)
         _set_submodule(model, name, original)
