@@ -164,6 +164,27 @@ def hf_tok(name_or_path: str) -> Tok:
                vocab_size=len(tok), hf=tok)
 
 
+class _LazyTok:
+    """The --model tokenizer, loaded only when a text source needs encoding (token files never do)."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self._tok = name, None
+
+    def _get(self) -> Tok:
+        if self._tok is None:
+            try:
+                self._tok = hf_tok(self.name)
+            except (OSError, ValueError) as e:
+                raise DataError(f"--model {self.name}: cannot load its tokenizer to encode text data ({e}); "
+                                f"pass pre-tokenized data (.npy/.bin) instead") from None
+        return self._tok
+
+    def __getattr__(self, attr: str):
+        if attr in ("key", "encode", "eos_id", "vocab_size", "hf"):
+            return getattr(self._get(), attr)
+        raise AttributeError(attr)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Caching
 # ---------------------------------------------------------------------------------------------------------
@@ -459,7 +480,7 @@ def load(data: str | None, seq_len: int, *, tokenizer: str | None = None, vocab_
     if not isinstance(vocab_size, int) or not 256 + 1 <= vocab_size <= 1 << 20:
         raise DataError(f"--vocab-size={vocab_size!r} is invalid; allowed: an integer in [257, 1048576] "
                         f"(byte-level BPE starts from 256 byte tokens)")
-    tok = hf_tok(tokenizer) if tokenizer else None
+    tok = _LazyTok(tokenizer) if tokenizer else None
     if data is None:
         td = stdlib_corpus(tok, vocab_size)
     else:

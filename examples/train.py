@@ -144,25 +144,10 @@ def param_groups(model) -> list[dict]:
 
 
 def initialize(model, ds_config: dict):
-    """coat_ds.deepspeed.initialize applies the config's coat section (FP8 layers) and registers CoatAdamW."""
-    try:
-        from coat_ds.deepspeed import initialize as coat_initialize
-    except ImportError:   # older coat_ds without the DeepSpeed glue: build CoatAdamW ourselves
-        coat_initialize = None
-    if coat_initialize is not None:
-        engine, _, _, _ = coat_initialize(model=model, model_parameters=param_groups(model), config=ds_config)
-        return engine
-    import deepspeed
-    from coat_ds import CoatAdamW
+    """deepspeed.initialize through coat_ds: the "coat" section swaps in FP8 layers, "CoatAdamW" is a known optimizer."""
+    import coat_ds.deepspeed
 
-    cfg = {k: v for k, v in ds_config.items() if k != "coat"}
-    opt = None
-    if cfg.get("optimizer", {}).get("type") == "CoatAdamW":
-        opt = CoatAdamW(param_groups(model), **cfg.pop("optimizer").get("params", {}))
-        cfg["zero_allow_untested_optimizer"] = True
-        cfg.setdefault("zero_force_ds_cpu_optimizer", False)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg,
-                                           model_parameters=None if opt else param_groups(model))
+    engine, _, _, _ = coat_ds.deepspeed.initialize(model=model, model_parameters=param_groups(model), config=ds_config)
     return engine
 
 
@@ -441,13 +426,8 @@ def export(engine, tokens, out: Path, rank: int) -> None:
     state = engine._zero3_consolidated_16bit_state_dict() if engine.zero_optimization_partition_weights() else None
     if rank != 0:
         return
-    model = engine.module
-    try:
-        from coat_ds import revert   # swap FP8 layers back to the HF ones so the export loads anywhere
-        model = revert(model)
-    except ImportError:
-        pass
-    model.save_pretrained(str(out), state_dict=state)
+    # FP8 layers keep the stock submodules and state_dict keys, so this is a stock HF checkpoint
+    engine.module.save_pretrained(str(out), state_dict=state)
     if tokens.tokenizer is not None:
         tokens.tokenizer.save_pretrained(str(out))
     print(f"exported an HF model to {out} (AutoModelForCausalLM.from_pretrained({str(out)!r}))", flush=True)

@@ -1,0 +1,117 @@
+"""The same Llama as examples/train.py, trained by HF `Trainer` with a coat_ds DeepSpeed config.
+
+    deepspeed examples/hf_trainer.py --deepspeed ds_configs/zero2_coat.json --steps 100
+    deepspeed --num_gpus 8 examples/hf_trainer.py --deepspeed ds_configs/zero3_coat.json --model-size 125m
+
+The JSON is the single source of truth: the Trainer's arguments (batch size, accumulation, lr, betas, eps,
+weight decay, clipping, bf16, warmup) are read from it, so HF's consistency check between TrainingArguments
+and the DeepSpeed config always passes. DeepSpeed builds the optimizer named in the config ("CoatAdamW"),
+and the `"coat": {"activation": ...}` section is applied to the model (FP8 layers) before the Trainer sees it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import data as data_lib  # noqa: E402
+from train import MODEL_SIZES, build_model  # noqa: E402
+
+
+class Windows:
+    """Non-overlapping windows of a token stream as {"input_ids", "labels"} rows (HF shifts labels itself)."""
+
+    def __init__(self, stream, seq_len: int, limit: int | None = None) -> None:
+        self.stream, self.seq_len = stream, seq_len
+        self.n = len(stream) // seq_len if limit is None else min(limit, len(stream) // seq_len)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        import numpy as np
+        import torch
+
+        ids = torch.from_numpy(np.asarray(self.stream[i * self.seq_len:(i + 1) * self.seq_len], dtype=np.int64))
+        return {"input_ids": ids, "labels": ids}
+
+
+def training_arguments(ds_config: dict, args: argparse.Namespace):
+    """TrainingArguments whose every DeepSpeed-checked value is the one in the JSON."""
+    from transformers import TrainingArguments
+
+    opt = ds_config.get("optimizer", {}).get("params", {})
+    betas = opt.get("betas", [0.9, 0.999])
+    sched = ds_config.get("scheduler", {}).get("params", {})
+    warmup = sched.get("warmup_num_steps", 0)
+    warmup = warmup if isinstance(warmup, int) and warmup < args.steps else max(1, args.steps // 10)
+    sched["warmup_num_steps"] = warmup
+    return TrainingArguments(
+        output_dir=args.output_dir, max_steps=args.steps, seed=args.seed, deepspeed=ds_config,
+        per_device_train_batch_size=ds_config.get("train_micro_batch_size_per_gpu", 4),
+        per_device_eval_batch_size=ds_config.get("train_micro_batch_size_per_gpu", 4),
+        gradient_accumulation_steps=ds_config.get("gradient_accumulation_steps", 1),
+        learning_rate=opt.get("lr", 1e-3), adam_beta1=betas[0], adam_beta2=betas[1],
+        adam_epsilon=opt.get("eps", 1e-8), weight_decay=opt.get("weight_decay", 0.0),
+        max_grad_norm=ds_config.get("gradient_clipping", 1.0), warmup_steps=warmup,
+        bf16=bool(ds_config.get("bf16", {}).get("enabled", False)),
+        logging_steps=1, save_strategy="no", report_to="none", dataloader_num_workers=0, disable_tqdm=False,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--deepspeed", default="ds_configs/zero2_coat.json", help="DeepSpeed JSON config")
+    p.add_argument("--model", help="HF model name or path (default: a Llama built from --model-size)")
+    p.add_argument("--model-size", default="small", choices=list(MODEL_SIZES))
+    p.add_argument("--data", help="as in examples/train.py (default: the Python standard library sources)")
+    p.add_argument("--data-dtype", default="uint16", choices=list(data_lib.TOKEN_DTYPES))
+    p.add_argument("--vocab-size", type=int, default=data_lib.DEFAULT_VOCAB)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--eval-samples", type=int, default=64, help="validation windows for the final evaluation")
+    p.add_argument("--output-dir", default="runs/hf_trainer")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+
+    path = Path(args.deepspeed)
+    if not path.is_file():
+        raise SystemExit(f"error: --deepspeed {path}: no such file (ready configs: ds_configs/*.json)")
+    ds_config = json.loads(path.read_text())
+    try:
+        tokens = data_lib.load(args.data, args.seq_len, tokenizer=args.model, vocab_size=args.vocab_size,
+                               data_dtype=args.data_dtype)
+    except data_lib.DataError as e:
+        raise SystemExit(f"error: {e}") from None
+    model = build_model(argparse.Namespace(model=args.model, model_size=args.model_size, seed=args.seed),
+                        tokens.vocab_size, args.seq_len)
+
+    import coat_ds.deepspeed  # noqa: F401  registers "CoatAdamW" with DeepSpeed
+    from coat_ds.inject import inject
+    from transformers import Trainer
+
+    activation = ds_config.get("coat", {}).get("activation")
+    if activation is not None:
+        inject(model, activation)      # the Trainer calls deepspeed.initialize itself: swap layers first
+    targs = training_arguments(ds_config, args)
+    trainer = Trainer(model=model, args=targs, train_dataset=Windows(tokens.train, args.seq_len),
+                      eval_dataset=Windows(tokens.val, args.seq_len, limit=args.eval_samples))
+    result = trainer.train()
+    metrics = trainer.evaluate()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    if trainer.is_world_process_zero():
+        print(json.dumps({"train_loss_first": losses[0] if losses else None,
+                          "train_loss_last": losses[-1] if losses else None, "train_loss_mean": result.training_loss,
+                          "eval_loss": metrics["eval_loss"], "steps": trainer.state.global_step}), flush=True)
+    ok = all(math.isfinite(v) for v in losses + [metrics["eval_loss"]])
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
