@@ -200,10 +200,12 @@ def test_deepcopy_of_injected_model_is_independent():
     assert not shared and set(clone.state_dict()) == set(model.state_dict())
 
 
-def test_inject_twice_and_disabled_are_noops():
+def test_inject_twice_and_disabled():
     model = coat_ds.inject(_model("llama2"))
     layers = _layers(model)
     assert _layers(coat_ds.inject(model)) == layers
+    with pytest.raises(ValueError, match="revert"):
+        coat_ds.inject(model, {"mode": "linear"})
     stock = _model("llama2")
     assert not is_injected(coat_ds.inject(stock, {"enabled": False}))
     assert all(type(layer).__name__ == "LlamaDecoderLayer" for layer in _layers(stock))

@@ -97,8 +97,8 @@ def _move_attached_state(src: nn.Module, dst: nn.Module) -> None:
 def _drop_stale_zero3_weights(layer: nn.Module, args: Any) -> None:
     """Forward pre-hook: under ZeRO-3 a weight is re-gathered into whatever buffer is free and the
     optimizer updates its partition through `.data`, so neither data_ptr nor _version tells a new step
-    from an old one; the FP8 weight cache would keep serving step-0 weights. Clear it once per forward
-    (the backward and a checkpoint's recompute still reuse what this forward quantized)."""
+    from an old one: a cached FP8 weight or scale would outlive its step. Clear the layer's cache once
+    per forward."""
     if hasattr(layer.self_attn.q_proj.weight, "ds_id"):
         layer.clear_weight_cache()
 
@@ -119,19 +119,24 @@ def inject(model: nn.Module, config: Any = None) -> nn.Module:
     """Swap every decoder layer of `model` for coat_ds's FP8 layer, in place; returns `model`.
 
     config: an ActivationConfig, the dict of the `"coat": {"activation": ...}` section, or None for the
-    defaults (`enabled: false` leaves the model stock). Call it before deepspeed.initialize (ZeRO-3
+    defaults (`enabled: false`: nothing is swapped). Call it before deepspeed.initialize (ZeRO-3
     included: parameters created under zero.Init stay partitioned; the swap never touches their data).
-    Injecting twice is a no-op."""
+    Injecting again with the same config is a no-op, with another one a ValueError (revert first)."""
     _refuse_wrapped(model, "inject")
     cfg = _as_config(config)
     policy = policy_for(model)
-    if not cfg.enabled:  # "enabled": false in the JSON section: leave the model stock
+    if not cfg.enabled:  # "enabled": false in the JSON section: swap nothing
         return model
     coat_cls = _activation().CoatDecoderLayer
     targets = [(name, m) for name, m in model.named_modules()
                if type(m).__name__ in policy.layer_class_names and not isinstance(m, coat_cls)]
+    injected = [m for m in model.modules() if isinstance(m, coat_cls)]
+    other = {repr(m.coat_config) for m in injected if m.coat_config != cfg}
+    if other:
+        raise ValueError(f"coat_ds.inject: this model is already injected with {sorted(other)}; "
+                         f"call coat_ds.revert(model) first to inject {cfg!r}")
     if not targets:
-        if getattr(model, INJECTED_ATTR, None):
+        if injected:
             return model
         raise ValueError(f"coat_ds.inject found no {list(policy.layer_class_names)} in {type(model).__name__}")
     # Build every new layer before swapping any: a layer the FP8 flow cannot take (ValueError from
