@@ -258,8 +258,8 @@ def test_output_hidden_states_and_generate():
     assert gen.sequences[0, SEQ].item() == out.logits[0, -1].argmax().item()
     with torch.no_grad():
         full = model(input_ids=gen.sequences).logits
-    for step, logits in enumerate(gen.logits):
-        assert _rel(logits[0], full[0, SEQ - 1 + step]) < 0.1, step
+    for step, logits in enumerate(gen.logits):  # measured 0 (activations scaled per 1 x 16 group, per token)
+        assert _rel(logits[0], full[0, SEQ - 1 + step]) < 0.02, step
 
 
 # ---------------------------------------------------------------------------------------------- GPU (bf16)
@@ -351,6 +351,6 @@ def test_gpu_gradient_checkpointing_and_generate():
     with torch.no_grad():
         full = model(input_ids=gen.sequences).logits
     cache_err = max(_rel(logits[0], full[0, 15 + i]) for i, logits in enumerate(gen.logits))
-    assert cache_err < 0.12
+    assert cache_err < 0.05
     _GPU_RESULTS.append({"test": "checkpointing+generate", "family": "qwen2", "backend": "sdpa",
                          "grad_rel_err_checkpointed_vs_not": worst, "kv_cache_vs_full_logits_rel_err": cache_err})
