@@ -230,6 +230,20 @@ def test_refused_layer_leaves_model_untouched():
     assert all(type(layer).__name__ == "LlamaDecoderLayer" for layer in _layers(model)) and not is_injected(model)
 
 
+def test_other_heads_and_base_model():
+    """The walk finds decoder layers under any head (and in a bare base model)."""
+    from transformers import LlamaModel, Qwen2ForSequenceClassification
+    cls_model = Qwen2ForSequenceClassification(Qwen2Config(**_COMMON, num_key_value_heads=2, num_labels=3,
+                                                            pad_token_id=0))
+    base = LlamaModel(LlamaConfig(**_COMMON, num_key_value_heads=2))
+    for model, layers in ((cls_model, cls_model.model.layers), (base, base.layers)):
+        coat_ds.inject(model)
+        assert all(isinstance(layer, CoatDecoderLayer) for layer in layers)
+    x = _batch()
+    assert cls_model(input_ids=x).logits.shape == (2, 3)
+    assert base(input_ids=x).last_hidden_state.shape == (2, SEQ, _COMMON["hidden_size"])
+
+
 def test_policy_registry():
     assert {"llama", "mistral", "qwen2"} <= set(supported_model_types())
     with pytest.raises(ValueError, match="already has a policy"):
