@@ -147,18 +147,19 @@ def _saved_tensor_count(model, x):
     return count
 
 
-@pytest.mark.parametrize("enable", ["before_inject", "after_inject"])
-def test_gradient_checkpointing(enable):
+@pytest.mark.parametrize("enable,reentrant", [("before_inject", False), ("after_inject", True)])
+def test_gradient_checkpointing(enable, reentrant):
     x = _batch()
     plain = coat_ds.inject(_model("qwen2"))
     plain.train()
     checkpointed = _model("qwen2")
+    kwargs = {"gradient_checkpointing_kwargs": {"use_reentrant": reentrant}}
     if enable == "before_inject":
-        checkpointed.gradient_checkpointing_enable()
+        checkpointed.gradient_checkpointing_enable(**kwargs)
         coat_ds.inject(checkpointed)
     else:
         coat_ds.inject(checkpointed)
-        checkpointed.gradient_checkpointing_enable()
+        checkpointed.gradient_checkpointing_enable(**kwargs)
     checkpointed.train()
     assert all(layer.gradient_checkpointing for layer in _layers(checkpointed))
     # checkpointing really happens: the layers' FP8 saves are dropped in the forward
