@@ -81,8 +81,10 @@ class CoatCPUOpBuilder(CoatBuilderMixin, OpBuilder):
     """C++ + OpenMP op, flags as DeepSpeed's CPU builders use them (-O3 -march=native -fopenmp)."""
 
     def cxx_args(self) -> list[str]:
-        # -fno-math-errno lets sqrtf vectorise; no -ffast-math: results must track the reference
-        return ["-O3", "-std=c++20", "-g", "-Wno-reorder", self.cpu_arch(), "-fopenmp", "-fno-math-errno"]
+        # -fno-math-errno / -fno-trapping-math let sqrtf and the branch-free selects vectorise without
+        # changing a single result; no -ffast-math: results must track the reference
+        return ["-O3", "-std=c++20", "-g", "-Wno-reorder", self.cpu_arch(), "-fopenmp", "-fno-math-errno",
+                "-fno-trapping-math"]
 
     def extra_ldflags(self) -> list[str]:
         return ["-fopenmp"]
