@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 # Llama shapes by name. llama-1b is examples/train.py's "1b" (TinyLlama's shape); llama-3b is OpenLLaMA-3B's.
 MODELS = {
-    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+    "tiny": dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
                  intermediate_size=192, vocab_size=512),
     "llama-125m": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=12,
                        intermediate_size=3072, vocab_size=32000),
@@ -563,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
         return worker(args)
     if args.smoke:
         args.model, args.seq_len, args.steps, args.warmup = "tiny", 32, 1, 0
-        args.max_batch, args.equal_batch, args.max_rungs = min(args.max_batch, 4), 1, 3
+        args.max_batch, args.equal_batch, args.max_rungs = min(args.max_batch, 2), 1, 2
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     for n in names:
         if n not in CONFIGS:

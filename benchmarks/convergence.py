@@ -1,0 +1,313 @@
+"""Convergence: a ~125M Llama pretrained from scratch with BF16 + AdamW, coat_ds optimizer-only and coat_ds full.
+
+    python benchmarks/convergence.py --steps 2000 --parallel --out /tmp/conv     # one GPU, ~125M, 3 runs
+    python benchmarks/convergence.py --smoke --out /tmp/conv_smoke                # CPU, tiny, < 60 s
+
+All three runs start from the same weights (examples/train.py's build_model with one seed) and read the
+same batches in the same order (examples/data.py's Batches: the sample at an index depends only on the
+seed), on the default corpus (the interpreter's standard library, BPE-tokenized; built once by this
+process before the runs start). Each run is its own process, so `--parallel` can put all three on one
+GPU at once: a 125M model leaves an H100 mostly idle, and the losses do not depend on the neighbours.
+The loop keeps the running loss on the device and reads it back only every --log-every steps.
+
+The BF16 run also saves samples of its final Adam moments (contiguous, 128-aligned windows of the flat
+exp_avg / exp_avg_sq, so quantization groups see real neighbours) for
+
+    python benchmarks/quant_error.py --state OUT/adam_state_bf16.pt
+
+Output in --out: convergence.json (steps, bf16_val_loss, coat_val_loss, val_loss_gap_rel, the curves,
+versions, command, date), convergence.png, adam_state_bf16.pt, one log per run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from e2e import (CONFIGS, ROOT, WarningLog, base_optimizer, command, device_name, ds_config,  # noqa: E402
+                 free_port, now, versions)
+
+TARGET_GAP = 0.005   # final validation loss within 0.5% of BF16
+
+
+def worker(args: argparse.Namespace) -> int:
+    import torch
+    import deepspeed
+
+    import data as data_lib     # examples/data.py
+    import train as train_lib   # examples/train.py
+
+    wlog = WarningLog()
+    train_lib.set_single_process_env()
+    deepspeed.init_distributed()
+    on_cuda = torch.cuda.is_available()
+    tokens = data_lib.load(args.data, args.seq_len, vocab_size=args.vocab_size)
+    model = train_lib.build_model(argparse.Namespace(model=None, model_size=args.model_size, seed=args.seed),
+                                  tokens.vocab_size, args.seq_len)
+    n_params = sum(p.numel() for p in model.parameters())
+    cfg = ds_config(args.config, micro_batch=args.micro_batch, on_cpu=not on_cuda, lr=args.lr,
+                    total_steps=args.steps, warmup_steps=args.warmup_steps)
+    source = cfg.pop("_source")
+    engine = train_lib.initialize(model, cfg)
+    dev = engine.device
+    batches = data_lib.Batches(tokens, args.seq_len, args.micro_batch, 1, 0, 1, args.seed)
+    val_data = list(batches.val_batches(args.eval_batches))
+
+    def fetch(step: int):
+        x, y = batches.train_batch(step, 0)
+        if on_cuda:
+            return x.pin_memory().to(dev, non_blocking=True), y.pin_memory().to(dev, non_blocking=True)
+        return x, y
+
+    def evaluate() -> float:
+        engine.eval()
+        total = torch.zeros((), device=dev)
+        with torch.no_grad():
+            for x, y in val_data:
+                total += train_lib.lm_loss(engine, x, y).float()
+        engine.train()
+        return total.item() / len(val_data)
+
+    train_log, val_log = [], []
+    status = "running"
+
+    def save(extra: dict | None = None) -> None:
+        """The result so far; rewritten at every evaluation so a run killed by the time budget keeps its curves."""
+        steps_done = train_log[-1][0] if train_log else 0
+        res = {"config": args.config, "label": CONFIGS[args.config][0], "config_source": source, "ds_config": cfg,
+               "params": n_params, "status": status, "steps_done": steps_done, "train": train_log, "val": val_log,
+               "final_val_loss": val_log[-1][1] if val_log and val_log[-1][0] == args.steps else None,
+               "tokens_per_s": steps_done * args.micro_batch * args.seq_len / t_train if t_train > 0 else None,
+               "peak_mem_gb": torch.cuda.max_memory_allocated() / 2 ** 30 if on_cuda else None,
+               "coat_warnings": wlog.messages, **(extra or {})}
+        tmp = Path(args.result + ".tmp")
+        tmp.write_text(json.dumps(res))
+        os.replace(tmp, args.result)
+
+    acc = torch.zeros((), device=dev, dtype=torch.float32)
+    engine.train()
+    t_train, t_mark = 0.0, time.perf_counter()
+    nxt = fetch(0)
+    for step in range(args.steps):
+        x, y = nxt
+        if step + 1 < args.steps:
+            nxt = fetch(step + 1)       # the copy overlaps this step's compute
+        loss = train_lib.lm_loss(engine, x, y)
+        engine.backward(loss)
+        engine.step()
+        acc += loss.detach().float()
+        done = step + 1
+        if done % args.log_every == 0 or done == args.steps:
+            n = done - (train_log[-1][0] if train_log else 0)
+            mean = acc.item() / n
+            acc.zero_()
+            train_log.append([done, mean])
+            if not math.isfinite(mean):
+                status = f"diverged: train loss {mean} at step {done}"
+                break
+        if done % args.eval_every == 0 or done == args.steps:
+            t_train += time.perf_counter() - t_mark
+            val_log.append([done, evaluate()])
+            print(f"[{args.config}] step {done}: train {train_log[-1][1]:.4f} val {val_log[-1][1]:.4f}", flush=True)
+            save()
+            t_mark = time.perf_counter()
+    t_train += time.perf_counter() - t_mark
+    if status == "running":
+        status = "ok"
+    extra = {}
+    if args.dump_state:
+        extra["adam_state"] = dump_adam_state(engine, Path(args.dump_state), args.state_sample,
+                                              f"{args.config} run, llama-{args.model_size}, step {args.steps}")
+    save(extra)
+    return 0 if status == "ok" else 3
+
+
+def dump_adam_state(engine, path: Path, sample: int, what: str) -> dict:
+    """Save `sample` values of the final exp_avg / exp_avg_sq (fp32), in 64 contiguous 128-aligned windows
+    spread evenly over the flat state, in the format benchmarks/quant_error.py --state reads."""
+    import torch
+
+    base = base_optimizer(engine)
+    ms, vs = [], []
+    for g in base.param_groups:
+        for p in g["params"]:
+            st = base.state.get(p, {})
+            if "exp_avg" in st and "exp_avg_sq" in st:
+                ms.append(st["exp_avg"].detach().reshape(-1).float())
+                vs.append(st["exp_avg_sq"].detach().reshape(-1).float())
+    if not ms:
+        raise RuntimeError(f"{type(base).__name__} holds no exp_avg/exp_avg_sq state to dump")
+    m, v = torch.cat(ms), torch.cat(vs)
+    n = m.numel()
+    if sample >= n:
+        idx = torch.arange(n, device=m.device)
+        layout = f"all {n} values"
+    else:
+        n_win = 64
+        win = max(128, sample // n_win // 128 * 128)
+        starts = torch.linspace(0, max(n - win, 0), n_win).long() // 128 * 128
+        idx = (starts[:, None] + torch.arange(win)[None, :]).reshape(-1).clamp_(max=n - 1).to(m.device)
+        layout = f"{n_win} windows of {win} contiguous values out of {n}"
+    out = {"exp_avg": m[idx].cpu(), "exp_avg_sq": v[idx].cpu(), "source": f"{what}: {layout}",
+           "optimizer": type(base).__name__}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(out, path)
+    return {"path": str(path), "numel": int(idx.numel()), "of": n, "layout": layout,
+            "optimizer": type(base).__name__}
+
+
+def launch(args: argparse.Namespace, name: str, out: Path) -> tuple[subprocess.Popen, Path, Path]:
+    result, log = out / f"convergence_{name}.json", out / f"convergence_{name}.log"
+    result.unlink(missing_ok=True)
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--config", name,
+           "--model-size", args.model_size, "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch),
+           "--steps", str(args.steps), "--lr", str(args.lr), "--warmup-steps", str(args.warmup_steps),
+           "--log-every", str(args.log_every), "--eval-every", str(args.eval_every),
+           "--eval-batches", str(args.eval_batches), "--seed", str(args.seed), "--vocab-size", str(args.vocab_size),
+           "--result", str(result)]
+    if args.data:
+        cmd += ["--data", args.data]
+    if name == "bf16":
+        cmd += ["--dump-state", str(out / "adam_state_bf16.pt"), "--state-sample", str(args.state_sample)]
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0",
+               WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+    env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    print(f"== {name}: {' '.join(cmd)}  (log {log})", flush=True)
+    fh = open(log, "w")
+    proc = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+    fh.close()
+    return proc, result, log
+
+
+def wait(proc: subprocess.Popen, deadline: float) -> int:
+    try:
+        return proc.wait(timeout=max(deadline - time.time(), 1))
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.wait()
+        return 124
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from {list(CONFIGS)}")
+    p.add_argument("--model-size", default="125m", help="a size from examples/train.py's MODEL_SIZES")
+    p.add_argument("--data", help="as examples/train.py --data (default: the standard-library corpus)")
+    p.add_argument("--vocab-size", type=int, default=8192)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--micro-batch", type=int, default=16)
+    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--warmup-steps", type=int, default=100)
+    p.add_argument("--log-every", type=int, default=10, help="read the train loss back every N steps")
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--eval-batches", type=int, default=16)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--state-sample", type=int, default=2_000_000, help="Adam-state values saved from the BF16 run")
+    p.add_argument("--parallel", action="store_true", help="run the configurations at the same time")
+    p.add_argument("--time-budget", type=float, default=3600.0, help="seconds before the runs are killed")
+    p.add_argument("--smoke", action="store_true", help="tiny model, few steps, small corpus (CPU is fine)")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    # worker-only
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--config", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    p.add_argument("--dump-state", help=argparse.SUPPRESS)
+    p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        return worker(args)
+    if args.smoke:
+        args.model_size, args.seq_len, args.micro_batch, args.steps = "tiny", 64, 4, 3
+        args.warmup_steps, args.log_every, args.eval_every, args.eval_batches = 1, 1, 3, 1
+        args.vocab_size, args.state_sample = 512, 4096
+        args.data = args.data or str(ROOT / "coat_ds")        # a small text folder: the BPE trains in seconds
+    names = [n.strip() for n in args.configs.split(",") if n.strip()]
+    for n in names:
+        if n not in CONFIGS:
+            p.error(f"--configs: {n!r} is unknown; allowed: {list(CONFIGS)}")
+    for key in ("seq_len", "micro_batch", "steps", "log_every", "eval_every", "eval_batches"):
+        if getattr(args, key) < 1:
+            p.error(f"--{key.replace('_', '-')}={getattr(args, key)} is invalid; allowed: an integer >= 1")
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    import data as data_lib
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    tokens = data_lib.load(args.data, args.seq_len, vocab_size=args.vocab_size)   # built once, read by every run
+    n_train = len(tokens.train)
+    print(f"data: {tokens.source}: {n_train:,} train / {len(tokens.val):,} val tokens ({time.time() - t0:.0f} s)",
+          flush=True)
+    deadline = t0 + args.time_budget
+    rcs, runs = {}, {}
+    if args.parallel:
+        procs = {n: launch(args, n, out) for n in names}
+        for n, (proc, _, _) in procs.items():
+            rcs[n] = wait(proc, deadline)
+    else:
+        procs = {}
+        for n in names:
+            procs[n] = launch(args, n, out)
+            rcs[n] = wait(procs[n][0], deadline)
+    for n, (_, result, log) in procs.items():
+        if result.exists():
+            runs[n] = json.loads(result.read_text())
+            if rcs[n] != 0 and runs[n]["status"] in ("running", "ok"):
+                runs[n]["status"] = f"stopped at step {runs[n]['steps_done']} (exit {rcs[n]})"
+        else:
+            runs[n] = {"config": n, "label": CONFIGS[n][0], "status": f"failed (exit {rcs[n]})", "train": [],
+                       "val": [], "final_val_loss": None}
+        runs[n]["exit_code"] = rcs[n]
+        runs[n]["log_tail"] = log.read_text()[-2000:] if rcs[n] != 0 else ""
+        print(f"{n}: {runs[n]['status']}, final val loss {runs[n]['final_val_loss']}", flush=True)
+
+    import torch  # noqa: F401  (versions() and device_name())
+
+    bf16 = (runs.get("bf16") or {}).get("final_val_loss")
+    full = (runs.get("coat_full") or {}).get("final_val_loss")
+    opt = (runs.get("coat_opt") or {}).get("final_val_loss")
+    gap = lambda c: (c - bf16) / bf16 if c is not None and bf16 else None  # noqa: E731
+    tail = lambda n: [v for _, v in (runs.get(n) or {}).get("train", [])[-5:]]  # noqa: E731
+    res = {
+        "device": device_name(), "model": f"llama-{args.model_size}",
+        "params": next((r.get("params") for r in runs.values() if r.get("params")), None),
+        "data": tokens.source.split(" (cache")[0], "train_tokens": n_train, "val_tokens": len(tokens.val),
+        "vocab_size": tokens.vocab_size, "seq_len": args.seq_len, "micro_batch": args.micro_batch,
+        "tokens_per_step": args.seq_len * args.micro_batch,
+        "epochs": args.steps * args.seq_len * args.micro_batch / n_train, "lr": args.lr,
+        "warmup_steps": args.warmup_steps, "seed": args.seed, "parallel": args.parallel,
+        "steps": min((r.get("steps_done", 0) for r in runs.values()), default=0), "steps_requested": args.steps,
+        "bf16_val_loss": bf16, "coat_val_loss": full, "coat_opt_val_loss": opt,
+        "val_loss_gap_rel": gap(full), "val_loss_gap_rel_optimizer_only": gap(opt),
+        "bf16_train_loss_last50": sum(tail("bf16")) / len(tail("bf16")) if tail("bf16") else None,
+        "coat_train_loss_last50": sum(tail("coat_full")) / len(tail("coat_full")) if tail("coat_full") else None,
+        "target_gap_rel": TARGET_GAP,
+        "within_target": None if gap(full) is None else abs(gap(full)) <= TARGET_GAP,
+        "adam_state": (runs.get("bf16") or {}).get("adam_state"),
+        "runs": runs, "versions": versions(), "command": command(), "date": now(), "wall_s": time.time() - t0, "smoke": args.smoke,
+    }
+    path = out / "convergence.json"
+    path.write_text(json.dumps(res, indent=1))
+    try:
+        from plot_utils import plot_convergence
+        plot_convergence(res, out / "convergence.png")
+        res["png"] = str(out / "convergence.png")
+        path.write_text(json.dumps(res, indent=1))
+    except ImportError as e:
+        print(f"warning: no plot ({e}); render it later with benchmarks/plot_utils.py {path}", file=sys.stderr)
+    f = lambda v, s=".4f": "-" if v is None else format(v, s)  # noqa: E731
+    print(f"final val loss: bf16 {f(bf16)}, coat optimizer-only {f(opt)}, coat full {f(full)}; gap "
+          f"{f(gap(full), '+.3%')} (target within {TARGET_GAP:.1%})  ->  {path}", flush=True)
+    return 0 if all(r.get("status") == "ok" for r in runs.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""The end-to-end benchmarks in --smoke mode (CPU, tiny Llama, real DeepSpeed engines, one process per
+configuration) and the micro-batch search they rely on.
+
+Both smokes run at the same time (they are mostly process start-up) and write to a temporary directory,
+never to benchmarks/results/. The coat_ds kernels are tested elsewhere; here COAT_DISABLE_OPS=1 keeps a
+cold CI cache from JIT-building them inside the time budget."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from e2e import CONFIGS, ds_config, next_batch  # noqa: E402
+
+GIB = 2 ** 30
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The micro-batch search (pure function)
+# ---------------------------------------------------------------------------------------------------------
+def _search(peak_of, limit: float, start: int = 1, max_batch: int = 1024, known_fail: int | None = None):
+    """Drive next_batch the way the worker does, with a synthetic peak-memory model."""
+    lo, hi, points, tried = None, known_fail, [], []
+    b = start
+    while b is not None and len(tried) < 20:
+        tried.append(b)
+        peak = peak_of(b)
+        if peak <= limit:
+            lo = b if lo is None else max(lo, b)
+            points.append((b, peak))
+        else:
+            hi = b if hi is None else min(hi, b)
+        b = next_batch(points, lo, hi, limit, max_batch)
+    return lo, hi, tried
+
+
+def test_search_finds_the_largest_fitting_batch_of_a_linear_model_in_few_tries():
+    limit = 80 * GIB
+    peak = lambda b: 22 * GIB + 6.5 * GIB * b   # noqa: E731  (bf16 1B at seq 2048, roughly)
+    lo, hi, tried = _search(peak, limit)
+    assert lo == 8 and peak(lo) <= limit < peak(lo + 1)
+    assert len(tried) <= 5, tried
+
+
+def test_search_bisects_when_memory_grows_faster_than_linear():
+    limit = 100.0
+    peak = lambda b: 10 + b * b   # noqa: E731  (the linear fit overshoots; bisection has to correct it)
+    lo, hi, tried = _search(peak, limit)
+    assert lo == 9 and hi == 10, tried
+    assert len(tried) <= 8, tried
+
+
+def test_search_respects_max_batch_known_failure_and_a_start_that_does_not_fit():
+    lo, hi, tried = _search(lambda b: float(b), limit=1e9, max_batch=16)
+    assert lo == 16 and tried[-1] == 16 and len(tried) <= 5, tried
+    lo, hi, tried = _search(lambda b: float(b), limit=1e9, start=4, known_fail=6)
+    assert lo == 5 and hi == 6
+    lo, hi, tried = _search(lambda b: 10.0 * b, limit=25.0, start=8)
+    assert lo == 2 and hi == 3, tried
+    lo, hi, tried = _search(lambda b: 10.0 * b, limit=5.0, start=2)
+    assert lo is None and tried == [2, 1]
+
+
+def test_configs_share_everything_but_the_named_change():
+    cfgs = {n: ds_config(n, micro_batch=3, zero_stage=1, on_cpu=True, lr=1e-4, total_steps=50, warmup_steps=5)
+            for n in CONFIGS}
+    for c in cfgs.values():
+        assert c["train_micro_batch_size_per_gpu"] == 3 and c["gradient_accumulation_steps"] == 1
+        assert c["zero_optimization"]["stage"] == 1
+        assert c["optimizer"]["params"]["lr"] == 1e-4
+        assert c["scheduler"]["params"]["total_num_steps"] == 50
+    assert cfgs["bf16"]["optimizer"]["type"].lower() in ("adam", "adamw")
+    assert cfgs["bf16"]["optimizer"]["params"].get("torch_adam") is True     # CPU: no FusedAdam build
+    assert not (cfgs["bf16"].get("coat", {}).get("activation", {}).get("enabled", False))
+    assert cfgs["coat_opt"]["optimizer"]["type"] == "CoatAdamW"
+    assert not (cfgs["coat_opt"].get("coat", {}).get("activation", {}).get("enabled", False))
+    assert cfgs["coat_full"]["optimizer"]["type"] == "CoatAdamW"
+    assert cfgs["coat_full"]["coat"]["activation"].get("enabled", True)
+    with pytest.raises(ValueError, match="allowed"):
+        ds_config("fp16", micro_batch=1)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Both smokes, end to end
+# ---------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def smoke_runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bench")
+    env = dict(os.environ, COAT_DISABLE_OPS="1", COAT_DATA_CACHE=str(tmp / "data_cache"), PYTHONUNBUFFERED="1")
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    runs = {
+        "e2e": [sys.executable, str(ROOT / "benchmarks" / "e2e.py"), "--smoke", "--out", str(tmp / "e2e")],
+        "convergence": [sys.executable, str(ROOT / "benchmarks" / "convergence.py"), "--smoke", "--parallel",
+                        "--out", str(tmp / "convergence")],
+    }
+    procs = {k: subprocess.Popen(cmd, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for k, cmd in runs.items()}
+    outs = {}
+    for k, proc in procs.items():
+        try:
+            outs[k] = (proc.communicate(timeout=420)[0], proc.returncode)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            outs[k] = (proc.communicate()[0], "timeout")
+    return tmp, outs
+
+
+def test_e2e_smoke_writes_json_and_png(smoke_runs):
+    tmp, outs = smoke_runs
+    log, rc = outs["e2e"]
+    assert rc == 0, log[-4000:]
+    res = json.loads((tmp / "e2e" / "e2e.json").read_text())
+    for key in ("device", "model", "memory_reduction", "speedup_at_max_batch", "configs", "versions", "command",
+                "date", "seq_len", "equal_micro_batch", "world_size", "zero_stage"):
+        assert key in res, key
+    assert res["model"] == "tiny" and res["smoke"] is True
+    assert {r["name"] for r in res["configs"]} == set(CONFIGS)
+    assert math.isfinite(res["memory_reduction"]) and res["memory_reduction"] > 0
+    assert math.isfinite(res["speedup_at_max_batch"]) and res["speedup_at_max_batch"] > 0
+    for key in ("torch", "deepspeed", "transformers", "coat_ds"):
+        assert key in res["versions"]
+    by = {r["name"]: r for r in res["configs"]}
+    for r in by.values():
+        assert r["errors"] == [], r["errors"]
+        assert r["equal_batch"]["micro_batch"] == 1 and r["equal_batch"]["tokens_per_s"] > 0
+        assert r["max_batch"]["micro_batch"] == 2          # the smoke's cap; CPU memory never runs out
+        assert all(math.isfinite(x["loss"]) for x in r["rungs"])
+        bd = r["breakdown"]
+        for key in ("weights_gb", "optimizer_state_gb", "grads_gb", "activations_gb"):
+            assert bd[key] > 0, (r["name"], key)
+    # The accounting reads real tensors: 16-bit model + fp32 master, 8 B/param of Adam state for BF16 and
+    # about 2 B/param (+ group metadata) for CoatAdamW, FP8 activations smaller than BF16 ones.
+    n = res["params"]
+    bf16, opt, full = by["bf16"]["breakdown"], by["coat_opt"]["breakdown"], by["coat_full"]["breakdown"]
+    assert bf16["master_weights_gb"] * GIB >= 4 * n
+    assert 8 * n <= bf16["optimizer_state_gb"] * GIB < 8.5 * n
+    assert 2 * n <= opt["optimizer_state_gb"] * GIB < 0.5 * bf16["optimizer_state_gb"] * GIB
+    assert full["optimizer_state_gb"] == pytest.approx(opt["optimizer_state_gb"])
+    assert full["activations_gb"] < bf16["activations_gb"]
+    assert bf16["activations_gb"] == pytest.approx(opt["activations_gb"])
+    assert (tmp / "e2e" / "e2e.png").stat().st_size > 10_000
+
+
+def test_convergence_smoke_writes_json_png_and_a_state_quant_error_reads(smoke_runs):
+    tmp, outs = smoke_runs
+    log, rc = outs["convergence"]
+    assert rc == 0, log[-4000:]
+    out = tmp / "convergence"
+    res = json.loads((out / "convergence.json").read_text())
+    for key in ("steps", "bf16_val_loss", "coat_val_loss", "val_loss_gap_rel", "versions", "command", "date",
+                "device", "model", "runs"):
+        assert key in res, key
+    assert res["steps"] == 3
+    assert res["val_loss_gap_rel"] == pytest.approx((res["coat_val_loss"] - res["bf16_val_loss"]) /
+                                                    res["bf16_val_loss"])
+    for name, run in res["runs"].items():
+        assert run["status"] == "ok", (name, run.get("log_tail"))
+        assert [s for s, _ in run["train"]] == [1, 2, 3]
+        assert all(math.isfinite(v) for _, v in run["train"] + run["val"])
+    # same seed, same data: the first step's loss is the same model on the same batch in every configuration
+    first = [run["train"][0][1] for run in res["runs"].values()]
+    assert max(first) - min(first) < 0.05 * abs(first[0])
+    assert (out / "convergence.png").stat().st_size > 10_000
+
+    state = out / "adam_state_bf16.pt"
+    assert res["adam_state"]["path"] == str(state)
+    qe = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "quant_error.py"), "--state", str(state),
+                         "--out", str(tmp / "quant_error.json")], capture_output=True, text=True, timeout=120)
+    assert qe.returncode == 0, qe.stderr[-3000:]
+    table = json.loads((tmp / "quant_error.json").read_text())
+    assert table["numel"] == res["adam_state"]["numel"] > 0
+    assert all(0 <= r["m_rel_err"] < 1 and 0 <= r["v_rel_err"] < 1 for r in table["rows"])
