@@ -1,0 +1,104 @@
+"""The main command itself, `deepspeed examples/train.py --deepspeed ds_configs/zero2_coat.json`, with the real
+launcher on 2 ranks (DeepSpeed's CPU accelerator here): a few steps, then --resume, then a run stopped by a
+signal. Tiny model and short sequences keep it within the CPU budget."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+# the default model and data, shrunk for CI: tiny Llama, 64-token samples, 2 samples per rank
+SMALL = ["--model-size", "tiny", "--seq-len", "64", "--micro-batch", "2", "--lr", "3e-3", "--eval-batches", "2"]
+
+
+def env() -> dict:
+    e = dict(os.environ)
+    e.setdefault("COAT_DATA_CACHE", str(ROOT / ".cache" / "coat_data"))   # BPE + tokens built once per checkout
+    e["PYTHONPATH"] = os.pathsep.join([str(ROOT), e.get("PYTHONPATH", "")])
+    return e
+
+
+def launch(save_dir: Path, *extra: str, config: str = "ds_configs/zero2_coat.json"):
+    deepspeed = shutil.which("deepspeed") or str(Path(sys.executable).parent / "deepspeed")
+    cmd = [deepspeed, "--num_gpus", "2", "--master_port", str(29500 + os.getpid() % 1000),
+           "examples/train.py", "--deepspeed", config, "--save-dir", str(save_dir), *SMALL, *extra]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)   # one process group: a timeout or a signal reaches every rank
+
+
+def finish(proc, timeout=600) -> str:
+    """Wait for the job (the first run may JIT-build ops); on timeout kill the whole job, not just the launcher."""
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"job timed out after {timeout} s:\n{out[-3000:]}")
+    return out
+
+
+def records(save_dir: Path, kind: str) -> list[dict]:
+    lines = (save_dir / "log.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+def test_main_command_then_resume(tmp_path):
+    run = tmp_path / "run"
+    out = finish(launch(run, "--steps", "4", "--eval-every", "2", "--save-every", "2"))
+    assert "exits successfully" in out and "Traceback" not in out, out[-3000:]
+    train = records(run, "train")
+    assert [r["step"] for r in train] == [1, 2, 3, 4]
+    losses = [r["loss"] for r in train]
+    assert all(l == l and abs(l) < 100 for l in losses), losses                   # finite
+    assert sum(losses[-2:]) / 2 < losses[0], losses                                # falling
+    assert [r["step"] for r in records(run, "eval")] == [2, 4]
+    assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    ckpt = run / "checkpoints"
+    assert (ckpt / "latest").read_text() == "step0000004"
+    assert sorted(p.name for p in ckpt.glob("step*")) == ["step0000002", "step0000004"]
+    assert any((ckpt / "step0000004").glob("*optim_states.pt"))
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps_done"] == 4 and summary["world_size"] == 2 and summary["optimizer"] == "CoatAdamW"
+
+    out = finish(launch(run, "--steps", "6", "--eval-every", "2", "--save-every", "2", "--resume"))
+    assert "exits successfully" in out and "Traceback" not in out, out[-3000:]
+    train2 = records(run, "train")
+    assert [r["step"] for r in train2] == [1, 2, 3, 4, 5, 6]                     # continued at step 5
+    assert train2[:4] == train                                                     # history kept as it was
+    assert all(r["loss"] == r["loss"] for r in train2)
+    assert train2[-1]["loss"] < losses[0]
+    assert (ckpt / "latest").read_text() == "step0000006"
+    assert sorted(p.name for p in ckpt.glob("step*")) == ["step0000004", "step0000006"]   # --keep-last 2
+    assert json.loads((run / "summary.json").read_text())["steps_done"] == 6
+
+
+def test_signal_saves_a_checkpoint_and_resume_continues(tmp_path):
+    """SIGTERM to the whole job (what a scheduler sends): every rank stops at the same step and saves."""
+    run = tmp_path / "run"
+    proc = launch(run, "--steps", "1000", "--eval-every", "0", "--save-every", "0")
+    deadline = time.time() + 600
+    while time.time() < deadline and proc.poll() is None:
+        if (run / "log.jsonl").exists() and len(records(run, "train")) >= 2:
+            break
+        time.sleep(0.5)
+    assert proc.poll() is None, finish(proc)[-3000:]
+    os.killpg(proc.pid, signal.SIGTERM)
+    out = finish(proc)
+    ckpt = run / "checkpoints"
+    assert (ckpt / "latest").is_file(), out[-3000:]
+    tag = (ckpt / "latest").read_text()
+    steps = [r["step"] for r in records(run, "train")]
+    assert tag == f"step{steps[-1]:07d}" and (ckpt / tag).is_dir() and not list(ckpt.glob("*.tmp"))
+    assert json.loads((run / "summary.json").read_text())["interrupted"] is True
+
+    out = finish(launch(run, "--steps", str(steps[-1] + 1), "--eval-every", "0", "--resume"))
+    assert "exits successfully" in out, out[-3000:]
+    assert [r["step"] for r in records(run, "train")] == list(range(1, steps[-1] + 2))
