@@ -391,7 +391,9 @@ def worker(args: argparse.Namespace) -> int:
         try:
             rec = rung(b, first)
         except torch.OutOfMemoryError as e:
-            emit({"kind": "oom", "micro_batch": b, "error": str(e).splitlines()[0]})
+            with open(out, "a") as fh:     # any rank: the one that ran out may not be rank 0
+                fh.write(json.dumps({"kind": "oom", "rank": rank, "micro_batch": b,
+                                     "error": str(e).splitlines()[0]}) + "\n")
             sys.stdout.flush()
             os._exit(17)   # ranks may be mid-collective: end now, the launcher stops the others
         rec["elapsed_s"] = time.time() - t_start
