@@ -208,11 +208,12 @@ def versions() -> dict:
             out[mod] = __import__(mod).__version__
         except Exception:  # noqa: BLE001
             out[mod] = None
-    try:
+    try:  # a checkout without .git (a copied tree) can pass it in COAT_DS_COMMIT
         out["coat_ds_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                                text=True, cwd=os.path.dirname(__file__)).stdout.strip() or None
     except OSError:
         out["coat_ds_commit"] = None
+    out["coat_ds_commit"] = out["coat_ds_commit"] or os.environ.get("COAT_DS_COMMIT")
     return out
 
 

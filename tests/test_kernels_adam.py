@@ -135,7 +135,11 @@ def _run_and_check(op, params, grads, ms, vs, g, v_fmt, expansion, step, bf16_co
         m_new = HP["beta1"] * dequantize(*m, g) + (1 - HP["beta1"]) * gf
         v_new = HP["beta2"] * dequantize(*v, g) + (1 - HP["beta2"]) * gf * gf
         assert torch.isfinite(kp[i]).all()
-        torch.testing.assert_close(kp[i], rp, rtol=1e-6, atol=HP["lr"] * 1e-4)
+        # params: within a few ulp plus 1e-4 of the update (the moments' exp2/log2 round differently)
+        update = (rp - p * (1 - HP["lr"] * HP["weight_decay"])).abs()
+        err = (kp[i] - rp).abs()
+        tol = 4e-7 * rp.abs() + 1e-4 * update + 1e-30
+        assert (err <= tol).all(), f"param off by {(err / tol).max().item():.2f}x the tolerance"
         assert_quantized_like_reference(m_new, *km[i], E4M3, g, expansion)
         assert_quantized_like_reference(v_new, *kv[i], v_fmt, g, expansion)
         if bf16_copy:
@@ -211,7 +215,7 @@ def test_quantize_dequantize_match_reference(request, device, fmt, g):
             out = out.cpu()
             assert torch.isfinite(out).all()
             assert torch.equal(out == 0, want == 0)
-            torch.testing.assert_close(out, want, rtol=1e-5, atol=2.0**-140)  # atol: fp32 subnormal ulps
+            torch.testing.assert_close(out, want, rtol=4e-5, atol=2.0**-140)  # atol: fp32 subnormal ulps
 
 
 def test_bad_group_size_is_a_value_error(cpu_op):

@@ -91,7 +91,7 @@ void adam_tensor(const coat_ops::AdamTensorRefs& t, const coat::AdamCoefs& c, in
             float mi = coat::dequant_value<HostMath>(mq[i], m_tab[mq[i] & 0x7F], sm);
             float vi = coat::dequant_value<HostMath>(vq[i], v_tab[vq[i] & 0x7F], sv);
             float pi = p[i];
-            coat::adam_update(pi, grad_value(grad, off + i), mi, vi, c);
+            coat::adam_update<HostMath>(pi, grad_value(grad, off + i), mi, vi, c);
             p[i] = pi;
             m[i] = mi;
             v[i] = vi;

@@ -11,8 +11,25 @@
 
 namespace coat {
 
-// Hardware ex2 / lg2 (MUFU), non-ftz: subnormal inputs and results are kept, as the reference keeps them.
+// Hardware ex2 / lg2 / rcp / sqrt (MUFU) and approximate division, all non-ftz: subnormal inputs and
+// results are kept, as the reference keeps them. A few ulp from IEEE; the IEEE sequences cost ~4x the
+// instructions, and instruction issue, not memory, limited the fused step with them.
 struct DeviceMath {
+    static __device__ __forceinline__ float div(float a, float b) {
+        float y;
+        asm("div.approx.f32 %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b));
+        return y;
+    }
+    static __device__ __forceinline__ float rcp(float a) {
+        float y;
+        asm("rcp.approx.f32 %0, %1;" : "=f"(y) : "f"(a));
+        return y;
+    }
+    static __device__ __forceinline__ float sqrt(float a) {
+        float y;
+        asm("sqrt.approx.f32 %0, %1;" : "=f"(y) : "f"(a));
+        return y;
+    }
     static __device__ __forceinline__ float exp2(float x) {
         float y;
         asm("ex2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));

@@ -163,8 +163,13 @@ static constexpr float kLog2AbsE5M2[128] = COAT_LOG2_ABS_E5M2_TABLE;
 #endif
 
 // exp2 / log2 in plain branch-free C++ (a few ulp, subnormals included) so that GCC vectorises the CPU
-// loops; the CUDA side uses the hardware ex2/lg2 instead (coat_fp8.cuh, DeviceMath).
+// loops; div / rcp / sqrt are IEEE, as in the reference. The CUDA side uses the hardware approximations
+// instead (coat_fp8.cuh, DeviceMath): a few ulp apart, which the kernel tests allow for.
 struct HostMath {
+    static inline float div(float a, float b) { return a / b; }
+    static inline float rcp(float a) { return 1.0f / a; }
+    static inline float sqrt(float a) { return sqrtf(a); }
+
     static inline float exp2(float x) {
         const bool nan = x != x;
         x = x < -151.0f ? -151.0f : x;  // 2^-151 rounds to 0; -inf lands here too
@@ -231,12 +236,12 @@ COAT_HD GroupScale group_scale(float big, float small, bool e5m2, bool expansion
     if (expansion) {
         const float span = lb - Math::log2(small);
         // span == 0 (one magnitude): the reference's k = floor(C / 0) = inf clamps to K_MAX
-        k = span > 0.0f ? floorf(fp8_k_numer(e5m2) / span) / kKSteps : kKMax;
+        k = span > 0.0f ? floorf(Math::div(fp8_k_numer(e5m2), span)) * (1.0f / kKSteps) : kKMax;
         k = k < kKMin ? kKMin : (k > kKMax ? kKMax : k);
     }
     s.k = k;
-    s.inv_k = 1.0f / k;
-    s.d = Math::exp2(lb - fp8_log2_max(e5m2) / k);
+    s.inv_k = Math::rcp(k);
+    s.d = Math::exp2(lb - Math::div(fp8_log2_max(e5m2), k));
     s.log2d = Math::log2(s.d);
     return s;
 }
@@ -246,7 +251,7 @@ template <class Math>
 COAT_HD GroupScale stored_scale(float d, float k) {
     GroupScale s;
     s.k = k;
-    s.inv_k = 1.0f / k;
+    s.inv_k = Math::rcp(k);
     s.d = d;
     s.log2d = Math::log2(d);  // d = 0 -> -inf: every value of the group decodes to 0
     return s;
@@ -278,12 +283,13 @@ struct AdamCoefs {
 };
 
 // The reference's update, in its order of operations.
+template <class Math>
 COAT_HD void adam_update(float& p, float g, float& m, float& v, const AdamCoefs& c) {
     p = p * c.decay;
     m = c.beta1 * m + c.one_minus_beta1 * g;
     v = c.beta2 * v + c.one_minus_beta2 * g * g;
-    const float denom = sqrtf(v) / c.bc2_sqrt + c.eps;
-    p = p + (c.step_size * m) / denom;
+    const float denom = Math::div(Math::sqrt(v), c.bc2_sqrt) + c.eps;
+    p = p + Math::div(c.step_size * m, denom);
 }
 
 COAT_HD float bf16_to_f32(uint16_t b) { return bits_f32((uint32_t)b << 16); }
