@@ -82,10 +82,13 @@ def worker(args: argparse.Namespace) -> int:
         steps_done = train_log[-1][0] if train_log else 0
         res = {"config": args.config, "label": CONFIGS[args.config][0], "config_source": source, "ds_config": cfg,
                "params": n_params, "status": status, "steps_done": steps_done, "train": train_log, "val": val_log,
-               "final_val_loss": val_log[-1][1] if val_log and val_log[-1][0] == args.steps else None,
+               "final_val_loss": val_log[-1][1] if val_log and val_log[-1][0] == steps_done else None,
                "tokens_per_s": steps_done * args.micro_batch * args.seq_len / t_train if t_train > 0 else None,
                "peak_mem_gb": torch.cuda.max_memory_allocated() / 2 ** 30 if on_cuda else None,
                "coat_warnings": wlog.messages, **(extra or {})}
+        if args.dump_state and not status.startswith("diverged"):   # every evaluation: a stopped run still has one
+            res["adam_state"] = dump_adam_state(engine, Path(args.dump_state), args.state_sample,
+                                                f"{args.config} run, llama-{args.model_size}, step {steps_done}")
         tmp = Path(args.result + ".tmp")
         tmp.write_text(json.dumps(res))
         os.replace(tmp, args.result)
@@ -111,6 +114,9 @@ def worker(args: argparse.Namespace) -> int:
             if not math.isfinite(mean):
                 status = f"diverged: train loss {mean} at step {done}"
                 break
+            if args.deadline and time.time() > args.deadline and done < args.steps:
+                status = f"stopped by the time budget at step {done}"
+                break
         if done % args.eval_every == 0 or done == args.steps:
             t_train += time.perf_counter() - t_mark
             val_log.append([done, evaluate()])
@@ -118,13 +124,11 @@ def worker(args: argparse.Namespace) -> int:
             save()
             t_mark = time.perf_counter()
     t_train += time.perf_counter() - t_mark
+    if status.startswith("stopped") and (not val_log or val_log[-1][0] != train_log[-1][0]):
+        val_log.append([train_log[-1][0], evaluate()])
     if status == "running":
         status = "ok"
-    extra = {}
-    if args.dump_state:
-        extra["adam_state"] = dump_adam_state(engine, Path(args.dump_state), args.state_sample,
-                                              f"{args.config} run, llama-{args.model_size}, step {args.steps}")
-    save(extra)
+    save()
     return 0 if status == "ok" else 3
 
 
@@ -170,7 +174,7 @@ def launch(args: argparse.Namespace, name: str, out: Path) -> tuple[subprocess.P
            "--steps", str(args.steps), "--lr", str(args.lr), "--warmup-steps", str(args.warmup_steps),
            "--log-every", str(args.log_every), "--eval-every", str(args.eval_every),
            "--eval-batches", str(args.eval_batches), "--seed", str(args.seed), "--vocab-size", str(args.vocab_size),
-           "--result", str(result)]
+           "--result", str(result), "--deadline", str(args.deadline)]
     if args.data:
         cmd += ["--data", args.data]
     if name == "bf16":
@@ -219,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     p.add_argument("--dump-state", help=argparse.SUPPRESS)
+    p.add_argument("--deadline", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
@@ -246,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     n_train = len(tokens.train)
     print(f"data: {tokens.source}: {n_train:,} train / {len(tokens.val):,} val tokens ({time.time() - t0:.0f} s)",
           flush=True)
-    deadline = t0 + args.time_budget
+    args.deadline = t0 + args.time_budget - 20          # the runs stop themselves, evaluate and save
+    deadline = t0 + args.time_budget + 40                 # then they are killed
     rcs, runs = {}, {}
     if args.parallel:
         procs = {n: launch(args, n, out) for n in names}
@@ -271,9 +277,11 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch  # noqa: F401  (versions() and device_name())
 
-    bf16 = (runs.get("bf16") or {}).get("final_val_loss")
-    full = (runs.get("coat_full") or {}).get("final_val_loss")
-    opt = (runs.get("coat_opt") or {}).get("final_val_loss")
+    # compare at the last step every run evaluated (all of them, unless the time budget stopped one early)
+    val_steps = [{st for st, _ in r.get("val", [])} for r in runs.values()]
+    common = max(set.intersection(*val_steps), default=None) if val_steps else None
+    at = lambda n: next((v for st, v in (runs.get(n) or {}).get("val", []) if st == common), None)  # noqa: E731
+    bf16, full, opt = at("bf16"), at("coat_full"), at("coat_opt")
     gap = lambda c: (c - bf16) / bf16 if c is not None and bf16 else None  # noqa: E731
     tail = lambda n: [v for _, v in (runs.get(n) or {}).get("train", [])[-5:]]  # noqa: E731
     res = {
@@ -284,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         "tokens_per_step": args.seq_len * args.micro_batch,
         "epochs": args.steps * args.seq_len * args.micro_batch / n_train, "lr": args.lr,
         "warmup_steps": args.warmup_steps, "seed": args.seed, "parallel": args.parallel,
-        "steps": min((r.get("steps_done", 0) for r in runs.values()), default=0), "steps_requested": args.steps,
+        "steps": common or 0, "steps_requested": args.steps,
         "bf16_val_loss": bf16, "coat_val_loss": full, "coat_opt_val_loss": opt,
         "val_loss_gap_rel": gap(full), "val_loss_gap_rel_optimizer_only": gap(opt),
         "bf16_train_loss_last50": sum(tail("bf16")) / len(tail("bf16")) if tail("bf16") else None,

@@ -1,6 +1,7 @@
 """Charts for e2e.json and convergence.json; also re-renders them from the JSON alone.
 
     python benchmarks/plot_utils.py benchmarks/results/e2e.json benchmarks/results/convergence.json
+    python benchmarks/plot_utils.py --table benchmarks/results/*.json      # the README's markdown rows
 
 The JSON files hold every number a chart shows, so a node without matplotlib can run the benchmark and
 the chart can be drawn later anywhere.
@@ -111,9 +112,42 @@ def plot_convergence(res: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def markdown(res: dict) -> str:
+    """The README rows of one result file."""
+    f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+    if "runs" in res:
+        lines = [f"Convergence: {res['model']} ({f((res.get('params') or 0) / 1e6, '.0f')}M), {res['steps']} steps x "
+                 f"{res['tokens_per_step']} tokens, {res['device']} ({res['date'][:10]})", "",
+                 "| configuration | final val loss | gap to BF16 | tokens/s |", "|---|---|---|---|"]
+        base = res.get("bf16_val_loss")
+        for name, run in res["runs"].items():
+            v = run.get("final_val_loss")
+            gap = (v - base) / base if v is not None and base else None
+            lines.append(f"| {run.get('label', name)} | {f(v, '.4f')} | {f(gap, '+.2%')} | "
+                         f"{f(run.get('tokens_per_s'), ',.0f')} |")
+        return "\n".join(lines)
+    lines = [f"End to end: {res['model']}, seq {res['seq_len']}, ZeRO-{res.get('zero_stage')}, {res['world_size']} "
+             f"rank(s), {res['device']} ({res['date'][:10]})", "",
+             f"| configuration | peak GiB @ mb {res['equal_micro_batch']} | weights | optimizer | grads | "
+             "activations | max micro-batch | tokens/s @ max |", "|---|---|---|---|---|---|---|---|"]
+    for r in res["configs"]:
+        bd, eq, mx = r.get("breakdown") or {}, r.get("equal_batch") or {}, r.get("max_batch") or {}
+        lines.append(f"| {r['label']} | {f(eq.get('peak_alloc_gb'), '.2f')} | {f(bd.get('weights_gb'), '.2f')} | "
+                     f"{f(bd.get('optimizer_state_gb'), '.2f')} | {f(bd.get('grads_gb'), '.2f')} | "
+                     f"{f(bd.get('activations_gb'), '.2f')} | {mx.get('micro_batch', '-')} | "
+                     f"{f(mx.get('tokens_per_s'), ',.0f')} |")
+    lines.append(f"\nmemory reduction {f(res.get('memory_reduction'), '.2f')}x (target 1.54x), speedup at max batch "
+                 f"{f(res.get('speedup_at_max_batch'), '.2f')}x (target 1.43x)")
+    return "\n".join(lines)
+
+
 def main(paths: list[str]) -> int:
-    for p in map(Path, paths):
+    table = "--table" in paths
+    for p in (Path(x) for x in paths if x != "--table"):
         res = json.loads(p.read_text())
+        if table:
+            print(markdown(res) + "\n")
+            continue
         out = p.with_suffix(".png")
         (plot_convergence if "runs" in res else plot_e2e)(res, out)
         print(f"wrote {out}")
