@@ -43,6 +43,7 @@ class Windows:
 
 def training_arguments(ds_config: dict, args: argparse.Namespace):
     """TrainingArguments whose every DeepSpeed-checked value is the one in the JSON."""
+    from deepspeed.accelerator import get_accelerator
     from transformers import TrainingArguments
 
     opt = ds_config.get("optimizer", {}).get("params", {})
@@ -60,6 +61,7 @@ def training_arguments(ds_config: dict, args: argparse.Namespace):
         adam_epsilon=opt.get("eps", 1e-8), weight_decay=opt.get("weight_decay", 0.0),
         max_grad_norm=ds_config.get("gradient_clipping", 1.0), warmup_steps=warmup,
         bf16=bool(ds_config.get("bf16", {}).get("enabled", False)),
+        use_cpu=get_accelerator().device_name() == "cpu",      # DeepSpeed's CPU accelerator (no GPU here)
         logging_steps=1, save_strategy="no", report_to="none", dataloader_num_workers=0, disable_tqdm=False,
     )
 
@@ -105,8 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     result = trainer.train()
     metrics = trainer.evaluate()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    engine = trainer.model_wrapped                       # the DeepSpeedEngine the Trainer built
+    optimizer = type(getattr(engine, "basic_optimizer", None)).__name__
+    fp8_layers = sum(type(m).__name__ == "CoatDecoderLayer" for m in trainer.model.modules())
     if trainer.is_world_process_zero():
-        print(json.dumps({"train_loss_first": losses[0] if losses else None,
+        print(json.dumps({"engine": type(engine).__name__, "optimizer": optimizer, "fp8_layers": fp8_layers,"train_loss_first": losses[0] if losses else None,
                           "train_loss_last": losses[-1] if losses else None, "train_loss_mean": result.training_loss,
                           "eval_loss": metrics["eval_loss"], "steps": trainer.state.global_step}), flush=True)
     ok = all(math.isfinite(v) for v in losses + [metrics["eval_loss"]])
