@@ -9,7 +9,8 @@ class CoatQuantBuilder(CoatCUDAOpBuilder):
     NAME = "coat_quant"
 
     def sources(self) -> list[str]:
-        return [csrc("quant", "coat_quant_frontend.cpp"), csrc("quant", "coat_quant_kernels.cu")]
+        return [csrc("quant", "coat_quant_frontend.cpp"), csrc("quant", "coat_quant_kernels.cu"),
+                csrc("quant", "coat_rope_kernels.cu")]
 
     def include_paths(self) -> list[str]:
         return [csrc("includes"), csrc("quant")]

@@ -114,6 +114,24 @@ class MlpFn(Function):
         return dh, dnw.to(norm_w.dtype), None, None, None, None, *gu_grads, *down_grads
 
 
+class RopeFn(Function):
+    """HF's rotary embedding on the fused q/k/v output, as one kernel each way (CUDA only)."""
+
+    @staticmethod
+    def forward(ctx, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: int, nh: int, nkv: int,
+                hd: int):
+        q, k, v = ops.rope_qkv(qkv, cos, sin, batch, nh, nkv, hd)
+        ctx.save_for_backward(cos, sin)  # the model's shared cos/sin: no per-layer memory
+        ctx.dims, ctx.shapes = (nh, nkv, hd), (q.shape, k.shape, v.shape)
+        return q, k, v
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        cos, sin = ctx.saved_tensors
+        dq, dk, dv = (cos.new_zeros(shape) if g is None else g for g, shape in zip((dq, dk, dv), ctx.shapes))
+        return ops.rope_qkv_backward(dq, dk, dv, cos, sin, *ctx.dims), None, None, None, None, None, None
+
+
 class LinearFn(Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, residual: torch.Tensor | None, cfg: ActivationConfig, group: WeightGroup,

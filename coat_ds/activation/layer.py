@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from .config import ActivationConfig
-from .functions import LinearFn, MlpFn, NormLinearFn
+from . import ops
+from .functions import LinearFn, MlpFn, NormLinearFn, RopeFn
 from .weight_cache import WeightGroup
 
 try:
@@ -102,13 +103,19 @@ class CoatDecoderLayer(_Base):
                    **kwargs: Any) -> torch.Tensor:
         attn = self.self_attn
         hd = attn.head_dim
-        q, k, v = qkv.split(self._qkv.out_features, dim=-1)
-        # attention saves v as it gets it; a view would keep the whole fused q/k/v output alive
-        v = v.contiguous()
-        shape = (*input_shape, -1, hd)
-        q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
         cos, sin = position_embeddings
-        q, k = self._rope(q, k, cos, sin)
+        batch, seq = input_shape[0], qkv.shape[0] // input_shape[0]
+        nh, nkv = (n // hd for n in self._qkv.out_features[:2])
+        if (ops.rope_available(qkv, cos, hd) and cos.shape[0] in (1, batch) and cos.shape[1] == seq
+                and sin.shape == cos.shape and len(input_shape) == 2):
+            q, k, v = RopeFn.apply(qkv, cos, sin, batch, nh, nkv, hd)
+        else:
+            q, k, v = qkv.split(self._qkv.out_features, dim=-1)
+            # attention saves v as it gets it; a view would keep the whole fused q/k/v output alive
+            v = v.contiguous()
+            shape = (*input_shape, -1, hd)
+            q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
+            q, k = self._rope(q, k, cos, sin)
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, attn.layer_idx)
         impl = attn.config._attn_implementation

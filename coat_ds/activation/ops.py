@@ -1,18 +1,24 @@
 """The fused activation ops: CUDA kernels (CoatQuantBuilder) where they apply, else the reference.
 
 Same signatures and results as `reference`. The kernels take bf16 inputs on CUDA and 1 x 16 groups;
-anything else (CPU, fp32 models, other group sizes, a failed build) runs the plain-PyTorch reference."""
+anything else (CPU, fp32 models, other group sizes, a failed build) runs the plain-PyTorch reference.
+
+Each op is also a `torch.library` custom op (namespace `coat_act`, with a fake implementation), which is
+what runs under torch.compile: the compiler sees opaque FP8 ops with known output shapes and no graph
+break. Eager calls skip the dispatcher and call the implementation directly (no per-call overhead)."""
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
 
-from ..formats import FP8Format
+from ..formats import FP8Format, get_format
 from ..ops.loader import load_op
 from . import reference as R
 
 KERNEL_GROUP = 16
+_EMPTY = (0,)
 
 
 def _kernels(*tensors: torch.Tensor, group_size: int = KERNEL_GROUP, rows: int | None = None):
@@ -30,21 +36,26 @@ def _kernels(*tensors: torch.Tensor, group_size: int = KERNEL_GROUP, rows: int |
     return load_op("CoatQuantBuilder")
 
 
-def _u8(t: torch.Tensor | None) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.uint8, device="cuda") if t is None else t.view(torch.uint8)
+def _u8(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8)
 
 
-def _e5m2(fmt: FP8Format) -> bool:
-    return fmt.name == "e5m2"
-
-
-def _alloc(m: int, n: int, fmt: FP8Format, rowmajor: bool, transposed: bool, device):
-    q = torch.empty(m, n, dtype=fmt.dtype, device=device) if rowmajor else None
-    qt = torch.empty(n, m, dtype=fmt.dtype, device=device) if transposed else None
+def _pair(m: int, n: int, dtype, rowmajor: bool, transposed: bool, device):
+    """Outputs of a quantizer: [m, n] and [n, m], each an empty [0] tensor when not asked for."""
+    q = torch.empty((m, n) if rowmajor else _EMPTY, dtype=dtype, device=device)
+    qt = torch.empty((n, m) if transposed else _EMPTY, dtype=dtype, device=device)
     return q, qt
 
 
-def row_amax(x: torch.Tensor) -> torch.Tensor:
+def _fill_pair(ref, m, n, dtype, device):
+    q, qt = ref
+    return (q if q is not None else torch.empty(_EMPTY, dtype=dtype, device=device),
+            qt if qt is not None else torch.empty(_EMPTY, dtype=dtype, device=device))
+
+
+# ---------------------------------------------------------------- implementations (fmt by name)
+
+def _row_amax(x: torch.Tensor) -> torch.Tensor:
     op = _kernels(x)
     if op is None or x.dtype != torch.bfloat16 or x.shape[1] % 8:
         return R.row_amax(x)
@@ -53,44 +64,55 @@ def row_amax(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-tensor_scale = R.tensor_scale
+def _tensor_scale(amax: torch.Tensor, fmt: str) -> torch.Tensor:
+    op = _kernels(amax) if amax.is_cuda else None
+    if op is None or amax.dtype != torch.float32 or amax.data_ptr() % 16:
+        return R.tensor_scale(amax, get_format(fmt))
+    out = torch.empty((), dtype=torch.float32, device=amax.device)
+    op.tensor_scale(amax.contiguous(), out, fmt == "e5m2")
+    return out
 
 
-def quant_tensor(x: torch.Tensor, scale: torch.Tensor, fmt: FP8Format, rowmajor: bool = True,
-                 transposed: bool = False):
+def _quant_tensor(x: torch.Tensor, scale: torch.Tensor, fmt: str, rowmajor: bool, transposed: bool):
+    f = get_format(fmt)
     op = _kernels(x, rows=x.shape[0])
     if op is None or x.dtype != torch.bfloat16 or x.shape[1] % 16:
-        return R.quant_tensor(x, scale, fmt, rowmajor, transposed)
-    q, qt = _alloc(*x.shape, fmt, rowmajor, transposed, x.device)
-    op.quant_tensor(x.contiguous(), scale, _u8(q), _u8(qt), _e5m2(fmt))
+        return _fill_pair(R.quant_tensor(x, scale, f, rowmajor, transposed), *x.shape, f.dtype, x.device)
+    q, qt = _pair(*x.shape, f.dtype, rowmajor, transposed, x.device)
+    op.quant_tensor(x.contiguous(), scale, _u8(q), _u8(qt), fmt == "e5m2")
     return q, qt
 
 
-def rmsnorm_quant(x: torch.Tensor, w: torch.Tensor, eps: float, fmt: FP8Format, group_size: int):
+def _rmsnorm_quant(x: torch.Tensor, w: torch.Tensor, eps: float, fmt: str, group_size: int):
+    f = get_format(fmt)
     op = _kernels(x, w, group_size=group_size)
     if op is None or x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
-        return R.rmsnorm_quant(x, w, eps, fmt, group_size)
+        return R.rmsnorm_quant(x, w, eps, f, group_size)
     m, n = x.shape
     R.check_groups(n, group_size)
-    xq = torch.empty(m, n, dtype=fmt.dtype, device=x.device)
+    xq = torch.empty(m, n, dtype=f.dtype, device=x.device)
     xs = torch.empty(m, n // group_size, dtype=torch.uint8, device=x.device)
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
     ymax = torch.empty(m, dtype=torch.float32, device=x.device)
-    op.rmsnorm_quant(x.contiguous(), w.contiguous(), float(eps), _u8(xq), xs, rstd, ymax, _e5m2(fmt))
+    op.rmsnorm_quant(x.contiguous(), w.contiguous(), float(eps), _u8(xq), xs, rstd, ymax, fmt == "e5m2")
     return xq, xs, rstd, ymax
 
 
-def rmsnorm_rebuild(xq, xs, rstd, w, scale, fmt: FP8Format, group_size: int, rowmajor=True, transposed=False):
+def _rmsnorm_rebuild(xq: torch.Tensor, xs: torch.Tensor, rstd: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
+                     fmt: str, group_size: int, rowmajor: bool, transposed: bool):
+    f = get_format(fmt)
     op = _kernels(xq, w, group_size=group_size, rows=xq.shape[0])
     if op is None or w.dtype != torch.bfloat16:
-        return R.rmsnorm_rebuild(xq, xs, rstd, w, scale, fmt, group_size, rowmajor, transposed)
-    q, qt = _alloc(*xq.shape, fmt, rowmajor, transposed, xq.device)
+        return _fill_pair(R.rmsnorm_rebuild(xq, xs, rstd, w, scale, f, group_size, rowmajor, transposed),
+                          *xq.shape, f.dtype, xq.device)
+    q, qt = _pair(*xq.shape, f.dtype, rowmajor, transposed, xq.device)
     op.rmsnorm_rebuild(_u8(xq), xs, rstd, w.contiguous(), scale, _u8(q), _u8(qt), xq.dtype == torch.float8_e5m2,
-                       _e5m2(fmt))
+                       fmt == "e5m2")
     return q, qt
 
 
-def rmsnorm_backward(dy, xq, xs, rstd, w, group_size: int, dres: torch.Tensor | None = None):
+def _rmsnorm_backward(dy: torch.Tensor, xq: torch.Tensor, xs: torch.Tensor, rstd: torch.Tensor, w: torch.Tensor,
+                      group_size: int, dres: Optional[torch.Tensor]):
     op = _kernels(dy, w, xq, *([] if dres is None else [dres]), group_size=group_size)
     if op is None or dy.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or dy.shape[1] > 16384 or (
             dres is not None and dres.dtype != torch.bfloat16):
@@ -103,29 +125,33 @@ def rmsnorm_backward(dy, xq, xs, rstd, w, group_size: int, dres: torch.Tensor | 
     return dx, dw
 
 
-def silu_mul_quant(gu: torch.Tensor, fmt: FP8Format, group_size: int):
+def _silu_mul_quant(gu: torch.Tensor, fmt: str, group_size: int):
+    f = get_format(fmt)
     op = _kernels(gu, group_size=group_size)
     if op is None or gu.dtype != torch.bfloat16:
-        return R.silu_mul_quant(gu, fmt, group_size)
+        return R.silu_mul_quant(gu, f, group_size)
     m, n = gu.shape
     R.check_groups(n // 2, group_size)
-    q = torch.empty(m, n, dtype=fmt.dtype, device=gu.device)
+    q = torch.empty(m, n, dtype=f.dtype, device=gu.device)
     s = torch.empty(m, n // group_size, dtype=torch.uint8, device=gu.device)
     amax = torch.empty(m, dtype=torch.float32, device=gu.device)
-    op.silu_mul_quant(gu.contiguous(), _u8(q), s, amax, _e5m2(fmt))
+    op.silu_mul_quant(gu.contiguous(), _u8(q), s, amax, fmt == "e5m2")
     return q, s, amax
 
 
-def silu_mul_rebuild(q, s, scale, fmt: FP8Format, group_size: int, rowmajor=True, transposed=False):
+def _silu_mul_rebuild(q: torch.Tensor, s: torch.Tensor, scale: torch.Tensor, fmt: str, group_size: int,
+                      rowmajor: bool, transposed: bool):
+    f = get_format(fmt)
     op = _kernels(q, group_size=group_size, rows=q.shape[0])
     if op is None:
-        return R.silu_mul_rebuild(q, s, scale, fmt, group_size, rowmajor, transposed)
-    out, out_t = _alloc(q.shape[0], q.shape[1] // 2, fmt, rowmajor, transposed, q.device)
-    op.silu_mul_rebuild(_u8(q), s, scale, _u8(out), _u8(out_t), q.dtype == torch.float8_e5m2, _e5m2(fmt))
+        return _fill_pair(R.silu_mul_rebuild(q, s, scale, f, group_size, rowmajor, transposed),
+                          q.shape[0], q.shape[1] // 2, f.dtype, q.device)
+    out, out_t = _pair(q.shape[0], q.shape[1] // 2, f.dtype, rowmajor, transposed, q.device)
+    op.silu_mul_rebuild(_u8(q), s, scale, _u8(out), _u8(out_t), q.dtype == torch.float8_e5m2, fmt == "e5m2")
     return out, out_t
 
 
-def silu_mul_backward(da: torch.Tensor, q, s, group_size: int):
+def _silu_mul_backward(da: torch.Tensor, q: torch.Tensor, s: torch.Tensor, group_size: int):
     op = _kernels(da, q, group_size=group_size)
     if op is None or da.dtype != torch.bfloat16:
         return R.silu_mul_backward(da, q, s, group_size)
@@ -133,3 +159,160 @@ def silu_mul_backward(da: torch.Tensor, q, s, group_size: int):
     amax = torch.empty(q.shape[0], dtype=torch.float32, device=da.device)
     op.silu_mul_backward(da.contiguous(), _u8(q), s, dgu, amax, q.dtype == torch.float8_e5m2)
     return dgu, amax
+
+
+def rope_available(qkv: torch.Tensor, cos: torch.Tensor, head_dim: int) -> bool:
+    """Whether the fused RoPE kernel applies (bf16 on CUDA, head_dim % 16 == 0, HF's [b or 1, s, d] cos/sin)."""
+    if torch.compiler.is_compiling():  # compiled graphs use HF's RoPE, which the compiler fuses itself
+        return False
+    return (qkv.is_cuda and qkv.dtype == torch.bfloat16 and cos.dtype == torch.bfloat16 and head_dim % 16 == 0
+            and cos.dim() == 3 and os.environ.get("COAT_ACT_REFERENCE", "0") != "1"
+            and load_op("CoatQuantBuilder") is not None)
+
+
+def _rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: int, nh: int, nkv: int, hd: int):
+    seq = qkv.shape[0] // batch
+    q = qkv.new_empty(batch, nh, seq, hd)
+    k, v = qkv.new_empty(batch, nkv, seq, hd), qkv.new_empty(batch, nkv, seq, hd)
+    load_op("CoatQuantBuilder").rope_qkv(qkv.contiguous(), cos.contiguous(), sin.contiguous(), q, k, v, nh, nkv, hd)
+    return q, k, v
+
+
+def _rope_qkv_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       nh: int, nkv: int, hd: int):
+    b, _, s, _ = dq.shape
+    dqkv = dq.new_empty(b * s, (nh + 2 * nkv) * hd)
+    load_op("CoatQuantBuilder").rope_qkv_backward(dq.contiguous(), dk.contiguous(), dv.contiguous(),
+                                                  cos.contiguous(), sin.contiguous(), dqkv, nh, nkv, hd)
+    return dqkv
+
+
+# ---------------------------------------------------------------- torch.library registration
+
+SCHEMAS = {
+    "row_amax": "(Tensor x) -> Tensor",
+    "tensor_scale": "(Tensor amax, str fmt) -> Tensor",
+    "quant_tensor": "(Tensor x, Tensor scale, str fmt, bool rowmajor, bool transposed) -> (Tensor, Tensor)",
+    "rmsnorm_quant": "(Tensor x, Tensor w, float eps, str fmt, int g) -> (Tensor, Tensor, Tensor, Tensor)",
+    "rmsnorm_rebuild": "(Tensor xq, Tensor xs, Tensor rstd, Tensor w, Tensor scale, str fmt, int g, bool rowmajor, "
+                       "bool transposed) -> (Tensor, Tensor)",
+    "rmsnorm_backward": "(Tensor dy, Tensor xq, Tensor xs, Tensor rstd, Tensor w, int g, Tensor? dres) "
+                        "-> (Tensor, Tensor)",
+    "silu_mul_quant": "(Tensor gu, str fmt, int g) -> (Tensor, Tensor, Tensor)",
+    "silu_mul_rebuild": "(Tensor q, Tensor s, Tensor scale, str fmt, int g, bool rowmajor, bool transposed) "
+                        "-> (Tensor, Tensor)",
+    "silu_mul_backward": "(Tensor da, Tensor q, Tensor s, int g) -> (Tensor, Tensor)",
+    "rope_qkv": "(Tensor qkv, Tensor cos, Tensor sin, int b, int nh, int nkv, int hd) -> (Tensor, Tensor, Tensor)",
+    "rope_qkv_backward": "(Tensor dq, Tensor dk, Tensor dv, Tensor cos, Tensor sin, int nh, int nkv, int hd) "
+                         "-> Tensor",
+}
+
+
+def _register():
+    lib = "coat_act"
+    ops = {}
+
+    def reg(name, fn, fake):
+        op = torch.library.custom_op(f"{lib}::{name}", mutates_args=(), schema=SCHEMAS[name])(fn)
+        op.register_fake(fake)
+        ops[name] = op
+
+    f32 = torch.float32
+
+    def fmt_dtype(fmt):
+        return get_format(fmt).dtype
+
+    reg("row_amax", _row_amax, lambda x: x.new_empty(x.shape[0], dtype=f32))
+    reg("tensor_scale", _tensor_scale, lambda amax, fmt: amax.new_empty((), dtype=f32))
+    reg("quant_tensor", _quant_tensor,
+        lambda x, scale, fmt, rowmajor, transposed: _pair(*x.shape, fmt_dtype(fmt), rowmajor, transposed, x.device))
+    reg("rmsnorm_quant", _rmsnorm_quant,
+        lambda x, w, eps, fmt, g: (x.new_empty(x.shape, dtype=fmt_dtype(fmt)),
+                                   x.new_empty(x.shape[0], x.shape[1] // g, dtype=torch.uint8),
+                                   x.new_empty(x.shape[0], dtype=f32), x.new_empty(x.shape[0], dtype=f32)))
+    reg("rmsnorm_rebuild", _rmsnorm_rebuild,
+        lambda xq, xs, rstd, w, scale, fmt, g, rowmajor, transposed: _pair(*xq.shape, fmt_dtype(fmt), rowmajor,
+                                                                           transposed, xq.device))
+    reg("rmsnorm_backward", _rmsnorm_backward,
+        lambda dy, xq, xs, rstd, w, g, dres: (torch.empty_like(dy), dy.new_empty(w.shape[0], dtype=f32)))
+    reg("silu_mul_quant", _silu_mul_quant,
+        lambda gu, fmt, g: (gu.new_empty(gu.shape, dtype=fmt_dtype(fmt)),
+                            gu.new_empty(gu.shape[0], gu.shape[1] // g, dtype=torch.uint8),
+                            gu.new_empty(gu.shape[0], dtype=f32)))
+    reg("silu_mul_rebuild", _silu_mul_rebuild,
+        lambda q, s, scale, fmt, g, rowmajor, transposed: _pair(q.shape[0], q.shape[1] // 2, fmt_dtype(fmt),
+                                                                rowmajor, transposed, q.device))
+    reg("silu_mul_backward", _silu_mul_backward,
+        lambda da, q, s, g: (da.new_empty(q.shape), da.new_empty(q.shape[0], dtype=f32)))
+    reg("rope_qkv", _rope_qkv,
+        lambda qkv, cos, sin, b, nh, nkv, hd: (qkv.new_empty(b, nh, qkv.shape[0] // b, hd),
+                                               qkv.new_empty(b, nkv, qkv.shape[0] // b, hd),
+                                               qkv.new_empty(b, nkv, qkv.shape[0] // b, hd)))
+    reg("rope_qkv_backward", _rope_qkv_backward,
+        lambda dq, dk, dv, cos, sin, nh, nkv, hd: dq.new_empty(dq.shape[0] * dq.shape[2], (nh + 2 * nkv) * hd))
+    return ops
+
+
+CUSTOM_OPS = _register()
+
+
+def _call(name: str, impl, *args):
+    """The custom op under torch.compile, the plain implementation in eager mode."""
+    if torch.compiler.is_compiling():
+        return CUSTOM_OPS[name](*args)
+    return impl(*args)
+
+
+def _none_if_empty(pair, rowmajor: bool, transposed: bool):
+    q, qt = pair
+    return (q if rowmajor else None), (qt if transposed else None)
+
+
+# ---------------------------------------------------------------- public API (FP8Format arguments)
+
+def row_amax(x: torch.Tensor) -> torch.Tensor:
+    return _call("row_amax", _row_amax, x)
+
+
+def tensor_scale(amax_rows: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
+    return _call("tensor_scale", _tensor_scale, amax_rows, fmt.name)
+
+
+def quant_tensor(x: torch.Tensor, scale: torch.Tensor, fmt: FP8Format, rowmajor: bool = True,
+                 transposed: bool = False):
+    return _none_if_empty(_call("quant_tensor", _quant_tensor, x, scale, fmt.name, rowmajor, transposed),
+                          rowmajor, transposed)
+
+
+def rmsnorm_quant(x: torch.Tensor, w: torch.Tensor, eps: float, fmt: FP8Format, group_size: int):
+    return _call("rmsnorm_quant", _rmsnorm_quant, x, w, float(eps), fmt.name, group_size)
+
+
+def rmsnorm_rebuild(xq, xs, rstd, w, scale, fmt: FP8Format, group_size: int, rowmajor=True, transposed=False):
+    return _none_if_empty(_call("rmsnorm_rebuild", _rmsnorm_rebuild, xq, xs, rstd, w, scale, fmt.name, group_size,
+                                rowmajor, transposed), rowmajor, transposed)
+
+
+def rmsnorm_backward(dy, xq, xs, rstd, w, group_size: int, dres: torch.Tensor | None = None):
+    return _call("rmsnorm_backward", _rmsnorm_backward, dy, xq, xs, rstd, w, group_size, dres)
+
+
+def silu_mul_quant(gu: torch.Tensor, fmt: FP8Format, group_size: int):
+    return _call("silu_mul_quant", _silu_mul_quant, gu, fmt.name, group_size)
+
+
+def silu_mul_rebuild(q, s, scale, fmt: FP8Format, group_size: int, rowmajor=True, transposed=False):
+    return _none_if_empty(_call("silu_mul_rebuild", _silu_mul_rebuild, q, s, scale, fmt.name, group_size, rowmajor,
+                                transposed), rowmajor, transposed)
+
+
+def silu_mul_backward(da: torch.Tensor, q, s, group_size: int):
+    return _call("silu_mul_backward", _silu_mul_backward, da, q, s, group_size)
+
+
+def rope_qkv(qkv, cos, sin, batch: int, nh: int, nkv: int, hd: int):
+    return _call("rope_qkv", _rope_qkv, qkv, cos, sin, batch, nh, nkv, hd)
+
+
+def rope_qkv_backward(dq, dk, dv, cos, sin, nh: int, nkv: int, hd: int):
+    return _call("rope_qkv_backward", _rope_qkv_backward, dq, dk, dv, cos, sin, nh, nkv, hd)

@@ -61,23 +61,27 @@ class WeightGroup:
 
     def operand(self, transposed: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """(FP8 codes, fp32 scale): [N, K] for the forward, [K, N] (transposed) for the grad-input GEMM."""
+        if torch.compiler.is_compiling():  # the compiled graph quantizes in place of a cache lookup
+            return self._quantize(transposed, None)
         key = self._state_key()
         if key != self._key:
             self.clear()
             self._key = key
         if transposed not in self._codes:
-            w = self.weights
-            w = w[0] if len(w) == 1 else torch.cat([x.detach() for x in w])
-            w = w.detach()
-            if self._scale is None:
-                self._scale = ops.tensor_scale(ops.row_amax(w), self.fmt)
-            q, qt = ops.quant_tensor(w, self._scale, self.fmt, rowmajor=not transposed, transposed=transposed)
-            codes = qt if transposed else q
+            codes, self._scale = self._quantize(transposed, self._scale)
             # ZeRO-3 gathers a parameter for each use and frees it after: an FP8 copy must not outlive that
             if not self.cache or any(hasattr(w, "ds_id") for w in self.weights):
                 return codes, self._scale
             self._codes[transposed] = codes
         return self._codes[transposed], self._scale
+
+    def _quantize(self, transposed: bool, scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        w = [x.detach() for x in self.weights]
+        w = w[0] if len(w) == 1 else torch.cat(w)
+        if scale is None:
+            scale = ops.tensor_scale(ops.row_amax(w), self.fmt)
+        q, qt = ops.quant_tensor(w, scale, self.fmt, rowmajor=not transposed, transposed=transposed)
+        return (qt if transposed else q), scale
 
     def clear(self) -> None:
         self._key, self._scale, self._codes = None, None, {}

@@ -39,4 +39,14 @@ void silu_mul_rebuild(const uint8_t* q, const uint8_t* sc, const float* scale, u
 void silu_mul_backward(const void* da, const uint8_t* q, const uint8_t* sc, void* dgu, float* amax, int64_t m,
                        int64_t i, bool in_e5m2, cudaStream_t s);
 
+// The per-tensor scale 2^p from per-row maxima (reference.tensor_scale): one block, no host sync
+void tensor_scale(const float* amax_rows, int64_t m, float* scale, bool e5m2, cudaStream_t s);
+
+// RoPE on the fused q/k/v output: qkv [b*s, (nh + 2 nkv) hd] -> q [b, nh, s, hd], k, v [b, nkv, s, hd];
+// cos/sin [b or 1, s, hd] (cs_batched: b). hd % 16 == 0.
+void rope_qkv(const void* qkv, const void* cos, const void* sin, void* q, void* k, void* v, int64_t batch,
+              int64_t seq, int nh, int nkv, int hd, bool cs_batched, cudaStream_t s);
+void rope_qkv_backward(const void* dq, const void* dk, const void* dv, const void* cos, const void* sin, void* dqkv,
+                       int64_t batch, int64_t seq, int nh, int nkv, int hd, bool cs_batched, cudaStream_t s);
+
 }  // namespace coat_quant

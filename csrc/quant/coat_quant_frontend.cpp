@@ -86,6 +86,28 @@ void silu_mul_backward(torch::Tensor da, torch::Tensor q, torch::Tensor s, torch
                                   amax.data_ptr<float>(), q.size(0), q.size(1) / 2, in_e5m2, stream());
 }
 
+void tensor_scale(torch::Tensor amax, torch::Tensor scale, bool e5m2) {
+    check(amax, "amax", at::kFloat);
+    check(scale, "scale", at::kFloat);
+    coat_quant::tensor_scale(amax.data_ptr<float>(), amax.numel(), scale.data_ptr<float>(), e5m2, stream());
+}
+
+void rope_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor q, torch::Tensor k,
+              torch::Tensor v, int64_t nh, int64_t nkv, int64_t hd) {
+    for (auto* t : {&qkv, &cos, &sin, &q, &k, &v}) check(*t, "rope tensor", at::kBFloat16);
+    TORCH_CHECK(hd % 16 == 0 && q.dim() == 4, "rope: head_dim % 16 == 0 and q [b, h, s, d]");
+    coat_quant::rope_qkv(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                         q.size(0), q.size(2), (int)nh, (int)nkv, (int)hd, cos.size(0) != 1, stream());
+}
+
+void rope_qkv_backward(torch::Tensor dq, torch::Tensor dk, torch::Tensor dv, torch::Tensor cos, torch::Tensor sin,
+                       torch::Tensor dqkv, int64_t nh, int64_t nkv, int64_t hd) {
+    for (auto* t : {&dq, &dk, &dv, &cos, &sin, &dqkv}) check(*t, "rope tensor", at::kBFloat16);
+    coat_quant::rope_qkv_backward(dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                                  dqkv.data_ptr(), dq.size(0), dq.size(2), (int)nh, (int)nkv, (int)hd,
+                                  cos.size(0) != 1, stream());
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -97,4 +119,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("silu_mul_quant", &silu_mul_quant, "SiLU*mul pass 1: FP8 gate/up, output row maxima");
     m.def("silu_mul_rebuild", &silu_mul_rebuild, "silu(g) u as a per-tensor FP8 operand");
     m.def("silu_mul_backward", &silu_mul_backward, "SiLU*mul backward from the saved FP8 gate/up");
+    m.def("tensor_scale", &tensor_scale, "per-tensor power-of-two scale from row maxima");
+    m.def("rope_qkv", &rope_qkv, "RoPE of the fused q/k/v output into [b, h, s, d] q, k, v");
+    m.def("rope_qkv_backward", &rope_qkv_backward, "RoPE backward into d(qkv)");
 }

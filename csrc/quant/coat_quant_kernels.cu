@@ -354,6 +354,14 @@ void launch_tile(Src src, const float* scale, uint8_t* out, uint8_t* out_t, int6
         tile_quant_k<false><<<grid, kThreads, 0, s>>>(src, scale, out, out_t, m, n);
 }
 
+template <bool E5M2>
+__global__ void tensor_scale_k(const float* amax, int64_t m, float* scale) {
+    float v = 0.0f;
+    for (int64_t i = threadIdx.x; i < m; i += kThreads) v = fmaxf(v, amax[i]);
+    v = block_reduce<true>(v);
+    if (threadIdx.x == 0) *scale = exp2i(pow2_exp<E5M2>(v));
+}
+
 int num_sms() {
     int dev = 0, sms = 0;
     cudaGetDevice(&dev);
@@ -365,6 +373,13 @@ int num_sms() {
 
 void row_amax(const void* x, float* out, int64_t m, int64_t n, cudaStream_t s) {
     if (m > 0) row_amax_k<<<(unsigned)m, kThreads, 0, s>>>(static_cast<const bf16*>(x), out, n);
+}
+
+void tensor_scale(const float* amax_rows, int64_t m, float* scale, bool e5m2, cudaStream_t s) {
+    if (e5m2)
+        tensor_scale_k<true><<<1, kThreads, 0, s>>>(amax_rows, m, scale);
+    else
+        tensor_scale_k<false><<<1, kThreads, 0, s>>>(amax_rows, m, scale);
 }
 
 void quant_tensor(const void* x, const float* scale, uint8_t* out, uint8_t* out_t, int64_t m, int64_t n,
