@@ -68,7 +68,12 @@ def test_main_command_then_resume(tmp_path):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps_done"] == 4 and summary["world_size"] == 2 and summary["optimizer"] == "CoatAdamW"
 
-    out = finish(launch(run, "--steps", "6", "--eval-every", "2", "--save-every", "2", "--resume"))
+    # the same config plus DeepSpeed's CSV monitor; and an HF export at the end
+    cfg = json.loads((ROOT / "ds_configs/zero2_coat.json").read_text())
+    cfg["csv_monitor"] = {"enabled": True, "output_path": str(tmp_path / "csv"), "job_name": "job"}
+    (tmp_path / "csv.json").write_text(json.dumps(cfg))
+    out = finish(launch(run, "--steps", "6", "--eval-every", "2", "--save-every", "2", "--resume",
+                        "--export", str(tmp_path / "hf"), config=str(tmp_path / "csv.json")))
     assert "exits successfully" in out and "Traceback" not in out, out[-3000:]
     train2 = records(run, "train")
     assert [r["step"] for r in train2] == [1, 2, 3, 4, 5, 6]                     # continued at step 5
@@ -78,6 +83,17 @@ def test_main_command_then_resume(tmp_path):
     assert (ckpt / "latest").read_text() == "step0000006"
     assert sorted(p.name for p in ckpt.glob("step*")) == ["step0000004", "step0000006"]   # --keep-last 2
     assert json.loads((run / "summary.json").read_text())["steps_done"] == 6
+    csv = (tmp_path / "csv" / "job" / "Train_tokens_per_s.csv").read_text().splitlines()
+    assert len(csv) >= 2 and (tmp_path / "csv" / "job" / "Eval_val_loss.csv").exists()
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    ids = torch.tensor([tok("def main():\n    return 0\n")["input_ids"]])
+    loss = model(input_ids=ids, labels=ids).loss.item()
+    assert type(model).__name__ == "LlamaForCausalLM" and 0 < loss < 20
 
 
 def test_signal_saves_a_checkpoint_and_resume_continues(tmp_path):
