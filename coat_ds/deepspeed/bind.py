@@ -17,7 +17,12 @@ import torch.distributed as dist
 from ..optim import CoatAdamW
 from .layout import Segment, ShardLayout, local_cut_keys, skipped
 
-ATTR = "coat_layout"  # attribute set on each flat fp32 partition tensor
+
+
+def layout_of(opt: CoatAdamW, p: torch.Tensor) -> ShardLayout | None:
+    """The layout bound to flat tensor p (kept on the optimizer, not the tensor: tensors get pickled)."""
+    entry = getattr(opt, "_coat_layouts", {}).get(id(p))
+    return entry[1] if entry is not None and entry[0] is p else None
 
 
 def _names(engine) -> dict:
@@ -85,6 +90,7 @@ def bind(engine) -> int:
     zo = engine.optimizer
     sub_to_group = getattr(zo, "sub_group_to_group_id", None)
     bound = 0
+    opt._coat_layouts = {}
     for i, (flat, segments, pg) in enumerate(found):
         gi = sub_to_group[i] if sub_to_group is not None else i
         group = opt.param_groups[gi] if gi < len(opt.param_groups) else _group_of(opt, flat, i)
@@ -97,7 +103,7 @@ def bind(engine) -> int:
         else:
             everyone = [mine]
         cut_index = {k: n for n, k in enumerate(sorted({k for keys in everyone for k in keys}))}
-        setattr(flat, ATTR, ShardLayout(segments, flat.numel(), g, pg, cut_index, comm_device))
+        opt._coat_layouts[id(flat)] = (flat, ShardLayout(segments, flat.numel(), g, pg, cut_index, comm_device))
         bound += 1
     if bound:
         _route(opt, collective=True)
@@ -115,18 +121,18 @@ def _route(opt: CoatAdamW, collective: bool) -> None:
     init_state, fp8_step = opt._init_state, opt._fp8_step
 
     def _init_state_routed(self, p, group):
-        layout = getattr(p, ATTR, None)
+        layout = layout_of(self, p)
         if layout is None or not group["fp8_state"] or self.state[p]:
             return init_state(p, group)
         self.state[p].update(layout.init_state(p, group))
         return self.state[p]
 
     def _fp8_step_routed(self, params, group, step):
-        plain = [p for p in params if getattr(p, ATTR, None) is None]
+        plain = [p for p in params if layout_of(self, p) is None]
         if plain:
             fp8_step(plain, group, step)
         for p in params:
-            layout = getattr(p, ATTR, None)
+            layout = layout_of(self, p)
             if layout is not None and not layout.fp8_step(self, p, group, step):
                 skipped(self, p)
 

@@ -1,3 +1,378 @@
-"""placeholder"""
-def install(engine):
-    pass
+"""Checkpoints of CoatAdamW engines: exact resume, re-partitioning to another world size, refusal of bad files.
+
+Saving is DeepSpeed's own `engine.save_checkpoint`; each rank's base-optimizer state also records its
+partition layout (`coat_layouts`: which piece of which parameter each flat tensor holds). Because FP8
+groups are per parameter (layout.py), a checkpoint re-partitions exactly: pieces are cut out of the
+parameters and re-assembled, codes, scales and exponents unchanged. Only a different `group_size`
+re-groups (dequantize with the old groups, quantize with the new: one extra FP8 rounding of m and v).
+
+`engine.load_checkpoint` of a CoatAdamW engine is wrapped (install()):
+  1. every file of the tag is opened and checked on every rank before anything is loaded; a missing,
+     truncated or foreign file (another optimizer) raises ValueError on all ranks, nothing half-loaded;
+  2. same data-parallel world size: DeepSpeed's own load (bit-exact resume);
+  3. another world size under ZeRO: DeepSpeed loads module weights, scheduler and client state, then
+     masters and optimizer states are rebuilt per parameter from all saved ranks and cut to this rank.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import types
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import ops as ops_glue
+from ..formats import E4M3, get_format, n_groups
+from ..optim import CoatAdamW
+from .bind import layout_of, partitions
+
+LAYOUTS = "coat_layouts"
+FP8_KEYS = ("step", "exp_avg_q", "exp_avg_scale", "exp_avg_expo", "exp_avg_sq_q", "exp_avg_sq_scale",
+            "exp_avg_sq_expo")
+FP32_KEYS = ("step", "exp_avg", "exp_avg_sq")
+_META = ("exp_avg_scale", "exp_avg_expo", "exp_avg_sq_scale", "exp_avg_sq_expo")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint this engine must not load; raised before anything is loaded."""
+
+
+# ------------------------------------------------------------------ optimizer hooks (torch's own API)
+def _flat_params(opt: CoatAdamW) -> list[torch.Tensor]:
+    return [p for g in opt.param_groups for p in g["params"]]
+
+
+def _state_dict_post(opt: CoatAdamW, sd: dict) -> dict:
+    """Record, per saved parameter index, the layout of the flat tensor (None: a whole parameter)."""
+    flats = getattr(opt, "_coat_flat_index", {})
+    rec = {}
+    for i, p in enumerate(_flat_params(opt)):
+        layout = layout_of(opt, p)
+        rec[i] = None if layout is None else {"layout": layout.record(), "flat_index": flats.get(id(p)),
+                                              "group_size": layout.group_size}
+    sd[LAYOUTS] = rec
+    return sd
+
+
+def check_state(sd: dict, where: str) -> None:
+    """Refuse a base-optimizer state that CoatAdamW did not write."""
+    if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
+        raise CheckpointError(f"{where}: not an optimizer state dict (keys: {sorted(sd) if isinstance(sd, dict) else type(sd).__name__})")
+    groups = {i: g for g in sd["param_groups"] for i in g["params"]}
+    for i, st in sd["state"].items():
+        g = groups.get(i, {})
+        if "group_size" not in g or "fp8_state" not in g:
+            raise CheckpointError(f"{where}: written by another optimizer (param group keys {sorted(g)}); "
+                                  "CoatAdamW's groups carry group_size, v_format, expansion, fp8_state")
+        want = FP8_KEYS if g["fp8_state"] else FP32_KEYS
+        if sorted(st) != sorted(want):
+            raise CheckpointError(f"{where}: written by another optimizer or truncated (state keys {sorted(st)}); "
+                                  f"CoatAdamW with fp8_state={g['fp8_state']} expects {sorted(want)}")
+
+
+def _load_pre(opt: CoatAdamW, sd: dict) -> dict:
+    check_state(sd, "optimizer state")
+    own = _state_dict_post(opt, {})[LAYOUTS]
+    saved = sd.get(LAYOUTS)
+    if any(v is not None for v in own.values()) and saved is not None:
+        for i, rec in own.items():
+            if rec is not None and saved.get(i, {}) and saved[i]["layout"] != rec["layout"]:
+                raise CheckpointError("optimizer state was saved with another partition layout (world size or "
+                                      "ZeRO stage changed); load it with engine.load_checkpoint, which re-partitions")
+    opt._coat_loading = sd["state"]
+    return sd
+
+
+def _load_post(opt: CoatAdamW) -> None:
+    """torch casts every floating state tensor to its param's dtype: give codes and metadata theirs back."""
+    saved = getattr(opt, "_coat_loading", None)
+    opt._coat_loading = None
+    if saved is None:
+        return
+    for g in opt.param_groups:
+        for p in g["params"]:
+            st = opt.state.get(p)
+            if not st or "exp_avg_q" not in st:
+                continue
+            st["exp_avg_q"] = st["exp_avg_q"].to(E4M3.dtype)
+            st["exp_avg_sq_q"] = st["exp_avg_sq_q"].to(get_format(g["v_format"]).dtype)
+            for k in _META:
+                st[k] = st[k].to(torch.float32)
+
+
+def install(engine) -> None:
+    """Hooks on the CoatAdamW of `engine` and a checking, re-partitioning engine.load_checkpoint."""
+    opt = engine.basic_optimizer
+    opt._coat_flat_index = {id(flat): k for k, (flat, _, _) in enumerate(partitions(engine))}
+    if not getattr(opt, "_coat_hooks", False):
+        opt.register_state_dict_post_hook(_state_dict_post)
+        opt.register_load_state_dict_pre_hook(_load_pre)
+        opt.register_load_state_dict_post_hook(_load_post)
+        opt._coat_hooks = True
+    if not getattr(engine, "_coat_load_wrapped", False):
+        original = engine.load_checkpoint
+
+        def load_checkpoint(self, load_dir, tag=None, **kw):
+            return load(self, original, load_dir, tag, **kw)
+
+        engine.load_checkpoint = types.MethodType(load_checkpoint, engine)
+        engine._coat_load_wrapped = True
+
+
+# ------------------------------------------------------------------ files
+def _tag(load_dir: str, tag: str | None) -> str | None:
+    if tag is not None:
+        return str(tag)
+    latest = os.path.join(load_dir, "latest")
+    if not os.path.isfile(latest):
+        return None
+    with open(latest) as f:
+        return f.read().strip()
+
+
+def _torch_load(path: str) -> Any:
+    if not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint file missing: {path}")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is refused the same way
+        raise CheckpointError(f"checkpoint file unreadable (truncated or corrupt): {path} "
+                              f"({type(exc).__name__}: {exc})") from None
+
+
+def zero_files(ckpt_dir: str, world: int) -> list[str]:
+    """The ZeRO optimizer files of data-parallel ranks 0..world-1 (bf16_ prefixed or not)."""
+    for prefix in ("bf16_", ""):
+        names = [os.path.join(ckpt_dir, f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt") for r in range(world)]
+        if os.path.isfile(names[0]):
+            return names
+    found = sorted(glob.glob(os.path.join(ckpt_dir, "*zero_pp_rank_*_optim_states.pt")))
+    raise CheckpointError(f"{ckpt_dir}: expected ZeRO optimizer files for {world} ranks "
+                          f"(zero_pp_rank_<r>_mp_rank_00_optim_states.pt), found {[os.path.basename(f) for f in found]}")
+
+
+def _base_and_flats(osd: dict, where: str) -> tuple[dict, list]:
+    if not isinstance(osd, dict):
+        raise CheckpointError(f"{where}: no optimizer state in this file")
+    if "base_optimizer_state" in osd:
+        return osd["base_optimizer_state"], osd["single_partition_of_fp32_groups"]
+    if "fp32_flat_groups" in osd:
+        return osd["optimizer_state_dict"], osd["fp32_flat_groups"]
+    raise CheckpointError(f"{where}: unknown ZeRO optimizer state layout (keys {sorted(osd)})")
+
+
+def _agree(err: str | None) -> None:
+    """Raise the same CheckpointError on every rank if any rank found a problem."""
+    errs = [err]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        errs = [None] * dist.get_world_size()
+        dist.all_gather_object(errs, err)
+    bad = [e for e in errs if e]
+    if bad:
+        raise CheckpointError(bad[0])
+
+
+def _read(engine, load_dir: str, tag: str) -> tuple[int, list[dict] | None]:
+    """(saved dp world size, every rank's ZeRO optimizer dict or None without ZeRO), all checked."""
+    ckpt_dir = os.path.join(load_dir, tag)
+    model_file = os.path.join(ckpt_dir, "mp_rank_00_model_states.pt")
+    if not os.path.isfile(model_file):  # ZeRO-3 writes one model file per rank
+        model_file = os.path.join(ckpt_dir, "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    sd = _torch_load(model_file)
+    world = int(sd.get("dp_world_size", 1))
+    if not engine.zero_optimization():
+        opt_sd = sd.get("optimizer")
+        if opt_sd is None:
+            raise CheckpointError(f"{model_file}: holds no optimizer state")
+        check_state(opt_sd.get("optimizer_state_dict", opt_sd) if isinstance(opt_sd, dict) else opt_sd, model_file)
+        return world, None
+    out = []
+    for path in zero_files(ckpt_dir, world):
+        z = _torch_load(path)
+        base, _ = _base_and_flats(z.get("optimizer_state_dict"), path)
+        check_state(base, path)
+        if LAYOUTS not in base:
+            raise CheckpointError(f"{path}: no partition layouts; it was not saved by a coat_ds CoatAdamW engine")
+        out.append(z["optimizer_state_dict"])
+    return world, out
+
+
+# ------------------------------------------------------------------ load
+def load(engine, original, load_dir: str, tag: str | None = None, **kw):
+    """engine.load_checkpoint for CoatAdamW engines (see the module docstring)."""
+    tag = _tag(load_dir, tag)
+    if tag is None:
+        return original(load_dir, None, **kw)
+    load_opt = kw.get("load_optimizer_states", True) and not kw.get("load_module_only", False)
+    err, world, zsds = None, None, None
+    try:
+        world, zsds = _read(engine, load_dir, tag)
+    except CheckpointError as exc:
+        err = str(exc)
+    _agree(err)
+    if not load_opt or not engine.zero_optimization() or world == engine.seq_dp_world_size:
+        return original(load_dir, tag, **kw)
+    if hasattr(engine.optimizer, "fp32_partitioned_groups_flat"):  # ZeRO-3: model files are per saved rank
+        path, client = _engine_state(engine, load_dir, tag, kw.get("load_lr_scheduler_states", True))
+    else:  # module weights, scheduler, counters and client state by DeepSpeed; the optimizer below
+        path, client = original(load_dir, tag, **dict(kw, load_optimizer_states=False))
+    try:
+        canon = canonical(zsds)
+        restore(engine, canon, zsds[0])
+        err = None
+    except CheckpointError as exc:
+        err = str(exc)
+    _agree(err)
+    return path, client
+
+
+_DS_KEYS = ("module", "skipped_steps", "global_steps", "dp_world_size", "mp_world_size", "data_sampler", "random_ltd",
+            "lr_scheduler", "optimizer", "global_samples")
+
+
+def _engine_state(engine, load_dir: str, tag: str, load_lr: bool) -> tuple[str, dict]:
+    """What DeepSpeed's _load_checkpoint restores besides weights and optimizer, from saved rank 0's model file."""
+    ckpt_dir = os.path.join(load_dir, tag)
+    path = os.path.join(ckpt_dir, "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    sd = _torch_load(path)
+    if load_lr and engine.lr_scheduler is not None and sd.get("lr_scheduler") is not None:
+        engine.lr_scheduler.load_state_dict(sd["lr_scheduler"])
+    engine.global_steps = sd["global_steps"]
+    engine.global_samples = sd.get("global_samples", engine.global_steps * engine.train_batch_size())
+    engine.skipped_steps = sd["skipped_steps"]
+    module = sd.get("module") or {}
+    with torch.no_grad():
+        for name, buf in engine.module.named_buffers():
+            if name in module and module[name].shape == buf.shape:
+                buf.copy_(module[name])
+    return ckpt_dir, {k: v for k, v in sd.items() if k not in _DS_KEYS}
+
+
+def canonical(zsds: list[dict]) -> dict[str, dict]:
+    """Per parameter name: fp32 master, and either FP8 codes + per-group metadata or fp32 moments, plus step."""
+    canon: dict[str, dict] = {}
+    for r, osd in enumerate(zsds):
+        base, flats = _base_and_flats(osd, f"rank {r}")
+        groups = {i: g for g in base["param_groups"] for i in g["params"]}
+        for i, st in base["state"].items():
+            info = base[LAYOUTS].get(i)
+            if info is None:
+                raise CheckpointError(f"rank {r}: state {i} has no partition layout")
+            g, flat = groups[i], flats[info["flat_index"]].reshape(-1).float()
+            size, fp8 = g["group_size"], g["fp8_state"]
+            meta = 0
+            for name, pnumel, pstart, fstart, n in info["layout"]:
+                c = canon.get(name)
+                if c is None:
+                    c = canon[name] = _empty(pnumel, size, fp8, g["v_format"])
+                c["master"][pstart:pstart + n] = flat[fstart:fstart + n]
+                c["step"] = st["step"].clone()
+                if fp8:
+                    c["exp_avg_q"][pstart:pstart + n] = st["exp_avg_q"].reshape(-1).to(E4M3.dtype).view(torch.uint8)[fstart:fstart + n]
+                    vdt = get_format(g["v_format"]).dtype
+                    c["exp_avg_sq_q"][pstart:pstart + n] = st["exp_avg_sq_q"].reshape(-1).to(vdt).view(torch.uint8)[fstart:fstart + n]
+                    g0, g1 = pstart // size, (pstart + n - 1) // size + 1
+                    for k in _META:
+                        c[k][g0:g1] = st[k][meta:meta + g1 - g0].float()
+                    meta += g1 - g0
+                else:
+                    for k in ("exp_avg", "exp_avg_sq"):
+                        c[k][pstart:pstart + n] = st[k].reshape(-1)[fstart:fstart + n].float()
+                c["filled"] += n
+    for name, c in canon.items():
+        if c["filled"] != c["master"].numel():
+            raise CheckpointError(f"parameter {name}: saved ranks cover {c['filled']} of {c['master'].numel()} values")
+    return canon
+
+
+def _empty(numel: int, size: int, fp8: bool, v_format: str) -> dict:
+    c = {"master": torch.zeros(numel), "group_size": size, "fp8": fp8, "v_format": v_format, "filled": 0}
+    if fp8:
+        c["exp_avg_q"] = torch.zeros(numel, dtype=torch.uint8)
+        c["exp_avg_sq_q"] = torch.zeros(numel, dtype=torch.uint8)
+        for k in _META:
+            c[k] = torch.zeros(n_groups(numel, size))
+    else:
+        c["exp_avg"], c["exp_avg_sq"] = torch.zeros(numel), torch.zeros(numel)
+    return c
+
+
+def regroup(c: dict, size: int, expansion: bool) -> dict:
+    """The states of one parameter re-quantized with groups of `size` (adds one FP8 rounding of m and v)."""
+    if not c["fp8"] or c["group_size"] == size:
+        return c
+    out = dict(c, group_size=size)
+    for name, fmt in (("exp_avg", E4M3), ("exp_avg_sq", get_format(c["v_format"]))):
+        x = ops_glue.dequantize(c[f"{name}_q"].view(fmt.dtype), c[f"{name}_scale"], c[f"{name}_expo"], c["group_size"])
+        q, s, e = ops_glue.quantize(x, fmt, size, expansion)
+        out[f"{name}_q"], out[f"{name}_scale"], out[f"{name}_expo"] = q.view(torch.uint8), s, e
+    return out
+
+
+@torch.no_grad()
+def restore(engine, canon: dict[str, dict], zsd0: dict) -> None:
+    """Write masters, model weights and optimizer states of this rank from the per-parameter form."""
+    opt = engine.basic_optimizer
+    found = partitions(engine)
+    for k, (flat, segments, _) in enumerate(found):
+        layout = layout_of(opt, flat)
+        group = _group_for(opt, engine, k)
+        size = group["group_size"]
+        st = layout.init_state(flat, group) if group["fp8_state"] else {
+            "step": torch.zeros((), dtype=torch.float32), "exp_avg": torch.zeros_like(flat),
+            "exp_avg_sq": torch.zeros_like(flat)}
+        vdt = get_format(group["v_format"]).dtype
+        for seg, meta in zip(layout.segments, layout.meta_offsets):
+            if seg.name not in canon:
+                raise CheckpointError(f"parameter {seg.name} is not in the checkpoint")
+            c = regroup(canon[seg.name], size, group["expansion"])
+            if c["master"].numel() != seg.param_numel:
+                raise CheckpointError(f"parameter {seg.name}: {c['master'].numel()} values in the checkpoint, "
+                                      f"{seg.param_numel} in the model")
+            a, n, f = seg.param_start, seg.numel, seg.flat_start
+            flat.view(-1)[f:f + n] = c["master"][a:a + n].to(flat.device)
+            st["step"] = c["step"].clone()
+            if group["fp8_state"]:
+                st["exp_avg_q"].view(-1)[f:f + n] = c["exp_avg_q"][a:a + n].view(E4M3.dtype).to(flat.device)
+                st["exp_avg_sq_q"].view(-1)[f:f + n] = c["exp_avg_sq_q"][a:a + n].view(vdt).to(flat.device)
+                g0, g1 = a // size, (a + n - 1) // size + 1
+                for key in _META:
+                    st[key][meta:meta + g1 - g0] = c[key][g0:g1].to(flat.device)
+            else:
+                for key in ("exp_avg", "exp_avg_sq"):
+                    st[key].view(-1)[f:f + n] = c[key][a:a + n].to(flat.device)
+        opt.state[flat] = st
+    _restore_lp(engine, canon)
+    scaler = zsd0.get("loss_scaler")
+    zo = engine.optimizer
+    if scaler is not None and hasattr(zo, "loss_scaler"):
+        zo.loss_scaler = scaler
+        zo.dynamic_loss_scale = zsd0.get("dynamic_loss_scale", getattr(zo, "dynamic_loss_scale", False))
+
+
+def _group_for(opt: CoatAdamW, engine, k: int) -> dict:
+    sub = getattr(engine.optimizer, "sub_group_to_group_id", None)
+    gi = sub[k] if sub is not None else k
+    return opt.param_groups[gi]
+
+
+def _restore_lp(engine, canon: dict[str, dict]) -> None:
+    """Model (low-precision) weights from the restored fp32 masters."""
+    zo = engine.optimizer
+    names = {p: n for n, p in engine.module.named_parameters()}
+    if hasattr(zo, "fp32_partitioned_groups_flat"):  # ZeRO-3: each rank holds its slice of every parameter
+        rank = dist.get_rank(group=zo.dp_process_group)
+        for group in zo.fp16_groups:
+            for p in group:
+                part = p.ds_tensor.ds_numel
+                start = rank * part
+                n = max(0, min(part, p.ds_numel - start))
+                if n:
+                    p.ds_tensor.data.view(-1)[:n] = canon[names[p]]["master"][start:start + n].to(p.ds_tensor.dtype)
+        return
+    for p, name in names.items():
+        if name in canon and p.numel() == canon[name]["master"].numel():
+            p.data.copy_(canon[name]["master"].view_as(p).to(p.dtype))
+

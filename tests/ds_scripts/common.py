@@ -69,7 +69,7 @@ def train(engine, steps: range, dtype: str, poison: set[int] = frozenset()) -> l
             lo = (k * world + rank) * micro  # micro-batch k of rank r: the same samples at any world size
             xb, yb = x[lo:lo + micro].to(engine.device, dtype_of(dtype)), y[lo:lo + micro].to(engine.device)
             loss = nn.functional.cross_entropy(engine(xb).float(), yb)
-            if step in poison and k == 1:
+            if step in poison and k == MICRO_BATCHES // world - 1:
                 loss = loss * float("inf")
             engine.backward(loss)
             engine.step()
