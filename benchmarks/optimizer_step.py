@@ -133,7 +133,7 @@ def make_optimizer(name: str, p: torch.nn.Parameter) -> torch.optim.Optimizer:
         import bitsandbytes as bnb
 
         return bnb.optim.AdamW8bit([p], **HP)
-    if name == "ds_cpu_adam":
+    if name == "cpu_adam":
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         return DeepSpeedCPUAdam([p], adamw_mode=True, **HP)
@@ -232,7 +232,7 @@ def main() -> None:
         out = args.out or os.path.join(RESULTS, "optimizer_step.json")
     else:
         sizes = args.sizes or ([1e5] if args.smoke else [1e7])
-        peers = ["coat_step"] + ([] if args.smoke else ["ds_cpu_adam"])
+        peers = ["coat_step"] + ([] if args.smoke else ["cpu_adam"])
         out = args.out or (None if args.smoke else os.path.join(RESULTS, "optimizer_step_cpu.json"))
     runs = args.runs or (3 if args.smoke else 20)
     torch.manual_seed(0)

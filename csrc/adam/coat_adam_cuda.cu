@@ -12,6 +12,7 @@ namespace coat_cuda {
 namespace {
 
 using coat::DeviceMath;
+using coat::DeviceMathFtz;  // the fused step (see coat_fp8.cuh); quantize/dequantize keep subnormals
 using coat::GroupScale;
 
 constexpr int kThreads = 256;
@@ -112,15 +113,15 @@ __global__ void __launch_bounds__(kThreads, 4) adam_kernel(const AdamTensor* __r
         }
 
         // dequantise, update, and track each moment's largest / smallest non-zero magnitude
-        const GroupScale sm = coat::stored_scale<DeviceMath>(ms, me);
-        const GroupScale sv = coat::stored_scale<DeviceMath>(vs, ve);
+        const GroupScale sm = coat::stored_scale<DeviceMathFtz>(ms, me);
+        const GroupScale sv = coat::stored_scale<DeviceMathFtz>(vs, ve);
         float m_big = 0.0f, m_small = COAT_F32_INF, v_big = 0.0f, v_small = COAT_F32_INF;
 #pragma unroll
         for (int j = 0; j < V; ++j) {
             const uint32_t mc = code_at(mw, j), vc = code_at(vw, j);
-            m[j] = coat::dequant_value<DeviceMath>((uint8_t)mc, s_log2_m[mc & 0x7Fu], sm);
-            v[j] = coat::dequant_value<DeviceMath>((uint8_t)vc, s_log2_v[vc & 0x7Fu], sv);
-            coat::adam_update<DeviceMath>(p[j], g[j], m[j], v[j], c);
+            m[j] = coat::dequant_value<DeviceMathFtz>((uint8_t)mc, s_log2_m[mc & 0x7Fu], sm);
+            v[j] = coat::dequant_value<DeviceMathFtz>((uint8_t)vc, s_log2_v[vc & 0x7Fu], sv);
+            coat::adam_update<DeviceMathFtz>(p[j], g[j], m[j], v[j], c);
             if (j < n_valid) {
                 const float am = fabsf(m[j]), av = fabsf(v[j]);
                 m_big = fmaxf(m_big, am);
@@ -153,8 +154,8 @@ __global__ void __launch_bounds__(kThreads, 4) adam_kernel(const AdamTensor* __r
         v_big = coat::segment_max<T::kLanes>(v_big);
         m_small = coat::segment_min<T::kLanes>(m_small);
         v_small = coat::segment_min<T::kLanes>(v_small);
-        const GroupScale qm = coat::group_scale<DeviceMath>(m_big, m_small, false, expansion);
-        const GroupScale qv = coat::group_scale<DeviceMath>(v_big, v_small, v_e5m2, expansion);
+        const GroupScale qm = coat::group_scale<DeviceMathFtz>(m_big, m_small, false, expansion);
+        const GroupScale qv = coat::group_scale<DeviceMathFtz>(v_big, v_small, v_e5m2, expansion);
         if (active && lane == 0) {
             t.m_scale[lg] = qm.d;
             t.m_expo[lg] = qm.k;
@@ -165,11 +166,11 @@ __global__ void __launch_bounds__(kThreads, 4) adam_kernel(const AdamTensor* __r
 #pragma unroll
         for (int q = 0; q < T::kWords; ++q) {
             mw[q] = coat::fp8x4_encode<false>(
-                coat::expand_value<DeviceMath>(m[4 * q], qm), coat::expand_value<DeviceMath>(m[4 * q + 1], qm),
-                coat::expand_value<DeviceMath>(m[4 * q + 2], qm), coat::expand_value<DeviceMath>(m[4 * q + 3], qm));
+                coat::expand_value<DeviceMathFtz>(m[4 * q], qm), coat::expand_value<DeviceMathFtz>(m[4 * q + 1], qm),
+                coat::expand_value<DeviceMathFtz>(m[4 * q + 2], qm), coat::expand_value<DeviceMathFtz>(m[4 * q + 3], qm));
             vw[q] = coat::fp8x4_encode(
-                coat::expand_value<DeviceMath>(v[4 * q], qv), coat::expand_value<DeviceMath>(v[4 * q + 1], qv),
-                coat::expand_value<DeviceMath>(v[4 * q + 2], qv), coat::expand_value<DeviceMath>(v[4 * q + 3], qv),
+                coat::expand_value<DeviceMathFtz>(v[4 * q], qv), coat::expand_value<DeviceMathFtz>(v[4 * q + 1], qv),
+                coat::expand_value<DeviceMathFtz>(v[4 * q + 2], qv), coat::expand_value<DeviceMathFtz>(v[4 * q + 3], qv),
                 v_e5m2);
         }
         if (vec) {
