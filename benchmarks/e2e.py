@@ -47,8 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 # Llama shapes by name. llama-1b is examples/train.py's "1b" (TinyLlama's shape); llama-3b is OpenLLaMA-3B's.
 MODELS = {
-    "tiny": dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
-                 intermediate_size=192, vocab_size=512),
+    "tiny": dict(hidden_size=256, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
+                 intermediate_size=512, vocab_size=512),   # wide enough that the decoder layer's activations dominate
     "llama-125m": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=12,
                        intermediate_size=3072, vocab_size=32000),
     "llama-1b": dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=16, num_key_value_heads=4,
