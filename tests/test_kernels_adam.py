@@ -60,12 +60,14 @@ def _no_nan_codes(codes: torch.Tensor, fmt) -> bool:
     return bool((mag < (0x7C if fmt is E5M2 else 0x7F)).all())
 
 
-def assert_quantized_like_reference(x, codes, scale, expo, fmt, g, expansion):
+def assert_quantized_like_reference(x, codes, scale, expo, fmt, g, expansion, noisy=None):
     """(codes, scale, expo) from a kernel quantise x the way formats.quantize does; x is the reference's input.
 
     k may be one step (1/16) off in a few groups: where floor(16 log2(R) / span) sits near an integer, or, in
-    the fused step, where the group's smallest moment is a near-cancellation whose low bits differ."""
+    the fused step, where the group's smallest moment is a near-cancellation whose low bits differ. `noisy`
+    marks values that are such cancellations (their codes are not compared; finiteness still is)."""
     x, codes, scale, expo = (t.detach().cpu() for t in (x, codes, scale, expo))
+    keep = torch.ones(x.numel(), dtype=torch.bool) if noisy is None else ~noisy.detach().cpu().reshape(-1)
     assert torch.isfinite(scale).all() and torch.isfinite(expo).all() and _no_nan_codes(codes, fmt)
     ref = quantize(x, fmt, g, expansion)
     k_off = (expo - ref.expo).abs()
@@ -79,10 +81,10 @@ def assert_quantized_like_reference(x, codes, scale, expo, fmt, g, expansion):
     assert (scale[zero] == 0).all() and (expo[zero] == 1).all()
     assert (_ordinal(codes).view(-1)[_grouped(x, g).eq(0).all(1).repeat_interleave(g)[: x.numel()]] == 0).all()
     # every code within one FP8 step of the reference formula under the kernel's own (d, k)
-    diff = (_ordinal(codes) - _ordinal(_codes_with(x, scale, expo, fmt, g))).abs()
+    diff = (_ordinal(codes) - _ordinal(_codes_with(x, scale, expo, fmt, g))).abs()[keep]
     assert diff.max().item() <= 1, f"{(diff > 1).sum().item()} codes off by more than one step"
     # and of the reference's own codes wherever k agrees
-    in_same = (k_off == 0).repeat_interleave(g)[: x.numel()]
+    in_same = (k_off == 0).repeat_interleave(g)[: x.numel()] & keep
     assert (_ordinal(codes) - _ordinal(ref.codes))[in_same].abs().max().item() <= 1 if in_same.any() else True
 
 
@@ -117,9 +119,15 @@ def _u8(t):
     return t.view(torch.uint8)
 
 
-def _run_and_check(op, params, grads, ms, vs, g, v_fmt, expansion, step, bf16_copy):
+def _misaligned_copy(p: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of p that starts 4 bytes into its buffer (no 16-byte alignment)."""
+    buf = torch.empty(p.numel() + 1, dtype=p.dtype, device=p.device)
+    return buf[1:].copy_(p)
+
+
+def _run_and_check(op, params, grads, ms, vs, g, v_fmt, expansion, step, bf16_copy, misaligned=False):
     """One kernel step on copies, one reference step per tensor; every output compared."""
-    kp = [p.clone() for p in params]
+    kp = [_misaligned_copy(p) if misaligned else p.clone() for p in params]
     km = [tuple(t.clone() for t in m) for m in ms]
     kv = [tuple(t.clone() for t in v) for v in vs]
     out = [torch.full_like(p, float("nan"), dtype=torch.bfloat16) for p in params] if bf16_copy else []
@@ -144,7 +152,9 @@ def _run_and_check(op, params, grads, ms, vs, g, v_fmt, expansion, step, bf16_co
         err = (kp[i] - rp).abs()
         tol = 2e-6 * rp.abs() + 1e-4 * scale + 1e-30
         assert (err <= tol).all(), f"param off by {(err / tol).max().item():.2f}x the tolerance"
-        assert_quantized_like_reference(m_new, *km[i], E4M3, g, expansion)
+        # m_new values that cancel 1000x carry the inputs' rounding noise in their leading bits
+        noisy = m_new.abs() < 1e-3 * (HP["beta1"] * m_old.abs() + (1 - HP["beta1"]) * gf.abs())
+        assert_quantized_like_reference(m_new, *km[i], E4M3, g, expansion, noisy)
         assert_quantized_like_reference(v_new, *kv[i], v_fmt, g, expansion)
         if bf16_copy:
             assert torch.equal(out[i], kp[i].to(torch.bfloat16))
@@ -176,15 +186,13 @@ def test_cuda_adam_step_matches_reference(request, g, v_fmt, expansion, grad_dty
     _adam_case(request, "cuda", GPU_SIZES, g, v_fmt, expansion, grad_dtype)
 
 
-@pytest.mark.gpu
-def test_cuda_adam_step_misaligned_views(request):
-    """Views at odd offsets take the kernel's scalar path; results must not change."""
-    g, device = 128, "cuda"
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_adam_step_misaligned_views(request, device):
+    """Params 4 bytes off 16-byte alignment (the CUDA kernel's scalar path); results must not change."""
+    g = 128
     params, grads, ms, vs = _make_case((1000, 777), g, E4M3, True, torch.float32, device, seed=3)
-    base = torch.randn(1001, device=device)
-    base[1:].copy_(params[0])
-    params[0] = base[1:]  # contiguous, 4-byte aligned only
-    _run_and_check(_op(request, device), params, grads, ms, vs, g, E4M3, True, step=2, bf16_copy=True)
+    _run_and_check(_op(request, device), params, grads, ms, vs, g, E4M3, True, step=2, bf16_copy=True,
+                   misaligned=True)
 
 
 def _quantize_inputs(numel, gen):
