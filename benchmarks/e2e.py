@@ -354,11 +354,13 @@ def worker(args: argparse.Namespace) -> int:
         sync()
         a2 = accel.memory_allocated() if on_cuda else None
         grads = counter.add(grad_tensors(engine))
+        fp8_cache = counter.add(t for m in engine.module.modules() for v in vars(m).values()
+                                if isinstance(getattr(v, "_codes", None), dict) for t in v._codes.values())
         engine.step()
         sync()
         acts = sum(v for k, v in saved.items() if k not in counter.seen)
-        rec = {"weights_gb": (weights + master) / GIB, "model_weights_gb": weights / GIB,
-               "master_weights_gb": master / GIB, "optimizer_state_gb": opt_state / GIB, "grads_gb": grads / GIB,
+        rec = {"weights_gb": (weights + master + fp8_cache) / GIB, "model_weights_gb": weights / GIB,
+               "master_weights_gb": master / GIB, "fp8_weight_cache_gb": fp8_cache / GIB, "optimizer_state_gb": opt_state / GIB, "grads_gb": grads / GIB,
                "activations_gb": acts / GIB,
                "alloc_forward_delta_gb": (a1 - a0) / GIB if on_cuda else None,
                "alloc_backward_delta_gb": (a2 - a0) / GIB if on_cuda else None}

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 COLORS = {"bf16": "#4c72b0", "coat_opt": "#dd8452", "coat_full": "#55a868"}
-PARTS = [("weights_gb", "weights (16-bit + fp32 master)"), ("optimizer_state_gb", "optimizer state"),
+PARTS = [("weights_gb", "weights (16-bit, fp32 master, FP8 copies)"), ("optimizer_state_gb", "optimizer state"),
          ("grads_gb", "gradients"), ("activations_gb", "activations (saved for backward)"),
          ("other_gb", "other (transients at peak)")]
 
