@@ -1,8 +1,9 @@
 // Fused FP8 AdamW step (dequantise m, v -> AdamW update -> per-group range -> re-quantise), plus group
 // (de)quantisation, on CUDA. Memory-bound: one read and one write of every byte, nothing else.
 //
-// Layout: 256-thread blocks; a group of G values is handled by G/8 lanes of one warp, 8 values per thread,
-// so a warp holds 256/G groups. The group's max/min reduce
+// Layout: 256-thread blocks; a group of G values is handled by G/8 lanes of one warp, 8 values per thread
+// (two chunks of 4, half a group apart, so every 16-byte access of a segment is contiguous), so a warp
+// holds 256/G groups. The group's max/min reduce
 // over its lanes with shuffles. Each segment finds its tensor in a device table (multi-tensor launch:
 // one launch per param group), blocks are persistent and stride over the groups.
 #include "coat_adam_cuda.h"
@@ -47,6 +48,10 @@ __global__ void __launch_bounds__(kThreads, 4) adam_kernel(const AdamTensor* __r
                                                         bool expansion) {
     using T = Tile<G>;
     constexpr int V = T::kVpt;
+    constexpr int W = T::kWords;
+    // chunk q (4 values) of a lane starts at q * G/W + 4 * lane within the group: each load/store
+    // instruction of a segment covers one contiguous span (full 32-byte sectors, no holes)
+    constexpr int kChunkStride = G / W;
     __shared__ float s_log2_m[128];
     __shared__ float s_log2_v[128];
     for (int i = threadIdx.x; i < 128; i += blockDim.x) {
@@ -62,17 +67,22 @@ __global__ void __launch_bounds__(kThreads, 4) adam_kernel(const AdamTensor* __r
         const int64_t gid = first + seg;
         const bool active = gid < total_groups;
         AdamTensor t = {};
-        int64_t lg = 0, off = 0;
-        int n_valid = 0;
+        int64_t lg = 0, base = 0;
+        int n_valid[W];  // valid values (0..4) of each chunk
+#pragma unroll
+        for (int q = 0; q < W; ++q) n_valid[q] = 0;
         bool vec = false;
         float ms = 0.0f, me = 1.0f, vs = 0.0f, ve = 1.0f;
         if (active) {
             t = tensors[n_tensors == 1 ? 0 : find_tensor(tensors, n_tensors, gid)];  // an L1 hit after the first
             lg = gid - t.group_begin;
             const int64_t goff = lg * G;
-            off = goff + (int64_t)lane * V;
-            const int64_t rem = t.numel - off;
-            n_valid = rem <= 0 ? 0 : (rem >= V ? V : (int)rem);
+            base = goff + 4 * lane;
+#pragma unroll
+            for (int q = 0; q < W; ++q) {
+                const int64_t rem = t.numel - (base + q * kChunkStride);
+                n_valid[q] = rem <= 0 ? 0 : (rem >= 4 ? 4 : (int)rem);
+            }
             vec = t.vec_ok && t.numel - goff >= G;
             ms = t.m_scale[lg];
             me = t.m_expo[lg];
@@ -81,33 +91,38 @@ __global__ void __launch_bounds__(kThreads, 4) adam_kernel(const AdamTensor* __r
         }
 
         float p[V], g[V], m[V], v[V];
-        uint32_t mw[T::kWords], vw[T::kWords];
+        uint32_t mw[W], vw[W];
         if (vec) {
 #pragma unroll
-            for (int q = 0; q < T::kWords; ++q) {
-                const float4 pp = coat::load_f32x4_stream(t.param + off + 4 * q);
+            for (int q = 0; q < W; ++q) {
+                const int64_t at = base + q * kChunkStride;
+                const float4 pp = coat::load_f32x4_stream(t.param + at);
                 p[4 * q] = pp.x, p[4 * q + 1] = pp.y, p[4 * q + 2] = pp.z, p[4 * q + 3] = pp.w;
                 if (BF16_GRAD) {
-                    coat::load_bf16x4(static_cast<const uint16_t*>(t.grad) + off + 4 * q, g + 4 * q);
+                    coat::load_bf16x4(static_cast<const uint16_t*>(t.grad) + at, g + 4 * q);
                 } else {
-                    const float4 gg = coat::load_f32x4_stream(static_cast<const float*>(t.grad) + off + 4 * q);
+                    const float4 gg = coat::load_f32x4_stream(static_cast<const float*>(t.grad) + at);
                     g[4 * q] = gg.x, g[4 * q + 1] = gg.y, g[4 * q + 2] = gg.z, g[4 * q + 3] = gg.w;
                 }
-                mw[q] = coat::load_u8x4(t.m_codes + off + 4 * q);
-                vw[q] = coat::load_u8x4(t.v_codes + off + 4 * q);
+                mw[q] = coat::load_u8x4(t.m_codes + at);
+                vw[q] = coat::load_u8x4(t.v_codes + at);
             }
         } else {
 #pragma unroll
-            for (int q = 0; q < T::kWords; ++q) mw[q] = vw[q] = 0u;
+            for (int q = 0; q < W; ++q) {
+                mw[q] = vw[q] = 0u;
 #pragma unroll
-            for (int j = 0; j < V; ++j) {
-                p[j] = g[j] = 0.0f;
-                if (j < n_valid) {
-                    p[j] = t.param[off + j];
-                    g[j] = BF16_GRAD ? coat::bf16_to_f32(static_cast<const uint16_t*>(t.grad)[off + j])
-                                     : static_cast<const float*>(t.grad)[off + j];
-                    mw[j >> 2] |= (uint32_t)t.m_codes[off + j] << (8 * (j & 3));
-                    vw[j >> 2] |= (uint32_t)t.v_codes[off + j] << (8 * (j & 3));
+                for (int r = 0; r < 4; ++r) {
+                    const int j = 4 * q + r;
+                    const int64_t at = base + q * kChunkStride + r;
+                    p[j] = g[j] = 0.0f;
+                    if (r < n_valid[q]) {
+                        p[j] = t.param[at];
+                        g[j] = BF16_GRAD ? coat::bf16_to_f32(static_cast<const uint16_t*>(t.grad)[at])
+                                         : static_cast<const float*>(t.grad)[at];
+                        mw[q] |= (uint32_t)t.m_codes[at] << (8 * r);
+                        vw[q] |= (uint32_t)t.v_codes[at] << (8 * r);
+                    }
                 }
             }
         }
@@ -122,7 +137,7 @@ __global__ void __launch_bounds__(kThreads, 4) adam_kernel(const AdamTensor* __r
             m[j] = coat::dequant_value<DeviceMathFtz>((uint8_t)mc, s_log2_m[mc & 0x7Fu], sm);
             v[j] = coat::dequant_value<DeviceMathFtz>((uint8_t)vc, s_log2_v[vc & 0x7Fu], sv);
             coat::adam_update<DeviceMathFtz>(p[j], g[j], m[j], v[j], c);
-            if (j < n_valid) {
+            if ((j & 3) < n_valid[j >> 2]) {
                 const float am = fabsf(m[j]), av = fabsf(v[j]);
                 m_big = fmaxf(m_big, am);
                 v_big = fmaxf(v_big, av);
@@ -133,19 +148,21 @@ __global__ void __launch_bounds__(kThreads, 4) adam_kernel(const AdamTensor* __r
 
         if (vec) {
 #pragma unroll
-            for (int q = 0; q < T::kWords; ++q) {
-                coat::store_f32x4_stream(t.param + off + 4 * q,
-                                         make_float4(p[4 * q], p[4 * q + 1], p[4 * q + 2], p[4 * q + 3]));
+            for (int q = 0; q < W; ++q) {
+                const int64_t at = base + q * kChunkStride;
+                coat::store_f32x4_stream(t.param + at, make_float4(p[4 * q], p[4 * q + 1], p[4 * q + 2], p[4 * q + 3]));
                 if (t.bf16_out != nullptr) {
-                    coat::store_bf16x4(t.bf16_out + off + 4 * q, p[4 * q], p[4 * q + 1], p[4 * q + 2], p[4 * q + 3]);
+                    coat::store_bf16x4(t.bf16_out + at, p[4 * q], p[4 * q + 1], p[4 * q + 2], p[4 * q + 3]);
                 }
             }
         } else {
 #pragma unroll
             for (int j = 0; j < V; ++j) {
-                if (j < n_valid) {
-                    t.param[off + j] = p[j];
-                    if (t.bf16_out != nullptr) t.bf16_out[off + j] = coat::f32_to_bf16(p[j]);
+                const int q = j >> 2, r = j & 3;
+                if (r < n_valid[q]) {
+                    const int64_t at = base + q * kChunkStride + r;
+                    t.param[at] = p[j];
+                    if (t.bf16_out != nullptr) t.bf16_out[at] = coat::f32_to_bf16(p[j]);
                 }
             }
         }
@@ -164,7 +181,7 @@ __global__ void __launch_bounds__(kThreads, 4) adam_kernel(const AdamTensor* __r
         }
 
 #pragma unroll
-        for (int q = 0; q < T::kWords; ++q) {
+        for (int q = 0; q < W; ++q) {
             mw[q] = coat::fp8x4_encode<false>(
                 coat::expand_value<DeviceMathFtz>(m[4 * q], qm), coat::expand_value<DeviceMathFtz>(m[4 * q + 1], qm),
                 coat::expand_value<DeviceMathFtz>(m[4 * q + 2], qm), coat::expand_value<DeviceMathFtz>(m[4 * q + 3], qm));
@@ -175,16 +192,19 @@ __global__ void __launch_bounds__(kThreads, 4) adam_kernel(const AdamTensor* __r
         }
         if (vec) {
 #pragma unroll
-            for (int q = 0; q < T::kWords; ++q) {
-                coat::store_u8x4(t.m_codes + off + 4 * q, mw[q]);
-                coat::store_u8x4(t.v_codes + off + 4 * q, vw[q]);
+            for (int q = 0; q < W; ++q) {
+                const int64_t at = base + q * kChunkStride;
+                coat::store_u8x4(t.m_codes + at, mw[q]);
+                coat::store_u8x4(t.v_codes + at, vw[q]);
             }
         } else {
 #pragma unroll
             for (int j = 0; j < V; ++j) {
-                if (j < n_valid) {
-                    t.m_codes[off + j] = (uint8_t)code_at(mw, j);
-                    t.v_codes[off + j] = (uint8_t)code_at(vw, j);
+                const int q = j >> 2, r = j & 3;
+                if (r < n_valid[q]) {
+                    const int64_t at = base + q * kChunkStride + r;
+                    t.m_codes[at] = (uint8_t)code_at(mw, j);
+                    t.v_codes[at] = (uint8_t)code_at(vw, j);
                 }
             }
         }
