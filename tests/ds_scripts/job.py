@@ -10,6 +10,7 @@ TASK (stage 0-3, dtype fp32|bf16|fp16):
   skip:S                   fp16 run whose step SKIP_AT overflows: the FP8 states must not change
   refuse:S                 truncated / foreign checkpoints must be refused before anything loads
   tofp32:S:D               DeepSpeed's zero_to_fp32 recovers the fp32 masters of DIR/w<world>_s<S>_<D>
+  quick:S:D                12 steps, losses only
 """
 from __future__ import annotations
 
@@ -69,6 +70,13 @@ def task_train(args, world, stage, dtype, rest):
     return out
 
 
+def task_quick(args, world, stage, dtype, rest):
+    """12 steps, losses only (the multi-node run)."""
+    engine = build(stage, dtype, world)
+    return {"losses": common.train(engine, range(12), dtype), "world": world,
+            "nodes": int(os.environ.get("CROSS_SIZE", os.environ.get("GROUP_WORLD_SIZE", "0")) or 0)}
+
+
 def task_resume(args, world, stage, dtype, rest):
     src = int(rest[0])
     engine = build(stage, dtype, world)
@@ -88,12 +96,13 @@ def task_skip(args, world, stage, dtype, rest):
     scale_before = engine.optimizer.cur_scale if hasattr(engine.optimizer, "cur_scale") else None
     common.train(engine, range(SKIP_AT, SKIP_AT + 1), "fp16", poison={SKIP_AT})
     after = _fp8_states(engine)
+    scale_after = getattr(engine.optimizer, "cur_scale", None)
     same = len(before) == len(after) and all(torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a,
                                                          b.view(torch.uint8) if b.element_size() == 1 else b)
                                              for a, b in zip(before, after))
     losses = common.train(engine, range(SKIP_AT + 1, SKIP_AT + 11), "fp16")
     return {"unchanged": same, "skipped_steps": engine.skipped_steps, "losses": losses,
-            "scale_before": scale_before, "scale_after": getattr(engine.optimizer, "cur_scale", None)}
+            "scale_before": scale_before, "scale_after": scale_after}
 
 
 def task_refuse(args, world, stage, dtype, rest):
@@ -157,7 +166,7 @@ def task_tofp32(args, world, stage, dtype, rest):
     return {"n": len(sd), "max_diff_fp32_model": diff}
 
 
-TASKS = {"train": task_train, "resume": task_resume, "skip": task_skip, "refuse": task_refuse,
+TASKS = {"train": task_train, "quick": task_quick, "resume": task_resume, "skip": task_skip, "refuse": task_refuse,
          "tofp32": task_tofp32}
 
 
