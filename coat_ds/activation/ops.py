@@ -79,8 +79,31 @@ def _quant_tensor(x: torch.Tensor, scale: torch.Tensor, fmt: str, rowmajor: bool
     if op is None or x.dtype != torch.bfloat16 or x.shape[1] % 16:
         return _fill_pair(R.quant_tensor(x, scale, f, rowmajor, transposed), *x.shape, f.dtype, x.device)
     q, qt = _pair(*x.shape, f.dtype, rowmajor, transposed, x.device)
-    op.quant_tensor(x.contiguous(), scale, _u8(q), _u8(qt), fmt == "e5m2")
+    op.quant_tensor(x.contiguous(), scale, _u8(q), _u8(qt), fmt == "e5m2", x.shape[0])
     return q, qt
+
+
+def quant_weights(ws: list[torch.Tensor], scale: torch.Tensor, fmt: FP8Format, transposed: bool):
+    """FP8 of the row-wise concatenation of `ws` ([N, K], or its transpose [K, N]) written slice by slice,
+    with no bf16 concatenation; None where the kernel does not apply (eager CUDA bf16 only)."""
+    if torch.compiler.is_compiling():
+        return None
+    k = ws[0].shape[1]
+    op = _kernels(*ws)
+    if op is None or any(w.dtype != torch.bfloat16 or w.shape[0] % 16 or w.shape[1] != k for w in ws) or k % 16:
+        return None
+    n = sum(w.shape[0] for w in ws)
+    out = torch.empty((k, n) if transposed else (n, k), dtype=fmt.dtype, device=ws[0].device)
+    none = torch.empty(0, dtype=torch.uint8, device=out.device)
+    n0 = 0
+    for w in ws:
+        rows = w.shape[0]
+        if transposed:
+            op.quant_tensor(w.contiguous(), scale, none, _u8(out[:, n0:n0 + rows]), fmt.name == "e5m2", n)
+        else:
+            op.quant_tensor(w.contiguous(), scale, _u8(out[n0:n0 + rows]), none, fmt.name == "e5m2", rows)
+        n0 += rows
+    return out
 
 
 def _rmsnorm_quant(x: torch.Tensor, w: torch.Tensor, eps: float, fmt: str, group_size: int):
@@ -170,11 +193,15 @@ def rope_available(qkv: torch.Tensor, cos: torch.Tensor, head_dim: int) -> bool:
             and load_op("CoatQuantBuilder") is not None)
 
 
+def _bshd(qkv: torch.Tensor, batch: int, heads: int, hd: int) -> torch.Tensor:
+    """[b, s, h, d] memory seen as [b, h, s, d]: HF's q/k/v strides."""
+    return qkv.new_empty(batch, qkv.shape[0] // batch, heads, hd).transpose(1, 2)
+
+
 def _rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: int, nh: int, nkv: int, hd: int):
-    seq = qkv.shape[0] // batch
-    q = qkv.new_empty(batch, nh, seq, hd)
-    k, v = qkv.new_empty(batch, nkv, seq, hd), qkv.new_empty(batch, nkv, seq, hd)
-    load_op("CoatQuantBuilder").rope_qkv(qkv.contiguous(), cos.contiguous(), sin.contiguous(), q, k, v, nh, nkv, hd)
+    q, k, v = _bshd(qkv, batch, nh, hd), _bshd(qkv, batch, nkv, hd), _bshd(qkv, batch, nkv, hd)
+    load_op("CoatQuantBuilder").rope_qkv(qkv.contiguous(), cos.contiguous(), sin.contiguous(), q.transpose(1, 2),
+                                         k.transpose(1, 2), v.transpose(1, 2), nh, nkv, hd)
     return q, k, v
 
 
@@ -182,8 +209,8 @@ def _rope_qkv_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos
                        nh: int, nkv: int, hd: int):
     b, _, s, _ = dq.shape
     dqkv = dq.new_empty(b * s, (nh + 2 * nkv) * hd)
-    load_op("CoatQuantBuilder").rope_qkv_backward(dq.contiguous(), dk.contiguous(), dv.contiguous(),
-                                                  cos.contiguous(), sin.contiguous(), dqkv, nh, nkv, hd)
+    dq, dk, dv = (g.transpose(1, 2).contiguous() for g in (dq, dk, dv))  # [b, s, h, d]
+    load_op("CoatQuantBuilder").rope_qkv_backward(dq, dk, dv, cos.contiguous(), sin.contiguous(), dqkv, nh, nkv, hd)
     return dqkv
 
 
@@ -245,9 +272,7 @@ def _register():
     reg("silu_mul_backward", _silu_mul_backward,
         lambda da, q, s, g: (da.new_empty(q.shape), da.new_empty(q.shape[0], dtype=f32)))
     reg("rope_qkv", _rope_qkv,
-        lambda qkv, cos, sin, b, nh, nkv, hd: (qkv.new_empty(b, nh, qkv.shape[0] // b, hd),
-                                               qkv.new_empty(b, nkv, qkv.shape[0] // b, hd),
-                                               qkv.new_empty(b, nkv, qkv.shape[0] // b, hd)))
+        lambda qkv, cos, sin, b, nh, nkv, hd: (_bshd(qkv, b, nh, hd), _bshd(qkv, b, nkv, hd), _bshd(qkv, b, nkv, hd)))
     reg("rope_qkv_backward", _rope_qkv_backward,
         lambda dq, dk, dv, cos, sin, nh, nkv, hd: dq.new_empty(dq.shape[0] * dq.shape[2], (nh + 2 * nkv) * hd))
     return ops

@@ -76,10 +76,15 @@ class WeightGroup:
         return self._codes[transposed], self._scale
 
     def _quantize(self, transposed: bool, scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        w = [x.detach() for x in self.weights]
-        w = w[0] if len(w) == 1 else torch.cat(w)
-        if scale is None:
-            scale = ops.tensor_scale(ops.row_amax(w), self.fmt)
+        ws = [x.detach() for x in self.weights]
+        if scale is None:  # per-row maxima of each weight, then one scale for the fused operand
+            amax = ops.row_amax(ws[0]) if len(ws) == 1 else torch.cat([ops.row_amax(w) for w in ws])
+            scale = ops.tensor_scale(amax, self.fmt)
+        if len(ws) > 1:
+            fused = ops.quant_weights(ws, scale, self.fmt, transposed)  # each weight into its slice
+            if fused is not None:
+                return fused, scale
+        w = ws[0] if len(ws) == 1 else torch.cat(ws)
         q, qt = ops.quant_tensor(w, scale, self.fmt, rowmajor=not transposed, transposed=transposed)
         return (qt if transposed else q), scale
 

@@ -11,8 +11,9 @@ namespace coat_quant {
 void row_amax(const void* x, float* out, int64_t m, int64_t n, cudaStream_t s);
 
 // Per-tensor FP8 of a bf16 [m, n] with the power-of-two scale *scale: out [m, n] and/or out_t [n, m]
+// (out_t rows ld_t apart, so a weight's transpose can land in the columns of a fused operand)
 void quant_tensor(const void* x, const float* scale, uint8_t* out, uint8_t* out_t, int64_t m, int64_t n,
-                  bool e5m2, cudaStream_t s);
+                  int64_t ld_t, bool e5m2, cudaStream_t s);
 
 // RMSNorm pass 1: x bf16 [m, n], w bf16 [n] -> xq [m, n], xs [m, n/16], rstd [m], ymax [m]
 void rmsnorm_quant(const void* x, const void* w, float eps, uint8_t* xq, uint8_t* xs, float* rstd, float* ymax,

@@ -23,11 +23,14 @@ void row_amax(torch::Tensor x, torch::Tensor out) {
     coat_quant::row_amax(x.data_ptr(), out.data_ptr<float>(), x.size(0), x.size(1), stream());
 }
 
-void quant_tensor(torch::Tensor x, torch::Tensor scale, torch::Tensor out, torch::Tensor out_t, bool e5m2) {
+void quant_tensor(torch::Tensor x, torch::Tensor scale, torch::Tensor out, torch::Tensor out_t, bool e5m2,
+                  int64_t ld_t) {
     check(x, "x", at::kBFloat16);
     TORCH_CHECK(x.dim() == 2 && x.size(1) % 16 == 0 && x.size(0) % 16 == 0, "x must be [m, n], m, n % 16 == 0");
+    TORCH_CHECK(ld_t % 16 == 0 && ld_t >= x.size(0), "ld_t must be >= m and a multiple of 16");
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(out_t.data_ptr()) % 16 == 0, "out_t must be 16-byte aligned");
     coat_quant::quant_tensor(x.data_ptr(), scale.data_ptr<float>(), opt_u8(out), opt_u8(out_t), x.size(0),
-                             x.size(1), e5m2, stream());
+                             x.size(1), ld_t, e5m2, stream());
 }
 
 void rmsnorm_quant(torch::Tensor x, torch::Tensor w, double eps, torch::Tensor xq, torch::Tensor xs,
@@ -95,16 +98,16 @@ void tensor_scale(torch::Tensor amax, torch::Tensor scale, bool e5m2) {
 void rope_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor q, torch::Tensor k,
               torch::Tensor v, int64_t nh, int64_t nkv, int64_t hd) {
     for (auto* t : {&qkv, &cos, &sin, &q, &k, &v}) check(*t, "rope tensor", at::kBFloat16);
-    TORCH_CHECK(hd % 16 == 0 && q.dim() == 4, "rope: head_dim % 16 == 0 and q [b, h, s, d]");
+    TORCH_CHECK(hd % 16 == 0 && q.dim() == 4, "rope: head_dim % 16 == 0 and q [b, s, h, d]");
     coat_quant::rope_qkv(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(),
-                         q.size(0), q.size(2), (int)nh, (int)nkv, (int)hd, cos.size(0) != 1, stream());
+                         q.size(0), q.size(1), (int)nh, (int)nkv, (int)hd, cos.size(0) != 1, stream());
 }
 
 void rope_qkv_backward(torch::Tensor dq, torch::Tensor dk, torch::Tensor dv, torch::Tensor cos, torch::Tensor sin,
                        torch::Tensor dqkv, int64_t nh, int64_t nkv, int64_t hd) {
     for (auto* t : {&dq, &dk, &dv, &cos, &sin, &dqkv}) check(*t, "rope tensor", at::kBFloat16);
     coat_quant::rope_qkv_backward(dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                                  dqkv.data_ptr(), dq.size(0), dq.size(2), (int)nh, (int)nkv, (int)hd,
+                                  dqkv.data_ptr(), dq.size(0), dq.size(1), (int)nh, (int)nkv, (int)hd,
                                   cos.size(0) != 1, stream());
 }
 

@@ -320,7 +320,8 @@ struct SiluSrc {
 };
 
 template <bool OUT_E5M2, class Src>
-__global__ void tile_quant_k(Src src, const float* scale, uint8_t* out, uint8_t* out_t, int64_t m, int64_t n) {
+__global__ void tile_quant_k(Src src, const float* scale, uint8_t* out, uint8_t* out_t, int64_t m, int64_t n,
+                             int64_t ld_t) {
     __shared__ alignas(16) uint8_t tile[kTile][kTile + 16];  // [column][row]
     const int t = threadIdx.x;
     const int rr = t >> 2, cc = (t & 3) * G;
@@ -341,17 +342,18 @@ __global__ void tile_quant_k(Src src, const float* scale, uint8_t* out, uint8_t*
     __syncthreads();
     const int tc = t >> 2, tr = (t & 3) * G;
     const int64_t oc = (int64_t)blockIdx.x * kTile + tc, orow = (int64_t)blockIdx.y * kTile + tr;
-    if (oc < n && orow < m) store_codes(out_t + oc * m + orow, &tile[tc][tr]);
+    if (oc < n && orow < m) store_codes(out_t + oc * ld_t + orow, &tile[tc][tr]);
 }
 
 template <class Src>
 void launch_tile(Src src, const float* scale, uint8_t* out, uint8_t* out_t, int64_t m, int64_t n, bool e5m2,
-                 cudaStream_t s) {
+                 cudaStream_t s, int64_t ld_t = -1) {
     const dim3 grid((unsigned)((n + kTile - 1) / kTile), (unsigned)((m + kTile - 1) / kTile));
+    if (ld_t < 0) ld_t = m;
     if (e5m2)
-        tile_quant_k<true><<<grid, kThreads, 0, s>>>(src, scale, out, out_t, m, n);
+        tile_quant_k<true><<<grid, kThreads, 0, s>>>(src, scale, out, out_t, m, n, ld_t);
     else
-        tile_quant_k<false><<<grid, kThreads, 0, s>>>(src, scale, out, out_t, m, n);
+        tile_quant_k<false><<<grid, kThreads, 0, s>>>(src, scale, out, out_t, m, n, ld_t);
 }
 
 template <bool E5M2>
@@ -383,8 +385,8 @@ void tensor_scale(const float* amax_rows, int64_t m, float* scale, bool e5m2, cu
 }
 
 void quant_tensor(const void* x, const float* scale, uint8_t* out, uint8_t* out_t, int64_t m, int64_t n,
-                  bool e5m2, cudaStream_t s) {
-    launch_tile(Bf16Src{static_cast<const bf16*>(x), n}, scale, out, out_t, m, n, e5m2, s);
+                  int64_t ld_t, bool e5m2, cudaStream_t s) {
+    launch_tile(Bf16Src{static_cast<const bf16*>(x), n}, scale, out, out_t, m, n, e5m2, s, ld_t);
 }
 
 void rmsnorm_quant(const void* x, const void* w, float eps, uint8_t* xq, uint8_t* xs, float* rstd, float* ymax,

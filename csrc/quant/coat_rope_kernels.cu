@@ -1,7 +1,9 @@
 // Rotary embedding of the fused q/k/v GEMM output, in one pass each way.
 //
 // Forward: qkv [B*S, (nh + 2 nkv) hd] bf16 (row = one token) and HF's cos/sin [B or 1, S, hd] ->
-// q [B, nh, S, hd], k and v [B, nkv, S, hd], contiguous bf16 (the layout attention wants).
+// q [B, S, nh, hd], k and v [B, S, nkv, hd] contiguous bf16, which Python hands to attention as
+// [B, h, S, hd] views: the same strides as HF's own q/k/v, so the attention backend lays its output out as
+// HF's path does and o_proj can keep a reference to attention's saved output instead of a copy.
 // x_out[d] = x[d] cos[d] + rotate_half(x)[d] sin[d], rotate_half(x) = [-x2, x1] (HF's formula), in fp32
 // with one bf16 rounding. Backward: the transpose of that map, written straight into d(qkv), so neither the
 // split's cat nor the copies of the unfused version run.
@@ -51,7 +53,7 @@ __global__ void rope_k(bf16* qkv, bf16* q, bf16* k, bf16* v, const bf16* cos, co
         const int head = c / per_head, d = (c % per_head) * V;
         const bool is_q = head < nh;
         const int hh = is_q ? head : head - nh, nheads = is_q ? nh : nkv;
-        bf16* dst = (is_q ? q : k) + ((b * nheads + hh) * seq + s) * hd;
+        bf16* dst = (is_q ? q : k) + (tok * nheads + hh) * hd;
         bf16* src = row + head * hd;  // q heads then k heads: k starts at nh * hd
         const Vec8 c1 = ld8(cos + cs_off + d), c2 = ld8(cos + cs_off + d + h2);
         const Vec8 s1 = ld8(sin + cs_off + d), s2 = ld8(sin + cs_off + d + h2);
@@ -79,7 +81,7 @@ __global__ void rope_k(bf16* qkv, bf16* q, bf16* k, bf16* v, const bf16* cos, co
     const int n_v = nkv * hd / V;
     for (int c = threadIdx.x; c < n_v; c += kThreads) {
         const int hh = c / (hd / V), d = (c % (hd / V)) * V;
-        bf16* vv = v + ((b * nkv + hh) * seq + s) * hd + d;
+        bf16* vv = v + (tok * nkv + hh) * hd + d;
         bf16* src = row + (nh + nkv) * hd + hh * hd + d;
         if (!BACKWARD)
             *reinterpret_cast<uint4*>(vv) = *reinterpret_cast<const uint4*>(src);
