@@ -367,9 +367,12 @@ def worker(args: argparse.Namespace) -> int:
                "alloc_backward_delta_gb": (a2 - a0) / GIB if on_cuda else None}
         return rec
 
-    def rung(b: int, first: bool) -> dict:
+    def rung_inputs(b: int):
         x_all = torch.randint(0, vocab, (b, args.seq_len + 1), generator=gen)
-        x, y = x_all[:, :-1].to(device), x_all[:, 1:].to(device)
+        return x_all[:, :-1].to(device), x_all[:, 1:].to(device)
+
+    def rung(b: int, first: bool) -> dict:
+        x, y = rung_inputs(b)
         for _ in range(args.warmup + (1 if first else 0)):
             one_step(x, y)
         sync()
@@ -413,10 +416,40 @@ def worker(args: argparse.Namespace) -> int:
         over_time = time.time() - _T0 > args.budget_s
         n_rungs = sum(1 for _ in points) + (0 if hi is None else 1)
         b = None if over_time or n_rungs >= args.max_rungs else next_batch(points, lo, hi, limit, args.max_batch)
+    if args.profile and lo is not None:
+        emit(profile_step(lambda: rung_inputs(lo), one_step, sync, on_cuda, lo))
     emit({"kind": "done", "largest_fitting": lo, "smallest_failing": hi, "coat_warnings": wlog.messages,
           "elapsed_s": time.time() - t_start})
     dist.barrier()
     return 0
+
+
+def profile_step(inputs, one_step, sync, on_cuda: bool, b: int, top: int = 15) -> dict:
+    """The kernels of one training step at micro-batch `b`, by device time (what limits the speed)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        x, y = inputs()
+        one_step(x, y)
+        sync()
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+        with profile(activities=acts) as prof:
+            one_step(x, y)
+            sync()
+        events = prof.key_averages()
+        attr = "self_device_time_total" if on_cuda else "self_cpu_time_total"
+        if on_cuda and not hasattr(events[0], attr):
+            attr = "self_cuda_time_total"
+        rows = sorted((e for e in events if getattr(e, attr, 0) > 0), key=lambda e: -getattr(e, attr))
+        total = sum(getattr(e, attr) for e in rows) or 1.0
+        if on_cuda:   # device kernels only: CPU-side ops report no self device time
+            rows = [e for e in rows if getattr(e, "device_type", None) is None or "CUDA" in str(e.device_type)]
+        return {"kind": "profile", "micro_batch": b, "time_source": attr, "total_ms": total / 1e3,
+                "top": [{"name": e.key[:120], "calls": e.count, "ms": getattr(e, attr) / 1e3,
+                         "share": getattr(e, attr) / total} for e in rows[:top]]}
+    except Exception as e:  # noqa: BLE001 - a profile is a diagnostic; the measurements above stand without it
+        return {"kind": "profile", "micro_batch": b, "error": f"{type(e).__name__}: {e}"}
 
 
 def next_batch(points: list[tuple[int, float]], lo: int | None, hi: int | None, limit: float,
@@ -458,6 +491,8 @@ def launch(args: argparse.Namespace, name: str, result: Path, start: int, known_
              "--budget-s", str(max(budget - 20, 10)), "--max-rungs", str(args.max_rungs), "--result", str(result)]
     if args.zero_stage is not None:
         wargs += ["--zero-stage", str(args.zero_stage)]
+    if args.profile:
+        wargs.append("--profile")
     if known_fail is not None:
         wargs += ["--known-fail", str(known_fail)]
     if args.num_gpus > 1:
@@ -518,6 +553,7 @@ def summarize_config(name: str, records: list[dict], equal_batch: int, errors: l
            "breakdown": None, "max_batch": None,
            "smallest_failing_batch": failing[0] if failing else None,
            "rungs": [{k: v for k, v in r.items() if k not in ("kind", "breakdown")} for r in rungs],
+           "profile": next((r for r in records if r["kind"] == "profile"), None),
            "coat_warnings": warns, "errors": errors}
     first = next((r for r in rungs if "breakdown" in r), None)
     if first is not None:
@@ -554,6 +590,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--smoke", action="store_true", help="tiny model, few steps (CPU is fine)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--profile", action="store_true", help="record the top kernels of one step at the largest batch")
     p.add_argument("--verbose", action="store_true", help="echo the workers' whole output")
     # worker-only
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
