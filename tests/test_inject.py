@@ -279,8 +279,9 @@ def test_output_hidden_states_and_generate():
 
 # ---------------------------------------------------------------------------------------------- GPU (bf16)
 # Bounds in bf16 (both models bf16, so the stock model's own rounding is on both sides): loss < 1e-2,
-# logits in (1e-3, 0.1), gradients max < 0.4, mean < 0.25. The measured values are written to the JSON
-# file named by COAT_INJECT_RESULTS (benchmarks/results/inject_gpu.json).
+# logits in (1e-3, 0.1), gradients max < 0.4, mean < 0.25; KV cache vs full forward < 0.05. Measured on
+# one H100 (benchmarks/results/inject_gpu.json, written where COAT_INJECT_RESULTS names a file): loss
+# <= 1.1e-3, logits 0.076..0.091, gradients max 0.165..0.186, mean 0.127..0.134, KV cache 0.037.
 GPU_SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_hidden_layers=2,
                  max_position_embeddings=256)
 GPU_SEQ = 64
