@@ -102,11 +102,15 @@ def step(stack, x, cos, sin, grad):
     out = stack(xi, cos, sin)
     out.backward(grad)
     stack.zero_grad(set_to_none=True)
+    return xi.grad
+
+
+REF_GRAD = {}  # shape -> the stack's input gradient under bf16_eager: a sanity check of every variant
 
 
 def measure(name, shape, cfg, base, x, cos, sin, iters, warmup):
     stack = make_variant(name, base)
-    grad = torch.randn_like(x) * 1e-3
+    grad = torch.randn(x.shape, device=x.device, generator=torch.Generator(x.device).manual_seed(5)).to(x.dtype)
     torch.cuda.reset_peak_memory_stats()
     t0 = time.time()
     for _ in range(warmup):
@@ -142,6 +146,13 @@ def measure(name, shape, cfg, base, x, cos, sin, iters, warmup):
             times.append(a.elapsed_time(b) / N_LAYERS)
         return statistics.median(times)
 
+    clear_cache(stack)
+    dx = step(stack, x, cos, sin, grad).float()
+    if name == "bf16_eager":
+        REF_GRAD[shape] = dx
+    ref = REF_GRAD.get(shape)
+    dx_cos = torch.nn.functional.cosine_similarity(dx.flatten(), ref.flatten(), 0).item() if ref is not None else None
+    del dx
     ms = timed(keep_cache=False)
     ms_cached = timed(keep_cache=True) if name.startswith("coat") else ms
     tokens = BATCH * SEQ
@@ -150,7 +161,7 @@ def measure(name, shape, cfg, base, x, cos, sin, iters, warmup):
                weight_cache_bytes=int(cache_full / N_LAYERS), weight_cache_bytes_in_act=int(cache_fwd / N_LAYERS),
                act_bytes_excl_cache=int(act - cache_fwd / N_LAYERS),
                act_bytes_per_token_hidden_excl_cache=(act - cache_fwd / N_LAYERS) / tokens / cfg.hidden_size,
-               fwd_bwd_ms=ms, fwd_bwd_ms_cached=ms_cached, warmup_s=warm_s,
+               fwd_bwd_ms=ms, fwd_bwd_ms_cached=ms_cached, warmup_s=warm_s, dx_cos_vs_bf16_eager=dx_cos,
                peak_mem_bytes=torch.cuda.max_memory_allocated())
     del stack
     torch.cuda.empty_cache()

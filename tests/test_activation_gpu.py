@@ -195,11 +195,13 @@ def test_fp8_layer_close_to_bf16_on_gpu(kind, mode, compiled):
     x = torch.randn(4, 256, 512, device="cuda", generator=torch.Generator(device="cuda").manual_seed(7)).bfloat16()
     got, want = _run(fp8, cfg, x, compiled), _run(ref, cfg, x)
     names = ["out", "dx"] + [n for n, _ in ref.named_parameters()]
+    bad = []
     for name, a, b in zip(names, got, want):
-        assert torch.isfinite(a).all(), name
         cos = torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), 0).item()
         rel = ((a - b).norm() / b.norm()).item()
-        assert cos >= 0.99 and rel <= {"out": 0.05, "dx": 0.06}.get(name, 0.15), (name, cos, rel)
+        if not (torch.isfinite(a).all() and cos >= 0.99 and rel <= {"out": 0.05, "dx": 0.06}.get(name, 0.15)):
+            bad.append((name, round(cos, 4), round(rel, 4)))
+    assert not bad, bad
 
 
 def test_kernel_layer_matches_reference_layer(monkeypatch):
