@@ -6,4 +6,4 @@ from .deepspeed import register as _register_deepspeed
 _register_deepspeed()  # "type": "CoatAdamW" in DeepSpeed configs, ZeRO support, partition layouts
 
 __version__ = "0.1.0"
-__all__ = ["CoatAdamW", "__version__"]
+__all__ = ["CoatAdamW", "inject", "revert", "__version__"]
