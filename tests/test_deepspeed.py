@@ -80,7 +80,7 @@ def _require_launcher():
 W1 = ["train:0:fp32", "train:1:fp32", "train:2:fp32", "train:3:fp32", "train:1:bf16", "train:2:fp16"]
 W2 = ["train:1:fp32", "train:2:fp32", "train:3:fp32", "train:1:bf16", "train:2:bf16", "train:3:bf16",
       "train:2:fp16", "train:2:fp32:offload", "resume:1:fp32:1", "resume:2:fp32:1", "resume:3:fp32:1",
-      "refuse:2", "tofp32:2:fp32", "tofp32:3:fp32", "skip:2"]
+      "refuse:2", "tofp32:2:fp32", "tofp32:3:fp32", "skip:2", "regroup:2:fp32"]
 W1B = ["resume:1:fp32:2", "resume:2:fp32:2", "resume:3:fp32:2", "resume:2:bf16:2"]
 
 
@@ -176,6 +176,15 @@ def test_offload_runs_fp8_states_on_host(runs):
 
 def test_checkpoints_resume_exactly_and_repartition(runs):
     check_checkpoints(runs)
+
+
+def test_group_size_change_regroups_states(runs):
+    """group_size 32 -> 64 on load: moments re-quantized once; the run goes on within FP8 rounding."""
+    out = _task(runs, "w2", "regroup:2:fp32")
+    full = _task(runs, "w1", "train:0:fp32")["losses"][SAVE_AT:]
+    assert out["group_size"] == 64
+    assert out["resumed"][0] == full[0]  # the loss before the first step after loading
+    assert max(abs(a - b) for a, b in zip(out["resumed"], full)) < 1e-3
 
 
 def test_bad_checkpoints_refused_before_loading(runs):

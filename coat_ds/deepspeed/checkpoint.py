@@ -212,7 +212,8 @@ def load(engine, original, load_dir: str, tag: str | None = None, **kw):
     except CheckpointError as exc:
         err = str(exc)
     _agree(err)
-    if not load_opt or not engine.zero_optimization() or world == engine.seq_dp_world_size:
+    if not load_opt or not engine.zero_optimization() or (world == engine.seq_dp_world_size
+                                                          and _group_sizes(zsds) == _current_sizes(engine)):
         return original(load_dir, tag, **kw)
     if hasattr(engine.optimizer, "fp32_partitioned_groups_flat"):  # ZeRO-3: model files are per saved rank
         path, client = _engine_state(engine, load_dir, tag, kw.get("load_lr_scheduler_states", True))
@@ -248,6 +249,15 @@ def _engine_state(engine, load_dir: str, tag: str, load_lr: bool) -> tuple[str, 
             if name in module and module[name].shape == buf.shape:
                 buf.copy_(module[name])
     return ckpt_dir, {k: v for k, v in sd.items() if k not in _DS_KEYS}
+
+
+def _group_sizes(zsds: list[dict]) -> list[int]:
+    base, _ = _base_and_flats(zsds[0], "rank 0")
+    return [g["group_size"] for g in base["param_groups"]]
+
+
+def _current_sizes(engine) -> list[int]:
+    return [g["group_size"] for g in engine.basic_optimizer.param_groups]
 
 
 def canonical(zsds: list[dict]) -> dict[str, dict]:
@@ -345,6 +355,10 @@ def restore(engine, canon: dict[str, dict], zsd0: dict) -> None:
                     st[key].view(-1)[f:f + n] = c[key][a:a + n].to(flat.device)
         opt.state[flat] = st
     _restore_lp(engine, canon)
+    base0, _ = _base_and_flats(zsd0, "rank 0")
+    if len(base0["param_groups"]) == len(opt.param_groups):  # hyperparameters, as DeepSpeed's own load does
+        for cur, saved in zip(opt.param_groups, base0["param_groups"]):
+            cur.update({k: v for k, v in saved.items() if k not in ("params", "group_size")})
     scaler = zsd0.get("loss_scaler")
     zo = engine.optimizer
     if scaler is not None and hasattr(zo, "loss_scaler"):

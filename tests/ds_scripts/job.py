@@ -11,6 +11,7 @@ TASK (stage 0-3, dtype fp32|bf16|fp16):
   refuse:S                 truncated / foreign checkpoints must be refused before anything loads
   tofp32:S:D               DeepSpeed's zero_to_fp32 recovers the fp32 masters of DIR/w<world>_s<S>_<D>
   quick:S:D                12 steps, losses only
+  regroup:S:D              resume DIR/w<world>_s<S>_<D> with group_size 64 instead of 32
 """
 from __future__ import annotations
 
@@ -82,6 +83,15 @@ def task_resume(args, world, stage, dtype, rest):
     engine = build(stage, dtype, world)
     engine.load_checkpoint(ckpt_dir(args.ckpt, src, stage, dtype), tag="t")
     return {"resumed": common.train(engine, range(SAVE_AT, STEPS), dtype), "global_steps": engine.global_steps}
+
+
+def task_regroup(args, world, stage, dtype, rest):
+    """Load DIR/w<world>_s<S>_fp32 (group_size 32) into an engine with group_size 64: states re-grouped."""
+    engine = build(stage, dtype, world, group_size=64)
+    engine.load_checkpoint(ckpt_dir(args.ckpt, world, stage, dtype), tag="t")
+    st = next(iter(engine.basic_optimizer.state.values()))
+    return {"resumed": common.train(engine, range(SAVE_AT, STEPS), dtype),
+            "n_meta": int(st["exp_avg_scale"].numel()), "group_size": engine.basic_optimizer.param_groups[0]["group_size"]}
 
 
 def _fp8_states(engine) -> list[torch.Tensor]:
@@ -166,7 +176,7 @@ def task_tofp32(args, world, stage, dtype, rest):
     return {"n": len(sd), "max_diff_fp32_model": diff}
 
 
-TASKS = {"train": task_train, "quick": task_quick, "resume": task_resume, "skip": task_skip, "refuse": task_refuse,
+TASKS = {"train": task_train, "quick": task_quick, "regroup": task_regroup, "resume": task_resume, "skip": task_skip, "refuse": task_refuse,
          "tofp32": task_tofp32}
 
 
