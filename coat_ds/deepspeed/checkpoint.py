@@ -114,7 +114,9 @@ def install(engine) -> None:
     if not getattr(engine, "_coat_load_wrapped", False):
         original = engine.load_checkpoint
 
-        def load_checkpoint(self, load_dir, tag=None, **kw):
+        def load_checkpoint(self, load_dir, tag=None, *args, **kw):
+            kw.update(zip(("load_module_strict", "load_optimizer_states", "load_lr_scheduler_states",
+                           "load_module_only", "custom_load_fn"), args))
             return load(self, original, load_dir, tag, **kw)
 
         engine.load_checkpoint = types.MethodType(load_checkpoint, engine)
@@ -175,7 +177,10 @@ def _agree(err: str | None) -> None:
 
 
 def _read(engine, load_dir: str, tag: str) -> tuple[int, list[dict] | None]:
-    """(saved dp world size, every rank's ZeRO optimizer dict or None without ZeRO), all checked."""
+    """(saved dp world size, ZeRO optimizer dicts or None without ZeRO), checked.
+
+    At the saved world size each rank checks its own file (the others check theirs; _agree shares the
+    verdict); at another world size every rank needs, and checks, all of them."""
     ckpt_dir = os.path.join(load_dir, tag)
     model_file = os.path.join(ckpt_dir, "mp_rank_00_model_states.pt")
     if not os.path.isfile(model_file):  # ZeRO-3 writes one model file per rank
@@ -189,7 +194,10 @@ def _read(engine, load_dir: str, tag: str) -> tuple[int, list[dict] | None]:
         check_state(opt_sd.get("optimizer_state_dict", opt_sd) if isinstance(opt_sd, dict) else opt_sd, model_file)
         return world, None
     out = []
-    for path in zero_files(ckpt_dir, world):
+    paths = zero_files(ckpt_dir, world)
+    if world == engine.seq_dp_world_size:
+        paths = [paths[dist.get_rank(group=engine.optimizer.dp_process_group) if dist.is_initialized() else 0]]
+    for path in paths:
         z = _torch_load(path)
         base, _ = _base_and_flats(z.get("optimizer_state_dict"), path)
         check_state(base, path)
