@@ -80,8 +80,8 @@ def _require_launcher():
 W1 = ["train:0:fp32", "train:1:fp32", "train:2:fp32", "train:3:fp32", "train:1:bf16", "train:2:fp16"]
 W2 = ["train:1:fp32", "train:2:fp32", "train:3:fp32", "train:1:bf16", "train:2:bf16", "train:3:bf16",
       "train:2:fp16", "train:2:fp32:offload", "resume:1:fp32:1", "resume:2:fp32:1", "resume:3:fp32:1",
-      "refuse:2", "tofp32:2:fp32", "tofp32:3:fp32", "skip:2", "regroup:2:fp32"]
-W1B = ["resume:1:fp32:2", "resume:2:fp32:2", "resume:3:fp32:2", "resume:2:bf16:2"]
+      "refuse:2", "tofp32:2:fp32", "tofp32:3:fp32", "skip:2", "regroup:2:fp32", "universal:3:fp32:1"]
+W1B = ["resume:1:fp32:2", "resume:2:fp32:2", "resume:3:fp32:2", "resume:2:bf16:2", "universal:2:fp32:2"]
 
 
 def run_all(tmp: str, gpus_per_world: dict[int, int], multinode: bool = True) -> dict:
@@ -185,6 +185,13 @@ def test_group_size_change_regroups_states(runs):
     assert out["group_size"] == 64
     assert out["resumed"][0] == full[0]  # the loss before the first step after loading
     assert max(abs(a - b) for a, b in zip(out["resumed"], full)) < 1e-3
+
+
+def test_universal_checkpoint_converter(runs):
+    """coat_ds.deepspeed.universal: DeepSpeed's universal layout + FP8 states; loads at another world size."""
+    full = _task(runs, "w1", "train:0:fp32")["losses"][SAVE_AT:]
+    assert _task(runs, "w1b", "universal:2:fp32:2")["resumed"] == full  # ZeRO-2, 2 ranks -> 1
+    assert _task(runs, "w2", "universal:3:fp32:1")["resumed"] == full  # ZeRO-3, 1 rank -> 2
 
 
 def test_bad_checkpoints_refused_before_loading(runs):

@@ -124,10 +124,10 @@ def install(engine) -> None:
 
 
 # ------------------------------------------------------------------ files
-def _tag(load_dir: str, tag: str | None) -> str | None:
+def _tag(load_dir: str, tag: str | None, latest_name: str = "latest") -> str | None:
     if tag is not None:
         return str(tag)
-    latest = os.path.join(load_dir, "latest")
+    latest = os.path.join(load_dir, latest_name)
     if not os.path.isfile(latest):
         return None
     with open(latest) as f:
@@ -210,10 +210,12 @@ def _read(engine, load_dir: str, tag: str) -> tuple[int, list[dict] | None]:
 # ------------------------------------------------------------------ load
 def load(engine, original, load_dir: str, tag: str | None = None, **kw):
     """engine.load_checkpoint for CoatAdamW engines (see the module docstring)."""
+    load_opt = kw.get("load_optimizer_states", True) and not kw.get("load_module_only", False)
+    if engine.load_universal_checkpoint():
+        return _load_universal(engine, original, load_dir, _tag(load_dir, tag, "latest_universal"), load_opt, kw)
     tag = _tag(load_dir, tag)
     if tag is None:
         return original(load_dir, None, **kw)
-    load_opt = kw.get("load_optimizer_states", True) and not kw.get("load_module_only", False)
     err, world, zsds = None, None, None
     try:
         world, zsds = _read(engine, load_dir, tag)
@@ -234,6 +236,32 @@ def load(engine, original, load_dir: str, tag: str | None = None, **kw):
     except CheckpointError as exc:
         err = str(exc)
     _agree(err)
+    return path, client
+
+
+def _load_universal(engine, original, load_dir: str, tag: str | None, load_opt: bool, kw: dict):
+    """DeepSpeed loads fp32 masters and steps from the universal folder; the FP8 states come from
+    the coat_states.bin files that coat_ds.deepspeed.universal wrote beside them."""
+    from .universal import read
+
+    canon, err = None, None
+    if load_opt and tag is not None:
+        try:
+            canon = read(os.path.join(load_dir, tag))
+        except CheckpointError as exc:
+            err = str(exc)
+        _agree(err)
+    if canon is not None and hasattr(engine.optimizer, "fp32_partitioned_groups_flat"):
+        # DeepSpeed's ZeRO-3 universal loader reads exp_avg.pt/exp_avg_sq.pt per parameter: do it all here
+        path, client = _engine_state(engine, load_dir, tag, kw.get("load_lr_scheduler_states", True))
+    else:
+        path, client = original(load_dir, tag, **kw)
+    if canon is not None and path is not None:
+        try:
+            restore(engine, canon, None)
+        except CheckpointError as exc:
+            err = str(exc)
+        _agree(err)
     return path, client
 
 
@@ -363,6 +391,8 @@ def restore(engine, canon: dict[str, dict], zsd0: dict) -> None:
                     st[key].view(-1)[f:f + n] = c[key][a:a + n].to(flat.device)
         opt.state[flat] = st
     _restore_lp(engine, canon)
+    if zsd0 is None:  # universal load: DeepSpeed restored loss scale and hyperparameters
+        return
     base0, _ = _base_and_flats(zsd0, "rank 0")
     if len(base0["param_groups"]) == len(opt.param_groups):  # hyperparameters, as DeepSpeed's own load does
         for cur, saved in zip(opt.param_groups, base0["param_groups"]):

@@ -12,6 +12,7 @@ TASK (stage 0-3, dtype fp32|bf16|fp16):
   tofp32:S:D               DeepSpeed's zero_to_fp32 recovers the fp32 masters of DIR/w<world>_s<S>_<D>
   quick:S:D                12 steps, losses only
   regroup:S:D              resume DIR/w<world>_s<S>_<D> with group_size 64 instead of 32
+  universal:S:D:W          convert DIR/w<W>_s<S>_<D> to a universal checkpoint, load it, train on
 """
 from __future__ import annotations
 
@@ -92,6 +93,20 @@ def task_regroup(args, world, stage, dtype, rest):
     st = next(iter(engine.basic_optimizer.state.values()))
     return {"resumed": common.train(engine, range(SAVE_AT, STEPS), dtype),
             "n_meta": int(st["exp_avg_scale"].numel()), "group_size": engine.basic_optimizer.param_groups[0]["group_size"]}
+
+
+def task_universal(args, world, stage, dtype, rest):
+    """Convert DIR/w<W>_s<S>_<D> with coat_ds's universal converter, load it with load_universal, train on."""
+    from coat_ds.deepspeed.universal import convert
+
+    src = int(rest[0])
+    dst = os.path.join(args.ckpt, f"uni_from_w{src}_s{stage}_{dtype}_to_w{world}")
+    if dist.get_rank() == 0:
+        convert(os.path.join(ckpt_dir(args.ckpt, src, stage, dtype), "t"), os.path.join(dst, "t"))
+    barrier()
+    engine = build(stage, dtype, world, checkpoint={"load_universal": True})
+    engine.load_checkpoint(dst, tag="t")
+    return {"resumed": common.train(engine, range(SAVE_AT, STEPS), dtype), "global_steps": engine.global_steps}
 
 
 def _fp8_states(engine) -> list[torch.Tensor]:
@@ -176,7 +191,7 @@ def task_tofp32(args, world, stage, dtype, rest):
     return {"n": len(sd), "max_diff_fp32_model": diff}
 
 
-TASKS = {"train": task_train, "quick": task_quick, "regroup": task_regroup, "resume": task_resume, "skip": task_skip, "refuse": task_refuse,
+TASKS = {"train": task_train, "quick": task_quick, "regroup": task_regroup, "universal": task_universal, "resume": task_resume, "skip": task_skip, "refuse": task_refuse,
          "tofp32": task_tofp32}
 
 

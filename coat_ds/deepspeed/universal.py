@@ -1,0 +1,98 @@
+"""DeepSpeed universal checkpoints for CoatAdamW engines (DeepSpeed's ds_to_universal needs exp_avg/exp_avg_sq).
+
+    python -m coat_ds.deepspeed.universal CKPT_DIR/TAG OUT_DIR/TAG_universal
+
+writes DeepSpeed's universal layout: `zero/<param>/fp32.pt` ({"param": fp32 weight}) and `step.pt`,
+which DeepSpeed's own loader reads (`"checkpoint": {"load_universal": true}`), plus
+`zero/<param>/coat_states.bin` (FP8 codes, per-group scales and exponents of the whole parameter;
+`.bin` so that DeepSpeed's loader, which slices every `*.pt` element-wise, leaves it alone).
+coat_ds's load_checkpoint wrapper fills the FP8 states from those files after DeepSpeed's load.
+A regular checkpoint re-partitions to any world size without this step (checkpoint.py); the universal
+form is for tools that read DeepSpeed's universal layout.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import shutil
+
+import torch
+
+from .checkpoint import CheckpointError, _torch_load, canonical, zero_files
+
+STATES = "coat_states.bin"
+_SHARDED = ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups")
+
+
+def _model_files(src: str) -> list[str]:
+    files = sorted(glob.glob(os.path.join(src, "*model_states.pt")))
+    if not files:
+        raise CheckpointError(f"{src}: no *model_states.pt file")
+    return files
+
+
+def convert(src: str, dst: str) -> int:
+    """Convert the checkpoint folder `src` (…/TAG) into a universal one at `dst`; returns the parameter count."""
+    model = _torch_load(_model_files(src)[0])
+    world = int(model.get("dp_world_size", 1))
+    zsds = [_torch_load(p)["optimizer_state_dict"] for p in zero_files(src, world)]
+    canon = canonical(zsds)
+    shapes = {}
+    for group in model.get("param_shapes") or []:
+        shapes.update(group)
+    os.makedirs(os.path.join(dst, "zero"), exist_ok=True)
+    for name, c in canon.items():
+        folder = os.path.join(dst, "zero", name)
+        os.makedirs(folder, exist_ok=True)
+        shape = tuple(shapes.get(name, c["master"].shape))
+        torch.save({"param": c["master"].view(shape)}, os.path.join(folder, "fp32.pt"))
+        torch.save(c["step"], os.path.join(folder, "step.pt"))
+        torch.save({k: v for k, v in c.items() if k not in ("master", "filled")}, os.path.join(folder, STATES))
+    osd = zsds[0]
+    if "base_optimizer_state" in osd:
+        common = {k: v for k, v in osd.items() if k not in _SHARDED}
+        common["param_groups"] = osd["base_optimizer_state"]["param_groups"]
+    else:  # ZeRO-3
+        common = {k: v for k, v in osd.items() if k not in ("fp32_flat_groups", "optimizer_state_dict")}
+        inner = osd["optimizer_state_dict"]
+        common["param_groups"] = inner["param_groups"]
+        common["optimizer_state_dict"] = {"param_groups": inner["param_groups"],
+                                          "state": {i: {"step": st["step"]} for i, st in inner["state"].items()}}
+    torch.save(common, os.path.join(dst, "zero", "optimizer_state.pt"))
+    for f in _model_files(src):
+        shutil.copy2(f, dst)
+    root, tag = os.path.split(os.path.normpath(dst))
+    with open(os.path.join(root, "latest_universal"), "w") as f:
+        f.write(tag)
+    return len(canon)
+
+
+def read(folder: str) -> dict[str, dict]:
+    """The per-parameter form (as checkpoint.canonical returns it) of a universal folder written by convert()."""
+    canon = {}
+    zero = os.path.join(folder, "zero")
+    for name in sorted(os.listdir(zero)):
+        states = os.path.join(zero, name, STATES)
+        if not os.path.isfile(states):
+            continue
+        c = _torch_load(states)
+        c["master"] = _torch_load(os.path.join(zero, name, "fp32.pt"))["param"].reshape(-1).float()
+        c["filled"] = c["master"].numel()
+        canon[name] = c
+    if not canon:
+        raise CheckpointError(f"{folder}: no {STATES} files; convert with python -m coat_ds.deepspeed.universal")
+    return canon
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("input_folder", help="a checkpoint tag folder written by engine.save_checkpoint")
+    ap.add_argument("output_folder", help="where to write the universal checkpoint (a tag folder)")
+    args = ap.parse_args()
+    n = convert(args.input_folder, args.output_folder)
+    print(f"coat_ds: wrote a universal checkpoint of {n} parameters to {args.output_folder}")
+
+
+if __name__ == "__main__":
+    main()
