@@ -147,7 +147,8 @@ def initialize(model, ds_config: dict):
     """deepspeed.initialize through coat_ds: the "coat" section swaps in FP8 layers, "CoatAdamW" is a known optimizer."""
     import coat_ds.deepspeed
 
-    engine, _, _, _ = coat_ds.deepspeed.initialize(model=model, model_parameters=param_groups(model), config=ds_config)
+    engine, _, _, _ = coat_ds.deepspeed.initialize(model=model, model_parameters=param_groups(model),
+                                                   config=ds_config)
     return engine
 
 
@@ -199,8 +200,12 @@ def read_log(path: Path) -> list[dict]:
 
 
 def plot(records: list[dict], path: Path) -> None:
-    """Train/validation loss and peak memory against the step, as a PNG."""
-    import matplotlib
+    """Train/validation loss and peak memory against the step, as a PNG (skipped without matplotlib)."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("note: matplotlib is not installed; no loss.png (pip install matplotlib)", file=sys.stderr)
+        return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
