@@ -193,18 +193,21 @@ def _read(engine, load_dir: str, tag: str) -> tuple[int, list[dict] | None]:
             raise CheckpointError(f"{model_file}: holds no optimizer state")
         check_state(opt_sd.get("optimizer_state_dict", opt_sd) if isinstance(opt_sd, dict) else opt_sd, model_file)
         return world, None
-    out = []
     paths = zero_files(ckpt_dir, world)
     if world == engine.seq_dp_world_size:
-        paths = [paths[dist.get_rank(group=engine.optimizer.dp_process_group) if dist.is_initialized() else 0]]
-    for path in paths:
-        z = _torch_load(path)
-        base, _ = _base_and_flats(z.get("optimizer_state_dict"), path)
-        check_state(base, path)
-        if LAYOUTS not in base:
-            raise CheckpointError(f"{path}: no partition layouts; it was not saved by a coat_ds CoatAdamW engine")
-        out.append(z["optimizer_state_dict"])
-    return world, out
+        own = [_checked(paths[dist.get_rank(group=engine.optimizer.dp_process_group) if dist.is_initialized() else 0])]
+        if _group_sizes(own) == _current_sizes(engine):
+            return world, own
+    return world, [_checked(p) for p in paths]
+
+
+def _checked(path: str) -> dict:
+    z = _torch_load(path)
+    base, _ = _base_and_flats(z.get("optimizer_state_dict"), path)
+    check_state(base, path)
+    if LAYOUTS not in base:
+        raise CheckpointError(f"{path}: no partition layouts; it was not saved by a coat_ds CoatAdamW engine")
+    return z["optimizer_state_dict"]
 
 
 # ------------------------------------------------------------------ load
