@@ -41,83 +41,126 @@ inline V exp2(V x) {
     return _mm512_scalef_ps(p, r);
 }
 
-// log2 x for x >= 0: x = 2^e m, m in [0.75, 1.5) (vgetmant), log2 m = u P(u), u = m - 1, P a degree-8
-// Chebyshev fit (2.4 ulp). 0 -> -inf (vgetexp gives -inf), inf -> inf, NaN -> NaN, subnormals exact.
+// log2|x|: |x| = 2^e m, m in [0.75, 1.5) (vgetmant, sign dropped), log2 m = u P(u), u = m - 1, P a degree-7
+// Chebyshev fit (abs error 1.7e-7, below the fp32 rounding of log2|x| itself for the |x| << 1 of Adam
+// moments). 0 -> -inf (vgetexp gives -inf), inf -> inf, NaN -> NaN, subnormals exact.
 inline V log2(V x) {
     const V m = _mm512_getmant_ps(x, _MM_MANT_NORM_p75_1p5, _MM_MANT_SIGN_zero);
     V e = _mm512_getexp_ps(x);
     e = _mm512_mask_add_ps(e, _mm512_cmp_ps_mask(m, splat(1.0f), _CMP_LT_OQ), e, splat(1.0f));
     const V u = _mm512_sub_ps(m, splat(1.0f));
-    V p = splat(0.07827980071306229f);
-    p = _mm512_fmadd_ps(p, u, splat(-0.174443781375885f));
-    p = _mm512_fmadd_ps(p, u, splat(0.21635855734348297f));
-    p = _mm512_fmadd_ps(p, u, splat(-0.24270190298557281f));
-    p = _mm512_fmadd_ps(p, u, splat(0.28818631172180176f));
-    p = _mm512_fmadd_ps(p, u, splat(-0.3605765700340271f));
-    p = _mm512_fmadd_ps(p, u, splat(0.48090222477912903f));
-    p = _mm512_fmadd_ps(p, u, splat(-0.7213484644889832f));
-    p = _mm512_fmadd_ps(p, u, splat(1.4426950216293335f));
+    V p = splat(-0.09616397321224213f);
+    p = _mm512_fmadd_ps(p, u, splat(0.20412734150886536f));
+    p = _mm512_fmadd_ps(p, u, splat(-0.2506521940231323f));
+    p = _mm512_fmadd_ps(p, u, splat(0.29007357358932495f));
+    p = _mm512_fmadd_ps(p, u, splat(-0.3603352904319763f));
+    p = _mm512_fmadd_ps(p, u, splat(0.4808475077152252f));
+    p = _mm512_fmadd_ps(p, u, splat(-0.7213506698608398f));
+    p = _mm512_fmadd_ps(p, u, splat(1.4426952600479126f));
     return _mm512_fmadd_ps(p, u, e);
 }
 
 inline V abs(V x) { return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), splati(0x7FFFFFFFu))); }
 
-// The 128-entry log2|code| table of one format in 8 registers; lookup(idx) for idx in [0, 128).
-struct Log2Table {
-    V t[8];
-    explicit Log2Table(const float* tab) {
-        for (int i = 0; i < 8; ++i) t[i] = _mm512_loadu_ps(tab + 16 * i);
+// Decoding one group: x = sign(q) 2^(log2|q| / k + log2 d) splits along the code's bits into
+// A[sign, e] = +-2^((max(e, 1) - bias) / k + log2 d) and B[j] = (1 + j/2^mb)^(1/k) (normal) or (j/2^mb)^(1/k)
+// (subnormal), so x = A * B: the group's 16-32 + 16 table entries cost 2-3 vector exp2, and each value a few
+// register permutes and one multiply. Inf / NaN codes are patched in from a third table.
+template <bool E5M2>
+struct Decoder {
+    using L = Fp8Layout<E5M2>;
+    static constexpr int kMB = L::kMantBits;
+    V a0, a1;  // E4M3: a0 = +A[e], a1 = -A[e] (index = code >> 3); E5M2: A[0..15], A[16..31] (index = code >> 2)
+    V bn, bs;  // B of normal / subnormal codes, lane l holds j = l mod 2^mb (index = code & 15)
+
+    struct Consts {
+        float ea[32];     // max(e, 1) - bias
+        float lb[16];     // log2(1 + j/2^mb) in lanes 0..7, log2(j/2^mb) in lanes 8..15 (j = l mod 2^mb)
+        int rep_n[16], rep_s[16];
+    };
+    static const Consts& consts() {
+        static const Consts c = [] {
+            Consts k{};
+            for (int e = 0; e < 32; ++e) k.ea[e] = (float)((e < 1 ? 1 : e) - L::kBias);
+            const int nm = 1 << kMB;
+            for (int l = 0; l < 8; ++l) {
+                const int j = l % nm;
+                k.lb[l] = (float)std::log2(1.0 + (double)j / nm);
+                k.lb[8 + l] = j == 0 ? -COAT_F32_INF : (float)std::log2((double)j / nm);
+            }
+            for (int l = 0; l < 16; ++l) {
+                k.rep_n[l] = l % nm;
+                k.rep_s[l] = 8 + l % nm;
+            }
+            return k;
+        }();
+        return c;
     }
-    V lookup(VI idx) const {
-        const V a = _mm512_permutex2var_ps(t[0], idx, t[1]);  // entries 0-31 (index bits 0-4)
-        const V b = _mm512_permutex2var_ps(t[2], idx, t[3]);  // 32-63
-        const V c = _mm512_permutex2var_ps(t[4], idx, t[5]);  // 64-95
-        const V d = _mm512_permutex2var_ps(t[6], idx, t[7]);  // 96-127
-        const M bit5 = _mm512_test_epi32_mask(idx, splati(32));
-        const M bit6 = _mm512_test_epi32_mask(idx, splati(64));
-        return _mm512_mask_blend_ps(bit6, _mm512_mask_blend_ps(bit5, a, b), _mm512_mask_blend_ps(bit5, c, d));
+
+    Decoder(float inv_k_s, float log2d_s) {
+        const Consts& k = consts();
+        const V inv_k = splat(inv_k_s), log2d = splat(log2d_s);
+        a0 = exp2(_mm512_fmadd_ps(_mm512_loadu_ps(k.ea), inv_k, log2d));
+        if (E5M2) {
+            a1 = exp2(_mm512_fmadd_ps(_mm512_loadu_ps(k.ea + 16), inv_k, log2d));
+        } else {
+            a1 = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a0), splati(0x80000000u)));
+        }
+        const V b = exp2(_mm512_mul_ps(_mm512_loadu_ps(k.lb), inv_k));
+        bn = _mm512_permutexvar_ps(_mm512_loadu_si512(k.rep_n), b);
+        bs = _mm512_permutexvar_ps(_mm512_loadu_si512(k.rep_s), b);
+    }
+
+    // 16 codes (int32 lanes 0..255) -> values.
+    V decode(VI c) const {
+        const V a = _mm512_permutex2var_ps(a0, _mm512_srli_epi32(c, kMB), a1);
+        const M sub = _mm512_testn_epi32_mask(c, splati(0x7Fu & ~((1u << kMB) - 1u)));
+        V b = _mm512_permutexvar_ps(c, bn);
+        b = _mm512_mask_permutexvar_ps(b, sub, c, bs);
+        V x = _mm512_mul_ps(a, b);
+        const M special = _mm512_cmpgt_epu32_mask(_mm512_and_si512(c, splati(0x7Fu)), splati(L::kMaxCode));
+        if (E5M2) {  // 0x7C inf, 0x7D-0x7F NaN (index = code & 15), then the sign
+            const V spec = _mm512_setr_ps(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, COAT_F32_INF, COAT_F32_NAN,
+                                          COAT_F32_NAN, COAT_F32_NAN);
+            x = _mm512_mask_permutexvar_ps(x, special, c, spec);
+            // x | (code << 24 & sign bit): ternary-logic A | (B & C)
+            return _mm512_castsi512_ps(_mm512_ternarylogic_epi32(_mm512_castps_si512(x), _mm512_slli_epi32(c, 24),
+                                                                 splati(0x80000000u), 0xF8));
+        }
+        return _mm512_mask_mov_ps(x, special, splat(COAT_F32_NAN));
     }
 };
 
-// x = sign(q) 2^(log2|q| / k + log2 d) for 16 codes (as int32 lanes 0..255).
-inline V dequant(VI codes, const Log2Table& tab, V inv_k, V log2d) {
-    const V lg = tab.lookup(_mm512_and_si512(codes, splati(0x7Fu)));
-    const V y = exp2(_mm512_fmadd_ps(lg, inv_k, log2d));
-    // y | (code << 24 & sign bit): ternary-logic A | (B & C)
-    const VI s = _mm512_slli_epi32(codes, 24);
-    return _mm512_castsi512_ps(_mm512_ternarylogic_epi32(_mm512_castps_si512(y), s, splati(0x80000000u), 0xF8));
-}
-
-// FP8 magnitude code of y >= 0 (or NaN): round to nearest even with subnormals, saturate to max, NaN -> 0x7F.
-// Same rule as coat::fp8_encode.
-template <bool E5M2>
-inline VI encode_magnitude(V y) {
-    using L = Fp8Layout<E5M2>;
-    constexpr int shift = 23 - L::kMantBits;
-    const VI a = _mm512_castps_si512(y);
-    const M sub = _mm512_cmp_ps_mask(y, splat(L::kMinNormal), _CMP_LT_OQ);
-    const VI sub_code = _mm512_cvt_roundps_epi32(_mm512_mul_ps(y, splat(L::kSubnormalInvStep)),
-                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    VI r = _mm512_add_epi32(a, splati((1u << (shift - 1)) - 1u));
-    r = _mm512_add_epi32(r, _mm512_and_si512(_mm512_srli_epi32(a, shift), splati(1u)));
-    r = _mm512_srli_epi32(r, shift);
-    VI normal = _mm512_sub_epi32(r, splati((uint32_t)(127 - L::kBias) << L::kMantBits));
-    normal = _mm512_min_epu32(normal, splati(L::kMaxCode));
-    VI code = _mm512_mask_blend_epi32(sub, normal, sub_code);
-    return _mm512_mask_mov_epi32(code, _mm512_cmpgt_epu32_mask(a, splati(0x7F800000u)), splati(L::kNanCode));
-}
-
-// q = FP8(sign(x) 2^(k (log2|x| - log2 d))), +0 for x = +-0 (the reference's torch.where).
+// q = FP8(sign(x) 2^(k (log2|x| - log2 d))) for 16 values; log2d = +inf for an all-zero group (every code 0).
+// The exp2 and the encoding are one step: with L = r + f, r = floor(L), f in [0, 1), a normal code is
+// round(2^mb r + 2^mb 2^f + 2^mb (bias - 1)) (the mantissa's carry lands in the exponent by itself), a
+// subnormal one round(2^f 2^(r + bias - 1 + mb)); 2^f is a degree-5 fit (1.8e-7). Round to nearest even,
+// saturate to max, NaN -> NaN code, +0 for x = +-0 (the reference's torch.where): coat::fp8_encode's rule.
 template <bool E5M2>
 inline VI quant(V x, V k, V log2d) {
-    const V y = exp2(_mm512_mul_ps(k, _mm512_sub_ps(log2(abs(x)), log2d)));
-    // x = 0 in an all-zero group (log2 d = -inf) gives NaN above: zero it; NaN x keeps its NaN code
-    const VI mag = _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_NEQ_UQ),
-                                          encode_magnitude<E5M2>(y));
-    return _mm512_mask_or_epi32(mag, _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ), mag, splati(0x80u));
+    using L = Fp8Layout<E5M2>;
+    constexpr float s = (float)(1 << L::kMantBits);
+    V l = _mm512_mul_ps(k, _mm512_sub_ps(log2(x), log2d));
+    l = _mm512_max_ps(splat(-512.0f), l);  // -inf (x = 0) -> a tiny subnormal -> code 0; NaN passes
+    const V r = _mm512_roundscale_ps(l, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const V f = _mm512_sub_ps(l, r);
+    V p = splat(s * 0.001895107291023944f);
+    p = _mm512_fmadd_ps(p, f, splat(s * 0.008946214666278473f));
+    p = _mm512_fmadd_ps(p, f, splat(s * 0.055863282659306956f));
+    p = _mm512_fmadd_ps(p, f, splat(s * 0.24014077009181947f));
+    p = _mm512_fmadd_ps(p, f, splat(s * 0.6931546200033036f));
+    p = _mm512_fmadd_ps(p, f, splat(s * 0.9999998957631347f));  // 2^mb 2^f
+    const V normal = _mm512_fmadd_ps(r, splat(s), _mm512_add_ps(p, splat(s * (float)(L::kBias - 1))));
+    const V sub = _mm512_scalef_ps(p, _mm512_add_ps(r, splat((float)(L::kBias - 1))));
+    const M is_sub = _mm512_cmp_ps_mask(r, splat((float)(1 - L::kBias)), _CMP_LT_OQ);
+    VI code = _mm512_cvt_roundps_epi32(_mm512_mask_blend_ps(is_sub, normal, sub),
+                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    code = _mm512_min_epu32(code, splati(L::kMaxCode));  // NaN / overflow convert to 0x80000000
+    code = _mm512_mask_mov_epi32(code, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), splati(L::kNanCode));
+    return _mm512_mask_or_epi32(code, _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ), code, splati(0x80u));
 }
 
-// Per-group scale of 16 groups at once: coat::group_scale in lanes.
+// Per-group scale of 16 groups at once: coat::group_scale in lanes (log2d as quant wants it).
 struct Scales16 {
     V k, inv_k, d, log2d;
 };
@@ -138,7 +181,7 @@ inline Scales16 group_scales(V big, V small, bool e5m2, bool expansion) {
     s.inv_k = _mm512_div_ps(splat(1.0f), s.k);
     const V d = exp2(_mm512_sub_ps(lb, _mm512_div_ps(splat(fp8_log2_max(e5m2)), s.k)));
     s.d = _mm512_maskz_mov_ps(live, d);
-    s.log2d = log2(s.d);
+    s.log2d = _mm512_mask_blend_ps(live, splat(COAT_F32_INF), log2(s.d));  // for quant: all-zero -> codes 0
     return s;
 }
 

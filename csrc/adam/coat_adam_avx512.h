@@ -1,0 +1,211 @@
+// The CPU op's kernels on AVX-512 (fused AdamW step, group quantise / dequantise), built from the
+// primitives of coat_cpu_avx512.h. Work is cut into blocks of 16 groups: the block's stored scales are
+// decoded 16 at once, its values are stepped 16 per instruction into a per-thread buffer (tracking each
+// group's magnitude range), the 16 new scales are computed in one vector, then the buffer is encoded.
+// No torch headers: Refs is any struct with AdamTensorRefs' fields (coat_adam_common.h).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "coat_cpu_avx512.h"
+
+namespace coat::avx512 {
+
+constexpr int kMaxGroup = 256;
+
+constexpr int kBlockGroups = 16;  // groups whose scales are computed together, one per lane
+
+inline __mmask16 lanes(int n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u); }
+
+inline V load_grad(const float* g, __mmask16 k) { return _mm512_maskz_loadu_ps(k, g); }
+inline V load_grad(const uint16_t* g, __mmask16 k) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, g)), 16));
+}
+
+inline VI load_codes(const uint8_t* c, __mmask16 k) { return _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, c)); }
+
+inline void store_codes(uint8_t* c, __mmask16 k, VI codes) { _mm512_mask_cvtepi32_storeu_epi8(c, k, codes); }
+
+// Largest and smallest non-zero |x| of the group in buf[0..n), 16 lanes at a time (NaN ignored, as the
+// portable magnitude_range does).
+inline void magnitude_range16(const float* buf, int n, float& big, float& small) {
+    V b = _mm512_setzero_ps(), s = splat(INFINITY);
+    for (int i = 0; i < n; i += 16) {
+        const __mmask16 k = lanes(n - i);
+        const V a = abs(_mm512_maskz_loadu_ps(k, buf + i));
+        b = _mm512_mask_max_ps(b, k, a, b);
+        s = _mm512_mask_min_ps(s, _mm512_mask_cmp_ps_mask(k, a, _mm512_setzero_ps(), _CMP_GT_OQ), a, s);
+    }
+    big = _mm512_reduce_max_ps(b);
+    small = _mm512_reduce_min_ps(s);
+}
+
+// Codes of one group of buf[0..n) under a group scale (k, log2 d) given as splats.
+template <bool E5M2>
+inline void quantize_group(const float* buf, int n, V k, V log2d, uint8_t* codes) {
+    for (int i = 0; i < n; i += 16) {
+        const __mmask16 m = lanes(n - i);
+        store_codes(codes + i, m, quant<E5M2>(_mm512_maskz_loadu_ps(m, buf + i), k, log2d));
+    }
+}
+
+inline void quantize_group(const float* buf, int n, bool e5m2, V k, V log2d, uint8_t* codes) {
+    if (e5m2) {
+        quantize_group<true>(buf, n, k, log2d, codes);
+    } else {
+        quantize_group<false>(buf, n, k, log2d, codes);
+    }
+}
+
+// Scales of the block's moments from each group's (big, small); writes (d, k) out and keeps (k, log2 d).
+inline void block_scales(const float* big, const float* small, int nb, bool e5m2, bool expansion, float* d_out,
+                         float* k_out, float* k_keep, float* log2d_keep) {
+    const __mmask16 m = lanes(nb);
+    const Scales16 s = group_scales(_mm512_maskz_loadu_ps(m, big),
+                                              _mm512_mask_loadu_ps(splat(INFINITY), m, small), e5m2, expansion);
+    _mm512_mask_storeu_ps(d_out, m, s.d);
+    _mm512_mask_storeu_ps(k_out, m, s.k);
+    _mm512_storeu_ps(k_keep, s.k);
+    _mm512_storeu_ps(log2d_keep, s.log2d);
+}
+
+// Stored (d, k) of the block's groups -> (1/k, log2 d) per group.
+inline void block_stored(const float* d, const float* k, int nb, float* inv_k, float* log2d) {
+    const __mmask16 m = lanes(nb);
+    const Scales16 s =
+        stored_scales(_mm512_maskz_loadu_ps(m, d), _mm512_mask_loadu_ps(splat(1.0f), m, k));
+    _mm512_storeu_ps(inv_k, s.inv_k);
+    _mm512_storeu_ps(log2d, s.log2d);
+}
+
+template <typename GradT, bool VE5M2, class Refs>
+void adam_tensor(const Refs& t, const coat::AdamCoefs& c, int group_size, bool expansion) {
+    const GradT* grad = static_cast<const GradT*>(t.grad);
+    const int64_t n_groups = (t.numel + group_size - 1) / group_size;
+    const int64_t n_blocks = (n_groups + kBlockGroups - 1) / kBlockGroups;
+    const V decay = splat(c.decay), beta1 = splat(c.beta1), omb1 = splat(c.one_minus_beta1);
+    const V beta2 = splat(c.beta2), omb2 = splat(c.one_minus_beta2);
+    const V step_size = splat(c.step_size), inv_bc2 = splat(1.0f / c.bc2_sqrt), eps = splat(c.eps);
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < n_blocks; ++b) {
+        const int64_t g0 = b * kBlockGroups;
+        const int nb = (int)std::min<int64_t>(kBlockGroups, n_groups - g0);
+        alignas(64) float m_buf[kBlockGroups * kMaxGroup], v_buf[kBlockGroups * kMaxGroup];
+        alignas(64) float m_inv_k[16], m_log2d[16], v_inv_k[16], v_log2d[16];
+        alignas(64) float m_big[16], m_small[16], v_big[16], v_small[16];
+        block_stored(t.m_scale + g0, t.m_expo + g0, nb, m_inv_k, m_log2d);
+        block_stored(t.v_scale + g0, t.v_expo + g0, nb, v_inv_k, v_log2d);
+        for (int j = 0; j < nb; ++j) {
+            const int64_t off = (g0 + j) * group_size;
+            const int n = (int)std::min<int64_t>(group_size, t.numel - off);
+            const Decoder<false> mdec(m_inv_k[j], m_log2d[j]);
+            const Decoder<VE5M2> vdec(v_inv_k[j], v_log2d[j]);
+            float* mb = m_buf + j * group_size;
+            float* vb = v_buf + j * group_size;
+            V mbig = _mm512_setzero_ps(), msmall = splat(INFINITY);
+            V vbig = _mm512_setzero_ps(), vsmall = splat(INFINITY);
+            for (int i = 0; i < n; i += 16) {
+                const __mmask16 k = lanes(n - i);
+                const int64_t at = off + i;
+                V m = mdec.decode(load_codes(t.m_codes + at, k));
+                V v = vdec.decode(load_codes(t.v_codes + at, k));
+                const V g = load_grad(grad + at, k);
+                V p = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, t.param + at), decay);
+                // the reference's order: each product rounded, then the sum
+                m = _mm512_add_ps(_mm512_mul_ps(beta1, m), _mm512_mul_ps(omb1, g));
+                v = _mm512_add_ps(_mm512_mul_ps(beta2, v), _mm512_mul_ps(_mm512_mul_ps(omb2, g), g));
+                const V denom = _mm512_fmadd_ps(_mm512_sqrt_ps(v), inv_bc2, eps);
+                p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(step_size, m), denom));
+                _mm512_mask_storeu_ps(t.param + at, k, p);
+                if (t.bf16_out != nullptr) _mm256_mask_storeu_epi16(t.bf16_out + at, k, to_bf16(p));
+                _mm512_store_ps(mb + i, m);
+                _mm512_store_ps(vb + i, v);
+                const V ma = abs(m), va = abs(v);
+                mbig = _mm512_mask_max_ps(mbig, k, ma, mbig);
+                vbig = _mm512_mask_max_ps(vbig, k, va, vbig);
+                msmall = _mm512_mask_min_ps(msmall, _mm512_mask_cmp_ps_mask(k, ma, _mm512_setzero_ps(), _CMP_GT_OQ),
+                                            ma, msmall);
+                vsmall = _mm512_mask_min_ps(vsmall, _mm512_mask_cmp_ps_mask(k, va, _mm512_setzero_ps(), _CMP_GT_OQ),
+                                            va, vsmall);
+            }
+            m_big[j] = _mm512_reduce_max_ps(mbig);
+            m_small[j] = _mm512_reduce_min_ps(msmall);
+            v_big[j] = _mm512_reduce_max_ps(vbig);
+            v_small[j] = _mm512_reduce_min_ps(vsmall);
+        }
+        alignas(64) float m_k[16], v_k[16];
+        block_scales(m_big, m_small, nb, false, expansion, t.m_scale + g0, t.m_expo + g0, m_k, m_log2d);
+        block_scales(v_big, v_small, nb, VE5M2, expansion, t.v_scale + g0, t.v_expo + g0, v_k, v_log2d);
+        for (int j = 0; j < nb; ++j) {
+            const int64_t off = (g0 + j) * group_size;
+            const int n = (int)std::min<int64_t>(group_size, t.numel - off);
+            quantize_group<false>(m_buf + j * group_size, n, splat(m_k[j]), splat(m_log2d[j]), t.m_codes + off);
+            quantize_group<VE5M2>(v_buf + j * group_size, n, splat(v_k[j]), splat(v_log2d[j]), t.v_codes + off);
+        }
+    }
+}
+
+// One tensor's step; grads fp32 or bf16 (uint16 bits), v in E4M3 or E5M2.
+template <class Refs>
+void adam_tensor(const Refs& t, const coat::AdamCoefs& c, int group_size, bool v_e5m2, bool expansion) {
+    if (t.grad_bf16) {
+        v_e5m2 ? adam_tensor<uint16_t, true>(t, c, group_size, expansion)
+               : adam_tensor<uint16_t, false>(t, c, group_size, expansion);
+    } else {
+        v_e5m2 ? adam_tensor<float, true>(t, c, group_size, expansion)
+               : adam_tensor<float, false>(t, c, group_size, expansion);
+    }
+}
+
+inline void quantize(const float* xp, uint8_t* cp, float* sp, float* ep, int64_t numel, int group_size, bool e5m2,
+                     bool expansion) {
+    const int64_t n_groups = (numel + group_size - 1) / group_size;
+    const int64_t n_blocks = (n_groups + kBlockGroups - 1) / kBlockGroups;
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < n_blocks; ++b) {
+        const int64_t g0 = b * kBlockGroups;
+        const int nb = (int)std::min<int64_t>(kBlockGroups, n_groups - g0);
+        alignas(64) float big[16], small[16], k[16], log2d[16];
+        for (int j = 0; j < nb; ++j) {
+            const int64_t off = (g0 + j) * group_size;
+            magnitude_range16(xp + off, (int)std::min<int64_t>(group_size, numel - off), big[j], small[j]);
+        }
+        block_scales(big, small, nb, e5m2, expansion, sp + g0, ep + g0, k, log2d);
+        for (int j = 0; j < nb; ++j) {
+            const int64_t off = (g0 + j) * group_size;
+            quantize_group(xp + off, (int)std::min<int64_t>(group_size, numel - off), e5m2, splat(k[j]),
+                           splat(log2d[j]), cp + off);
+        }
+    }
+}
+
+template <bool E5M2>
+void dequantize(const uint8_t* cp, const float* sp, const float* ep, float* op, int64_t numel, int group_size) {
+    const int64_t n_groups = (numel + group_size - 1) / group_size;
+    const int64_t n_blocks = (n_groups + kBlockGroups - 1) / kBlockGroups;
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < n_blocks; ++b) {
+        const int64_t g0 = b * kBlockGroups;
+        const int nb = (int)std::min<int64_t>(kBlockGroups, n_groups - g0);
+        alignas(64) float inv_k[16], log2d[16];
+        block_stored(sp + g0, ep + g0, nb, inv_k, log2d);
+        for (int j = 0; j < nb; ++j) {
+            const int64_t off = (g0 + j) * group_size;
+            const int n = (int)std::min<int64_t>(group_size, numel - off);
+            const Decoder<E5M2> dec(inv_k[j], log2d[j]);
+            for (int i = 0; i < n; i += 16) {
+                const __mmask16 k = lanes(n - i);
+                _mm512_mask_storeu_ps(op + off + i, k, dec.decode(load_codes(cp + off + i, k)));
+            }
+        }
+    }
+}
+
+inline void dequantize(const uint8_t* cp, const float* sp, const float* ep, float* op, int64_t numel, int group_size,
+                       bool e5m2) {
+    e5m2 ? dequantize<true>(cp, sp, ep, op, numel, group_size) : dequantize<false>(cp, sp, ep, op, numel, group_size);
+}
+
+}  // namespace coat::avx512
