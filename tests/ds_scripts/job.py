@@ -205,6 +205,10 @@ def main() -> None:
     import faulthandler
 
     faulthandler.dump_traceback_later(float(os.environ.get("COAT_JOB_TIMEOUT", "240")), exit=True)
+    if not torch.cuda.is_available():
+        # one thread per rank whatever the launcher decides: CPU kernels' reduction order (e.g. the loss
+        # mean) depends on the thread count, and the runs compared must do the same arithmetic
+        torch.set_num_threads(1)
     deepspeed.init_distributed()
     world = dist.get_world_size()
     out = {"world": world, "tasks": {}}
