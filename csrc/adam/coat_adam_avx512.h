@@ -26,7 +26,8 @@ inline V load_grad(const uint16_t* g, __mmask16 k) {
 
 inline VI load_codes(const uint8_t* c, __mmask16 k) { return _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, c)); }
 
-inline void store_codes(uint8_t* c, __mmask16 k, VI codes) { _mm512_mask_cvtepi32_storeu_epi8(c, k, codes); }
+// Unsigned saturation: Encoder's NaN lanes (> 0xFF) store as 0xFF.
+inline void store_codes(uint8_t* c, __mmask16 k, VI codes) { _mm512_mask_cvtusepi32_storeu_epi8(c, k, codes); }
 
 // Largest and smallest non-zero |x| of the group in buf[0..n), 16 lanes at a time (NaN ignored, as the
 // portable magnitude_range does).
@@ -44,14 +45,15 @@ inline void magnitude_range16(const float* buf, int n, float& big, float& small)
 
 // Codes of one group of buf[0..n) under a group scale (k, log2 d) given as splats.
 template <bool E5M2>
-inline void quantize_group(const float* buf, int n, V k, V log2d, uint8_t* codes) {
+inline void quantize_group(const float* buf, int n, float k, float log2d, uint8_t* codes) {
+    const Encoder<E5M2> enc(k, log2d);
     for (int i = 0; i < n; i += 16) {
         const __mmask16 m = lanes(n - i);
-        store_codes(codes + i, m, quant<E5M2>(_mm512_maskz_loadu_ps(m, buf + i), k, log2d));
+        store_codes(codes + i, m, enc.encode(_mm512_maskz_loadu_ps(m, buf + i)));
     }
 }
 
-inline void quantize_group(const float* buf, int n, bool e5m2, V k, V log2d, uint8_t* codes) {
+inline void quantize_group(const float* buf, int n, bool e5m2, float k, float log2d, uint8_t* codes) {
     if (e5m2) {
         quantize_group<true>(buf, n, k, log2d, codes);
     } else {
@@ -141,8 +143,8 @@ void adam_tensor(const Refs& t, const coat::AdamCoefs& c, int group_size, bool e
         for (int j = 0; j < nb; ++j) {
             const int64_t off = (g0 + j) * group_size;
             const int n = (int)std::min<int64_t>(group_size, t.numel - off);
-            quantize_group<false>(m_buf + j * group_size, n, splat(m_k[j]), splat(m_log2d[j]), t.m_codes + off);
-            quantize_group<VE5M2>(v_buf + j * group_size, n, splat(v_k[j]), splat(v_log2d[j]), t.v_codes + off);
+            quantize_group<false>(m_buf + j * group_size, n, m_k[j], m_log2d[j], t.m_codes + off);
+            quantize_group<VE5M2>(v_buf + j * group_size, n, v_k[j], v_log2d[j], t.v_codes + off);
         }
     }
 }
@@ -175,8 +177,8 @@ inline void quantize(const float* xp, uint8_t* cp, float* sp, float* ep, int64_t
         block_scales(big, small, nb, e5m2, expansion, sp + g0, ep + g0, k, log2d);
         for (int j = 0; j < nb; ++j) {
             const int64_t off = (g0 + j) * group_size;
-            quantize_group(xp + off, (int)std::min<int64_t>(group_size, numel - off), e5m2, splat(k[j]),
-                           splat(log2d[j]), cp + off);
+            quantize_group(xp + off, (int)std::min<int64_t>(group_size, numel - off), e5m2, k[j], log2d[j],
+                           cp + off);
         }
     }
 }

@@ -131,34 +131,71 @@ struct Decoder {
     }
 };
 
-// q = FP8(sign(x) 2^(k (log2|x| - log2 d))) for 16 values; log2d = +inf for an all-zero group (every code 0).
-// The exp2 and the encoding are one step: with L = r + f, r = floor(L), f in [0, 1), a normal code is
-// round(2^mb r + 2^mb 2^f + 2^mb (bias - 1)) (the mantissa's carry lands in the exponent by itself), a
-// subnormal one round(2^f 2^(r + bias - 1 + mb)); 2^f is a degree-5 fit (1.8e-7). Round to nearest even,
-// saturate to max, NaN -> NaN code, +0 for x = +-0 (the reference's torch.where): coat::fp8_encode's rule.
+// Encoding one group: q = FP8(sign(x) 2^(k (log2|x| - log2 d))), the reference's formula, for 16 values.
+// log2|x| = e + log2 m (vgetexp, vgetmant in [1, 2)); m's top 4 bits pick c ~ m from a 16-entry table, so
+// log2 m = log2 c + log2(1 + u), u = m / c - 1 in +-1/33, a cubic (error far below the fp32 rounding of
+// log2|x| itself). The group's table folds in k, log2 c, log2 d and the format's bias:
+//   L = k (e + log2(1 + u)) + T[i],  T[i] = k (log2 c_i - log2 d) + bias - 1,
+// and the exp2 is fused into the encoding: with r = floor(L), f = L - r, a normal code is
+// round(2^mb r + 2^mb 2^f) (the mantissa's carry lands in the exponent by itself), a subnormal one
+// (r < 0) round(2^mb 2^f 2^r); 2^f is a degree-5 fit (1.8e-7). Round to nearest even, saturate to max,
+// NaN -> a NaN code, +0 for x = +-0 (the reference's torch.where); log2d = +inf marks an all-zero group.
 template <bool E5M2>
-inline VI quant(V x, V k, V log2d) {
+struct Encoder {
     using L = Fp8Layout<E5M2>;
-    constexpr float s = (float)(1 << L::kMantBits);
-    V l = _mm512_mul_ps(k, _mm512_sub_ps(log2(x), log2d));
-    l = _mm512_max_ps(splat(-512.0f), l);  // -inf (x = 0) -> a tiny subnormal -> code 0; NaN passes
-    const V r = _mm512_roundscale_ps(l, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    const V f = _mm512_sub_ps(l, r);
-    V p = splat(s * 0.001895107291023944f);
-    p = _mm512_fmadd_ps(p, f, splat(s * 0.008946214666278473f));
-    p = _mm512_fmadd_ps(p, f, splat(s * 0.055863282659306956f));
-    p = _mm512_fmadd_ps(p, f, splat(s * 0.24014077009181947f));
-    p = _mm512_fmadd_ps(p, f, splat(s * 0.6931546200033036f));
-    p = _mm512_fmadd_ps(p, f, splat(s * 0.9999998957631347f));  // 2^mb 2^f
-    const V normal = _mm512_fmadd_ps(r, splat(s), _mm512_add_ps(p, splat(s * (float)(L::kBias - 1))));
-    const V sub = _mm512_scalef_ps(p, _mm512_add_ps(r, splat((float)(L::kBias - 1))));
-    const M is_sub = _mm512_cmp_ps_mask(r, splat((float)(1 - L::kBias)), _CMP_LT_OQ);
-    VI code = _mm512_cvt_roundps_epi32(_mm512_mask_blend_ps(is_sub, normal, sub),
-                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    code = _mm512_min_epu32(code, splati(L::kMaxCode));  // NaN / overflow convert to 0x80000000
-    code = _mm512_mask_mov_epi32(code, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), splati(L::kNanCode));
-    return _mm512_mask_or_epi32(code, _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ), code, splati(0x80u));
-}
+    static constexpr float kS = (float)(1 << L::kMantBits);
+    V k, t;
+
+    struct Consts {
+        float rcp[16], log2c[16];  // 1/c_i rounded to fp32, and -log2 of that rounded value
+    };
+    static const Consts& consts() {
+        static const Consts c = [] {
+            Consts q{};
+            for (int i = 0; i < 16; ++i) {
+                q.rcp[i] = (float)(1.0 / (1.0 + (i + 0.5) / 16.0));
+                q.log2c[i] = (float)-std::log2((double)q.rcp[i]);
+            }
+            return q;
+        }();
+        return c;
+    }
+
+    Encoder(float k_s, float log2d_s) : k(splat(k_s)) {
+        const V lc = _mm512_loadu_ps(consts().log2c);
+        t = _mm512_fmadd_ps(k, _mm512_sub_ps(lc, splat(log2d_s)), splat((float)(L::kBias - 1)));
+    }
+
+    // 16 values -> codes in int32 lanes (sign in bit 7; NaN lanes hold a value > 0xFF: store with
+    // unsigned saturation, it becomes 0xFF, a NaN code of both formats).
+    VI encode(V x) const {
+        const V m = _mm512_getmant_ps(x, _MM_MANT_NORM_1_2, _MM_MANT_SIGN_zero);
+        const V e = _mm512_getexp_ps(x);
+        const VI i = _mm512_srli_epi32(_mm512_castps_si512(m), 19);  // vpermps reads the low 4 bits
+        const V u = _mm512_fmsub_ps(m, _mm512_permutexvar_ps(i, _mm512_loadu_ps(consts().rcp)), splat(1.0f));
+        V lp = splat(-0.36094993352890015f);
+        lp = _mm512_fmadd_ps(lp, u, splat(0.48116347193717957f));
+        lp = _mm512_fmadd_ps(lp, u, splat(-0.721347451210022f));
+        lp = _mm512_fmadd_ps(lp, u, splat(1.4426950216293335f));
+        V l = _mm512_fmadd_ps(k, _mm512_fmadd_ps(lp, u, e), _mm512_permutexvar_ps(i, t));
+        l = _mm512_max_ps(splat(-512.0f), l);  // x = 0: -inf -> a tiny subnormal -> code 0; NaN passes
+        l = _mm512_min_ps(splat(64.0f), l);    // x = inf: saturates below; NaN passes
+        const V r = _mm512_roundscale_ps(l, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+        const V f = _mm512_sub_ps(l, r);
+        V p = splat(kS * 0.001895107291023944f);
+        p = _mm512_fmadd_ps(p, f, splat(kS * 0.008946214666278473f));
+        p = _mm512_fmadd_ps(p, f, splat(kS * 0.055863282659306956f));
+        p = _mm512_fmadd_ps(p, f, splat(kS * 0.24014077009181947f));
+        p = _mm512_fmadd_ps(p, f, splat(kS * 0.6931546200033036f));
+        p = _mm512_fmadd_ps(p, f, splat(kS * 0.9999998957631347f));  // 2^mb 2^f
+        const V rn = _mm512_max_ps(r, _mm512_setzero_ps());           // r < 0: subnormal, scaled by 2^r
+        V c = _mm512_fmadd_ps(rn, splat(kS), _mm512_scalef_ps(p, _mm512_sub_ps(r, rn)));
+        c = _mm512_min_ps(splat((float)L::kMaxCode), c);  // NaN passes, converts to 0x80000000
+        const VI code = _mm512_cvt_roundps_epi32(c, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        return _mm512_mask_or_epi32(code, _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ), code,
+                                    splati(0x80u));
+    }
+};
 
 // Per-group scale of 16 groups at once: coat::group_scale in lanes (log2d as quant wants it).
 struct Scales16 {
