@@ -1,20 +1,35 @@
 """FP8 copies of a layer's weights, made once per optimizer step and reused across micro-batches.
 
 Linears that read the same input (q/k/v, gate/up) are fused into one GEMM over their concatenated
-weights, quantized per tensor with one shared scale. A cached copy is valid while every weight has the
-same storage and autograd version: an optimizer's in-place update bumps the version (views of a flat
-buffer, as under DeepSpeed ZeRO, share the version counter of the buffer), so the next forward re-quantizes.
-Under ZeRO-3 (parameters with `ds_id`) nothing is cached. Each layout is made when first needed: the row-major copy by the forward, the transposed one (the
-grad-input GEMM's operand) by the backward, so the first micro-batch's forward holds only one copy."""
+weights, quantized per tensor with one shared scale. A cached copy is valid until the next optimizer
+step (any torch optimizer, counted by a global step hook) and while every weight keeps its storage and
+autograd version (load_state_dict, manual edits). Under ZeRO-3 (parameters with `ds_id`) nothing is
+cached. Each layout is made when first needed: the row-major copy by the forward, the transposed one
+(the grad-input GEMM's operand) by the backward, so the first micro-batch's forward holds only one copy."""
 from __future__ import annotations
 
 from typing import Sequence
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..formats import FP8Format
 from . import ops
+
+
+_optimizer_steps = 0
+
+
+def _count_optimizer_step(*_) -> None:
+    global _optimizer_steps
+    _optimizer_steps += 1
+
+
+# Any torch optimizer's step (DeepSpeed's ZeRO optimizers call their base optimizer's) invalidates every
+# cache. The autograd version alone is not enough: DeepSpeed writes updated weights through `.data`
+# (ZeRO-1/2 copy the fp32 partition into the bf16 flat buffer), which bumps no version counter.
+register_optimizer_step_post_hook(_count_optimizer_step)
 
 
 class WeightGroup:
@@ -57,7 +72,7 @@ class WeightGroup:
         return b[0] if len(b) == 1 else torch.cat(b)
 
     def _state_key(self) -> tuple:
-        return tuple((w.data_ptr(), w._version, w.dtype, w.shape) for w in self.weights)
+        return (_optimizer_steps,) + tuple((w.data_ptr(), w._version, w.dtype, w.shape) for w in self.weights)
 
     def operand(self, transposed: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """(FP8 codes, fp32 scale): [N, K] for the forward, [K, N] (transposed) for the grad-input GEMM."""

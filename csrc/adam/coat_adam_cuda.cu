@@ -6,6 +6,8 @@
 // holds 256/G groups. The group's max/min reduce
 // over its lanes with shuffles. Each segment finds its tensor in a device table (multi-tensor launch:
 // one launch per param group), blocks are persistent and stride over the groups.
+#include <cfloat>
+
 #include "coat_adam_cuda.h"
 #include "coat_fp8.cuh"
 
@@ -137,6 +139,11 @@ __global__ void __launch_bounds__(kThreads, 4) adam_kernel(const AdamTensor* __r
             m[j] = coat::dequant_value<DeviceMathFtz>((uint8_t)mc, s_log2_m[mc & 0x7Fu], sm);
             v[j] = coat::dequant_value<DeviceMathFtz>((uint8_t)vc, s_log2_v[vc & 0x7Fu], sv);
             coat::adam_update<DeviceMathFtz>(p[j], g[j], m[j], v[j], c);
+            // The MUFU math below flushes subnormals: a subnormal moment kept as the group's smallest
+            // value would read as log2 = -inf, drive k to its minimum and d below FLT_MIN (0), zeroing the
+            // whole group next step (v = 0 under a live m: an m/eps update). Flush such moments here.
+            m[j] = fabsf(m[j]) < FLT_MIN ? 0.0f : m[j];
+            v[j] = v[j] < FLT_MIN ? 0.0f : v[j];
             if ((j & 3) < n_valid[j >> 2]) {
                 const float am = fabsf(m[j]), av = fabsf(v[j]);
                 m_big = fmaxf(m_big, am);
