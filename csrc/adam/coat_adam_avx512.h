@@ -16,8 +16,20 @@ namespace coat::avx512 {
 constexpr int kMaxGroup = 256;
 
 constexpr int kBlockGroups = 16;  // groups whose scales are computed together, one per lane
+// OpenMP hands out 4 blocks (2K-16K values) at a time: dynamic, so a core slowed by other work (a shared
+// host, ZeRO-Offload's own threads) does not hold the whole step back; 4 keeps the hand-out cost negligible.
+#define COAT_OMP_BLOCKS _Pragma("omp parallel for schedule(dynamic, 4)")
 
 inline __mmask16 lanes(int n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u); }
+
+// body(i, mask) over the 16-value chunks of [0, n): full chunks with a constant all-lanes mask (no mask
+// arithmetic in the hot loop), then the short tail of a tensor's last group, if any.
+template <class F>
+__attribute__((always_inline)) inline void for_chunks(int n, F&& body) {
+    int i = 0;
+    for (; i + 16 <= n; i += 16) body(i, (__mmask16)0xFFFF);
+    if (i < n) body(i, lanes(n - i));
+}
 
 inline V load_grad(const float* g, __mmask16 k) { return _mm512_maskz_loadu_ps(k, g); }
 inline V load_grad(const uint16_t* g, __mmask16 k) {
@@ -33,12 +45,11 @@ inline void store_codes(uint8_t* c, __mmask16 k, VI codes) { _mm512_mask_cvtusep
 // portable magnitude_range does).
 inline void magnitude_range16(const float* buf, int n, float& big, float& small) {
     V b = _mm512_setzero_ps(), s = splat(INFINITY);
-    for (int i = 0; i < n; i += 16) {
-        const __mmask16 k = lanes(n - i);
+    for_chunks(n, [&](int i, __mmask16 k) __attribute__((always_inline)) {
         const V a = abs(_mm512_maskz_loadu_ps(k, buf + i));
         b = _mm512_mask_max_ps(b, k, a, b);
         s = _mm512_mask_min_ps(s, _mm512_mask_cmp_ps_mask(k, a, _mm512_setzero_ps(), _CMP_GT_OQ), a, s);
-    }
+    });
     big = _mm512_reduce_max_ps(b);
     small = _mm512_reduce_min_ps(s);
 }
@@ -47,10 +58,9 @@ inline void magnitude_range16(const float* buf, int n, float& big, float& small)
 template <bool E5M2>
 inline void quantize_group(const float* buf, int n, float k, float log2d, uint8_t* codes) {
     const Encoder<E5M2> enc(k, log2d);
-    for (int i = 0; i < n; i += 16) {
-        const __mmask16 m = lanes(n - i);
+    for_chunks(n, [&](int i, __mmask16 m) __attribute__((always_inline)) {
         store_codes(codes + i, m, enc.encode(_mm512_maskz_loadu_ps(m, buf + i)));
-    }
+    });
 }
 
 inline void quantize_group(const float* buf, int n, bool e5m2, float k, float log2d, uint8_t* codes) {
@@ -90,7 +100,7 @@ void adam_tensor(const Refs& t, const coat::AdamCoefs& c, int group_size, bool e
     const V decay = splat(c.decay), beta1 = splat(c.beta1), omb1 = splat(c.one_minus_beta1);
     const V beta2 = splat(c.beta2), omb2 = splat(c.one_minus_beta2);
     const V step_size = splat(c.step_size), inv_bc2 = splat(1.0f / c.bc2_sqrt), eps = splat(c.eps);
-#pragma omp parallel for schedule(static)
+COAT_OMP_BLOCKS
     for (int64_t b = 0; b < n_blocks; ++b) {
         const int64_t g0 = b * kBlockGroups;
         const int nb = (int)std::min<int64_t>(kBlockGroups, n_groups - g0);
@@ -108,8 +118,7 @@ void adam_tensor(const Refs& t, const coat::AdamCoefs& c, int group_size, bool e
             float* vb = v_buf + j * group_size;
             V mbig = _mm512_setzero_ps(), msmall = splat(INFINITY);
             V vbig = _mm512_setzero_ps(), vsmall = splat(INFINITY);
-            for (int i = 0; i < n; i += 16) {
-                const __mmask16 k = lanes(n - i);
+            for_chunks(n, [&](int i, __mmask16 k) __attribute__((always_inline)) {
                 const int64_t at = off + i;
                 V m = mdec.decode(load_codes(t.m_codes + at, k));
                 V v = vdec.decode(load_codes(t.v_codes + at, k));
@@ -131,7 +140,7 @@ void adam_tensor(const Refs& t, const coat::AdamCoefs& c, int group_size, bool e
                                             ma, msmall);
                 vsmall = _mm512_mask_min_ps(vsmall, _mm512_mask_cmp_ps_mask(k, va, _mm512_setzero_ps(), _CMP_GT_OQ),
                                             va, vsmall);
-            }
+            });
             m_big[j] = _mm512_reduce_max_ps(mbig);
             m_small[j] = _mm512_reduce_min_ps(msmall);
             v_big[j] = _mm512_reduce_max_ps(vbig);
@@ -165,7 +174,7 @@ inline void quantize(const float* xp, uint8_t* cp, float* sp, float* ep, int64_t
                      bool expansion) {
     const int64_t n_groups = (numel + group_size - 1) / group_size;
     const int64_t n_blocks = (n_groups + kBlockGroups - 1) / kBlockGroups;
-#pragma omp parallel for schedule(static)
+COAT_OMP_BLOCKS
     for (int64_t b = 0; b < n_blocks; ++b) {
         const int64_t g0 = b * kBlockGroups;
         const int nb = (int)std::min<int64_t>(kBlockGroups, n_groups - g0);
@@ -187,7 +196,7 @@ template <bool E5M2>
 void dequantize(const uint8_t* cp, const float* sp, const float* ep, float* op, int64_t numel, int group_size) {
     const int64_t n_groups = (numel + group_size - 1) / group_size;
     const int64_t n_blocks = (n_groups + kBlockGroups - 1) / kBlockGroups;
-#pragma omp parallel for schedule(static)
+COAT_OMP_BLOCKS
     for (int64_t b = 0; b < n_blocks; ++b) {
         const int64_t g0 = b * kBlockGroups;
         const int nb = (int)std::min<int64_t>(kBlockGroups, n_groups - g0);
@@ -197,10 +206,9 @@ void dequantize(const uint8_t* cp, const float* sp, const float* ep, float* op, 
             const int64_t off = (g0 + j) * group_size;
             const int n = (int)std::min<int64_t>(group_size, numel - off);
             const Decoder<E5M2> dec(inv_k[j], log2d[j]);
-            for (int i = 0; i < n; i += 16) {
-                const __mmask16 k = lanes(n - i);
+            for_chunks(n, [&](int i, __mmask16 k) __attribute__((always_inline)) {
                 _mm512_mask_storeu_ps(op + off + i, k, dec.decode(load_codes(cp + off + i, k)));
-            }
+            });
         }
     }
 }
