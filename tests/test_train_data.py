@@ -201,3 +201,10 @@ def test_every_config_parses_and_names_known_keys():
         args = train.parse_args(["--deepspeed", str(path), "--steps", "7"])
         out = train.load_ds_config(args)
         assert out["scheduler"]["params"]["total_num_steps"] == 7
+
+
+def test_bad_model_and_export_paths(no_device, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert "cannot load its config" in run_main("--model", str(tmp_path / "no_model"))
+    (tmp_path / "f").write_text("x")
+    assert "is a file; give a directory" in run_main("--export", str(tmp_path / "f"))
