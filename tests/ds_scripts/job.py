@@ -223,6 +223,8 @@ def main() -> None:
             out["tasks"][task] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-3000:]}
         barrier()
     common.write(args.out, out)
+    barrier()
+    dist.destroy_process_group()  # an orderly teardown: ranks exiting with live gloo pairs can abort
 
 
 if __name__ == "__main__":
