@@ -219,9 +219,9 @@ def test_two_nodes_zero2(runs):
     assert out["losses"] == _task(runs, "w1", "train:0:fp32")["losses"][:12]
 
 
-W1_GPU = ["train:0:fp32", "train:2:fp32", "train:1:bf16", "train:0:bf16", "train:2:fp16"]
+W1_GPU = ["train:0:fp32", "train:2:fp32", "train:1:bf16", "train:2:fp16"]
 W2_GPU = ["train:1:fp32", "train:2:fp32", "train:3:fp32", "train:1:bf16", "train:2:bf16", "train:3:bf16",
-          "train:2:fp16", "train:2:fp32:offload", "resume:2:fp32:1"]
+          "train:2:fp16", "resume:2:fp32:1"]
 
 
 def _diff(a: list, b: list) -> float:
@@ -247,8 +247,6 @@ def test_gpu_two_ranks(tmp_path):
         summary["bf16"][stage] = _diff(_task(res, "w2", f"train:{stage}:bf16")["losses"], bf16)
     summary["fp16_zero2_vs_1rank"] = _diff(_task(res, "w2", "train:2:fp16")["losses"],
                                            _task(res, "w1", "train:2:fp16")["losses"])
-    summary["bf16_zero1_1rank_vs_ddp_bf16"] = _diff(_task(res, "w1", "train:0:bf16")["losses"], bf16)
-    summary["offload_zero2_vs_stage0"] = _diff(_task(res, "w2", "train:2:fp32:offload")["losses"], ref)
     summary["resume_same_world_max_diff"] = max(_diff(o["resumed"], o["losses"][SAVE_AT:])
                                                 for job in ("w1", "w2") for t, o in res[job]["tasks"].items()
                                                 if t.startswith("train:") and "resumed" in o)
@@ -263,4 +261,4 @@ def test_gpu_two_ranks(tmp_path):
             json.dump(summary, f, indent=1)
     assert summary["stages_passed"] == [1, 2, 3], summary
     assert summary["resume_same_world_max_diff"] == 0.0 and summary["resume_1_to_2_ranks_zero2"] == 0.0, summary
-    assert summary["offload_zero2_vs_stage0"] == 0.0 and summary["fp16_zero2_vs_1rank"] < 2e-2, summary
+    assert summary["fp16_zero2_vs_1rank"] < 2e-2, summary

@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # The 2-GPU run behind benchmarks/results/zero_multi_gpu.json (after `. .whl/prelude.sh`), results in $OUT:
-#   bench_coat.json / bench_fused.json  ZeRO-2 bf16 step time and per-rank state bytes, CoatAdamW vs FusedAdam
 #   gpu_summary.json                   the gpu-marked launched jobs (trajectories, memory, checkpoints)
+#   bench_coat.json / bench_fused.json  ZeRO-2 bf16 step time and per-rank state bytes, CoatAdamW vs FusedAdam
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/device.txt" 2>&1
-for opt in coat fused; do
-  timeout 100 deepspeed --num_gpus 2 --master_port 29700 tests/ds_scripts/bench_zero2.py --opt $opt \
-    --steps 15 --warmup 3 --out "$OUT/bench_$opt.json" > "$OUT/bench_$opt.log" 2>&1 || echo "bench $opt failed: $?" >> "$OUT/errors.txt"
-done
-COAT_ZERO_GPU_SUMMARY="$OUT/gpu_summary.json" timeout 260 python3 -m pytest tests/test_deepspeed.py -m gpu -q -x \
+COAT_ZERO_GPU_SUMMARY="$OUT/gpu_summary.json" timeout 210 python3 -m pytest tests/test_deepspeed.py -m gpu -q -x \
   > "$OUT/pytest_gpu.log" 2>&1 || echo "pytest gpu failed: $?" >> "$OUT/errors.txt"
+for opt in coat fused; do
+  timeout 90 deepspeed --num_gpus 2 --master_port 29700 tests/ds_scripts/bench_zero2.py --opt $opt \
+    --depth 12 --steps 10 --warmup 3 --out "$OUT/bench_$opt.json" > "$OUT/bench_$opt.log" 2>&1 || echo "bench $opt failed: $?" >> "$OUT/errors.txt"
+done
 tail -5 "$OUT/pytest_gpu.log"; cat "$OUT/errors.txt" 2>/dev/null; ls "$OUT"
