@@ -180,7 +180,6 @@ def task_tofp32(args, world, stage, dtype, rest):
     sd = get_fp32_state_dict_from_zero_checkpoint(path, tag="t")
     diff = 0.0
     for name, p in engine.module.named_parameters():
-        full = p.ds_tensor if False else None  # noqa: F841
         if stage == 3:
             with deepspeed.zero.GatheredParameters([p]):
                 ref = p.detach().float().clone()
