@@ -195,10 +195,96 @@ def bench_size(numel: int, device: str, peers: list[str], warmup: int, runs: int
     return rows
 
 
+def bench_size_cpu(numel: int, peers: list[str], warmup: int, runs: int, copy_bw: float) -> list[dict]:
+    """CPU rows: every contender is built first, then the timed steps are interleaved (coat kernel, then each
+    peer, repeated), so a shared host's changing load falls on all of them alike. Median and min per
+    contender; speed-ups are ratios of medians."""
+    rows = []
+    p = torch.nn.Parameter(torch.randn(numel) * 0.02)
+    g32 = torch.randn(numel) * 1e-3
+    for grad_dtype in (torch.float32, torch.bfloat16):
+        g = g32 if grad_dtype == torch.float32 else g32.to(torch.bfloat16)
+        gb = g.element_size()
+        row = dict(device=device_name("cpu"), numel=numel, grad_dtype=str(grad_dtype).replace("torch.", ""),
+                   copy_gbps=round(copy_bw, 1), errors={})
+        step, sbytes = coat_kernel(p.data, g)
+        fns = {"coat": step}
+        opts = {}
+        for name in peers:
+            if grad_dtype != torch.float32:
+                row[f"{name}_ms"] = None
+                row["errors"][name] = "needs grads in the param's dtype (fp32)"
+                continue
+            p.grad = g
+            try:
+                opts[name] = make_optimizer(name, p)
+                fns[name] = opts[name].step
+            except Exception as exc:  # noqa: BLE001 - a peer that fails is reported, the run goes on
+                row[f"{name}_ms"] = None
+                row["errors"][name] = f"{type(exc).__name__}: {exc}"[:300]
+                traceback.print_exc()
+        times = {name: [] for name in fns}
+        for i in range(warmup + runs):
+            for name, fn in fns.items():
+                t0 = time.perf_counter()
+                fn()
+                if i >= warmup:
+                    times[name].append((time.perf_counter() - t0) * 1e3)
+        ms = statistics.median(times["coat"])
+        moved = numel * (8 + gb) + 2 * sbytes
+        row.update(coat_ms=round(ms, 4), coat_min_ms=round(min(times["coat"]), 4), coat_bytes=moved,
+                   coat_gbps=round(moved / (ms * 1e6), 1), coat_frac_of_copy=round(moved / (ms * 1e6) / copy_bw, 3),
+                   state_bytes_per_param=round(sbytes / numel, 4))
+        for name, opt in opts.items():
+            pms = statistics.median(times[name])
+            sb = state_bytes(opt)
+            row.update({f"{name}_ms": round(pms, 4), f"{name}_min_ms": round(min(times[name]), 4),
+                        f"{name}_gbps": round((numel * (8 + gb) + 2 * sb) / (pms * 1e6), 1),
+                        f"{name}_state_bytes_per_param": round(sb / numel, 4),
+                        f"speedup_vs_{name}": round(pms / ms, 2)})
+        p.grad = None
+        del step, fns, opts
+        free("cpu")
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    del p, g32
+    free("cpu")
+    return rows
+
+
+def host_info() -> dict:
+    """What a CPU figure depends on: the CPU model and its SIMD, threads, the compiler, and the load."""
+    info = {"threads": torch.get_num_threads(), "cores": os.cpu_count(),
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
+    try:
+        with open("/proc/cpuinfo") as f:
+            text = f.read()
+        first = {k.strip(): v for k, v in (line.split(":", 1) for line in text.split("\n\n")[0].splitlines()
+                                            if ":" in line)}
+        info["cpu_model"] = first.get("model name", "").strip() or None
+        flags = set(first.get("flags", "").split())
+        info["simd"] = [f for f in ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16",
+                                    "avx512_fp16", "amx_bf16") if f in flags]
+    except OSError:
+        info["cpu_model"] = platform.processor() or None
+    try:
+        info["cxx"] = subprocess.run(["c++", "--version"], capture_output=True, text=True).stdout.splitlines()[0]
+    except (OSError, IndexError):
+        info["cxx"] = None
+    info["loadavg_start"] = list(os.getloadavg())
+    return info
+
+
 def device_name(device: str) -> str:
     if device == "cuda":
         return torch.cuda.get_device_name()
-    return f"{platform.processor() or platform.machine()} x{torch.get_num_threads()} threads"
+    model = None
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        pass
+    return f"{model or platform.processor() or platform.machine()} x{torch.get_num_threads()} threads"
 
 
 def versions() -> dict:
@@ -238,12 +324,19 @@ def main() -> None:
     torch.manual_seed(0)
     copy_bw = copy_gbps(int(max(sizes)), device, runs)
     rows = []
+    host = host_info() if device == "cpu" else None
     for n in sizes:
-        rows += bench_size(int(n), device, peers, warmup=2 if args.smoke else 3, runs=runs, copy_bw=copy_bw)
+        if device == "cpu":
+            rows += bench_size_cpu(int(n), peers, warmup=2 if args.smoke else 3, runs=runs, copy_bw=copy_bw)
+        else:
+            rows += bench_size(int(n), device, peers, warmup=2 if args.smoke else 3, runs=runs, copy_bw=copy_bw)
     result = dict(command=" ".join([os.path.basename(sys.executable)] + sys.argv), device=device_name(device),
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   versions=versions(), hyperparams=HP, group_size=128, v_format="e4m3", copy_gbps=round(copy_bw, 1),
                   rows=rows)
+    if host is not None:
+        host["loadavg_end"] = list(os.getloadavg())
+        result["host"] = host
     if out:
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         with open(out, "w") as f:

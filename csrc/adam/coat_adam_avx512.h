@@ -100,6 +100,7 @@ void adam_tensor(const Refs& t, const coat::AdamCoefs& c, int group_size, bool e
     const V decay = splat(c.decay), beta1 = splat(c.beta1), omb1 = splat(c.one_minus_beta1);
     const V beta2 = splat(c.beta2), omb2 = splat(c.one_minus_beta2);
     const V step_size = splat(c.step_size), inv_bc2 = splat(1.0f / c.bc2_sqrt), eps = splat(c.eps);
+    const int64_t ahead = (int64_t)kBlockGroups * group_size;  // prefetch distance: one block
 COAT_OMP_BLOCKS
     for (int64_t b = 0; b < n_blocks; ++b) {
         const int64_t g0 = b * kBlockGroups;
@@ -120,6 +121,14 @@ COAT_OMP_BLOCKS
             V vbig = _mm512_setzero_ps(), vsmall = splat(INFINITY);
             for_chunks(n, [&](int i, __mmask16 k) __attribute__((always_inline)) {
                 const int64_t at = off + i;
+                // the next block's inputs, into L2: this block's encode pass reads no new memory, so the
+                // hardware prefetchers alone would leave the next pass waiting on DRAM
+                _mm_prefetch((const char*)(t.param + at + ahead), _MM_HINT_T1);
+                _mm_prefetch((const char*)(grad + at + ahead), _MM_HINT_T1);
+                if ((i & 63) == 0) {
+                    _mm_prefetch((const char*)(t.m_codes + at + ahead), _MM_HINT_T1);
+                    _mm_prefetch((const char*)(t.v_codes + at + ahead), _MM_HINT_T1);
+                }
                 V m = mdec.decode(load_codes(t.m_codes + at, k));
                 V v = vdec.decode(load_codes(t.v_codes + at, k));
                 const V g = load_grad(grad + at, k);
