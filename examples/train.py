@@ -54,7 +54,7 @@ DEFAULTS = dict(
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--deepspeed", "--deepspeed_config", dest="deepspeed", metavar="JSON",
                    help="DeepSpeed config (optimizer, ZeRO, precision, the coat section)")
     p.add_argument("--model", help="HF model name or path to fine-tune (default: a Llama built from --model-size)")
