@@ -34,12 +34,13 @@ def _max_update_over_lr(device: str, steps: int, v_format: str) -> float:
 @pytest.mark.parametrize("v_format", ["e4m3", "e5m2"])
 def test_cpu_updates_stay_bounded(v_format):
     # 900 steps: 0.9^900 takes a 1e-3 first moment below fp32's smallest normal (1.2e-38).
-    # fp32 AdamW stays under 1 lr here; the FP8 states reach ~1.2 lr (E4M3) and ~3.1 lr (E5M2: v's decaying
-    # values sit in its coarse subnormals); the bug this guards against gave ~1e5 lr
-    assert _max_update_over_lr("cpu", 900, v_format) < 4.0
+    # Largest |update| / lr seen: fp32 AdamW 1.0; FP8 states 2.9 (E4M3) and 3.1 (E5M2) on the CPU op, 4.3 on
+    # the CUDA step (H100, both formats), on elements whose gradients stopped: their decaying moments sit at
+    # the bottom of their groups, in FP8's coarse subnormals. The bug this guards against gave m/eps updates.
+    assert _max_update_over_lr("cpu", 900, v_format) < 6.0
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("v_format", ["e4m3", "e5m2"])
 def test_cuda_updates_stay_bounded(v_format):
-    assert _max_update_over_lr("cuda", 900, v_format) < 4.0
+    assert _max_update_over_lr("cuda", 900, v_format) < 6.0
