@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "coat_cpu_avx512.h"
 
@@ -119,37 +120,49 @@ COAT_OMP_BLOCKS
             float* vb = v_buf + j * group_size;
             V mbig = _mm512_setzero_ps(), msmall = splat(INFINITY);
             V vbig = _mm512_setzero_ps(), vsmall = splat(INFINITY);
-            for_chunks(n, [&](int i, __mmask16 k) __attribute__((always_inline)) {
-                const int64_t at = off + i;
-                // the next block's inputs, into L2: this block's encode pass reads no new memory, so the
-                // hardware prefetchers alone would leave the next pass waiting on DRAM
-                _mm_prefetch((const char*)(t.param + at + ahead), _MM_HINT_T1);
-                _mm_prefetch((const char*)(grad + at + ahead), _MM_HINT_T1);
-                if ((i & 63) == 0) {
-                    _mm_prefetch((const char*)(t.m_codes + at + ahead), _MM_HINT_T1);
-                    _mm_prefetch((const char*)(t.v_codes + at + ahead), _MM_HINT_T1);
-                }
-                V m = mdec.decode(load_codes(t.m_codes + at, k));
-                V v = vdec.decode(load_codes(t.v_codes + at, k));
-                const V g = load_grad(grad + at, k);
-                V p = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, t.param + at), decay);
-                // the reference's order: each product rounded, then the sum
-                m = _mm512_add_ps(_mm512_mul_ps(beta1, m), _mm512_mul_ps(omb1, g));
-                v = _mm512_add_ps(_mm512_mul_ps(beta2, v), _mm512_mul_ps(_mm512_mul_ps(omb2, g), g));
-                const V denom = _mm512_fmadd_ps(_mm512_sqrt_ps(v), inv_bc2, eps);
-                p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(step_size, m), denom));
-                _mm512_mask_storeu_ps(t.param + at, k, p);
-                if (t.bf16_out != nullptr) _mm256_mask_storeu_epi16(t.bf16_out + at, k, to_bf16(p));
-                _mm512_store_ps(mb + i, m);
-                _mm512_store_ps(vb + i, v);
-                const V ma = abs(m), va = abs(v);
-                mbig = _mm512_mask_max_ps(mbig, k, ma, mbig);
-                vbig = _mm512_mask_max_ps(vbig, k, va, vbig);
-                msmall = _mm512_mask_min_ps(msmall, _mm512_mask_cmp_ps_mask(k, ma, _mm512_setzero_ps(), _CMP_GT_OQ),
-                                            ma, msmall);
-                vsmall = _mm512_mask_min_ps(vsmall, _mm512_mask_cmp_ps_mask(k, va, _mm512_setzero_ps(), _CMP_GT_OQ),
-                                            va, vsmall);
-            });
+            // one loop per (inf/NaN codes in the group?, bf16 copy?), so neither is tested per value
+            auto step = [&](auto special, auto out_bf16) __attribute__((always_inline)) {
+                constexpr bool kSpecial = decltype(special)::value;
+                for_chunks(n, [&](int i, __mmask16 k) __attribute__((always_inline)) {
+                    const int64_t at = off + i;
+                    // the next block's inputs, into L2: this block's encode pass reads no new memory, so
+                    // the hardware prefetchers alone would leave the next pass waiting on DRAM
+                    _mm_prefetch((const char*)(t.param + at + ahead), _MM_HINT_T1);
+                    _mm_prefetch((const char*)(grad + at + ahead), _MM_HINT_T1);
+                    if ((i & 63) == 0) {
+                        _mm_prefetch((const char*)(t.m_codes + at + ahead), _MM_HINT_T1);
+                        _mm_prefetch((const char*)(t.v_codes + at + ahead), _MM_HINT_T1);
+                    }
+                    V m = mdec.template decode<kSpecial>(load_codes(t.m_codes + at, k));
+                    V v = vdec.template decode<kSpecial>(load_codes(t.v_codes + at, k));
+                    const V g = load_grad(grad + at, k);
+                    V p = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, t.param + at), decay);
+                    m = _mm512_add_ps(_mm512_mul_ps(beta1, m), _mm512_mul_ps(omb1, g));
+                    v = _mm512_add_ps(_mm512_mul_ps(beta2, v), _mm512_mul_ps(_mm512_mul_ps(omb2, g), g));
+                    const V denom = _mm512_fmadd_ps(_mm512_sqrt_ps(v), inv_bc2, eps);
+                    p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(step_size, m), denom));
+                    _mm512_mask_storeu_ps(t.param + at, k, p);
+                    if constexpr (decltype(out_bf16)::value) {
+                        _mm256_mask_storeu_epi16(t.bf16_out + at, k, to_bf16(p));
+                    }
+                    _mm512_store_ps(mb + i, m);
+                    _mm512_store_ps(vb + i, v);
+                    const V ma = abs(m), va = abs(v);
+                    mbig = _mm512_mask_max_ps(mbig, k, ma, mbig);
+                    vbig = _mm512_mask_max_ps(vbig, k, va, vbig);
+                    msmall = _mm512_mask_min_ps(
+                        msmall, _mm512_mask_cmp_ps_mask(k, ma, _mm512_setzero_ps(), _CMP_GT_OQ), ma, msmall);
+                    vsmall = _mm512_mask_min_ps(
+                        vsmall, _mm512_mask_cmp_ps_mask(k, va, _mm512_setzero_ps(), _CMP_GT_OQ), va, vsmall);
+                });
+            };
+            const bool special = Decoder<false>::has_special_code(t.m_codes + off, n) ||
+                                 Decoder<VE5M2>::has_special_code(t.v_codes + off, n);
+            if (t.bf16_out != nullptr) {
+                special ? step(std::true_type{}, std::true_type{}) : step(std::false_type{}, std::true_type{});
+            } else {
+                special ? step(std::true_type{}, std::false_type{}) : step(std::false_type{}, std::false_type{});
+            }
             m_big[j] = _mm512_reduce_max_ps(mbig);
             m_small[j] = _mm512_reduce_min_ps(msmall);
             v_big[j] = _mm512_reduce_max_ps(vbig);

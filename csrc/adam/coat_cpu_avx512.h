@@ -111,23 +111,38 @@ struct Decoder {
         bs = _mm512_permutexvar_ps(_mm512_loadu_si512(k.rep_s), b);
     }
 
-    // 16 codes (int32 lanes 0..255) -> values.
+    // 16 codes (int32 lanes 0..255) -> values. Special = false: the caller checked that the group holds
+    // no inf / NaN code (has_special_code), which saves the patch-up on every value.
+    template <bool Special = true>
     V decode(VI c) const {
         const V a = _mm512_permutex2var_ps(a0, _mm512_srli_epi32(c, kMB), a1);
         const M sub = _mm512_testn_epi32_mask(c, splati(0x7Fu & ~((1u << kMB) - 1u)));
         V b = _mm512_permutexvar_ps(c, bn);
         b = _mm512_mask_permutexvar_ps(b, sub, c, bs);
         V x = _mm512_mul_ps(a, b);
-        const M special = _mm512_cmpgt_epu32_mask(_mm512_and_si512(c, splati(0x7Fu)), splati(L::kMaxCode));
-        if (E5M2) {  // 0x7C inf, 0x7D-0x7F NaN (index = code & 15), then the sign
-            const V spec = _mm512_setr_ps(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, COAT_F32_INF, COAT_F32_NAN,
-                                          COAT_F32_NAN, COAT_F32_NAN);
+        if (Special) {
+            const M special = _mm512_cmpgt_epu32_mask(_mm512_and_si512(c, splati(0x7Fu)), splati(L::kMaxCode));
+            // E4M3: 0x7F NaN; E5M2: 0x7C inf, 0x7D-0x7F NaN (index = code & 15)
+            const V spec = E5M2 ? _mm512_setr_ps(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, COAT_F32_INF, COAT_F32_NAN,
+                                                 COAT_F32_NAN, COAT_F32_NAN)
+                                : splat(COAT_F32_NAN);
             x = _mm512_mask_permutexvar_ps(x, special, c, spec);
-            // x | (code << 24 & sign bit): ternary-logic A | (B & C)
+        }
+        if (E5M2) {  // x | (code << 24 & sign bit): ternary-logic A | (B & C)
             return _mm512_castsi512_ps(_mm512_ternarylogic_epi32(_mm512_castps_si512(x), _mm512_slli_epi32(c, 24),
                                                                  splati(0x80000000u), 0xF8));
         }
-        return _mm512_mask_mov_ps(x, special, splat(COAT_F32_NAN));
+        return x;
+    }
+
+    // Whether codes[0..n) hold an inf / NaN code (64 per instruction).
+    static bool has_special_code(const uint8_t* codes, int n) {
+        for (int i = 0; i < n; i += 64) {
+            const __mmask64 k = n - i >= 64 ? ~0ull : (1ull << (n - i)) - 1ull;
+            const __m512i b = _mm512_and_si512(_mm512_maskz_loadu_epi8(k, codes + i), _mm512_set1_epi8(0x7F));
+            if (_mm512_mask_cmpgt_epu8_mask(k, b, _mm512_set1_epi8((char)L::kMaxCode)) != 0) return true;
+        }
+        return false;
     }
 };
 
