@@ -147,13 +147,13 @@ COAT_OMP_BLOCKS
                     }
                     _mm512_store_ps(mb + i, m);
                     _mm512_store_ps(vb + i, v);
-                    const V ma = abs(m), va = abs(v);
-                    mbig = _mm512_mask_max_ps(mbig, k, ma, mbig);
-                    vbig = _mm512_mask_max_ps(vbig, k, va, vbig);
-                    msmall = _mm512_mask_min_ps(
-                        msmall, _mm512_mask_cmp_ps_mask(k, ma, _mm512_setzero_ps(), _CMP_GT_OQ), ma, msmall);
-                    vsmall = _mm512_mask_min_ps(
-                        vsmall, _mm512_mask_cmp_ps_mask(k, va, _mm512_setzero_ps(), _CMP_GT_OQ), va, vsmall);
+                    // max |x| and min non-zero |x| (vrangeps folds the |.| in and ignores a NaN operand)
+                    mbig = _mm512_mask_range_ps(mbig, k, mbig, m, 0x0B);
+                    vbig = _mm512_mask_range_ps(vbig, k, vbig, v, 0x0B);
+                    msmall = _mm512_mask_range_ps(
+                        msmall, _mm512_mask_cmp_ps_mask(k, m, _mm512_setzero_ps(), _CMP_NEQ_OQ), msmall, m, 0x0A);
+                    vsmall = _mm512_mask_range_ps(
+                        vsmall, _mm512_mask_cmp_ps_mask(k, v, _mm512_setzero_ps(), _CMP_NEQ_OQ), vsmall, v, 0x0A);
                 });
             };
             const bool special = Decoder<false>::has_special_code(t.m_codes + off, n) ||
