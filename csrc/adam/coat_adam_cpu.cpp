@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <vector>
 
 #include "coat_adam_common.h"
@@ -115,6 +116,19 @@ void adam_tensor(const coat_ops::AdamTensorRefs& t, const coat::AdamCoefs& c, in
 }
 
 
+// Whether this call takes the AVX-512 kernels: COAT_CPU_ADAM_PORTABLE=1 forces the portable loops on an
+// AVX-512 build, so one machine tests both paths (read per call: a test can switch it).
+bool use_avx512() {
+#if COAT_CPU_AVX512
+    const char* v = std::getenv("COAT_CPU_ADAM_PORTABLE");
+    return v == nullptr || v[0] == '\0' || (v[0] == '0' && v[1] == '\0');
+#else
+    return false;
+#endif
+}
+
+std::string simd() { return use_avx512() ? "avx512" : "portable"; }
+
 void adam_step(const std::vector<torch::Tensor>& params, const std::vector<torch::Tensor>& grads,
                const std::vector<torch::Tensor>& m_q, const std::vector<torch::Tensor>& m_scale,
                const std::vector<torch::Tensor>& m_expo, const std::vector<torch::Tensor>& v_q,
@@ -124,10 +138,13 @@ void adam_step(const std::vector<torch::Tensor>& params, const std::vector<torch
     const auto refs = coat_ops::check_adam_args(params, grads, m_q, m_scale, m_expo, v_q, v_scale, v_expo, bf16_out,
                                                 group_size, /*cuda=*/false);
     const coat::AdamCoefs c = coat_ops::adam_coefs(lr, beta1, beta2, eps, weight_decay, step);
+    [[maybe_unused]] const bool avx512 = use_avx512();
     for (const auto& t : refs) {
 #if COAT_CPU_AVX512
-        coat::avx512::adam_tensor(t, c, (int)group_size, v_e5m2, expansion);
-        continue;
+        if (avx512) {
+            coat::avx512::adam_tensor(t, c, (int)group_size, v_e5m2, expansion);
+            continue;
+        }
 #endif
         if (t.grad_bf16) {
             adam_tensor<uint16_t>(t, c, (int)group_size, v_e5m2, expansion);
@@ -146,8 +163,7 @@ void quantize(const torch::Tensor& x, const torch::Tensor& codes, const torch::T
     float* ep = expo.data_ptr<float>();
     const int64_t numel = x.numel();
 #if COAT_CPU_AVX512
-    coat::avx512::quantize(xp, cp, sp, ep, numel, (int)group_size, e5m2, expansion);
-    return;
+    if (use_avx512()) return coat::avx512::quantize(xp, cp, sp, ep, numel, (int)group_size, e5m2, expansion);
 #endif
     const int64_t n_groups = (numel + group_size - 1) / group_size;
 #pragma omp parallel for schedule(static)
@@ -167,8 +183,7 @@ void dequantize(const torch::Tensor& codes, const torch::Tensor& scale, const to
     float* op = out.data_ptr<float>();
     const int64_t numel = codes.numel();
 #if COAT_CPU_AVX512
-    coat::avx512::dequantize(cp, sp, ep, op, numel, (int)group_size, e5m2);
-    return;
+    if (use_avx512()) return coat::avx512::dequantize(cp, sp, ep, op, numel, (int)group_size, e5m2);
 #endif
     const int64_t n_groups = (numel + group_size - 1) / group_size;
 #pragma omp parallel for schedule(static)
@@ -186,4 +201,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("adam_step", &adam_step, "Fused FP8 AdamW step over lists of tensors (in place)");
     m.def("quantize", &quantize, "Group-quantise fp32 x into FP8 codes + per-group scale and exponent");
     m.def("dequantize", &dequantize, "FP8 codes + per-group scale and exponent -> fp32");
+    m.def("simd", &simd, "Which kernels the next call takes: 'avx512' or 'portable'");
 }
