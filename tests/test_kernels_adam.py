@@ -195,6 +195,15 @@ def test_adam_step_misaligned_views(request, device):
                    misaligned=True)
 
 
+def test_cpu_portable_loops_match_reference(request, monkeypatch):
+    """COAT_CPU_ADAM_PORTABLE=1 forces the loops of CPUs without AVX-512, so this build checks them too."""
+    monkeypatch.setenv("COAT_CPU_ADAM_PORTABLE", "1")
+    assert request.getfixturevalue("cpu_op").simd() == "portable"
+    for g, v_fmt, grad_dtype in ((32, E5M2, torch.bfloat16), (128, E4M3, torch.float32)):
+        _adam_case(request, "cpu", CPU_SIZES, g, v_fmt, True, grad_dtype)
+    test_quantize_dequantize_match_reference(request, "cpu", E4M3, 128)
+
+
 def _quantize_inputs(numel, gen):
     x = torch.randn(numel, generator=gen) * torch.exp(3 * torch.randn(numel, generator=gen))
     if numel >= 1024:
