@@ -271,6 +271,12 @@ def host_info() -> dict:
         info["cxx"] = subprocess.run(["c++", "--version"], capture_output=True, text=True).stdout.splitlines()[0]
     except (OSError, IndexError):
         info["cxx"] = None
+    try:  # which kernels the CPU op takes on this build: 'avx512' or 'portable'
+        import op_builder
+
+        info["coat_cpu_kernels"] = op_builder.CPUCoatAdamBuilder().load().simd()
+    except Exception as exc:  # noqa: BLE001 - an op without simd() (older prebuilt) is noted, the run goes on
+        info["coat_cpu_kernels"] = f"unknown ({type(exc).__name__})"
     info["loadavg_start"] = list(os.getloadavg())
     return info
 
