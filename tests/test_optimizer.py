@@ -153,3 +153,19 @@ def test_bf16_params_train_through_an_fp32_copy():
     opt2 = CoatAdamW([p], lr=1e-2)
     opt2.load_state_dict(opt.state_dict())
     assert opt2.state[p]["exp_avg_scale"].dtype == torch.float32
+
+
+def test_foreign_state_dict_is_refused_before_anything_changes():
+    model, x, y = _task()
+    adamw = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    _train(model, adamw, x, y, 2)
+    opt = CoatAdamW(model.parameters(), lr=5e-3)
+    _train(model, opt, x, y, 2)
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match="another optimizer"):
+        opt.load_state_dict(adamw.state_dict())
+    after = opt.state_dict()
+    assert after["param_groups"] == before["param_groups"]
+    for pid, st in before["state"].items():
+        for k, v in st.items():
+            assert torch.equal(after["state"][pid][k].float(), v.float())

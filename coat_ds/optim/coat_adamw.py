@@ -133,9 +133,19 @@ class CoatAdamW(torch.optim.Optimizer):
         """Like torch's, but the state keeps its dtypes (moved to each param's device).
 
         torch casts every floating state tensor to the param's dtype, which would widen FP8 codes to
-        fp32 (4x the memory) and round the fp32 scales of a bf16 param to bf16."""
+        fp32 (4x the memory) and round the fp32 scales of a bf16 param to bf16. A state written by another
+        optimizer (or with fp8_state flipped) is refused before anything changes."""
+        saved_groups = state_dict["param_groups"]
+        for gi, saved in enumerate(saved_groups):
+            want = ("step",) + (_STATE_KEYS if saved.get("fp8_state", False) else ("exp_avg", "exp_avg_sq"))
+            for pid in saved["params"]:
+                st = state_dict["state"].get(pid)
+                missing = [k for k in want if st is not None and k not in st]
+                if missing or "fp8_state" not in saved:
+                    raise ValueError(f"CoatAdamW.load_state_dict: param_groups[{gi}] has no CoatAdamW state "
+                                     f"(missing {missing or ['fp8_state']}); was it saved by another optimizer?")
         super().load_state_dict({**state_dict, "state": {}})
-        params = {pid: p for saved, group in zip(state_dict["param_groups"], self.param_groups)
+        params = {pid: p for saved, group in zip(saved_groups, self.param_groups)
                   for pid, p in zip(saved["params"], group["params"])}
         for pid, st in state_dict["state"].items():
             p = params[pid]
