@@ -9,42 +9,21 @@ covers deepspeed.initialize, the launcher, HF Trainer and accelerate alike.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any, Iterable
 
-from ..formats import FORMATS, GROUP_SIZES
 from ..optim import CoatAdamW
+from ..optim.coat_adamw import PARAM_RULES, check_param
 
 NAME = "CoatAdamW"
 
-# key -> (check, allowed values in words)
-_PARAMS: dict[str, tuple] = {
-    "lr": (lambda v: _num(v) and v >= 0 and math.isfinite(v), "a finite number >= 0"),
-    "betas": (lambda v: isinstance(v, (list, tuple)) and len(v) == 2 and all(_num(b) and 0 <= b < 1 for b in v),
-              "two numbers in [0, 1), e.g. [0.9, 0.95]"),
-    "eps": (lambda v: _num(v) and v >= 0, "a number >= 0"),
-    "weight_decay": (lambda v: _num(v) and v >= 0, "a number >= 0"),
-    "group_size": (lambda v: v in GROUP_SIZES and not isinstance(v, bool), f"one of {list(GROUP_SIZES)}"),
-    "v_format": (lambda v: isinstance(v, str) and v.lower() in FORMATS, f"one of {sorted(FORMATS)}"),
-    "expansion": (lambda v: isinstance(v, bool), "true or false"),
-    "fp8_state": (lambda v: isinstance(v, bool), "true or false"),
-    "check_finite": (lambda v: isinstance(v, bool), "true or false"),
-}
-
-
-def _num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
 def validate_params(params: dict | None) -> dict:
-    """The optimizer "params" of a DeepSpeed config, checked; a ValueError names the key and what is allowed."""
+    """The optimizer "params" of a DeepSpeed config, checked by CoatAdamW's own rules; a ValueError names
+    the key and what is allowed."""
     params = dict(params or {})
     for key, value in params.items():
-        if key not in _PARAMS:
-            raise ValueError(f"optimizer.params.{key}: unknown key for CoatAdamW; allowed keys: {sorted(_PARAMS)}")
-        check, allowed = _PARAMS[key]
-        if not check(value):
-            raise ValueError(f"optimizer.params.{key}={value!r} is invalid for CoatAdamW; allowed: {allowed}")
+        if key not in PARAM_RULES:
+            raise ValueError(f"optimizer.params.{key}: unknown key for CoatAdamW; allowed keys: {sorted(PARAM_RULES)}")
+        check_param(key, value, where="optimizer.params.")
     if "betas" in params:
         params["betas"] = tuple(float(b) for b in params["betas"])
     if "v_format" in params:

@@ -3,19 +3,42 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
 from .. import ops
-from ..formats import E4M3, check_group_size, get_format, n_groups
+from ..formats import E4M3, FORMATS, GROUP_SIZES, FP8Format, get_format, n_groups
 
 _STATE_KEYS = ("exp_avg_q", "exp_avg_scale", "exp_avg_expo", "exp_avg_sq_q", "exp_avg_sq_scale", "exp_avg_sq_expo")
 
 
-def _check(cond: bool, key: str, value: Any, allowed: str) -> None:
-    if not cond:
-        raise ValueError(f"CoatAdamW: {key}={value!r} is invalid; allowed: {allowed}")
+def _num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+# Every hyper-parameter's rule, in one place: CoatAdamW checks its param groups with it and the
+# DeepSpeed glue checks a config's "optimizer.params" with it.  key -> (check, allowed values in words)
+PARAM_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "lr": (lambda v: _num(v) and v >= 0 and math.isfinite(v), "a finite number >= 0"),
+    "betas": (lambda v: isinstance(v, (list, tuple)) and len(v) == 2 and all(_num(b) and 0 <= b < 1 for b in v),
+              "two numbers in [0, 1), e.g. [0.9, 0.95]"),
+    "eps": (lambda v: _num(v) and v >= 0, "a number >= 0"),
+    "weight_decay": (lambda v: _num(v) and v >= 0, "a number >= 0"),
+    "group_size": (lambda v: v in GROUP_SIZES and not isinstance(v, bool), f"one of {list(GROUP_SIZES)}"),
+    "v_format": (lambda v: isinstance(v, FP8Format) or (isinstance(v, str) and v.lower() in FORMATS),
+                 f"one of {sorted(FORMATS)}"),
+    "expansion": (lambda v: isinstance(v, bool), "true or false"),
+    "fp8_state": (lambda v: isinstance(v, bool), "true or false"),
+    "check_finite": (lambda v: isinstance(v, bool), "true or false"),
+}
+
+
+def check_param(key: str, value: Any, where: str = "") -> None:
+    """A ValueError naming `key` (after `where`) and its allowed values when `value` breaks its rule."""
+    check, allowed = PARAM_RULES[key]
+    if not check(value):
+        raise ValueError(f"{where}{key}={value!r} is invalid for CoatAdamW; allowed: {allowed}")
 
 
 class CoatAdamW(torch.optim.Optimizer):
@@ -36,6 +59,7 @@ class CoatAdamW(torch.optim.Optimizer):
                  expansion: bool = True, fp8_state: bool = True, check_finite: bool = True) -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, group_size=group_size,
                         v_format=v_format, expansion=expansion, fp8_state=fp8_state)
+        check_param("check_finite", check_finite)
         self.check_finite = check_finite
         self.skipped_steps = 0
         super().__init__(params, defaults)
@@ -46,18 +70,10 @@ class CoatAdamW(torch.optim.Optimizer):
 
     @staticmethod
     def _validate(group: dict) -> None:
-        lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
-        _check(isinstance(lr, (float, int)) and lr >= 0 and math.isfinite(lr), "lr", lr, "a finite float >= 0")
-        betas = group["betas"]
-        _check(isinstance(betas, (tuple, list)) and len(betas) == 2 and all(0 <= b < 1 for b in betas), "betas",
-               betas, "two floats in [0, 1)")
-        group["betas"] = tuple(float(b) for b in betas)
-        _check(isinstance(eps, (float, int)) and eps >= 0, "eps", eps, "a float >= 0")
-        _check(isinstance(wd, (float, int)) and wd >= 0, "weight_decay", wd, "a float >= 0")
-        check_group_size(group["group_size"])
-        group["v_format"] = get_format(group["v_format"], "v_format").name
-        for key in ("expansion", "fp8_state"):
-            _check(isinstance(group[key], bool), key, group[key], "true or false")
+        for key in PARAM_RULES.keys() & group.keys():
+            check_param(key, group[key])
+        group["betas"] = tuple(float(b) for b in group["betas"])
+        group["v_format"] = get_format(group["v_format"]).name
 
     def _param_name(self, gi: int, pi: int) -> str:
         names = self.param_groups[gi].get("param_names")
