@@ -98,10 +98,12 @@ def main(argv: list[str] | None = None) -> int:
     from coat_ds.inject import inject
     from transformers import Trainer
 
-    activation = ds_config.get("coat", {}).get("activation")
-    if activation is not None:
-        inject(model, activation)      # the Trainer calls deepspeed.initialize itself: swap layers first
+    from coat_ds.activation import ActivationConfig
+
     targs = training_arguments(ds_config, args)
+    activation = ds_config.get("coat", {}).get("activation")
+    if activation is not None:     # the Trainer calls deepspeed.initialize itself: swap layers first
+        inject(model, ActivationConfig.from_dict(activation).resolve(targs.gradient_accumulation_steps))
     trainer = Trainer(model=model, args=targs, train_dataset=Windows(tokens.train, args.seq_len),
                       eval_dataset=Windows(tokens.val, args.seq_len, limit=args.eval_samples))
     result = trainer.train()

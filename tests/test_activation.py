@@ -31,6 +31,17 @@ def test_config_defaults_and_validation():
     with pytest.raises(ValueError, match="fwd_format"):
         ActivationConfig.from_dict({"fwd_format": "e3m4"})
     assert ActivationConfig.from_dict(c.to_dict()) == c
+    with pytest.raises(ValueError, match="cache_weights.*allowed: true, false, \"auto\""):
+        ActivationConfig.from_dict({"cache_weights": "yes"})
+
+
+def test_cache_weights_auto_follows_gradient_accumulation():
+    auto = ActivationConfig()
+    assert auto.cache_weights == "auto" and not auto.cache_enabled   # unresolved "auto" caches nothing
+    assert auto.resolve(4).cache_enabled and not auto.resolve(1).cache_enabled
+    assert not auto.resolve("auto").cache_enabled and not auto.resolve(None).cache_enabled
+    off = ActivationConfig(cache_weights=False)
+    assert not off.resolve(8).cache_enabled and ActivationConfig(cache_weights=True).resolve(1).cache_enabled
 
 
 # ---------------------------------------------------------------- reference ops
@@ -192,7 +203,7 @@ def test_layer_keeps_params_and_reverts():
 
 def test_weight_cache_reused_until_update():
     cfg, ref = _layer()
-    fp8 = CoatDecoderLayer(ref)
+    fp8 = CoatDecoderLayer(ref, {"cache_weights": True})
     x = torch.randn(2, 16, 128).to(torch.bfloat16)
     _run(fp8, cfg, x)
     first = fp8._qkv.operand(False)[0]
@@ -202,6 +213,14 @@ def test_weight_cache_reused_until_update():
     assert fp8._qkv.operand(False)[0] is not first
     fp8.clear_weight_cache()
     assert fp8.weight_cache_bytes() == 0
+
+
+def test_weight_cache_off_keeps_nothing():
+    cfg, ref = _layer()
+    fp8 = CoatDecoderLayer(ref)  # "auto", unresolved: off
+    _run(fp8, cfg, torch.randn(2, 16, 128).to(torch.bfloat16))
+    assert fp8.weight_cache_bytes() == 0
+    assert fp8._qkv.operand(False)[0] is not fp8._qkv.operand(False)[0]
 
 
 def test_backward_saves_only_fp8():

@@ -45,6 +45,22 @@ def test_coat_section():
         coat_section({"coat": {"activation": {"no_such_key": 1}}})
 
 
+@pytest.mark.parametrize("gas,cache", [(1, False), (4, True)])
+def test_initialize_resolves_cache_weights_auto(monkeypatch, gas, cache):
+    """coat_ds.deepspeed.initialize injects with the FP8 weight cache on only for gradient accumulation."""
+    transformers = pytest.importorskip("transformers")
+    import coat_ds.deepspeed as cds
+
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2))
+    monkeypatch.setattr(deepspeed, "initialize", lambda model, **kw: (model, kw["config"]))
+    out, cfg = cds.initialize(model, {"gradient_accumulation_steps": gas, "coat": {"activation": {}}})
+    layer = out.model.layers[0]
+    assert type(layer).__name__ == "CoatDecoderLayer"
+    assert layer.coat_config.cache_weights is cache and all(g.cache is cache for g in layer.weight_groups)
+    assert cfg["coat"]["activation"] == {}   # the user's config is passed on unchanged
+
+
 def _layout(segments, g, flat_numel):
     cuts = sorted(set(local_cut_keys(segments, g)))
     return ShardLayout(segments, flat_numel, g, None, {k: i for i, k in enumerate(cuts)})

@@ -1,7 +1,7 @@
 """The `"coat": {"activation": {...}}` section: which parts of a decoder layer run in FP8, and how."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Mapping
 
 from ..formats import FP8Format, get_format
@@ -20,14 +20,16 @@ class ActivationConfig:
     need range more than precision. `group_size` is the 1 x G group of the non-linear layers' saved
     inputs along the hidden dimension; the fused CUDA kernels exist for G = 16, other sizes use the
     plain-PyTorch path. `cache_weights` keeps each FP8 weight (and its transpose) until the weight
-    changes, so gradient-accumulation micro-batches quantize it once per optimizer step."""
+    changes, so gradient-accumulation micro-batches quantize it once per optimizer step; it costs 2 bytes per
+    parameter for the whole step (12 GiB at 7B), so "auto" turns it on only where DeepSpeed's
+    gradient_accumulation_steps > 1 (`resolve`); with one micro-batch per step there is nothing to reuse."""
 
     enabled: bool = True
     mode: str = "full"
     fwd_format: str = "e4m3"
     bwd_format: str = "e5m2"
     group_size: int = 16
-    cache_weights: bool = True
+    cache_weights: bool | str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):
@@ -39,8 +41,21 @@ class ActivationConfig:
         if self.group_size not in ACT_GROUP_SIZES:
             raise ValueError(f"activation.group_size={self.group_size!r} is not supported; "
                              f"allowed: {list(ACT_GROUP_SIZES)}")
-        if not isinstance(self.cache_weights, bool):
-            raise ValueError(f"activation.cache_weights={self.cache_weights!r} must be true or false")
+        if not isinstance(self.cache_weights, bool) and self.cache_weights != "auto":
+            raise ValueError(f"activation.cache_weights={self.cache_weights!r} is invalid; allowed: true, false, "
+                             "\"auto\"")
+
+    @property
+    def cache_enabled(self) -> bool:
+        """Whether the FP8 weight cache is on ("auto" unresolved means off)."""
+        return self.cache_weights is True
+
+    def resolve(self, gradient_accumulation_steps: Any) -> "ActivationConfig":
+        """A copy with cache_weights "auto" decided by DeepSpeed's gradient_accumulation_steps."""
+        if self.cache_weights != "auto":
+            return self
+        gas = gradient_accumulation_steps if isinstance(gradient_accumulation_steps, int) else 1
+        return replace(self, cache_weights=gas > 1)
 
     @property
     def fwd(self) -> FP8Format:

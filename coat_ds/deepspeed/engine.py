@@ -30,7 +30,8 @@ def _offloads_optimizer(cfg: dict) -> bool:
 def initialize(model: torch.nn.Module, config: Any = None, optimizer: Any = None, **kw: Any):
     """Same arguments and return value as deepspeed.initialize (config: dict or path).
 
-    - "coat": {"activation": {...}} injects the FP8 activation layers first (coat_ds.inject);
+    - "coat": {"activation": {...}} injects the FP8 activation layers first (coat_ds.inject), with
+      cache_weights "auto" on only when gradient_accumulation_steps > 1;
     - a CoatAdamW instance with ZeRO-Offload needs no "zero_force_ds_cpu_optimizer": false: it runs
       its CPU kernel on the offloaded partition (DeepSpeed's check targets slow torch optimizers).
     """
@@ -42,7 +43,7 @@ def initialize(model: torch.nn.Module, config: Any = None, optimizer: Any = None
     if section.activation is not None:
         from .. import inject
 
-        inject(model, section.activation)
+        inject(model, section.activation.resolve(cfg.get("gradient_accumulation_steps")))
     if isinstance(optimizer, CoatAdamW) and _offloads_optimizer(cfg):
         cfg.setdefault("zero_force_ds_cpu_optimizer", False)
     if optimizer is None and "model_parameters" not in kw and (cfg.get("optimizer") or {}).get("type") == "CoatAdamW":

@@ -74,7 +74,8 @@ def train(engine, steps: range, dtype: str, poison: set[int] = frozenset()) -> l
             engine.backward(loss)
             engine.step()
             total += loss.detach().float().cpu()
-        if world > 1:
+        if world > 1:  # on the engine's device: NCCL has no CPU backend
+            total = total.to(engine.device)
             dist.all_reduce(total)
         losses.append(total.item() / MICRO_BATCHES)
     return losses
