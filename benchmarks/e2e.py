@@ -19,7 +19,7 @@ At the equal micro-batch each worker also breaks its memory down from the real t
 16-bit model plus the fp32 master partition), optimizer state (every tensor in the base optimizer's
 state), gradients (the model's `.grad`s and the ZeRO optimizer's gradient buffers, after backward) and
 activations (the bytes autograd saves for backward, seen through `saved_tensors_hooks`); on CUDA the
-allocator's deltas around forward and backward are reported beside them.
+allocator's deltas around forward and backward, and its peak in forward+backward and in the optimizer step, are reported beside them.
 
 Output in --out: e2e.json (device, model, memory_reduction, speedup_at_max_batch, one row per
 configuration, versions, command, date) and e2e.png.
@@ -347,6 +347,8 @@ def worker(args: argparse.Namespace) -> int:
 
         sync()
         a0 = accel.memory_allocated() if on_cuda else None
+        if on_cuda:
+            accel.reset_peak_memory_stats()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = train_lib.lm_loss(engine, x, y)
         sync()
@@ -357,14 +359,21 @@ def worker(args: argparse.Namespace) -> int:
         grads = counter.add(grad_tensors(engine))
         fp8_cache = counter.add(t for m in engine.module.modules() for v in vars(m).values()
                                 if isinstance(getattr(v, "_codes", None), dict) for t in v._codes.values())
+        peak_fb = accel.max_memory_allocated() if on_cuda else None
+        if on_cuda:
+            accel.reset_peak_memory_stats()
         engine.step()
         sync()
+        peak_step = accel.max_memory_allocated() if on_cuda else None
         acts = sum(v for k, v in saved.items() if k not in counter.seen)
         rec = {"weights_gb": (weights + master + fp8_cache) / GIB, "model_weights_gb": weights / GIB,
                "master_weights_gb": master / GIB, "fp8_weight_cache_gb": fp8_cache / GIB, "optimizer_state_gb": opt_state / GIB, "grads_gb": grads / GIB,
                "activations_gb": acts / GIB,
                "alloc_forward_delta_gb": (a1 - a0) / GIB if on_cuda else None,
-               "alloc_backward_delta_gb": (a2 - a0) / GIB if on_cuda else None}
+               "alloc_backward_delta_gb": (a2 - a0) / GIB if on_cuda else None,
+               # which phase sets the peak: forward+backward, or the ZeRO optimizer step (fp32 gradient copies)
+               "peak_forward_backward_gb": peak_fb / GIB if on_cuda else None,
+               "peak_optimizer_step_gb": peak_step / GIB if on_cuda else None}
         return rec
 
     def rung_inputs(b: int):
