@@ -22,6 +22,13 @@ from .gemm import fp8_mm
 from .weight_cache import WeightGroup
 
 
+def residual_add(out: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
+    """out + res: in place in eager mode; out of place where a graph is traced. torch < 2.13's compiled
+    autograd.Function drops the gradient of an output that its forward mutated in place (all-zero
+    gradients for everything before it; seen with torch 2.11, CPU and CUDA alike)."""
+    return out + res if ops.tracing(out) else out.add_(res)
+
+
 def quant_operand(x: torch.Tensor, fmt: FP8Format, rowmajor: bool = True, transposed: bool = False):
     """(codes, transposed codes, scale) of a per-tensor FP8 GEMM operand: row maxima, then one scale."""
     scale = ops.tensor_scale(ops.row_amax(x), fmt)
@@ -85,7 +92,7 @@ class MlpFn(Function):
         a, _ = ops.silu_mul_rebuild(q, s, a_s, fwd, g)
         wq, ws = down.operand(transposed=False)
         out = fp8_mm(a, a_s, wq, ws, h.dtype, down.bias_cat())
-        out += h
+        out = residual_add(out, h)
         ctx.save_for_backward(xq, xs, rstd, ys, q, s, a_s, norm_w)
         ctx.cfg, ctx.gu, ctx.down = cfg, gu, down
         return out
@@ -140,7 +147,7 @@ class LinearFn(Function):
         wq, ws = group.operand(transposed=False)
         out = fp8_mm(q, xs, wq, ws, x.dtype, group.bias_cat())
         if residual is not None:
-            out += residual
+            out = residual_add(out, residual)
         ctx.save_for_backward(qt if save_fp8 else x, xs)
         ctx.cfg, ctx.group, ctx.save_fp8, ctx.has_res = cfg, group, save_fp8, residual is not None
         return out

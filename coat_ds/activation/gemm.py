@@ -10,6 +10,8 @@ import warnings
 
 import torch
 
+from .ops import tracing
+
 
 @functools.lru_cache(maxsize=None)
 def _has_fp8_gemm(device_index: int) -> bool:
@@ -42,8 +44,7 @@ def _fp8_mm(a: torch.Tensor, sa: torch.Tensor, b_t: torch.Tensor, sb: torch.Tens
     return out if bias is None else out + bias
 
 
-# Opaque to the compiler, like the other FP8 ops: the graph keeps the exact cuBLAS call that eager mode runs
-# (seen: inductor's own lowering of these mixed-format GEMMs gave zero input gradients on an H100).
+# Opaque to the compiler, like the other FP8 ops: the graph keeps the exact cuBLAS call that eager mode runs.
 _fp8_mm_op = torch.library.custom_op(
     "coat_act::fp8_mm", mutates_args=(),
     schema="(Tensor a, Tensor sa, Tensor b_t, Tensor sb, ScalarType out_dtype, Tensor? bias) -> Tensor")(_fp8_mm)
@@ -54,6 +55,6 @@ _fp8_mm_op.register_fake(lambda a, sa, b_t, sb, out_dtype, bias: a.new_empty(a.s
 def fp8_mm(a: torch.Tensor, sa: torch.Tensor, b_t: torch.Tensor, sb: torch.Tensor, out_dtype: torch.dtype,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """(a * sa) @ (b_t * sb)^T: a [M, K] and b_t [N, K] FP8 row-major, sa/sb fp32 0-d scales -> [M, N]."""
-    if torch.compiler.is_compiling():
+    if tracing(a):
         return _fp8_mm_op(a, sa, b_t, sb, out_dtype, bias)
     return _fp8_mm(a, sa, b_t, sb, out_dtype, bias)

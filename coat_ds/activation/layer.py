@@ -6,7 +6,6 @@ return value and HF's own pieces for what stays bf16: rotary embeddings (`positi
 KV cache, masks and the attention backend (`ALL_ATTENTION_FUNCTIONS`: sdpa / eager / flash)."""
 from __future__ import annotations
 
-import os
 import sys
 from typing import Any
 
@@ -49,15 +48,6 @@ def _check_layer(hf_layer: nn.Module, cfg: ActivationConfig) -> None:
                          "use activation.mode='linear'")
 
 
-def trace_under_compile(x: torch.Tensor) -> bool:
-    """Whether torch.compile traces the FP8 layer (custom ops, fullgraph) or runs it eagerly behind a graph break.
-
-    Traced on the CPU (tested: matches eager). On CUDA the traced graph's backward returned all-zero gradients
-    on an H100 (torch 2.11; forward correct; cause not found yet), so there the layer runs eagerly inside the
-    compiled model unless COAT_ACT_COMPILE_CUDA=1."""
-    return not x.is_cuda or os.environ.get("COAT_ACT_COMPILE_CUDA", "0") == "1"
-
-
 class CoatDecoderLayer(_Base):
     """FP8 twin of an HF decoder layer; same parameters, same forward signature and output."""
 
@@ -78,7 +68,7 @@ class CoatDecoderLayer(_Base):
                 setattr(self, name, getattr(hf_layer, name))
         self.gradient_checkpointing = getattr(hf_layer, "gradient_checkpointing", False)
         object.__setattr__(self, "_hf_layer", hf_layer)  # not a submodule: state_dict keys stay unchanged
-        a, m, fwd, cache = self.self_attn, self.mlp, cfg.fwd, cfg.cache_weights
+        a, m, fwd, cache = self.self_attn, self.mlp, cfg.fwd, cfg.cache_enabled
         self._qkv = WeightGroup([a.q_proj, a.k_proj, a.v_proj], fwd, cache)
         self._o = WeightGroup([a.o_proj], fwd, cache)
         self._gu = WeightGroup([m.gate_proj, m.up_proj], fwd, cache)
@@ -148,18 +138,6 @@ class CoatDecoderLayer(_Base):
                 position_ids: torch.LongTensor | None = None, past_key_values: Any = None,
                 use_cache: bool | None = False, position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
                 **kwargs: Any) -> torch.Tensor:
-        if torch.compiler.is_compiling() and not trace_under_compile(hidden_states):
-            return _forward_eager(self, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
-                                  past_key_values=past_key_values, use_cache=use_cache,
-                                  position_embeddings=position_embeddings, **kwargs)
-        return self._forward(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
-                             past_key_values=past_key_values, use_cache=use_cache,
-                             position_embeddings=position_embeddings, **kwargs)
-
-    def _forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                 position_ids: torch.LongTensor | None = None, past_key_values: Any = None,
-                 use_cache: bool | None = False, position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 **kwargs: Any) -> torch.Tensor:
         cfg = self.coat_config
         if not cfg.enabled:
             return self._hf_layer(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
@@ -185,6 +163,3 @@ class CoatDecoderLayer(_Base):
             gate, up = gate_up.split(self._gu.out_features, dim=-1)
             out = h + LinearFn.apply(self.mlp.act_fn(gate) * up, None, cfg, self._down, True, *self._down.params())
         return out.view(*input_shape, hsz)
-
-
-_forward_eager = torch.compiler.disable(CoatDecoderLayer._forward)

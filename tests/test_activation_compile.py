@@ -1,0 +1,173 @@
+"""The FP8 layer under torch.compile and other tracers: what the traced graph holds, and its gradients.
+
+Two ways a traced FP8 layer has given wrong gradients, each checked here on the CPU:
+  - torch < 2.13 (seen on 2.11, CPU and CUDA): an autograd.Function whose forward adds into its own output
+    in place (`out += residual`) gets a compiled backward that ignores the output's gradient (uses zeros),
+    so every gradient before it is 0. The forward is right. Torch 2.13 traces it correctly, so on 2.13 the
+    check is structural: no autograd.Function forward in the Dynamo graph mutates anything in place.
+  - an eager implementation (a CUDA kernel writing into `torch.empty` outputs through raw pointers) run on
+    fake/functional tensors while a graph is traced: the graph would hold only the empty outputs. Every
+    tracer must see the `coat_act` custom ops instead (ops.tracing()), also make_fx without Dynamo."""
+import collections
+import copy
+import operator
+
+import pytest
+import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from coat_ds.activation import CoatDecoderLayer, gemm, ops
+
+transformers = pytest.importorskip("transformers")
+from transformers import LlamaConfig  # noqa: E402
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding  # noqa: E402
+
+from coat_ds.formats import E4M3, E5M2  # noqa: E402
+
+IMPLS = [(ops, "_" + n) for n in ops.SCHEMAS] + [(gemm, "_fp8_mm")]
+
+
+@pytest.fixture
+def eager_impl_calls(monkeypatch):
+    """(name, traced) of every call of an eager implementation; traced: a python dispatch mode is active or
+    an argument is a tensor subclass (fake/functional), i.e. the call happens while a graph is traced."""
+    calls = collections.Counter()
+    for mod, name in IMPLS:
+        def wrapped(*args, _f=getattr(mod, name), _n=name):
+            traced = _get_current_dispatch_mode() is not None or any(
+                isinstance(a, torch.Tensor) and type(a) not in (torch.Tensor, torch.nn.Parameter) for a in args)
+            calls[(_n, traced)] += 1
+            return _f(*args)
+        monkeypatch.setattr(mod, name, wrapped)
+    return calls
+
+
+def _layer(seed=0):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(hidden_size=128, intermediate_size=352, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=32)
+    cfg._attn_implementation = "sdpa"
+    layer = LlamaDecoderLayer(cfg, 0).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.05) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+    return cfg, layer
+
+
+def _run(fn, layer, cfg, x):
+    b, s, _ = x.shape
+    pos = torch.arange(s)[None].expand(b, s)
+    pe = LlamaRotaryEmbedding(cfg)(x, pos)
+    xi = x.detach().clone().requires_grad_()
+    y = fn(xi, attention_mask=None, position_ids=pos, position_embeddings=pe)
+    y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(y.dtype))
+    out = {"out": y.detach(), "dx": xi.grad} | {n: p.grad for n, p in layer.named_parameters()}
+    layer.zero_grad(set_to_none=True)
+    return out
+
+
+def _in_place_ops_in_function_forwards(gm: torch.fx.GraphModule) -> list[str]:
+    """In-place ops in the forward subgraphs of the autograd.Functions that Dynamo traced."""
+    bodies = set()
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and "autograd_function_apply" in str(node.target):
+            bodies.update(a.target for a in node.args if isinstance(a, torch.fx.Node) and a.op == "get_attr")
+    found = []
+    for name in bodies:
+        body = getattr(gm, name)
+        if not isinstance(body, torch.fx.GraphModule) or "bwd" in name:
+            continue
+        for node in body.graph.nodes:
+            t = node.target
+            in_place = t in (operator.iadd, operator.isub, operator.imul, operator.itruediv) or (
+                node.op == "call_method" and isinstance(t, str) and t.endswith("_") and not t.startswith("_")) or (
+                isinstance(t, torch._ops.OpOverload) and t._schema.is_mutable)
+            if node.op in ("call_function", "call_method") and in_place:
+                found.append(f"{name}: {t}")
+    return found
+
+
+@pytest.mark.parametrize("mode", ["full", "linear"])
+def test_compiled_grads_equal_eager(mode, eager_impl_calls):
+    """torch.compile (fullgraph, AOTAutograd without inductor): output and every gradient bit-identical to
+    eager (same ops, same order; NaN never equal); no eager implementation runs while tracing; no Function
+    forward mutates in place (the torch < 2.13 zero-gradient trigger)."""
+    cfg, ref = _layer()
+    eager_layer = CoatDecoderLayer(copy.deepcopy(ref), {"mode": mode})
+    x = torch.randn(2, 32, 128, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    want = _run(eager_layer, eager_layer, cfg, x)
+    assert not any(traced for _, traced in eager_impl_calls)
+    eager_impl_calls.clear()
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+    torch._dynamo.reset()
+    layer = CoatDecoderLayer(copy.deepcopy(ref), {"mode": mode})
+    got = _run(torch.compile(layer, backend=backend, fullgraph=True), layer, cfg, x)
+    assert len(graphs) == 1
+    assert _in_place_ops_in_function_forwards(graphs[0]) == []
+    traced = sorted(name for (name, t) in eager_impl_calls if t)
+    assert traced == [], f"eager implementations ran on traced tensors: {traced}"
+    assert want.keys() == got.keys()
+    for name in want:
+        assert torch.isfinite(want[name]).all() and want[name].abs().max() > 0, name
+        assert torch.equal(got[name], want[name]), (name, (got[name].float() - want[name].float()).abs().max())
+
+
+def test_inductor_grads_match_eager():
+    """Default backend (inductor, CPU): it fuses the bf16 element-wise math around the custom ops, so
+    results move by bf16 roundings: cosine >= 0.998 for every tensor, none all-zero, all finite."""
+    cfg, ref = _layer()
+    eager_layer = CoatDecoderLayer(copy.deepcopy(ref))
+    x = torch.randn(2, 32, 128, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    want = _run(eager_layer, eager_layer, cfg, x)
+    torch._dynamo.reset()
+    layer = CoatDecoderLayer(copy.deepcopy(ref))
+    got = _run(torch.compile(layer, fullgraph=True), layer, cfg, x)
+    for name in want:
+        a, b = got[name].float(), want[name].float()
+        assert torch.isfinite(a).all() and a.abs().max() > 0, name
+        assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), 0).item() >= 0.998, name
+
+
+def test_make_fx_traces_custom_ops(eager_impl_calls):
+    """make_fx (no Dynamo: torch.compiler.is_compiling() is False) of the ops, forward and backward kinds:
+    the graph holds the opaque coat_act ops, never an eager implementation's insides."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(x, w, dy, wt):
+        xq, xs, rstd, ymax = ops.rmsnorm_quant(x, w, 1e-6, E4M3, 16)
+        ys = ops.tensor_scale(ymax, E4M3)
+        y, yt = ops.rmsnorm_rebuild(xq, xs, rstd, w, ys, E4M3, 16, True, True)
+        ws = ops.tensor_scale(ops.row_amax(wt), E4M3)
+        wq, _ = ops.quant_tensor(wt, ws, E4M3)
+        out = gemm.fp8_mm(y, ys, wq, ws, x.dtype)
+        q, s, amax = ops.silu_mul_quant(torch.cat([out, out], 1), E4M3, 16)
+        dgu, _ = ops.silu_mul_backward(dy, q, s, 16)
+        dx, dw = ops.rmsnorm_backward(dgu[:, :128], xq, xs, rstd, w, 16, dres=dy)
+        return out, dx, dw, yt, ops.silu_mul_rebuild(q, s, ops.tensor_scale(amax, E5M2), E5M2, 16)[0]
+
+    x, dy = torch.randn(32, 128).bfloat16(), torch.randn(32, 128).bfloat16()
+    w, wt = (torch.rand(128) + 0.5).bfloat16(), torch.randn(128, 128).bfloat16()
+    for mode in ("fake", "real"):
+        eager_impl_calls.clear()
+        gm = make_fx(f, tracing_mode=mode)(x, w, dy, wt)
+        targets = collections.Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        ours = {t.split(".")[1] for t in targets if t.startswith("coat_act.")}
+        assert ours == {"rmsnorm_quant", "tensor_scale", "rmsnorm_rebuild", "row_amax", "quant_tensor", "fp8_mm",
+                        "silu_mul_quant", "silu_mul_backward", "rmsnorm_backward", "silu_mul_rebuild"}, targets
+        assert not any(traced for _, traced in eager_impl_calls), eager_impl_calls
+        for a, b in zip(gm(x, w, dy, wt), f(x, w, dy, wt)):
+            assert torch.equal(a, b)
+
+
+def test_eager_path_skips_the_dispatcher(eager_impl_calls):
+    """On real tensors with no dispatch mode, the ops call their implementation directly."""
+    assert not ops.tracing(torch.ones(2)) and not ops.tracing()
+    x = torch.randn(32, 64).bfloat16()
+    ops.row_amax(x)
+    assert eager_impl_calls == {("_row_amax", False): 1}
