@@ -31,13 +31,15 @@ def test_config_defaults_and_validation():
     with pytest.raises(ValueError, match="fwd_format"):
         ActivationConfig.from_dict({"fwd_format": "e3m4"})
     assert ActivationConfig.from_dict(c.to_dict()) == c
-    with pytest.raises(ValueError, match="cache_weights.*allowed: true, false, \"auto\""):
+    with pytest.raises(ValueError, match="cache_weights.*allowed: true, false, 'when_accumulating'"):
         ActivationConfig.from_dict({"cache_weights": "yes"})
+    with pytest.raises(ValueError, match="not 'auto'"):
+        ActivationConfig.from_dict({"cache_weights": "auto"})
 
 
-def test_cache_weights_auto_follows_gradient_accumulation():
+def test_cache_weights_default_follows_gradient_accumulation():
     auto = ActivationConfig()
-    assert auto.cache_weights == "auto" and not auto.cache_enabled   # unresolved "auto" caches nothing
+    assert auto.cache_weights == "when_accumulating" and not auto.cache_enabled   # unresolved, it caches nothing
     assert auto.resolve(4).cache_enabled and not auto.resolve(1).cache_enabled
     assert not auto.resolve("auto").cache_enabled and not auto.resolve(None).cache_enabled
     off = ActivationConfig(cache_weights=False)
@@ -217,7 +219,7 @@ def test_weight_cache_reused_until_update():
 
 def test_weight_cache_off_keeps_nothing():
     cfg, ref = _layer()
-    fp8 = CoatDecoderLayer(ref)  # "auto", unresolved: off
+    fp8 = CoatDecoderLayer(ref)  # "when_accumulating", unresolved: off
     _run(fp8, cfg, torch.randn(2, 16, 128).to(torch.bfloat16))
     assert fp8.weight_cache_bytes() == 0
     assert fp8._qkv.operand(False)[0] is not fp8._qkv.operand(False)[0]

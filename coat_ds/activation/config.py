@@ -8,6 +8,7 @@ from ..formats import FP8Format, get_format
 
 MODES = ("linear", "full")
 ACT_GROUP_SIZES = (16, 32, 64, 128)
+CACHE_WHEN_ACCUMULATING = "when_accumulating"
 
 
 @dataclass(frozen=True)
@@ -21,7 +22,7 @@ class ActivationConfig:
     inputs along the hidden dimension; the fused CUDA kernels exist for G = 16, other sizes use the
     plain-PyTorch path. `cache_weights` keeps each FP8 weight (and its transpose) until the weight
     changes, so gradient-accumulation micro-batches quantize it once per optimizer step; it costs 2 bytes per
-    parameter for the whole step (12 GiB at 7B), so "auto" turns it on only where DeepSpeed's
+    parameter for the whole step (12 GiB at 7B), so "when_accumulating" turns it on only where DeepSpeed's
     gradient_accumulation_steps > 1 (`resolve`); with one micro-batch per step there is nothing to reuse."""
 
     enabled: bool = True
@@ -29,7 +30,7 @@ class ActivationConfig:
     fwd_format: str = "e4m3"
     bwd_format: str = "e5m2"
     group_size: int = 16
-    cache_weights: bool | str = "auto"
+    cache_weights: bool | str = "when_accumulating"
 
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):
@@ -41,18 +42,18 @@ class ActivationConfig:
         if self.group_size not in ACT_GROUP_SIZES:
             raise ValueError(f"activation.group_size={self.group_size!r} is not supported; "
                              f"allowed: {list(ACT_GROUP_SIZES)}")
-        if not isinstance(self.cache_weights, bool) and self.cache_weights != "auto":
+        if not isinstance(self.cache_weights, bool) and self.cache_weights != CACHE_WHEN_ACCUMULATING:
             raise ValueError(f"activation.cache_weights={self.cache_weights!r} is invalid; allowed: true, false, "
-                             "\"auto\"")
+                             f"{CACHE_WHEN_ACCUMULATING!r} (not 'auto': HF Trainer rejects 'auto' values it does not fill)")
 
     @property
     def cache_enabled(self) -> bool:
-        """Whether the FP8 weight cache is on ("auto" unresolved means off)."""
+        """Whether the FP8 weight cache is on ("when_accumulating" unresolved means off)."""
         return self.cache_weights is True
 
     def resolve(self, gradient_accumulation_steps: Any) -> "ActivationConfig":
-        """A copy with cache_weights "auto" decided by DeepSpeed's gradient_accumulation_steps."""
-        if self.cache_weights != "auto":
+        """A copy with cache_weights "when_accumulating" decided by DeepSpeed's gradient_accumulation_steps."""
+        if self.cache_weights != CACHE_WHEN_ACCUMULATING:
             return self
         gas = gradient_accumulation_steps if isinstance(gradient_accumulation_steps, int) else 1
         return replace(self, cache_weights=gas > 1)

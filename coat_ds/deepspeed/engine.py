@@ -31,7 +31,7 @@ def initialize(model: torch.nn.Module, config: Any = None, optimizer: Any = None
     """Same arguments and return value as deepspeed.initialize (config: dict or path).
 
     - "coat": {"activation": {...}} injects the FP8 activation layers first (coat_ds.inject), with
-      cache_weights "auto" on only when gradient_accumulation_steps > 1;
+      cache_weights "when_accumulating" on only when gradient_accumulation_steps > 1;
     - a CoatAdamW instance with ZeRO-Offload needs no "zero_force_ds_cpu_optimizer": false: it runs
       its CPU kernel on the offloaded partition (DeepSpeed's check targets slow torch optimizers).
     """
