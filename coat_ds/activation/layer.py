@@ -91,6 +91,14 @@ class CoatDecoderLayer(_Base):
         for g in self.weight_groups:
             g.clear()
 
+    def resolve_weight_cache(self, gradient_accumulation_steps: int) -> None:
+        """Decide cache_weights "when_accumulating" now that the micro-batches per step are known."""
+        self.coat_config = self.coat_config.resolve(gradient_accumulation_steps)
+        for g in self.weight_groups:
+            g.cache = self.coat_config.cache_enabled
+            if not g.cache:
+                g.clear()
+
     def weight_cache_bytes(self) -> int:
         return sum(g.nbytes() for g in self.weight_groups)
 

@@ -30,8 +30,9 @@ def _offloads_optimizer(cfg: dict) -> bool:
 def initialize(model: torch.nn.Module, config: Any = None, optimizer: Any = None, **kw: Any):
     """Same arguments and return value as deepspeed.initialize (config: dict or path).
 
-    - "coat": {"activation": {...}} injects the FP8 activation layers first (coat_ds.inject), with
-      cache_weights "when_accumulating" on only when gradient_accumulation_steps > 1;
+    - "coat": {"activation": {...}} injects the FP8 activation layers first (coat_ds.inject); cache_weights
+      "when_accumulating" is decided afterwards from the engine's gradient_accumulation_steps (DeepSpeed
+      derives it from train_batch_size where the config leaves it out);
     - a CoatAdamW instance with ZeRO-Offload needs no "zero_force_ds_cpu_optimizer": false: it runs
       its CPU kernel on the offloaded partition (DeepSpeed's check targets slow torch optimizers).
     """
@@ -43,9 +44,15 @@ def initialize(model: torch.nn.Module, config: Any = None, optimizer: Any = None
     if section.activation is not None:
         from .. import inject
 
-        inject(model, section.activation.resolve(cfg.get("gradient_accumulation_steps")))
+        inject(model, section.activation)
     if isinstance(optimizer, CoatAdamW) and _offloads_optimizer(cfg):
         cfg.setdefault("zero_force_ds_cpu_optimizer", False)
     if optimizer is None and "model_parameters" not in kw and (cfg.get("optimizer") or {}).get("type") == "CoatAdamW":
         kw["model_parameters"] = [p for p in model.parameters() if p.requires_grad]
-    return deepspeed.initialize(model=model, config=cfg, optimizer=optimizer, **kw)
+    result = deepspeed.initialize(model=model, config=cfg, optimizer=optimizer, **kw)
+    if section.activation is not None:
+        gas = result[0].gradient_accumulation_steps()
+        for m in model.modules():
+            if hasattr(m, "resolve_weight_cache"):
+                m.resolve_weight_cache(gas)
+    return result
