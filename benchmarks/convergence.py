@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from e2e import (CONFIGS, ROOT, WarningLog, base_optimizer, command, device_name, ds_config,  # noqa: E402
+from e2e import (CONFIGS, ROOT, WarningLog, base_optimizer, check_args, command, device_name, ds_config,  # noqa: E402
                  free_port, now, versions)
 
 TARGET_GAP = 0.005   # final validation loss within 0.5% of BF16
@@ -233,13 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         args.warmup_steps, args.log_every, args.eval_every, args.eval_batches = 1, 1, 3, 1
         args.vocab_size, args.state_sample = 512, 4096
         args.data = args.data or str(ROOT / "coat_ds")        # a small text folder: the BPE trains in seconds
-    names = [n.strip() for n in args.configs.split(",") if n.strip()]
-    for n in names:
-        if n not in CONFIGS:
-            p.error(f"--configs: {n!r} is unknown; allowed: {list(CONFIGS)}")
-    for key in ("seq_len", "micro_batch", "steps", "log_every", "eval_every", "eval_batches"):
-        if getattr(args, key) < 1:
-            p.error(f"--{key.replace('_', '-')}={getattr(args, key)} is invalid; allowed: an integer >= 1")
+    names = check_args(p, args, ("seq_len", "micro_batch", "steps", "log_every", "eval_every", "eval_batches"))
 
     sys.path.insert(0, str(ROOT / "examples"))
     import data as data_lib

@@ -19,7 +19,8 @@ At the equal micro-batch each worker also breaks its memory down from the real t
 16-bit model plus the fp32 master partition), optimizer state (every tensor in the base optimizer's
 state), gradients (the model's `.grad`s and the ZeRO optimizer's gradient buffers, after backward) and
 activations (the bytes autograd saves for backward, seen through `saved_tensors_hooks`); on CUDA the
-allocator's deltas around forward and backward, and its peak in forward+backward and in the optimizer step, are reported beside them.
+allocator's deltas around forward and backward, and its peaks in forward+backward and in the optimizer
+step, are reported beside them.
 
 Output in --out: e2e.json (device, model, memory_reduction, speedup_at_max_batch, one row per
 configuration, versions, command, date) and e2e.png.
@@ -201,6 +202,18 @@ class WarningLog:
         self._show(message, category, filename, lineno, file, line)
 
 
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace, positive: tuple[str, ...]) -> list[str]:
+    """The --configs names, each one known, after p.error for any unknown name or `positive` option below 1."""
+    names = [n.strip() for n in args.configs.split(",") if n.strip()]
+    for n in names:
+        if n not in CONFIGS:
+            p.error(f"--configs: {n!r} is unknown; allowed: {list(CONFIGS)}")
+    for key in positive:
+        if getattr(args, key) < 1:
+            p.error(f"--{key.replace('_', '-')}={getattr(args, key)} is invalid; allowed: an integer >= 1")
+    return names
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -367,7 +380,8 @@ def worker(args: argparse.Namespace) -> int:
         peak_step = accel.max_memory_allocated() if on_cuda else None
         acts = sum(v for k, v in saved.items() if k not in counter.seen)
         rec = {"weights_gb": (weights + master + fp8_cache) / GIB, "model_weights_gb": weights / GIB,
-               "master_weights_gb": master / GIB, "fp8_weight_cache_gb": fp8_cache / GIB, "optimizer_state_gb": opt_state / GIB, "grads_gb": grads / GIB,
+               "master_weights_gb": master / GIB, "fp8_weight_cache_gb": fp8_cache / GIB,
+               "optimizer_state_gb": opt_state / GIB, "grads_gb": grads / GIB,
                "activations_gb": acts / GIB,
                "alloc_forward_delta_gb": (a1 - a0) / GIB if on_cuda else None,
                "alloc_backward_delta_gb": (a2 - a0) / GIB if on_cuda else None,
@@ -615,13 +629,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         args.model, args.seq_len, args.steps, args.warmup = "tiny", 32, 1, 0
         args.max_batch, args.equal_batch, args.max_rungs = min(args.max_batch, 2), 1, 2
-    names = [n.strip() for n in args.configs.split(",") if n.strip()]
-    for n in names:
-        if n not in CONFIGS:
-            p.error(f"--configs: {n!r} is unknown; allowed: {list(CONFIGS)}")
-    for key in ("seq_len", "equal_batch", "max_batch", "steps", "num_gpus", "max_rungs"):
-        if getattr(args, key) < 1:
-            p.error(f"--{key.replace('_', '-')}={getattr(args, key)} is invalid; allowed: an integer >= 1")
+    names = check_args(p, args, ("seq_len", "equal_batch", "max_batch", "steps", "num_gpus", "max_rungs"))
     if not 0 < args.mem_fraction <= 1:
         p.error(f"--mem-fraction={args.mem_fraction} is invalid; allowed: a float in (0, 1]")
 

@@ -50,16 +50,22 @@ def _linear_backward(dout: torch.Tensor, group: WeightGroup, xt: torch.Tensor, x
     return dx, group.split_grad(dw, db)
 
 
+def _norm_linear(x: torch.Tensor, norm_w: torch.Tensor, eps: float, cfg: ActivationConfig, group: WeightGroup):
+    """RMSNorm then an FP8 GEMM: (output, (xq, xs, rstd, ys)), the norm's FP8 input and the scale of its
+    FP8 output being what backward rebuilds the GEMM input from."""
+    fwd, g = cfg.fwd, cfg.group_size
+    xq, xs, rstd, ymax = ops.rmsnorm_quant(x, norm_w, eps, fwd, g)
+    ys = ops.tensor_scale(ymax, fwd)
+    y, _ = ops.rmsnorm_rebuild(xq, xs, rstd, norm_w, ys, fwd, g)
+    wq, ws = group.operand(transposed=False)
+    return fp8_mm(y, ys, wq, ws, x.dtype, group.bias_cat()), (xq, xs, rstd, ys)
+
+
 class NormLinearFn(Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, norm_w: torch.Tensor, eps: float, cfg: ActivationConfig,
                 group: WeightGroup, *params: torch.Tensor) -> torch.Tensor:
-        fwd, g = cfg.fwd, cfg.group_size
-        xq, xs, rstd, ymax = ops.rmsnorm_quant(x, norm_w, eps, fwd, g)
-        ys = ops.tensor_scale(ymax, fwd)
-        y, _ = ops.rmsnorm_rebuild(xq, xs, rstd, norm_w, ys, fwd, g)
-        wq, ws = group.operand(transposed=False)
-        out = fp8_mm(y, ys, wq, ws, x.dtype, group.bias_cat())
+        out, (xq, xs, rstd, ys) = _norm_linear(x, norm_w, eps, cfg, group)
         ctx.save_for_backward(xq, xs, rstd, ys, norm_w)
         ctx.cfg, ctx.group = cfg, group
         return out
@@ -80,12 +86,7 @@ class MlpFn(Function):
     def forward(ctx, h: torch.Tensor, norm_w: torch.Tensor, eps: float, cfg: ActivationConfig,
                 gu: WeightGroup, down: WeightGroup, *params: torch.Tensor) -> torch.Tensor:
         fwd, g = cfg.fwd, cfg.group_size
-        xq, xs, rstd, ymax = ops.rmsnorm_quant(h, norm_w, eps, fwd, g)
-        ys = ops.tensor_scale(ymax, fwd)
-        y, _ = ops.rmsnorm_rebuild(xq, xs, rstd, norm_w, ys, fwd, g)
-        wq, ws = gu.operand(transposed=False)
-        gate_up = fp8_mm(y, ys, wq, ws, h.dtype, gu.bias_cat())
-        del y
+        gate_up, (xq, xs, rstd, ys) = _norm_linear(h, norm_w, eps, cfg, gu)
         q, s, amax = ops.silu_mul_quant(gate_up, fwd, g)
         del gate_up
         a_s = ops.tensor_scale(amax, fwd)
