@@ -75,7 +75,8 @@ GIB = 2 ** 30
 # Shared with convergence.py: configs, model, run metadata
 # ---------------------------------------------------------------------------------------------------------
 def ds_config(name: str, *, micro_batch: int, zero_stage: int | None = None, on_cpu: bool = False,
-              lr: float | None = None, total_steps: int | None = None, warmup_steps: int | None = None) -> dict:
+              lr: float | None = None, total_steps: int | None = None, warmup_steps: int | None = None,
+              grad_accum_dtype: str | None = None) -> dict:
     """The DeepSpeed config of configuration `name` with the benchmark's overrides applied.
 
     On CPU the BF16 baseline uses torch's AdamW (`torch_adam`): FusedAdam would JIT-build a C++ op there."""
@@ -100,6 +101,8 @@ def ds_config(name: str, *, micro_batch: int, zero_stage: int | None = None, on_
     cfg.setdefault("wall_clock_breakdown", False)
     if zero_stage is not None:
         cfg.setdefault("zero_optimization", {})["stage"] = zero_stage
+    if grad_accum_dtype is not None:   # DeepSpeed's gradient-partition dtype (docs/deepspeed.md: the step peak)
+        cfg.setdefault("data_types", {})["grad_accum_dtype"] = grad_accum_dtype
     opt = cfg.get("optimizer", {})
     if on_cpu and opt.get("type", "").lower() in ("adam", "adamw"):
         opt.setdefault("params", {})["torch_adam"] = True
@@ -316,7 +319,8 @@ def worker(args: argparse.Namespace) -> int:
     net = build_llama(args.model, device, torch.bfloat16 if on_cuda else torch.float32, args.seed)
     n_params = sum(p.numel() for p in net.parameters())
     vocab = net.config.vocab_size
-    cfg = ds_config(args.config, micro_batch=args.start_batch, zero_stage=args.zero_stage, on_cpu=not on_cuda)
+    cfg = ds_config(args.config, micro_batch=args.start_batch, zero_stage=args.zero_stage, on_cpu=not on_cuda,
+                    grad_accum_dtype=args.grad_accum_dtype)
     source = cfg.pop("_source")
     engine = train_lib.initialize(net, cfg)
     engine.train()
@@ -439,8 +443,9 @@ def worker(args: argparse.Namespace) -> int:
         over_time = time.time() - _T0 > args.budget_s
         n_rungs = sum(1 for _ in points) + (0 if hi is None else 1)
         b = None if over_time or n_rungs >= args.max_rungs else next_batch(points, lo, hi, limit, args.max_batch)
-    if args.profile and lo is not None:
-        emit(profile_step(lambda: rung_inputs(lo), one_step, sync, on_cuda, lo))
+    pb = args.profile_batch or lo
+    if args.profile and pb is not None:
+        emit(profile_step(lambda: rung_inputs(pb), one_step, sync, on_cuda, pb))
     emit({"kind": "done", "largest_fitting": lo, "smallest_failing": hi, "coat_warnings": wlog.messages,
           "elapsed_s": time.time() - t_start})
     dist.barrier()
@@ -448,14 +453,40 @@ def worker(args: argparse.Namespace) -> int:
 
 
 def profile_step(inputs, one_step, sync, on_cuda: bool, b: int, top: int = 15) -> dict:
-    """The kernels of one training step at micro-batch `b`, by device time (what limits the speed)."""
+    """One training step at micro-batch `b`, seen from both sides: the kernels by device time (what limits
+    a GPU-bound step), the host-side calls by self CPU time and the device syncs with their Python call
+    sites (what limits a host-bound one: a sync drains the launch queue, so the GPU then waits on Python)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
+
+    def rows_of(events, attr: str, keep, n: int) -> tuple[list[dict], float]:
+        rows = sorted((e for e in events if getattr(e, attr, 0) > 0 and keep(e)), key=lambda e: -getattr(e, attr))
+        total = sum(getattr(e, attr) for e in rows) or 1.0
+        return [{"name": e.key[:120], "calls": e.count, "ms": getattr(e, attr) / 1e3,
+                 "share": getattr(e, attr) / total} for e in rows[:n]], total / 1e3
 
     try:
         x, y = inputs()
         one_step(x, y)
         sync()
+        t0 = time.perf_counter()
+        one_step(x, y)
+        sync()
+        wall_ms = (time.perf_counter() - t0) * 1e3
+        syncs: dict[str, int] = {}
+        if on_cuda:   # every synchronizing call of one step, by the Python line that made it
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    one_step(x, y)
+                    sync()
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            for w in caught:
+                if "synchroniz" in str(w.message):
+                    where = f"{Path(w.filename).name}:{w.lineno}"
+                    syncs[where] = syncs.get(where, 0) + 1
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
         with profile(activities=acts) as prof:
             one_step(x, y)
@@ -464,13 +495,13 @@ def profile_step(inputs, one_step, sync, on_cuda: bool, b: int, top: int = 15) -
         attr = "self_device_time_total" if on_cuda else "self_cpu_time_total"
         if on_cuda and not hasattr(events[0], attr):
             attr = "self_cuda_time_total"
-        rows = sorted((e for e in events if getattr(e, attr, 0) > 0), key=lambda e: -getattr(e, attr))
-        total = sum(getattr(e, attr) for e in rows) or 1.0
-        if on_cuda:   # device kernels only: CPU-side ops report no self device time
-            rows = [e for e in rows if getattr(e, "device_type", None) is None or "CUDA" in str(e.device_type)]
-        return {"kind": "profile", "micro_batch": b, "time_source": attr, "total_ms": total / 1e3,
-                "top": [{"name": e.key[:120], "calls": e.count, "ms": getattr(e, attr) / 1e3,
-                         "share": getattr(e, attr) / total} for e in rows[:top]]}
+        is_kernel = (lambda e: getattr(e, "device_type", None) is None or "CUDA" in str(e.device_type)) \
+            if on_cuda else (lambda e: True)
+        kernels, device_ms = rows_of(events, attr, is_kernel, top)
+        host, host_ms = rows_of(events, "self_cpu_time_total", lambda e: True, top)
+        return {"kind": "profile", "micro_batch": b, "time_source": attr, "total_ms": device_ms,
+                "step_wall_ms": wall_ms, "host_self_ms": host_ms, "top": kernels, "host_top": host,
+                "syncs": dict(sorted(syncs.items(), key=lambda kv: -kv[1]))}
     except Exception as e:  # noqa: BLE001 - a profile is a diagnostic; the measurements above stand without it
         return {"kind": "profile", "micro_batch": b, "error": f"{type(e).__name__}: {e}"}
 
@@ -514,8 +545,12 @@ def launch(args: argparse.Namespace, name: str, result: Path, start: int, known_
              "--budget-s", str(max(budget - 20, 10)), "--max-rungs", str(args.max_rungs), "--result", str(result)]
     if args.zero_stage is not None:
         wargs += ["--zero-stage", str(args.zero_stage)]
+    if args.grad_accum_dtype is not None:
+        wargs += ["--grad-accum-dtype", args.grad_accum_dtype]
     if args.profile:
         wargs.append("--profile")
+    if args.profile_batch is not None:
+        wargs += ["--profile-batch", str(args.profile_batch)]
     if known_fail is not None:
         wargs += ["--known-fail", str(known_fail)]
     if args.num_gpus > 1:
@@ -613,7 +648,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--smoke", action="store_true", help="tiny model, few steps (CPU is fine)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
-    p.add_argument("--profile", action="store_true", help="record the top kernels of one step at the largest batch")
+    p.add_argument("--profile", action="store_true",
+                   help="record one step's top kernels, top host-side calls and device syncs (at the largest batch)")
+    p.add_argument("--profile-batch", type=int, help="profile at this micro-batch instead of the largest that fits")
+    p.add_argument("--grad-accum-dtype", choices=["fp32", "bf16"],
+                   help="set DeepSpeed's data_types.grad_accum_dtype in every configuration (default: the configs')")
     p.add_argument("--verbose", action="store_true", help="echo the workers' whole output")
     # worker-only
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -630,6 +669,8 @@ def main(argv: list[str] | None = None) -> int:
         args.model, args.seq_len, args.steps, args.warmup = "tiny", 32, 1, 0
         args.max_batch, args.equal_batch, args.max_rungs = min(args.max_batch, 2), 1, 2
     names = check_args(p, args, ("seq_len", "equal_batch", "max_batch", "steps", "num_gpus", "max_rungs"))
+    if args.profile_batch is not None and args.profile_batch < 1:
+        p.error(f"--profile-batch={args.profile_batch} is invalid; allowed: an integer >= 1")
     if not 0 < args.mem_fraction <= 1:
         p.error(f"--mem-fraction={args.mem_fraction} is invalid; allowed: a float in (0, 1]")
 
@@ -675,6 +716,7 @@ def main(argv: list[str] | None = None) -> int:
     res = {
         "device": device_name(),
         "model": args.model, "params": setup.get("params"), "shape": MODELS[args.model],
+        "grad_accum_dtype": args.grad_accum_dtype or "config default",
         "world_size": args.num_gpus, "zero_stage": args.zero_stage if args.zero_stage is not None else
         ((setup.get("ds_config") or {}).get("zero_optimization") or {}).get("stage"),
         "seq_len": args.seq_len, "equal_micro_batch": args.equal_batch,

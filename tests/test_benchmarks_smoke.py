@@ -88,6 +88,12 @@ def test_configs_share_everything_but_the_named_change():
         ds_config("fp16", micro_batch=1)
 
 
+def test_grad_accum_dtype_reaches_every_config_and_only_when_asked():
+    for n in CONFIGS:
+        assert ds_config(n, micro_batch=1, grad_accum_dtype="fp32")["data_types"]["grad_accum_dtype"] == "fp32"
+        assert "grad_accum_dtype" not in ds_config(n, micro_batch=1).get("data_types", {})
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Both smokes, end to end
 # ---------------------------------------------------------------------------------------------------------
@@ -98,7 +104,7 @@ def smoke_runs(tmp_path_factory):
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     runs = {
-        "e2e": [sys.executable, str(ROOT / "benchmarks" / "e2e.py"), "--smoke", "--out", str(tmp / "e2e")],
+        "e2e": [sys.executable, str(ROOT / "benchmarks" / "e2e.py"), "--smoke", "--profile", "--out", str(tmp / "e2e")],
         "convergence": [sys.executable, str(ROOT / "benchmarks" / "convergence.py"), "--smoke", "--parallel",
                         "--out", str(tmp / "convergence")],
     }
@@ -148,6 +154,11 @@ def test_e2e_smoke_writes_json_and_png(smoke_runs):
     assert full["activations_gb"] < bf16["activations_gb"]
     assert bf16["activations_gb"] == pytest.approx(opt["activations_gb"])
     assert (tmp / "e2e" / "e2e.png").stat().st_size > 10_000
+    for r in by.values():          # --profile: one step at the largest batch, from the host's side too
+        prof = r["profile"]
+        assert "error" not in prof, prof
+        assert prof["micro_batch"] == 2 and prof["step_wall_ms"] > 0 and prof["syncs"] == {}   # CPU: no syncs
+        assert prof["host_top"] and all(h["ms"] > 0 for h in prof["host_top"])
 
 
 def test_convergence_smoke_writes_json_png_and_a_state_quant_error_reads(smoke_runs):
