@@ -99,9 +99,10 @@ def plot_convergence(res: dict, path: Path) -> None:
     ax.set(xlabel="step", ylabel="loss", title=f"{res.get('model')} from scratch, {res.get('data', '')}"[:90])
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    lo = [v for run in runs.values() for _, v in run.get("val", [])]
-    if lo:
-        ax.set_ylim(min(lo) * 0.95, min(lo) * 2.2)
+    lo = [v for run in runs.values() for key in ("train", "val") for _, v in run.get(key, [])]
+    val = [v for run in runs.values() for _, v in run.get("val", [])]
+    if lo and val:   # the whole train curve (it falls below val once the corpus repeats), not the first steps'
+        ax.set_ylim(min(lo) * 0.95, max(min(val) * 2.2, min(lo) * 1.5))
     ax2.axhline(0, color="black", lw=0.8)
     ax2.axhspan(-0.5, 0.5, color="green", alpha=0.08, label="target: within 0.5%")
     ax2.set(xlabel="step", ylabel="val loss vs BF16 (%)", title="validation loss gap to BF16")
