@@ -49,7 +49,7 @@ def plot_e2e(res: dict, path: Path) -> None:
     tops = [max((r.get("equal_batch") or {}).get("peak_alloc_gb") or 0.0,
                 sum(max((r.get("breakdown") or {}).get(k) or 0.0, 0.0) for k, _ in PARTS)) for r in rows]
     ax.set_ylim(0, 1.6 * max(tops + [1e-9]))
-    ax.legend(fontsize=7, loc="upper center", ncol=2)
+    ax.legend(fontsize=7, loc="upper left", ncol=2)
 
     ax = axes[1]
     mb = [(r.get("max_batch") or {}).get("micro_batch") or 0 for r in rows]
@@ -67,10 +67,12 @@ def plot_e2e(res: dict, path: Path) -> None:
         ax.text(i, v, f"{v:,.0f}", ha="center", va="bottom", fontsize=9)
     sp = res.get("speedup_at_max_batch")
     ax.set(xticks=range(len(rows)), xticklabels=labels, ylabel="tokens/s (all ranks)",
-           title="throughput at each one's largest micro-batch" + (f" ({sp:.2f}x)" if sp else ""))
+           title="at each one's largest micro-batch" + (f" ({sp:.2f}x)" if sp else ""))
     ax.margins(y=0.15)
     fig.suptitle(f"{res['model']} ({(res.get('params') or 0) / 1e9:.2f}B params), seq {res['seq_len']}, "
-                 f"ZeRO-{res.get('zero_stage')}, {res['world_size']} rank(s), {res['device']}", fontsize=11)
+                 f"ZeRO-{res.get('zero_stage')}, {res['world_size']} rank(s), {res['device']}" +
+                 (f", grad_accum_dtype {ga}" if (ga := res.get("grad_accum_dtype", "config default")) !=
+                  "config default" else ""), fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
