@@ -118,10 +118,35 @@ def test_fused_weight_operand(transposed):
     _codes_equal(got, want_t if transposed else want)
 
 
+def _tensor_scale_cases():
+    g = torch.Generator(device="cuda").manual_seed(11)
+    rand = lambda n, lo, hi: torch.exp2(torch.empty(n, device="cuda").uniform_(lo, hi, generator=g))  # noqa: E731
+    cases = {"wide": rand(1000, -20, 20), "above_max": rand(5000, 8, 17), "tiny": rand(300, -140, -100),
+             "one_row": rand(1, -3, 3), "zeros_but_one": torch.zeros(777, device="cuda")}
+    cases["zeros_but_one"][500] = 3.0
+    cases["all_zero"] = torch.zeros(64, device="cuda")
+    for name, pos in (("nan_first", 0), ("nan_last", 999)):
+        cases[name] = rand(1000, -5, 5)
+        cases[name][pos] = float("nan")
+    cases["inf"] = rand(1000, -5, 5)
+    cases["inf"][123] = float("inf")
+    return cases
+
+
 @pytest.mark.parametrize("fmt", FMTS)
-def test_tensor_scale_kernel(fmt):
-    amax = torch.rand(1000, device="cuda") * 3000
-    assert torch.equal(ops.tensor_scale(amax, fmt), R.tensor_scale(amax, fmt))
+def test_tensor_scale_kernel(kernels, fmt, monkeypatch):
+    """The kernel itself, then ops.tensor_scale with the reference made unreachable: it must dispatch."""
+    for name, amax in _tensor_scale_cases().items():
+        want = R.tensor_scale(amax, fmt)
+        got = torch.empty((), dtype=torch.float32, device="cuda")
+        kernels.tensor_scale(amax, got, fmt is E5M2)
+        assert torch.equal(got, want), (name, got.item(), want.item())
+    monkeypatch.setattr(R, "tensor_scale", lambda *a: pytest.fail("ops.tensor_scale fell back to the reference"))
+    for name, amax in _tensor_scale_cases().items():
+        got = ops.tensor_scale(amax, fmt)
+        monkeypatch.undo()
+        assert torch.equal(got, R.tensor_scale(amax, fmt)), name
+        monkeypatch.setattr(R, "tensor_scale", lambda *a: pytest.fail("fell back to the reference"))
 
 
 @pytest.mark.parametrize("nkv,cs_batch", [(8, 1), (2, 2)])

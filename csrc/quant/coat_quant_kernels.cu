@@ -356,12 +356,19 @@ void launch_tile(Src src, const float* scale, uint8_t* out, uint8_t* out_t, int6
         tile_quant_k<false><<<grid, kThreads, 0, s>>>(src, scale, out, out_t, m, n, ld_t);
 }
 
+// reference.tensor_scale on device. fmaxf drops NaNs, while the reference's max keeps them (and so gives
+// 2^-127): NaNs are counted beside the max.
 template <bool E5M2>
 __global__ void tensor_scale_k(const float* amax, int64_t m, float* scale) {
-    float v = 0.0f;
-    for (int64_t i = threadIdx.x; i < m; i += kThreads) v = fmaxf(v, amax[i]);
+    float v = 0.0f, nans = 0.0f;
+    for (int64_t i = threadIdx.x; i < m; i += kThreads) {
+        const float a = amax[i];
+        v = fmaxf(v, a);
+        nans += (a != a) ? 1.0f : 0.0f;
+    }
     v = block_reduce<true>(v);
-    if (threadIdx.x == 0) *scale = exp2i(pow2_exp<E5M2>(v));
+    nans = block_reduce<false>(nans);
+    if (threadIdx.x == 0) *scale = exp2i(nans > 0.0f ? -127 : pow2_exp<E5M2>(v));
 }
 
 int num_sms() {
