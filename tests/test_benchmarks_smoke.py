@@ -190,3 +190,18 @@ def test_convergence_smoke_writes_json_png_and_a_state_quant_error_reads(smoke_r
     table = json.loads((tmp / "quant_error.json").read_text())
     assert table["numel"] == res["adam_state"]["numel"] > 0
     assert all(0 <= r["m_rel_err"] < 1 and 0 <= r["v_rel_err"] < 1 for r in table["rows"])
+
+
+def test_host_overhead_dry_run_reports_per_layer_host_time(tmp_path):
+    out = tmp_path / "host.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "host_overhead.py"), "--dry-run", "--shapes", "llama-1b",
+           "--variants", "bf16_eager", "coat_full", "--iters", "2", "--warmup", "1", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = json.loads(out.read_text())
+    assert [r["variant"] for r in rows] == ["bf16_eager", "coat_full"]
+    for r in rows:
+        assert r["host_ms_per_layer"] > 0 and r["aten_calls_per_layer"] > 0
+        assert r["host_top_per_layer"] and r["date"] and r["command"] and r["versions"]["torch"]
+    bad = subprocess.run(cmd[:2] + ["--seq", "100"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--seq=100 is invalid; allowed: a multiple of 16" in bad.stderr
