@@ -144,6 +144,9 @@ def build_llama(model: str, device, dtype, seed: int, vocab_size: int | None = N
 
 
 def _git_commit() -> str | None:
+    """COAT_GIT_COMMIT where set (a GPU node's copy of the tree may carry stale git metadata), else git's."""
+    if os.environ.get("COAT_GIT_COMMIT"):
+        return os.environ["COAT_GIT_COMMIT"]
     try:
         out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
                              timeout=10)
@@ -153,7 +156,7 @@ def _git_commit() -> str | None:
             return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
         pass
-    return os.environ.get("COAT_GIT_COMMIT")
+    return None
 
 
 def versions() -> dict:
