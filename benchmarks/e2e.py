@@ -208,16 +208,32 @@ class WarningLog:
         self._show(message, category, filename, lineno, file, line)
 
 
+def check_positive(p: argparse.ArgumentParser, args: argparse.Namespace, keys: tuple[str, ...]) -> None:
+    """p.error for any of these options below 1 (an optional one left unset passes)."""
+    for key in keys:
+        v = getattr(args, key)
+        if v is not None and v < 1:
+            p.error(f"--{key.replace('_', '-')}={v} is invalid; allowed: an integer >= 1")
+
+
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace, positive: tuple[str, ...]) -> list[str]:
     """The --configs names, each one known, after p.error for any unknown name or `positive` option below 1."""
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     for n in names:
         if n not in CONFIGS:
             p.error(f"--configs: {n!r} is unknown; allowed: {list(CONFIGS)}")
-    for key in positive:
-        if getattr(args, key) < 1:
-            p.error(f"--{key.replace('_', '-')}={getattr(args, key)} is invalid; allowed: an integer >= 1")
+    check_positive(p, args, positive)
     return names
+
+
+def device_time_attr(events) -> str:
+    """The profiler's per-event device-time attribute (older torch releases name it self_cuda_time_total)."""
+    return "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
+
+
+def is_device_event(e) -> bool:
+    """A kernel or memory op on the device: CPU-side ops carry a CPU device type."""
+    return getattr(e, "device_type", None) is None or "CUDA" in str(e.device_type)
 
 
 def free_port() -> int:
@@ -495,12 +511,8 @@ def profile_step(inputs, one_step, sync, on_cuda: bool, b: int, top: int = 15) -
             one_step(x, y)
             sync()
         events = prof.key_averages()
-        attr = "self_device_time_total" if on_cuda else "self_cpu_time_total"
-        if on_cuda and not hasattr(events[0], attr):
-            attr = "self_cuda_time_total"
-        is_kernel = (lambda e: getattr(e, "device_type", None) is None or "CUDA" in str(e.device_type)) \
-            if on_cuda else (lambda e: True)
-        kernels, device_ms = rows_of(events, attr, is_kernel, top)
+        attr = device_time_attr(events) if on_cuda else "self_cpu_time_total"
+        kernels, device_ms = rows_of(events, attr, is_device_event if on_cuda else (lambda e: True), top)
         host, host_ms = rows_of(events, "self_cpu_time_total", lambda e: True, top)
         return {"kind": "profile", "micro_batch": b, "time_source": attr, "total_ms": device_ms,
                 "step_wall_ms": wall_ms, "host_self_ms": host_ms, "top": kernels, "host_top": host,
@@ -671,9 +683,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         args.model, args.seq_len, args.steps, args.warmup = "tiny", 32, 1, 0
         args.max_batch, args.equal_batch, args.max_rungs = min(args.max_batch, 2), 1, 2
-    names = check_args(p, args, ("seq_len", "equal_batch", "max_batch", "steps", "num_gpus", "max_rungs"))
-    if args.profile_batch is not None and args.profile_batch < 1:
-        p.error(f"--profile-batch={args.profile_batch} is invalid; allowed: an integer >= 1")
+    names = check_args(p, args, ("seq_len", "equal_batch", "max_batch", "steps", "num_gpus", "max_rungs",
+                                 "profile_batch"))
     if not 0 < args.mem_fraction <= 1:
         p.error(f"--mem-fraction={args.mem_fraction} is invalid; allowed: a float in (0, 1]")
 

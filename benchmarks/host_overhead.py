@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import llama_layer as L  # noqa: E402  (the stack of layers, the variants, the dry-run patches)
-from e2e import MODELS  # noqa: E402
+from e2e import MODELS, check_positive, device_time_attr, is_device_event  # noqa: E402
 
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
 SHAPES = {name: {k: MODELS[name][k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
@@ -43,13 +43,12 @@ def profile_counts(stack, x, cos, sin, grad, on_cuda: bool, top: int) -> dict:
     n = L.N_LAYERS
     launches = sum(e.count for e in events if e.key in LAUNCHES)
     aten = sum(e.count for e in events if e.key.startswith("aten::"))
-    dev_attr = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
     kernels = Counter()
     kernel_us = 0.0
     if on_cuda:
+        dev_attr = device_time_attr(events)
         for e in events:
-            if getattr(e, dev_attr, 0) > 0 and (getattr(e, "device_type", None) is None or
-                                               "CUDA" in str(e.device_type)):
+            if getattr(e, dev_attr, 0) > 0 and is_device_event(e):
                 kernels[e.key[:90]] += e.count
                 kernel_us += getattr(e, dev_attr)
     host = sorted(events, key=lambda e: -e.self_cpu_time_total)[:top]
@@ -95,9 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top", type=int, default=25, help="host calls listed per variant")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU: checks the script only")
     args = ap.parse_args(argv)
-    for key in ("batch", "seq", "iters", "top"):
-        if getattr(args, key) < 1:
-            ap.error(f"--{key}={getattr(args, key)} is invalid; allowed: an integer >= 1")
+    check_positive(ap, args, ("batch", "seq", "iters", "top"))
     if args.seq % 16:
         ap.error(f"--seq={args.seq} is invalid; allowed: a multiple of 16")
     L.SHAPES.update(SHAPES)

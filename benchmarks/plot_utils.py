@@ -69,10 +69,10 @@ def plot_e2e(res: dict, path: Path) -> None:
     ax.set(xticks=range(len(rows)), xticklabels=labels, ylabel="tokens/s (all ranks)",
            title="at each one's largest micro-batch" + (f" ({sp:.2f}x)" if sp else ""))
     ax.margins(y=0.15)
+    ga = res.get("grad_accum_dtype", "config default")
     fig.suptitle(f"{res['model']} ({(res.get('params') or 0) / 1e9:.2f}B params), seq {res['seq_len']}, "
                  f"ZeRO-{res.get('zero_stage')}, {res['world_size']} rank(s), {res['device']}" +
-                 (f", grad_accum_dtype {ga}" if (ga := res.get("grad_accum_dtype", "config default")) !=
-                  "config default" else ""), fontsize=11)
+                 ("" if ga == "config default" else f", grad_accum_dtype {ga}"), fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

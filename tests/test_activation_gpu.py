@@ -136,14 +136,15 @@ def _tensor_scale_cases():
 @pytest.mark.parametrize("fmt", FMTS)
 def test_tensor_scale_kernel(kernels, fmt, monkeypatch):
     """The kernel itself, then ops.tensor_scale with the reference made unreachable: it must dispatch."""
-    for name, amax in _tensor_scale_cases().items():
+    cases = _tensor_scale_cases()
+    for name, amax in cases.items():
         want = R.tensor_scale(amax, fmt)
         got = torch.empty((), dtype=torch.float32, device="cuda")
         kernels.tensor_scale(amax, got, fmt is E5M2)
         assert torch.equal(got, want), (name, got.item(), want.item())
     reference = R.tensor_scale
     monkeypatch.setattr(R, "tensor_scale", lambda *a: pytest.fail("ops.tensor_scale fell back to the reference"))
-    for name, amax in _tensor_scale_cases().items():
+    for name, amax in cases.items():
         assert torch.equal(ops.tensor_scale(amax, fmt), reference(amax, fmt)), name
 
 
