@@ -272,7 +272,7 @@ def host_info() -> dict:
     except (OSError, IndexError):
         info["cxx"] = None
     try:  # which kernels the CPU op takes on this build: 'avx512' or 'portable'
-        import op_builder
+        from coat_ds import op_builder
 
         info["coat_cpu_kernels"] = op_builder.CPUCoatAdamBuilder().load().simd()
     except Exception as exc:  # noqa: BLE001 - an op without simd() (older prebuilt) is noted, the run goes on

@@ -2,20 +2,21 @@
 
 What they add to DeepSpeed's: absolute source paths from this package (DeepSpeed resolves relative ones
 against its own install), a prebuilt-module import for `COAT_BUILD_OPS=1` installs (DeepSpeed's `load()`
-only imports modules it built itself), and a TORCH_CUDA_ARCH_LIST parser that accepts `9.0a` and `9.0+PTX`
+only imports modules it built itself), the reason an op cannot build here (for the loader's warning and
+`python -m coat_ds.report`), and a TORCH_CUDA_ARCH_LIST parser that accepts `9.0a` and `9.0+PTX`
 (DeepSpeed 0.19.8's `compute_capability_args` raises on them)."""
 from __future__ import annotations
 
+import glob
 import importlib
+import importlib.util
 import os
 import re
 
 from deepspeed.ops.op_builder.builder import CUDAOpBuilder, OpBuilder
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-# a checkout keeps csrc/ beside op_builder/; an install may ship it inside the package
-CSRC_DIR = next((d for d in (os.path.join(os.path.dirname(_HERE), "csrc"), os.path.join(_HERE, "csrc"))
-                 if os.path.isdir(d)), os.path.join(os.path.dirname(_HERE), "csrc"))
+# csrc/ sits beside op_builder/ both in the checkout and in an install (coat_ds/csrc, coat_ds/op_builder)
+CSRC_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
 
 DEFAULT_CUDA_ARCHS = "8.0;9.0"
 _ARCH_RE = re.compile(r"(\d+)\.(\d+)([af]?)(\+PTX)?", re.IGNORECASE)
@@ -65,6 +66,29 @@ class CoatBuilderMixin:
     def absolute_name(self) -> str:
         return f"coat_ds.ops.{self.NAME}_op"
 
+    def incompatibility(self) -> str | None:
+        """Why this op cannot build on this machine, or None if it can."""
+        if super().is_compatible(verbose=False):
+            return None
+        return self.error_log or "DeepSpeed reports it incompatible"
+
+    def is_compatible(self, verbose: bool = False) -> bool:
+        reason = self.incompatibility()
+        if reason is not None and verbose:
+            self.warning(f"{self.name}: {reason}")
+        return reason is None
+
+    def prebuilt(self) -> bool:
+        """Whether a `COAT_BUILD_OPS=1` install holds this op's module (found, not imported)."""
+        return importlib.util.find_spec(self.absolute_name()) is not None
+
+    def jit_cached(self) -> str | None:
+        """The module an earlier JIT build left in torch's extensions dir, or None (ninja rechecks it on load)."""
+        from torch.utils.cpp_extension import _get_build_directory  # torch's layout; makes the (empty) dir
+
+        found = sorted(glob.glob(os.path.join(_get_build_directory(self.name, verbose=False), f"{self.name}*.so")))
+        return found[-1] if found else None
+
     def load(self, verbose: bool = False):
         """The prebuilt module if `COAT_BUILD_OPS=1` installed one that imports, else DeepSpeed's JIT build."""
         if self.name in OpBuilder._loaded_ops:
@@ -92,6 +116,16 @@ class CoatCPUOpBuilder(CoatBuilderMixin, OpBuilder):
 
 class CoatCUDAOpBuilder(CoatBuilderMixin, CUDAOpBuilder):
     """CUDA op: no --use_fast_math (it flushes denormals, which the FP8 states round-trip exactly)."""
+
+    def incompatibility(self) -> str | None:
+        import torch
+        from torch.utils.cpp_extension import CUDA_HOME
+
+        if torch.version.cuda is None:
+            return "PyTorch is built without CUDA"
+        if CUDA_HOME is None:
+            return "no CUDA toolkit found (nvcc; set CUDA_HOME)"
+        return super().incompatibility()
 
     def compute_capability_args(self, cross_compile_archs: str | None = None) -> list[str]:
         text = os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip() or (cross_compile_archs or "").strip()

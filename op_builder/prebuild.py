@@ -1,15 +1,14 @@
 """Ahead-of-time builds for `COAT_BUILD_OPS=1 pip install --no-build-isolation .` (like DS_BUILD_OPS).
 
-`extensions()` turns every builder exported by op_builder into a setuptools extension through the
-builder's own `builder()` (DeepSpeed's mechanism), so prebuilt and JIT-built ops get the same flags. A
-builder is skipped when its BUILD_VAR is set to 0, when it is a CUDA op and no CUDA toolkit is found, or
-when it reports itself incompatible; `load()` then JIT-builds it on first use as usual."""
+`extensions()` turns every op in ALL_OPS into a setuptools extension through the builder's own `builder()`
+(DeepSpeed's mechanism), so prebuilt and JIT-built ops get the same flags. An op is skipped when its
+BUILD_VAR is set to 0 or when it cannot build here (a CUDA op without a CUDA toolkit); `load()` then
+JIT-builds it on first use as usual. setup.py imports this module from the checkout (as op_builder.prebuild)."""
 from __future__ import annotations
 
 import os
 
-import op_builder
-from op_builder.builder import CoatCUDAOpBuilder
+from . import ALL_OPS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -19,26 +18,18 @@ def _relative(paths: list[str]) -> list[str]:
     return [os.path.relpath(p, ROOT) if os.path.abspath(p).startswith(ROOT + os.sep) else p for p in paths]
 
 
-def _builders() -> list:
-    classes = (getattr(op_builder, name) for name in op_builder.__all__)
-    return [cls() for cls in classes if isinstance(cls, type) and getattr(cls, "NAME", None)]
-
-
 def extensions() -> tuple[list, dict]:
     """(ext_modules, cmdclass) for setup()."""
-    import torch
-    from torch.utils.cpp_extension import CUDA_HOME, BuildExtension
+    from torch.utils.cpp_extension import BuildExtension
 
     ext_modules = []
-    for builder in _builders():
+    for builder in (cls() for cls in ALL_OPS.values()):
         if os.environ.get(builder.BUILD_VAR, "1") == "0":
             print(f"coat_ds: {builder.BUILD_VAR}=0, not prebuilding {builder.NAME}")
             continue
-        if isinstance(builder, CoatCUDAOpBuilder) and (torch.version.cuda is None or CUDA_HOME is None):
-            print(f"coat_ds: no CUDA toolkit, not prebuilding {builder.NAME} (it JIT-builds where CUDA exists)")
-            continue
-        if not builder.is_compatible(verbose=True):
-            print(f"coat_ds: {builder.NAME} is not compatible here, not prebuilding it")
+        reason = builder.incompatibility()
+        if reason is not None:
+            print(f"coat_ds: not prebuilding {builder.NAME}: {reason} (it JIT-builds on first use where it can)")
             continue
         ext = builder.builder()
         ext.sources = _relative(ext.sources)

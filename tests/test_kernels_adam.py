@@ -10,11 +10,11 @@ import math
 import pytest
 import torch
 
-import op_builder
+from coat_ds import op_builder
 from coat_ds.formats import E4M3, E5M2, GROUP_SIZES, cast_to_fp8, dequantize, n_groups, quantize
 from coat_ds.formats.group_quant import K_STEPS
 from coat_ds.optim.reference import adamw_step_reference
-from op_builder.builder import gencode_flags, parse_cuda_arch_list
+from coat_ds.op_builder.builder import gencode_flags, parse_cuda_arch_list
 
 CPU_SIZES = (1, 127, 128, 129, 4099)
 GPU_SIZES = (1, 127, 128, 129, 10**6 + 3)

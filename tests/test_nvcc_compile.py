@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from op_builder.builder import CSRC_DIR, CoatCUDAOpBuilder
+from coat_ds.op_builder.builder import CSRC_DIR, CoatCUDAOpBuilder
 
 CU_FILES = sorted(glob.glob(os.path.join(CSRC_DIR, "**", "*.cu"), recursive=True))
 

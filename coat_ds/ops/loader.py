@@ -12,17 +12,18 @@ from types import ModuleType
 
 @functools.lru_cache(maxsize=None)
 def load_op(builder_name: str) -> ModuleType | None:
-    """The compiled module of `op_builder.<builder_name>`, or None (warned once) if it cannot be built.
+    """The compiled module of `coat_ds.op_builder.<builder_name>`, or None (warned once) if it cannot be built.
 
     COAT_DISABLE_OPS=1 forces the reference path (for tests that compare the two)."""
     if os.environ.get("COAT_DISABLE_OPS", "0") == "1":
         return None
     try:
-        import op_builder
+        from .. import op_builder
 
         builder = getattr(op_builder, builder_name)()
-        if not builder.is_compatible(verbose=False):
-            raise RuntimeError(f"{builder.name} is not compatible with this machine")
+        reason = builder.incompatibility()
+        if reason is not None:
+            raise RuntimeError(f"{builder.name} cannot build here: {reason}")
         return builder.load(verbose=False)
     except Exception as exc:  # noqa: BLE001 - any build failure means: use the reference
         warnings.warn(f"coat_ds: could not build {builder_name} ({type(exc).__name__}: {exc}); "
