@@ -9,8 +9,8 @@ from typing import Sequence
 import torch
 
 from ..formats import E4M3, FP8Format, dequantize as ref_dequantize, get_format, quantize as ref_quantize
-from ..optim.reference import adamw_step_reference
 from .loader import load_op
+from .reference_adam import adamw_step_reference
 
 
 def _op(device: torch.device):
@@ -21,17 +21,45 @@ def _u8(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)
 
 
+GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MASTER_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _check_step_args(params, grads, sr_keys, grad_scale) -> None:
+    """One clear ValueError for what the kernels cannot take, before anything is written."""
+    for i, (p, g) in enumerate(zip(params, grads)):
+        if p.dtype not in MASTER_DTYPES:
+            raise ValueError(f"adamw_step: params[{i}] is {p.dtype}; allowed: float32, bfloat16")
+        if g.dtype not in GRAD_DTYPES:
+            raise ValueError(f"adamw_step: grads[{i}] is {g.dtype}; allowed: float32, bfloat16, float16")
+    if len(grads) != len(params) or (sr_keys is not None and len(sr_keys) != len(params)):
+        raise ValueError("adamw_step: grads (and sr_keys, when given) need one entry per param")
+    if isinstance(grad_scale, torch.Tensor) and (grad_scale.numel() != 1 or grad_scale.dtype != torch.float32 or
+                                                 grad_scale.device != params[0].device):
+        raise ValueError(f"adamw_step: grad_scale must be a 1-element float32 tensor on {params[0].device}, got "
+                         f"{grad_scale.numel()} x {grad_scale.dtype} on {grad_scale.device}")
+
+
 def adamw_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], m: Sequence[tuple], v: Sequence[tuple],
                *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
-               v_format: FP8Format, group_size: int, expansion: bool,
-               bf16_out: Sequence[torch.Tensor] = ()) -> None:
+               v_format: FP8Format, group_size: int, expansion: bool, bf16_out: Sequence[torch.Tensor] = (),
+               grad_scale: torch.Tensor | float | None = None, sr_keys: Sequence[tuple[int, int]] | None = None,
+               sr_seed: int = 0) -> None:
     """One fused step over many tensors; params, moments (and the optional bf16 copies) update in place.
 
-    m is always E4M3 (COAT: E4M3 beats E5M2 for the first moment); v is E4M3 or E5M2."""
+    m is always E4M3 (COAT: E4M3 beats E5M2 for the first moment); v is E4M3 or E5M2. grads: fp32, bf16 or
+    fp16, multiplied in fp32 by grad_scale (a 1-element fp32 tensor on the params' device, read on the device,
+    or a float; None = 1) before anything else. params (the master): fp32, or bf16 updated in fp32 and
+    rounded back, stochastically when sr_keys[i] = (stream, offset) is given (stream names the parameter,
+    offset is where tensor i starts in it; see formats.rounding), to nearest even otherwise. bf16_out: a bf16
+    copy of every updated param."""
     if not params:
         return
+    _check_step_args(params, grads, sr_keys, grad_scale)
     op = _op(params[0].device)
-    if op is not None:
+    legacy = grad_scale is None and all(p.dtype == torch.float32 for p in params) and all(
+        g.dtype != torch.float16 for g in grads)
+    if op is not None and legacy:
         op.adam_step(list(params), list(grads), [_u8(x[0]) for x in m], [x[1] for x in m], [x[2] for x in m],
                      [_u8(x[0]) for x in v], [x[1] for x in v], [x[2] for x in v], list(bf16_out),
                      lr, beta1, beta2, eps, weight_decay, step, group_size, v_format.name == "e5m2", expansion)
@@ -39,7 +67,9 @@ def adamw_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], m:
     for i, (p, g, mi, vi) in enumerate(zip(params, grads, m, v)):
         new_m, new_v = adamw_step_reference(p, g, mi, vi, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                                             weight_decay=weight_decay, step=step, m_format=E4M3,
-                                            v_format=v_format, group_size=group_size, expansion=expansion)
+                                            v_format=v_format, group_size=group_size, expansion=expansion,
+                                            grad_scale=grad_scale, sr_key=None if sr_keys is None else sr_keys[i],
+                                            sr_seed=sr_seed)
         for dst, src in zip((*mi, *vi), (*new_m, *new_v)):
             dst.copy_(src)
         if bf16_out:
