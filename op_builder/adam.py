@@ -5,6 +5,8 @@ from .builder import CoatCPUOpBuilder, CoatCUDAOpBuilder, csrc
 
 
 class CoatAdamBuilder(CoatCUDAOpBuilder):
+    """FP8 AdamW step of CUDA tensors."""
+
     BUILD_VAR = "COAT_BUILD_ADAM"
     NAME = "coat_adam"
 
@@ -16,6 +18,8 @@ class CoatAdamBuilder(CoatCUDAOpBuilder):
 
 
 class CPUCoatAdamBuilder(CoatCPUOpBuilder):
+    """FP8 AdamW step of CPU tensors (CPU-only training, ZeRO-Offload)."""
+
     BUILD_VAR = "COAT_BUILD_CPU_ADAM"
     NAME = "coat_cpu_adam"
 

@@ -82,11 +82,15 @@ class CoatBuilderMixin:
         """Whether a `COAT_BUILD_OPS=1` install holds this op's module (found, not imported)."""
         return importlib.util.find_spec(self.absolute_name()) is not None
 
-    def jit_cached(self) -> str | None:
-        """The module an earlier JIT build left in torch's extensions dir, or None (ninja rechecks it on load)."""
-        from torch.utils.cpp_extension import _get_build_directory  # torch's layout; makes the (empty) dir
+    def jit_dir(self) -> str:
+        """Where torch JIT-builds this op (its own layout under TORCH_EXTENSIONS_DIR; made if missing)."""
+        from torch.utils.cpp_extension import _get_build_directory
 
-        found = sorted(glob.glob(os.path.join(_get_build_directory(self.name, verbose=False), f"{self.name}*.so")))
+        return _get_build_directory(self.name, verbose=False)
+
+    def jit_cached(self) -> str | None:
+        """The module an earlier JIT build left in jit_dir(), or None (ninja still rechecks it on load)."""
+        found = sorted(glob.glob(os.path.join(self.jit_dir(), f"{self.name}*.so")))
         return found[-1] if found else None
 
     def load(self, verbose: bool = False):

@@ -5,6 +5,8 @@ from .builder import CoatCUDAOpBuilder, csrc
 
 
 class CoatQuantBuilder(CoatCUDAOpBuilder):
+    """FP8 activation kernels on CUDA: quantization, RMSNorm, SiLU*mul, RoPE."""
+
     BUILD_VAR = "COAT_BUILD_QUANT"
     NAME = "coat_quant"
 

@@ -13,9 +13,12 @@ import torch
 from .ops import tracing
 
 
+FP8_GEMM_CAPABILITY = (8, 9)  # FP8 Tensor Cores: Ada, Hopper and newer
+
+
 @functools.lru_cache(maxsize=None)
 def _has_fp8_gemm(device_index: int) -> bool:
-    ok = torch.cuda.get_device_capability(device_index) >= (8, 9)
+    ok = torch.cuda.get_device_capability(device_index) >= FP8_GEMM_CAPABILITY
     if not ok:
         warnings.warn("coat_ds: this GPU has no FP8 GEMMs; activations stay FP8 in memory but the GEMMs run in "
                       "bf16", RuntimeWarning, stacklevel=3)
