@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from coat_ds import op_builder
-from coat_ds.formats import E4M3, E5M2, GROUP_SIZES, cast_to_fp8, dequantize, n_groups, quantize
+from coat_ds.formats import E4M3, E5M2, GROUP_SIZES, cast_to_fp8, dequantize, n_groups, quantize, round_bf16
 from coat_ds.formats.group_quant import K_STEPS
 from coat_ds.optim.reference import adamw_step_reference
 from coat_ds.op_builder.builder import gencode_flags, parse_cuda_arch_list
@@ -31,8 +31,25 @@ def cuda_op():
     return op_builder.CoatAdamBuilder().load()
 
 
-def _op(request, device):
-    return request.getfixturevalue("cuda_op" if device == "cuda" else "cpu_op")
+# The CPU op has two paths: AVX-512 intrinsics where the build's -march=native has them, portable loops
+# everywhere (COAT_CPU_ADAM_PORTABLE=1 forces them, per call). Every CPU test runs on both.
+SIMD = ("avx512", "portable")
+DEVICES = [pytest.param("cpu", s, id=f"cpu-{s}") for s in SIMD] + [
+    pytest.param("cuda", None, id="cuda", marks=pytest.mark.gpu)]
+
+
+def _op(request, device, simd=None):
+    """The op of `device`; on CPU with `simd` set, switched to that path (skipped where the CPU lacks it)."""
+    if device == "cuda":
+        return request.getfixturevalue("cuda_op")
+    op = request.getfixturevalue("cpu_op")
+    if simd is not None:
+        request.getfixturevalue("monkeypatch").setenv("COAT_CPU_ADAM_PORTABLE", str(int(simd == "portable")))
+        if op.simd() != simd:
+            cap = torch.backends.cpu.get_cpu_capability()
+            assert not cap.startswith("AVX512"), f"torch finds {cap} on this CPU, but the op was built without it"
+            pytest.skip(f"this CPU has no AVX-512 (torch's CPU capability: {cap}); its op runs the portable loops")
+    return op
 
 
 def _ordinal(codes: torch.Tensor) -> torch.Tensor:
@@ -125,21 +142,48 @@ def _misaligned_copy(p: torch.Tensor) -> torch.Tensor:
     return buf[1:].copy_(p)
 
 
-def _run_and_check(op, params, grads, ms, vs, g, v_fmt, expansion, step, bf16_copy, misaligned=False):
+SR_SEED = 1234
+
+
+def kernel_step(op, params, grads, ms, vs, out, g, v_fmt, expansion, step, grad_scale=None, sr_keys=None, **hp):
+    """The compiled op's adam_step as ops.adamw_step calls it (grad_scale: None, a float or a tensor)."""
+    hp = {**HP, **hp}
+    scale_t = grad_scale if isinstance(grad_scale, torch.Tensor) else None
+    scale = 1.0 if grad_scale is None or scale_t is not None else grad_scale
+    keys = [] if sr_keys is None else [x for key in sr_keys for x in key]
+    op.adam_step(params, list(grads), [_u8(m[0]) for m in ms], [m[1] for m in ms], [m[2] for m in ms],
+                 [_u8(v[0]) for v in vs], [v[1] for v in vs], [v[2] for v in vs], out, hp["lr"], hp["beta1"],
+                 hp["beta2"], hp["eps"], hp["weight_decay"], step, g, v_fmt is E5M2, expansion, scale_t, scale, keys,
+                 SR_SEED)
+
+
+def _check_master(got, want32, tol, step, sr_key):
+    """An fp32 master within tol of the reference's; a bf16 one between the roundings of want32 -+ tol with the
+    reference's own rounding (the same random bits: rounding is monotone in the value)."""
+    if got.dtype == torch.float32:
+        err = (got - want32).abs()
+        assert (err <= tol).all(), f"param off by {(err / tol).max().item():.2f}x the tolerance"
+        return
+    sr = None if sr_key is None else (SR_SEED, step, *sr_key)
+    lo, hi = (round_bf16(want32 + d, sr).float() for d in (-tol, tol))
+    ok = (lo <= got.float()) & (got.float() <= hi)
+    assert ok.all(), f"{(~ok).sum().item()} bf16 params outside their rounding interval"
+
+
+def _run_and_check(op, params, grads, ms, vs, g, v_fmt, expansion, step, bf16_copy, misaligned=False,
+                   grad_scale=None, sr_keys=None):
     """One kernel step on copies, one reference step per tensor; every output compared."""
     kp = [_misaligned_copy(p) if misaligned else p.clone() for p in params]
     km = [tuple(t.clone() for t in m) for m in ms]
     kv = [tuple(t.clone() for t in v) for v in vs]
     out = [torch.full_like(p, float("nan"), dtype=torch.bfloat16) for p in params] if bf16_copy else []
-    op.adam_step(kp, list(grads), [_u8(m[0]) for m in km], [m[1] for m in km], [m[2] for m in km],
-                 [_u8(v[0]) for v in kv], [v[1] for v in kv], [v[2] for v in kv], out, HP["lr"], HP["beta1"],
-                 HP["beta2"], HP["eps"], HP["weight_decay"], step, g, v_fmt is E5M2, expansion)
+    kernel_step(op, kp, grads, km, kv, out, g, v_fmt, expansion, step, grad_scale, sr_keys)
     for i, (p, grad, m, v) in enumerate(zip(params, grads, ms, vs)):
-        rp = p.clone()
+        rp = p.float()  # the reference's fp32 update, before any rounding to a bf16 master
         adamw_step_reference(rp, grad, m, v, step=step, m_format=E4M3, v_format=v_fmt, group_size=g,
-                             expansion=expansion, **HP)
+                             expansion=expansion, grad_scale=grad_scale, **HP)
         # the reference's pre-quantisation moments (reference.py, first lines)
-        gf = grad.float()
+        gf = grad.float() if grad_scale is None else grad.float() * grad_scale
         m_old = dequantize(*m, g)
         m_new = HP["beta1"] * m_old + (1 - HP["beta1"]) * gf
         v_new = HP["beta2"] * dequantize(*v, g) + (1 - HP["beta2"]) * gf * gf
@@ -149,20 +193,19 @@ def _run_and_check(op, params, grads, ms, vs, g, v_fmt, expansion, step, bf16_co
         bc1, bc2 = 1 - HP["beta1"] ** step, 1 - HP["beta2"] ** step
         scale = HP["lr"] / bc1 * (HP["beta1"] * m_old.abs() + (1 - HP["beta1"]) * gf.abs()) / (
             v_new.sqrt() / bc2 ** 0.5 + HP["eps"])
-        err = (kp[i] - rp).abs()
-        tol = 2e-6 * rp.abs() + 1e-4 * scale + 1e-30
-        assert (err <= tol).all(), f"param off by {(err / tol).max().item():.2f}x the tolerance"
+        _check_master(kp[i], rp, 2e-6 * rp.abs() + 1e-4 * scale + 1e-30, step,
+                      None if sr_keys is None else sr_keys[i])
         # m_new values that cancel 1000x carry the inputs' rounding noise in their leading bits
         noisy = m_new.abs() < 1e-3 * (HP["beta1"] * m_old.abs() + (1 - HP["beta1"]) * gf.abs())
         assert_quantized_like_reference(m_new, *km[i], E4M3, g, expansion, noisy)
         assert_quantized_like_reference(v_new, *kv[i], v_fmt, g, expansion)
         if bf16_copy:
-            assert torch.equal(out[i], kp[i].to(torch.bfloat16))
+            assert torch.equal(out[i].view(torch.int16), kp[i].to(torch.bfloat16).view(torch.int16))
     return kp, km, kv
 
 
-def _adam_case(request, device, sizes, g, v_fmt, expansion, grad_dtype):
-    op = _op(request, device)
+def _adam_case(request, device, sizes, g, v_fmt, expansion, grad_dtype, simd=None):
+    op = _op(request, device, simd)
     params, grads, ms, vs = _make_case(sizes, g, v_fmt, expansion, grad_dtype, device, seed=g + 7 * expansion)
     # two steps: the second reuses the CUDA op's cached tensor table and continues from the kernel's state
     kp, km, kv = _run_and_check(op, params, grads, ms, vs, g, v_fmt, expansion, step=3, bf16_copy=True)
@@ -173,8 +216,9 @@ def _adam_case(request, device, sizes, g, v_fmt, expansion, grad_dtype):
 @pytest.mark.parametrize("expansion", [True, False], ids=["exp", "noexp"])
 @pytest.mark.parametrize("v_fmt", [E4M3, E5M2], ids=["v_e4m3", "v_e5m2"])
 @pytest.mark.parametrize("g", GROUP_SIZES)
-def test_cpu_adam_step_matches_reference(request, g, v_fmt, expansion, grad_dtype):
-    _adam_case(request, "cpu", CPU_SIZES, g, v_fmt, expansion, grad_dtype)
+@pytest.mark.parametrize("simd", SIMD)
+def test_cpu_adam_step_matches_reference(request, simd, g, v_fmt, expansion, grad_dtype):
+    _adam_case(request, "cpu", CPU_SIZES, g, v_fmt, expansion, grad_dtype, simd)
 
 
 @pytest.mark.gpu
@@ -186,22 +230,13 @@ def test_cuda_adam_step_matches_reference(request, g, v_fmt, expansion, grad_dty
     _adam_case(request, "cuda", GPU_SIZES, g, v_fmt, expansion, grad_dtype)
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_adam_step_misaligned_views(request, device):
+@pytest.mark.parametrize("device,simd", DEVICES)
+def test_adam_step_misaligned_views(request, device, simd):
     """Params 4 bytes off 16-byte alignment (the CUDA kernel's scalar path); results must not change."""
     g = 128
     params, grads, ms, vs = _make_case((1000, 777), g, E4M3, True, torch.float32, device, seed=3)
-    _run_and_check(_op(request, device), params, grads, ms, vs, g, E4M3, True, step=2, bf16_copy=True,
+    _run_and_check(_op(request, device, simd), params, grads, ms, vs, g, E4M3, True, step=2, bf16_copy=True,
                    misaligned=True)
-
-
-def test_cpu_portable_loops_match_reference(request, monkeypatch):
-    """COAT_CPU_ADAM_PORTABLE=1 forces the loops of CPUs without AVX-512, so this build checks them too."""
-    monkeypatch.setenv("COAT_CPU_ADAM_PORTABLE", "1")
-    assert request.getfixturevalue("cpu_op").simd() == "portable"
-    for g, v_fmt, grad_dtype in ((32, E5M2, torch.bfloat16), (128, E4M3, torch.float32)):
-        _adam_case(request, "cpu", CPU_SIZES, g, v_fmt, True, grad_dtype)
-    test_quantize_dequantize_match_reference(request, "cpu", E4M3, 128)
 
 
 def _quantize_inputs(numel, gen):
@@ -213,11 +248,11 @@ def _quantize_inputs(numel, gen):
     return x
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("device,simd", DEVICES)
 @pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("g", GROUP_SIZES)
-def test_quantize_dequantize_match_reference(request, device, fmt, g):
-    op = _op(request, device)
+def test_quantize_dequantize_match_reference(request, device, simd, fmt, g):
+    op = _op(request, device, simd)
     gen = torch.Generator().manual_seed(g)
     for numel in (1, 127, 128, 129, 5000) + ((10**6 + 3,) if device == "cuda" else ()):
         x = _quantize_inputs(numel, gen).to(device)
