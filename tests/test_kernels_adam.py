@@ -230,6 +230,136 @@ def test_cuda_adam_step_matches_reference(request, g, v_fmt, expansion, grad_dty
     _adam_case(request, "cuda", GPU_SIZES, g, v_fmt, expansion, grad_dtype)
 
 
+# ---- issue 16: fp16 grads, grad_scale, bf16 master (round to nearest / stochastic)
+
+MASTERS = ("fp32", "bf16_rn", "bf16_sr")
+# (stream, offset) of each tensor of a case: offsets near and past 2^32 check the index's high word
+SR_KEYS = ((1, 0), (2**31 - 1, 5), (77, 2**32 - 100), (5, 2**40 + 3), (0, 123456789))
+
+
+def _master_case(device, sizes, g, grad_dtype, master, seed):
+    """_make_case with loss-scaled grads (x37.5, undone by grad_scale) and the master in its dtype."""
+    params, grads, ms, vs = _make_case(sizes, g, E5M2, True, torch.float32, device, seed)
+    grads = [(x * 37.5).to(grad_dtype) for x in grads]
+    if master != "fp32":
+        params = [p.to(torch.bfloat16) for p in params]
+    keys = list(SR_KEYS[: len(sizes)]) if master == "bf16_sr" else None
+    return params, grads, ms, vs, keys
+
+
+@pytest.mark.parametrize("master", MASTERS)
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["g32", "gbf16", "gf16"])
+@pytest.mark.parametrize("device,simd", DEVICES)
+def test_adam_step_grad_scale_and_master_dtypes_match_reference(request, device, simd, grad_dtype, master):
+    """Every (grad dtype, master) pair against the reference, every element; two steps (the second continues
+    from the kernel's own state), with grad_scale as a device tensor, then as a float."""
+    op = _op(request, device, simd)
+    g = 64
+    sizes = CPU_SIZES if device == "cpu" else GPU_SIZES
+    params, grads, ms, vs, keys = _master_case(device, sizes, g, grad_dtype, master, seed=11)
+    scale = torch.tensor([1 / 37.5], device=device)
+    kp, km, kv = _run_and_check(op, params, grads, ms, vs, g, E5M2, True, step=3, bf16_copy=True, grad_scale=scale,
+                                sr_keys=keys)
+    _run_and_check(op, kp, grads, km, kv, g, E5M2, True, step=4, bf16_copy=False, grad_scale=1 / 37.5, sr_keys=keys)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+    return a.dtype == b.dtype and torch.equal(a.view(ints[a.element_size()]), b.view(ints[b.element_size()]))
+
+
+def _kernel_run(op, params, grads, ms, vs, g, step, **kw):
+    """A kernel step on copies; returns every output field (params, bf16 copies, then each of m's and v's codes,
+    scales and exponents), each a list over the tensors."""
+    kp = [p.clone() for p in params]
+    km = [tuple(t.clone() for t in m) for m in ms]
+    kv = [tuple(t.clone() for t in v) for v in vs]
+    out = [torch.empty_like(p, dtype=torch.bfloat16) for p in params]
+    kernel_step(op, kp, grads, km, kv, out, g, E5M2, True, step, **kw)
+    return [kp, out, *(list(f) for f in zip(*km)), *(list(f) for f in zip(*kv))]
+
+
+@pytest.mark.parametrize("master", ["fp32", "bf16_sr"])
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16], ids=["gbf16", "gf16"])
+@pytest.mark.parametrize("device,simd", DEVICES)
+def test_adam_step_grad_scale_is_bit_exact(request, device, simd, grad_dtype, master):
+    """grad_scale = widening the grad to fp32, one separate fp32 multiply, stepping unscaled (DeepSpeed's
+    unscale_and_clip_grads): every output bit-identical, specials included, tensor or float scale."""
+    op = _op(request, device, simd)
+    g = 128
+    params, grads, ms, vs, keys = _master_case(device, (4099, 1000), g, grad_dtype, master, seed=12)
+    grads[0][:4] = torch.tensor([float("inf"), float("nan"), -0.0, 6e4]).to(grad_dtype)  # an overflowed group
+    for scale in (1 / 37.5, torch.tensor([0.3], device=device)):
+        want = _kernel_run(op, params, [x.float() * scale for x in grads], ms, vs, g, 5, sr_keys=keys)
+        got = _kernel_run(op, params, grads, ms, vs, g, 5, grad_scale=scale, sr_keys=keys)
+        assert all(_same_bits(a, b) for fa, fb in zip(got, want) for a, b in zip(fa, fb))
+
+
+@pytest.mark.parametrize("device,simd", DEVICES)
+def test_adam_step_stochastic_rounding_bits_are_the_reference_bits(request, device, simd):
+    """Zero grads and moments leave the update p * (1 - lr wd), exact in kernel and reference alike, so the
+    bf16 master must equal the reference's stochastic rounding bit for bit (wrap of the index's low word
+    included)."""
+    op = _op(request, device, simd)
+    g = 128
+    sizes = (4099, 1000, 1, 129, 300)
+    gen = torch.Generator().manual_seed(13)
+    params = [torch.randn(n, generator=gen).to(torch.bfloat16).to(device) for n in sizes]
+    zero = [(torch.zeros(n, dtype=torch.float8_e4m3fn, device=device), torch.zeros(n_groups(n, g), device=device),
+             torch.ones(n_groups(n, g), device=device)) for n in sizes]
+    hp = dict(HP, weight_decay=0.5)
+    kp = [p.clone() for p in params]
+    km = [tuple(t.clone() for t in m) for m in zero]
+    kv = [(m[0].view(torch.float8_e5m2), m[1].clone(), m[2].clone()) for m in km]
+    kernel_step(op, kp, [torch.zeros_like(p) for p in params], km, kv, [], g, E5M2, True, 7, sr_keys=SR_KEYS, **hp)
+    for p, got, key, m in zip(params, kp, SR_KEYS, zero):
+        want = p.clone()
+        adamw_step_reference(want, torch.zeros_like(p), m, (m[0].view(torch.float8_e5m2), m[1], m[2]), step=7,
+                             m_format=E4M3, v_format=E5M2, group_size=g, expansion=True, sr_key=key, sr_seed=SR_SEED,
+                             **hp)
+        assert _same_bits(got, want)
+        assert p.numel() < 100 or not _same_bits(got, p.float().mul(1 - 0.5 * HP["lr"]).bfloat16())  # not nearest
+
+
+@pytest.mark.parametrize("device,simd", DEVICES)
+def test_adam_step_stochastic_rounding_ignores_partitioning(request, device, simd):
+    """One tensor stepped whole, or as pieces (ZeRO partitions cut at group boundaries) each with its offset in
+    the parameter: bit-identical results."""
+    op = _op(request, device, simd)
+    g = 128
+    n = 4099 if device == "cpu" else 10**6 + 3
+    params, grads, ms, vs, _ = _master_case(device, (n,), g, torch.bfloat16, "bf16_sr", seed=14)
+    whole = _kernel_run(op, params, grads, ms, vs, g, 2, sr_keys=[(99, 1000)])
+    cuts = [0, 8 * g, 9 * g, n // g * g, n]
+    pieces = [(a, b) for a, b in zip(cuts[:-1], cuts[1:])]
+
+    def part(t, a, b):
+        return t[a:b] if t.numel() == n else t[a // g: (b + g - 1) // g]
+
+    parts = _kernel_run(op, [params[0][a:b] for a, b in pieces], [grads[0][a:b] for a, b in pieces],
+                        [tuple(part(t, a, b) for t in ms[0]) for a, b in pieces],
+                        [tuple(part(t, a, b) for t in vs[0]) for a, b in pieces], g, 2,
+                        sr_keys=[(99, 1000 + a) for a, _ in pieces])
+    for i, (w, p) in enumerate(zip(whole, parts)):
+        assert _same_bits(torch.cat(p), w[0]), i
+
+
+def test_adamw_step_rejects_bad_inputs():
+    from coat_ds import ops
+
+    p, m = torch.zeros(4), (torch.zeros(4, dtype=torch.float8_e4m3fn), torch.zeros(1), torch.ones(1))
+    kw = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1, v_format=E4M3, group_size=32,
+              expansion=True)
+    with pytest.raises(ValueError, match=r"grads\[0\] is torch.float64; allowed"):
+        ops.adamw_step([p], [torch.zeros(4, dtype=torch.float64)], [m], [m], **kw)
+    with pytest.raises(ValueError, match=r"params\[0\] is torch.float16; allowed"):
+        ops.adamw_step([p.half()], [p], [m], [m], **kw)
+    with pytest.raises(ValueError, match="grad_scale must be a 1-element float32 tensor"):
+        ops.adamw_step([p], [p], [m], [m], grad_scale=torch.ones(2), **kw)
+    with pytest.raises(ValueError, match="sr_keys"):
+        ops.adamw_step([p], [p], [m], [m], sr_keys=[(1, 0), (2, 0)], **kw)
+
+
 @pytest.mark.parametrize("device,simd", DEVICES)
 def test_adam_step_misaligned_views(request, device, simd):
     """Params 4 bytes off 16-byte alignment (the CUDA kernel's scalar path); results must not change."""

@@ -57,12 +57,14 @@ def adamw_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], m:
         return
     _check_step_args(params, grads, sr_keys, grad_scale)
     op = _op(params[0].device)
-    legacy = grad_scale is None and all(p.dtype == torch.float32 for p in params) and all(
-        g.dtype != torch.float16 for g in grads)
-    if op is not None and legacy:
+    if op is not None:
+        scale_t = grad_scale if isinstance(grad_scale, torch.Tensor) else None
+        scale = 1.0 if grad_scale is None or scale_t is not None else float(grad_scale)
+        keys = [] if sr_keys is None else [int(x) for key in sr_keys for x in key]
         op.adam_step(list(params), list(grads), [_u8(x[0]) for x in m], [x[1] for x in m], [x[2] for x in m],
                      [_u8(x[0]) for x in v], [x[1] for x in v], [x[2] for x in v], list(bf16_out),
-                     lr, beta1, beta2, eps, weight_decay, step, group_size, v_format.name == "e5m2", expansion)
+                     lr, beta1, beta2, eps, weight_decay, step, group_size, v_format.name == "e5m2", expansion,
+                     scale_t, scale, keys, sr_seed)
         return
     for i, (p, g, mi, vi) in enumerate(zip(params, grads, m, v)):
         new_m, new_v = adamw_step_reference(p, g, mi, vi, lr=lr, beta1=beta1, beta2=beta2, eps=eps,

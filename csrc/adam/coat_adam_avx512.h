@@ -32,9 +32,44 @@ __attribute__((always_inline)) inline void for_chunks(int n, F&& body) {
     if (i < n) body(i, lanes(n - i));
 }
 
-inline V load_grad(const float* g, __mmask16 k) { return _mm512_maskz_loadu_ps(k, g); }
-inline V load_grad(const uint16_t* g, __mmask16 k) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, g)), 16));
+inline V load_bf16(const uint16_t* p, __mmask16 k) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)), 16));
+}
+
+// 16 gradient values from position at, widened to fp32 (exactly).
+template <coat::GradKind GK>
+inline V load_grad(const void* g, int64_t at, __mmask16 k) {
+    if constexpr (GK == coat::GradKind::kF32) {
+        return _mm512_maskz_loadu_ps(k, static_cast<const float*>(g) + at);
+    } else if constexpr (GK == coat::GradKind::kBf16) {
+        return load_bf16(static_cast<const uint16_t*>(g) + at, k);
+    } else {
+        return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, static_cast<const uint16_t*>(g) + at));
+    }
+}
+
+template <coat::Master MS>
+inline V load_master(const void* p, int64_t at, __mmask16 k) {
+    if constexpr (MS == coat::Master::kF32) {
+        return _mm512_maskz_loadu_ps(k, static_cast<const float*>(p) + at);
+    } else {
+        return load_bf16(static_cast<const uint16_t*>(p) + at, k);
+    }
+}
+
+// Writes the updated master (and the bf16 copy, when out is set); index: position of lane 0 in its parameter.
+template <coat::Master MS>
+inline void store_master(void* p, uint16_t* out, int64_t at, __mmask16 k, V x, uint32_t sr_key, uint64_t index) {
+    __m256i b;
+    if constexpr (MS == coat::Master::kF32) {
+        _mm512_mask_storeu_ps(static_cast<float*>(p) + at, k, x);
+        if (out == nullptr) return;
+        b = to_bf16(x);
+    } else {
+        b = MS == coat::Master::kBf16Rn ? to_bf16(x) : to_bf16_sr(x, sr_bits16(sr_key, index));
+        _mm256_mask_storeu_epi16(static_cast<uint16_t*>(p) + at, k, b);
+    }
+    if (out != nullptr) _mm256_mask_storeu_epi16(out + at, k, b);
 }
 
 inline VI load_codes(const uint8_t* c, __mmask16 k) { return _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, c)); }
@@ -93,9 +128,13 @@ inline void block_stored(const float* d, const float* k, int nb, float* inv_k, f
     _mm512_storeu_ps(log2d, s.log2d);
 }
 
-template <typename GradT, bool VE5M2, class Refs>
-void adam_tensor(const Refs& t, const coat::AdamCoefs& c, int group_size, bool expansion) {
-    const GradT* grad = static_cast<const GradT*>(t.grad);
+template <coat::GradKind GK, coat::Master MS, bool VE5M2, class Refs>
+void adam_tensor(const Refs& t, const coat::AdamCoefs& c, uint32_t sr_key, int group_size, bool expansion) {
+    const char* grad = static_cast<const char*>(t.grad);  // for prefetching; loads take t.grad
+    const char* param = static_cast<const char*>(t.param);
+    constexpr int kGradBytes = GK == coat::GradKind::kF32 ? 4 : 2;
+    constexpr int kParamBytes = MS == coat::Master::kF32 ? 4 : 2;
+    const V grad_scale = splat(c.grad_scale);
     const int64_t n_groups = (t.numel + group_size - 1) / group_size;
     const int64_t n_blocks = (n_groups + kBlockGroups - 1) / kBlockGroups;
     const V decay = splat(c.decay), beta1 = splat(c.beta1), omb1 = splat(c.one_minus_beta1);
@@ -127,24 +166,22 @@ COAT_OMP_BLOCKS
                     const int64_t at = off + i;
                     // the next block's inputs, into L2: this block's encode pass reads no new memory, so
                     // the hardware prefetchers alone would leave the next pass waiting on DRAM
-                    _mm_prefetch((const char*)(t.param + at + ahead), _MM_HINT_T1);
-                    _mm_prefetch((const char*)(grad + at + ahead), _MM_HINT_T1);
+                    _mm_prefetch(param + (at + ahead) * kParamBytes, _MM_HINT_T1);
+                    _mm_prefetch(grad + (at + ahead) * kGradBytes, _MM_HINT_T1);
                     if ((i & 63) == 0) {
                         _mm_prefetch((const char*)(t.m_codes + at + ahead), _MM_HINT_T1);
                         _mm_prefetch((const char*)(t.v_codes + at + ahead), _MM_HINT_T1);
                     }
                     V m = mdec.template decode<kSpecial>(load_codes(t.m_codes + at, k));
                     V v = vdec.template decode<kSpecial>(load_codes(t.v_codes + at, k));
-                    const V g = load_grad(grad + at, k);
-                    V p = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, t.param + at), decay);
+                    const V g = _mm512_mul_ps(load_grad<GK>(t.grad, at, k), grad_scale);  // unscale first
+                    V p = _mm512_mul_ps(load_master<MS>(t.param, at, k), decay);
                     m = _mm512_add_ps(_mm512_mul_ps(beta1, m), _mm512_mul_ps(omb1, g));
                     v = _mm512_add_ps(_mm512_mul_ps(beta2, v), _mm512_mul_ps(_mm512_mul_ps(omb2, g), g));
                     const V denom = _mm512_fmadd_ps(_mm512_sqrt_ps(v), inv_bc2, eps);
                     p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(step_size, m), denom));
-                    _mm512_mask_storeu_ps(t.param + at, k, p);
-                    if constexpr (decltype(out_bf16)::value) {
-                        _mm256_mask_storeu_epi16(t.bf16_out + at, k, to_bf16(p));
-                    }
+                    store_master<MS>(t.param, decltype(out_bf16)::value ? t.bf16_out : nullptr, at, k, p, sr_key,
+                                     (uint64_t)(t.sr_offset + at));
                     _mm512_store_ps(mb + i, m);
                     _mm512_store_ps(vb + i, v);
                     // max |x| and min non-zero |x| (vrangeps folds the |.| in and ignores a NaN operand)
@@ -180,16 +217,17 @@ COAT_OMP_BLOCKS
     }
 }
 
-// One tensor's step; grads fp32 or bf16 (uint16 bits), v in E4M3 or E5M2.
+// One tensor's step: grads fp32, bf16 or fp16; master fp32 or bf16 (rounded to nearest or stochastically,
+// sr_key: coat::sr_key of its stream); v in E4M3 or E5M2.
 template <class Refs>
-void adam_tensor(const Refs& t, const coat::AdamCoefs& c, int group_size, bool v_e5m2, bool expansion) {
-    if (t.grad_bf16) {
-        v_e5m2 ? adam_tensor<uint16_t, true>(t, c, group_size, expansion)
-               : adam_tensor<uint16_t, false>(t, c, group_size, expansion);
-    } else {
-        v_e5m2 ? adam_tensor<float, true>(t, c, group_size, expansion)
-               : adam_tensor<float, false>(t, c, group_size, expansion);
-    }
+void adam_tensor(const Refs& t, const coat::AdamCoefs& c, uint32_t sr_key, int group_size, bool v_e5m2,
+                 bool expansion) {
+    coat::with_step_types(t.grad_kind, t.master, [&](auto gk, auto ms) {
+        constexpr coat::GradKind GK = decltype(gk)::value;
+        constexpr coat::Master MS = decltype(ms)::value;
+        v_e5m2 ? adam_tensor<GK, MS, true>(t, c, sr_key, group_size, expansion)
+               : adam_tensor<GK, MS, false>(t, c, sr_key, group_size, expansion);
+    });
 }
 
 inline void quantize(const float* xp, uint8_t* cp, float* sp, float* ep, int64_t numel, int group_size, bool e5m2,

@@ -4,6 +4,7 @@
 #include <torch/extension.h>
 
 #include <cmath>
+#include <optional>
 #include <vector>
 
 #include "coat_fp8_math.h"
@@ -12,9 +13,10 @@ namespace coat_ops {
 
 // Raw pointers of one tensor's step (checked once, then used by the kernels).
 struct AdamTensorRefs {
-    float* param;
+    void* param;  // fp32, or bf16 bits (master != kF32)
+    coat::Master master;
     const void* grad;
-    bool grad_bf16;
+    coat::GradKind grad_kind;
     uint8_t* m_codes;
     float* m_scale;
     float* m_expo;
@@ -23,6 +25,8 @@ struct AdamTensorRefs {
     float* v_expo;
     uint16_t* bf16_out;  // nullptr: no bf16 copy
     int64_t numel;
+    int64_t sr_stream;  // stochastic rounding: the parameter's stream and this tensor's offset in it
+    int64_t sr_offset;
 };
 
 inline void check_group_size(int64_t group_size) {
@@ -43,13 +47,16 @@ inline std::vector<AdamTensorRefs> check_adam_args(
     const std::vector<torch::Tensor>& m_q, const std::vector<torch::Tensor>& m_scale,
     const std::vector<torch::Tensor>& m_expo, const std::vector<torch::Tensor>& v_q,
     const std::vector<torch::Tensor>& v_scale, const std::vector<torch::Tensor>& v_expo,
-    const std::vector<torch::Tensor>& bf16_out, int64_t group_size, bool cuda) {
+    const std::vector<torch::Tensor>& bf16_out, const std::vector<int64_t>& sr_keys, int64_t group_size,
+    bool cuda) {
     check_group_size(group_size);
     const size_t n = params.size();
     TORCH_CHECK(grads.size() == n && m_q.size() == n && m_scale.size() == n && m_expo.size() == n &&
                     v_q.size() == n && v_scale.size() == n && v_expo.size() == n,
                 "adam_step: every tensor list must have one entry per param (", n, ")");
     TORCH_CHECK(bf16_out.empty() || bf16_out.size() == n, "adam_step: bf16_out must be empty or one per param");
+    TORCH_CHECK(sr_keys.empty() || sr_keys.size() == 2 * n,
+                "adam_step: sr_keys must be empty or one (stream, offset) pair per param");
     std::vector<AdamTensorRefs> refs;
     refs.reserve(n);
     if (n == 0) return refs;
@@ -59,9 +66,19 @@ inline std::vector<AdamTensorRefs> check_adam_args(
     for (size_t i = 0; i < n; ++i) {
         const int64_t numel = params[i].numel();
         const int64_t ng = (numel + group_size - 1) / group_size;
-        check_tensor(params[i], "params", i, at::kFloat, numel, device);
-        const bool bf16 = grads[i].scalar_type() == at::kBFloat16;
-        check_tensor(grads[i], "grads", i, bf16 ? at::kBFloat16 : at::kFloat, numel, device);
+        const bool bf16_master = params[i].scalar_type() == at::kBFloat16;
+        check_tensor(params[i], "params", i, bf16_master ? at::kBFloat16 : at::kFloat, numel, device);
+        const at::ScalarType gt = grads[i].scalar_type();
+        const coat::GradKind gk = gt == at::kBFloat16 ? coat::GradKind::kBf16
+                                  : gt == at::kHalf   ? coat::GradKind::kF16
+                                                      : coat::GradKind::kF32;
+        check_tensor(grads[i], "grads", i, gt == at::kBFloat16 || gt == at::kHalf ? gt : at::kFloat, numel, device);
+        const coat::Master master = !bf16_master      ? coat::Master::kF32
+                                    : sr_keys.empty() ? coat::Master::kBf16Rn
+                                                      : coat::Master::kBf16Sr;
+        const int64_t stream = sr_keys.empty() ? 0 : sr_keys[2 * i];
+        const int64_t offset = sr_keys.empty() ? 0 : sr_keys[2 * i + 1];
+        TORCH_CHECK_VALUE(offset >= 0, "adam_step: sr_keys[", i, "] has offset ", offset, ", must be >= 0");
         check_tensor(m_q[i], "m_q", i, at::kByte, numel, device);
         check_tensor(v_q[i], "v_q", i, at::kByte, numel, device);
         check_tensor(m_scale[i], "m_scale", i, at::kFloat, ng, device);
@@ -73,9 +90,9 @@ inline std::vector<AdamTensorRefs> check_adam_args(
             check_tensor(bf16_out[i], "bf16_out", i, at::kBFloat16, numel, device);
             out = reinterpret_cast<uint16_t*>(bf16_out[i].data_ptr());
         }
-        refs.push_back({params[i].data_ptr<float>(), grads[i].data_ptr(), bf16, m_q[i].data_ptr<uint8_t>(),
+        refs.push_back({params[i].data_ptr(), master, grads[i].data_ptr(), gk, m_q[i].data_ptr<uint8_t>(),
                         m_scale[i].data_ptr<float>(), m_expo[i].data_ptr<float>(), v_q[i].data_ptr<uint8_t>(),
-                        v_scale[i].data_ptr<float>(), v_expo[i].data_ptr<float>(), out, numel});
+                        v_scale[i].data_ptr<float>(), v_expo[i].data_ptr<float>(), out, numel, stream, offset});
     }
     return refs;
 }
@@ -106,11 +123,12 @@ inline void check_dequant_args(const torch::Tensor& codes, const torch::Tensor& 
 
 // Python scalars -> fp32 coefficients, computed in double first as the reference does.
 inline coat::AdamCoefs adam_coefs(double lr, double beta1, double beta2, double eps, double weight_decay,
-                                  int64_t step) {
+                                  int64_t step, double grad_scale) {
     TORCH_CHECK_VALUE(step >= 1, "step=", step, " must be >= 1");
     const double bc1 = 1.0 - std::pow(beta1, (double)step);
     const double bc2 = 1.0 - std::pow(beta2, (double)step);
     coat::AdamCoefs c;
+    c.grad_scale = (float)grad_scale;
     c.decay = (float)(1.0 - lr * weight_decay);
     c.beta1 = (float)beta1;
     c.one_minus_beta1 = (float)(1.0 - beta1);
@@ -120,6 +138,12 @@ inline coat::AdamCoefs adam_coefs(double lr, double beta1, double beta2, double 
     c.bc2_sqrt = (float)std::pow(bc2, 0.5);
     c.eps = (float)eps;
     return c;
+}
+
+// The grad scale's tensor, when given: one fp32 value on the params' device (the CUDA kernel reads it there).
+inline void check_grad_scale(const std::optional<torch::Tensor>& t, const std::vector<torch::Tensor>& params) {
+    if (!t.has_value() || params.empty()) return;
+    check_tensor(*t, "grad_scale", 0, at::kFloat, 1, params[0].device());
 }
 
 }  // namespace coat_ops

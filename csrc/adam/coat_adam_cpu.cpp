@@ -8,6 +8,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
+#include <optional>
 #include <vector>
 
 #include "coat_adam_common.h"
@@ -71,50 +73,50 @@ inline void requantize_group(const float* buf, int n, bool e5m2, bool expansion,
     quantize_buf(buf, n, s, e5m2, codes);
 }
 
-template <typename GradT>
-inline float grad_value(const GradT* g, int64_t i);
-template <>
-inline float grad_value<float>(const float* g, int64_t i) { return g[i]; }
-template <>
-inline float grad_value<uint16_t>(const uint16_t* g, int64_t i) { return coat::bf16_to_f32(g[i]); }
-
-template <typename GradT>
-void adam_tensor(const coat_ops::AdamTensorRefs& t, const coat::AdamCoefs& c, int group_size, bool v_e5m2,
-                 bool expansion) {
-    const GradT* grad = static_cast<const GradT*>(t.grad);
+// One tensor's step on the portable loops, one body per (grad dtype, master dtype / rounding).
+template <coat::GradKind GK, coat::Master MS>
+void adam_tensor(const coat_ops::AdamTensorRefs& t, const coat::AdamCoefs& c, uint32_t sr_key, int group_size,
+                 bool v_e5m2, bool expansion) {
     const int64_t n_groups = (t.numel + group_size - 1) / group_size;
     const float* m_tab = log2_table(false);
     const float* v_tab = log2_table(v_e5m2);
+    const uint64_t index0 = (uint64_t)t.sr_offset;
 #pragma omp parallel for schedule(static)
     for (int64_t gi = 0; gi < n_groups; ++gi) {
         const int64_t off = gi * group_size;
         const int n = (int)std::min<int64_t>(group_size, t.numel - off);
         float m[kMaxGroup], v[kMaxGroup];
+        uint32_t p_new[kMaxGroup];
         const GroupScale sm = coat::stored_scale<HostMath>(t.m_scale[gi], t.m_expo[gi]);
         const GroupScale sv = coat::stored_scale<HostMath>(t.v_scale[gi], t.v_expo[gi]);
-        float* p = t.param + off;
         const uint8_t* mq = t.m_codes + off;
         const uint8_t* vq = t.v_codes + off;
 #pragma omp simd
         for (int i = 0; i < n; ++i) {
             float mi = coat::dequant_value<HostMath>(mq[i], m_tab[mq[i] & 0x7F], sm);
             float vi = coat::dequant_value<HostMath>(vq[i], v_tab[vq[i] & 0x7F], sv);
-            float pi = p[i];
-            coat::adam_update<HostMath>(pi, grad_value(grad, off + i), mi, vi, c);
-            p[i] = pi;
+            float pi = coat::load_master<MS>(t.param, off + i);
+            coat::adam_update<HostMath>(pi, coat::load_grad<GK>(t.grad, off + i), mi, vi, c);
+            p_new[i] = coat::master_bits<MS>(pi, sr_key, index0 + (uint64_t)(off + i));
             m[i] = mi;
             v[i] = vi;
+        }
+        if constexpr (MS == coat::Master::kF32) {
+            std::memcpy(static_cast<float*>(t.param) + off, p_new, n * sizeof(float));
+        } else {
+            uint16_t* p = static_cast<uint16_t*>(t.param) + off;
+#pragma omp simd
+            for (int i = 0; i < n; ++i) p[i] = (uint16_t)p_new[i];
         }
         if (t.bf16_out != nullptr) {
             uint16_t* o = t.bf16_out + off;
 #pragma omp simd
-            for (int i = 0; i < n; ++i) o[i] = coat::f32_to_bf16(p[i]);
+            for (int i = 0; i < n; ++i) o[i] = coat::bf16_copy<MS>(p_new[i]);
         }
         requantize_group(m, n, false, expansion, t.m_codes + off, t.m_scale + gi, t.m_expo + gi);
         requantize_group(v, n, v_e5m2, expansion, t.v_codes + off, t.v_scale + gi, t.v_expo + gi);
     }
 }
-
 
 // Whether this call takes the AVX-512 kernels: COAT_CPU_ADAM_PORTABLE=1 forces the portable loops on an
 // AVX-512 build, so one machine tests both paths (read per call: a test can switch it).
@@ -134,23 +136,27 @@ void adam_step(const std::vector<torch::Tensor>& params, const std::vector<torch
                const std::vector<torch::Tensor>& m_expo, const std::vector<torch::Tensor>& v_q,
                const std::vector<torch::Tensor>& v_scale, const std::vector<torch::Tensor>& v_expo,
                const std::vector<torch::Tensor>& bf16_out, double lr, double beta1, double beta2, double eps,
-               double weight_decay, int64_t step, int64_t group_size, bool v_e5m2, bool expansion) {
+               double weight_decay, int64_t step, int64_t group_size, bool v_e5m2, bool expansion,
+               const std::optional<torch::Tensor>& grad_scale_t, double grad_scale,
+               const std::vector<int64_t>& sr_keys, int64_t sr_seed) {
     const auto refs = coat_ops::check_adam_args(params, grads, m_q, m_scale, m_expo, v_q, v_scale, v_expo, bf16_out,
-                                                group_size, /*cuda=*/false);
-    const coat::AdamCoefs c = coat_ops::adam_coefs(lr, beta1, beta2, eps, weight_decay, step);
+                                                sr_keys, group_size, /*cuda=*/false);
+    coat_ops::check_grad_scale(grad_scale_t, params);
+    const coat::AdamCoefs c = coat_ops::adam_coefs(lr, beta1, beta2, eps, weight_decay, step,
+                                                   grad_scale_t.has_value() ? grad_scale_t->item<float>() : grad_scale);
+    const uint32_t sr_prefix = coat::sr_prefix((uint64_t)sr_seed, (uint64_t)step);
     [[maybe_unused]] const bool avx512 = use_avx512();
     for (const auto& t : refs) {
+        const uint32_t key = coat::sr_key(sr_prefix, (uint64_t)t.sr_stream);
 #if COAT_CPU_AVX512
         if (avx512) {
-            coat::avx512::adam_tensor(t, c, (int)group_size, v_e5m2, expansion);
+            coat::avx512::adam_tensor(t, c, key, (int)group_size, v_e5m2, expansion);
             continue;
         }
 #endif
-        if (t.grad_bf16) {
-            adam_tensor<uint16_t>(t, c, (int)group_size, v_e5m2, expansion);
-        } else {
-            adam_tensor<float>(t, c, (int)group_size, v_e5m2, expansion);
-        }
+        coat::with_step_types(t.grad_kind, t.master, [&](auto gk, auto ms) {
+            adam_tensor<decltype(gk)::value, decltype(ms)::value>(t, c, key, (int)group_size, v_e5m2, expansion);
+        });
     }
 }
 

@@ -256,4 +256,25 @@ inline __m256i to_bf16(V x) {
     return _mm512_cvtepi32_epi16(r);
 }
 
+// Stochastic rounding of 16 consecutive values: coat::sr_bits of positions index .. index + 15, in lanes.
+inline VI sr_bits16(uint32_t key, uint64_t index) {
+    const VI lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    VI x = _mm512_add_epi32(splati(coat::sr_weyl(key, index)), _mm512_mullo_epi32(lane, splati(kSrGolden)));
+    // lanes whose position's low word wrapped past 2^32 carry one into the high word
+    const VI lo = splati((uint32_t)index);
+    x = _mm512_mask_add_epi32(x, _mm512_cmplt_epu32_mask(_mm512_add_epi32(lo, lane), lo), x, splati(kSrGoldenHi));
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+    x = _mm512_mullo_epi32(x, splati(kSrMix1));
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+    x = _mm512_mullo_epi32(x, splati(kSrMix2));
+    return _mm512_srli_epi32(x, 16);
+}
+
+// fp32 -> bf16 bits by stochastic rounding with the given 16 bits per lane (coat::f32_to_bf16_sr).
+inline __m256i to_bf16_sr(V x, VI bits16) {
+    VI r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(x), bits16), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), splati(0x7FC0u));
+    return _mm512_cvtepi32_epi16(r);
+}
+
 }  // namespace coat::avx512

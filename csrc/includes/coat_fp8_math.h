@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__CUDACC__)
 #define COAT_HD __host__ __device__ __forceinline__
@@ -275,16 +276,27 @@ COAT_HD float expand_value(float x, const GroupScale& s) {
 
 // Per-step AdamW scalars, each rounded to fp32 from double the way torch does with Python scalars.
 struct AdamCoefs {
-    float decay;      // 1 - lr * weight_decay
+    float grad_scale;  // every gradient value is multiplied by it first (1: none); CUDA may read it from memory
+    float decay;       // 1 - lr * weight_decay
     float beta1, one_minus_beta1, beta2, one_minus_beta2;
     float step_size;  // -lr / (1 - beta1^t)
     float bc2_sqrt;   // sqrt(1 - beta2^t)
     float eps;
 };
 
-// The reference's update, in its order of operations.
+// a * b rounded to fp32 on its own: never contracted into an FMA with what uses the product.
+COAT_HD float mul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+    return __fmul_rn(a, b);
+#else
+    return a * b;  // a product that feeds only multiplies cannot be contracted
+#endif
+}
+
+// The reference's update, in its order of operations; g is the gradient before its scale.
 template <class Math>
 COAT_HD void adam_update(float& p, float g, float& m, float& v, const AdamCoefs& c) {
+    g = mul_rn(g, c.grad_scale);  // DeepSpeed's unscale/clip: a separate fp32 multiply
     p = p * c.decay;
     m = c.beta1 * m + c.one_minus_beta1 * g;
     v = c.beta2 * v + c.one_minus_beta2 * g * g;
@@ -299,6 +311,130 @@ COAT_HD uint16_t f32_to_bf16(float x) {
     const uint32_t u = f32_bits(x);
     const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
     return (uint16_t)(x != x ? 0x7FC0u : r);
+}
+
+// fp16 bits -> float, exact (subnormals, inf and NaN included).
+COAT_HD float f16_to_f32(uint16_t h) {
+#if defined(__CUDA_ARCH__)
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+#else
+    const uint32_t em = h & 0x7FFFu;
+    // em << 13 reads as 2^-112 times the half's magnitude (normal or subnormal): one exact multiply rebiases
+    const float mag = bits_f32(em << 13) * 5.192296858534828e+33f;  // 2^112
+    const float special = bits_f32(0x7F800000u | ((em & 0x3FFu) << 13));  // inf / NaN, payload kept
+    return bits_f32(f32_bits(em >= 0x7C00u ? special : mag) | ((uint32_t)(h & 0x8000u) << 16));
+#endif
+}
+
+// ---- What a step reads and writes: gradient and master dtypes, stochastic rounding of a bf16 master.
+// Random bits as coat_ds/formats/rounding.py defines them (the reference; its tests pin the constants):
+//   key  = fold of lowbias32(h ^ word) over the 32-bit halves of seed, step, stream (from kSrKey0)
+//   bits = lowbias32(key + lo(index) * kSrGolden + hi(index) * kSrGoldenHi) >> 16
+
+enum class GradKind : int { kF32 = 0, kBf16 = 1, kF16 = 2 };
+enum class Master : int { kF32 = 0, kBf16Rn = 1, kBf16Sr = 2 };  // fp32, or bf16 rounded to nearest / stochastically
+
+constexpr uint32_t kSrKey0 = 0x3C6EF372u;
+constexpr uint32_t kSrGolden = 0x9E3779B9u;
+constexpr uint32_t kSrGoldenHi = 0x7F4A7C15u;
+constexpr uint32_t kSrMix1 = 0x7FEB352Du;  // lowbias32's multipliers
+constexpr uint32_t kSrMix2 = 0x846CA68Bu;
+
+COAT_HD uint32_t lowbias32(uint32_t x) {
+    x ^= x >> 16;
+    x *= kSrMix1;
+    x ^= x >> 15;
+    x *= kSrMix2;
+    return x ^ (x >> 16);
+}
+
+COAT_HD uint32_t sr_fold(uint32_t h, uint64_t word) {
+    h = lowbias32(h ^ (uint32_t)word);
+    return lowbias32(h ^ (uint32_t)(word >> 32));
+}
+
+// The key of (seed, step) before the stream is folded in: once per launch.
+COAT_HD uint32_t sr_prefix(uint64_t seed, uint64_t step) { return sr_fold(sr_fold(kSrKey0, seed), step); }
+COAT_HD uint32_t sr_key(uint32_t prefix, uint64_t stream) { return sr_fold(prefix, stream); }
+
+// key + index's Weyl offset: the hash input of value `index` (lowbias32 of it, >> 16, is its bits).
+COAT_HD uint32_t sr_weyl(uint32_t key, uint64_t index) {
+    return key + (uint32_t)index * kSrGolden + (uint32_t)(index >> 32) * kSrGoldenHi;
+}
+
+// 16 random bits: lowbias32's last xor-shift only changes the low half, so the top 16 bits skip it.
+COAT_HD uint32_t sr_bits(uint32_t key, uint64_t index) {
+    uint32_t x = sr_weyl(key, index);
+    x ^= x >> 16;
+    x *= kSrMix1;
+    x ^= x >> 15;
+    x *= kSrMix2;
+    return x >> 16;
+}
+
+// Stochastic rounding to bf16: 16 random bits added below the kept half, then truncation. NaN -> 0x7FC0;
+// inf stays inf (its low half is zero); a value past the largest bf16 may round up to inf.
+COAT_HD uint16_t f32_to_bf16_sr(float x, uint32_t bits16) {
+    return (uint16_t)(x != x ? 0x7FC0u : (f32_bits(x) + bits16) >> 16);
+}
+
+// f(gk, ms) with the runtime (grad kind, master) as std::integral_constant types, so that every host-side
+// launcher picks its template instantiation through one switch.
+template <class F>
+inline void with_step_types(GradKind gk, Master ms, F&& f) {
+    auto by_master = [&](auto g) {
+        switch (ms) {
+            case Master::kBf16Rn: return f(g, std::integral_constant<Master, Master::kBf16Rn>{});
+            case Master::kBf16Sr: return f(g, std::integral_constant<Master, Master::kBf16Sr>{});
+            default: return f(g, std::integral_constant<Master, Master::kF32>{});
+        }
+    };
+    switch (gk) {
+        case GradKind::kBf16: return by_master(std::integral_constant<GradKind, GradKind::kBf16>{});
+        case GradKind::kF16: return by_master(std::integral_constant<GradKind, GradKind::kF16>{});
+        default: return by_master(std::integral_constant<GradKind, GradKind::kF32>{});
+    }
+}
+
+template <GradKind K>
+COAT_HD float load_grad(const void* g, int64_t i) {
+    if constexpr (K == GradKind::kF32) {
+        return static_cast<const float*>(g)[i];
+    } else if constexpr (K == GradKind::kBf16) {
+        return bf16_to_f32(static_cast<const uint16_t*>(g)[i]);
+    } else {
+        return f16_to_f32(static_cast<const uint16_t*>(g)[i]);
+    }
+}
+
+template <Master M>
+COAT_HD float load_master(const void* p, int64_t i) {
+    if constexpr (M == Master::kF32) {
+        return static_cast<const float*>(p)[i];
+    } else {
+        return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
+    }
+}
+
+// The updated master value in its dtype, as raw bits (fp32 bits, or bf16 bits in the low half); `index` is
+// the value's position in its parameter (stochastic rounding only).
+template <Master M>
+COAT_HD uint32_t master_bits(float x, uint32_t sr_key, uint64_t index) {
+    if constexpr (M == Master::kF32) {
+        return f32_bits(x);
+    } else if constexpr (M == Master::kBf16Rn) {
+        return f32_to_bf16(x);
+    } else {
+        return f32_to_bf16_sr(x, sr_bits(sr_key, index));
+    }
+}
+
+// The bf16 copy of a master value given as master_bits returns it.
+template <Master M>
+COAT_HD uint16_t bf16_copy(uint32_t master) {
+    return M == Master::kF32 ? f32_to_bf16(bits_f32(master)) : (uint16_t)master;
 }
 
 }  // namespace coat
