@@ -3,14 +3,14 @@
 `pip install -e ".[dev]"` installs the Python package; the kernels JIT-build (ninja) on first use.
 `COAT_BUILD_OPS=1 pip install --no-build-isolation .` pre-builds them, like DS_BUILD_OPS for DeepSpeed.
 
-The checkout keeps DeepSpeed's layout (op_builder/ and csrc/ at the top); installs, editable or not, see
-them as coat_ds.op_builder and coat_ds/csrc, so nothing but coat_ds lands in site-packages.
+The checkout keeps DeepSpeed's layout: op_builder/ and csrc/ at the top, and coat_ds/op_builder and
+coat_ds/csrc as links to them (as deepspeed/ops/op_builder and deepspeed/ops/csrc are), so a checkout on
+PYTHONPATH, an editable install and a wheel all see them as coat_ds.op_builder and coat_ds/csrc, and nothing
+but coat_ds lands in site-packages.
 """
 import os
 
 from setuptools import find_packages, setup
-
-PACKAGE_DIR = {"coat_ds.op_builder": "op_builder", "coat_ds.csrc": "csrc"}
 
 ext_modules, cmdclass = [], {}
 if os.environ.get("COAT_BUILD_OPS", "0") == "1":
@@ -22,9 +22,8 @@ setup(
     name="coat_ds",
     version="0.1.0",
     description="FP8 optimizer states and activations (COAT) for DeepSpeed",
-    packages=find_packages(include=["coat_ds", "coat_ds.*"]) + list(PACKAGE_DIR),
-    package_dir=PACKAGE_DIR,
-    package_data={"coat_ds.csrc": ["**/*.h", "**/*.cuh", "**/*.cpp", "**/*.cu"]},
+    packages=find_packages(include=["coat_ds", "coat_ds.*"]),  # coat_ds.op_builder through its link
+    package_data={"coat_ds": ["csrc/**/*.h", "csrc/**/*.cuh", "csrc/**/*.cpp", "csrc/**/*.cu"]},
     python_requires=">=3.10",
     install_requires=["torch>=2.5", "deepspeed>=0.16", "transformers>=4.45", "ninja", "pybind11", "tokenizers",
                       "tqdm", "matplotlib", "numpy"],

@@ -15,7 +15,7 @@ import re
 
 from deepspeed.ops.op_builder.builder import CUDAOpBuilder, OpBuilder
 
-# csrc/ sits beside op_builder/ both in the checkout and in an install (coat_ds/csrc, coat_ds/op_builder)
+# csrc/ sits beside op_builder/: at the checkout's top, in coat_ds/ (links to those) and in an install
 CSRC_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
 
 DEFAULT_CUDA_ARCHS = "8.0;9.0"

@@ -33,9 +33,9 @@ def _run(cmd: list, **kw) -> str:
 
 
 def _checkout_files() -> list[str]:
-    """What a fresh clone of this checkout would hold (tracked and new, not ignored, files)."""
+    """What a fresh clone of this checkout would hold: tracked and new (not ignored) files and links."""
     names = _run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT).split("\0")
-    return [n for n in names if (ROOT / n).is_file()]
+    return [n for n in names if (ROOT / n).is_file() or (ROOT / n).is_symlink()]
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,7 @@ def wheel(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("wheel")
     for name in _checkout_files():
         (tmp / "src" / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(ROOT / name, tmp / "src" / name)
+        shutil.copy2(ROOT / name, tmp / "src" / name, follow_symlinks=False)  # coat_ds/op_builder, coat_ds/csrc
     _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", tmp / "src",
           "-w", tmp / "dist"])
     return next((tmp / "dist").glob("coat_ds-*.whl"))
@@ -64,8 +64,9 @@ def test_wheel_holds_only_coat_ds(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     dist_info = "-".join(wheel.name.split("-")[:2]) + ".dist-info"
     assert {n.split("/")[0] for n in names} == {"coat_ds", dist_info}
-    wanted = {f"coat_ds/{n}" for n in _checkout_files() if n.startswith("csrc/")}
-    wanted |= {f"coat_ds/{n}" for n in _checkout_files() if n.startswith("op_builder/") and n.endswith(".py")}
+    files = [n for n in _checkout_files() if not (ROOT / n).is_symlink()]
+    wanted = {f"coat_ds/{n}" for n in files if n.startswith("csrc/")}
+    wanted |= {f"coat_ds/{n}" for n in files if n.startswith("op_builder/") and n.endswith(".py")}
     assert wanted and wanted <= names, sorted(wanted - names)
 
 
