@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import data as data_lib  # noqa: E402
-from train import MODEL_SIZES, build_model  # noqa: E402
+from train import MODEL_SIZES, build_model, check_ds_config, read_ds_config  # noqa: E402
 
 
 class Windows:
@@ -82,10 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
-    path = Path(args.deepspeed)
-    if not path.is_file():
-        raise SystemExit(f"error: --deepspeed {path}: no such file (ready configs: ds_configs/*.json)")
-    ds_config = json.loads(path.read_text())
+    ds_config = check_ds_config(read_ds_config(args.deepspeed), hf_auto=True)  # one line, before model or data
     try:
         tokens = data_lib.load(args.data, args.seq_len, tokenizer=args.model, vocab_size=args.vocab_size,
                                data_dtype=args.data_dtype)

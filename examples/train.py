@@ -26,6 +26,7 @@ import socket
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))                 # examples/data.py
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))          # coat_ds from a checkout
@@ -71,6 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--save-every", type=int, help="checkpoint every N steps (0: only at the end and on signals)")
     p.add_argument("--keep-last", type=int, help="checkpoints kept on disk (older ones are deleted)")
     p.add_argument("--resume", action="store_true", help="continue from save-dir/checkpoints/latest")
+    p.add_argument("--resume-from", metavar="TAG", help="continue from save-dir/checkpoints/TAG (e.g. step0000200)")
     p.add_argument("--seed", type=int, help="model init and data order")
     p.add_argument("--export", metavar="DIR", help="at the end, write an HF save_pretrained model + tokenizer")
     p.add_argument("--micro-batch", type=int, help="override train_micro_batch_size_per_gpu")
@@ -93,17 +95,42 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def load_ds_config(args: argparse.Namespace) -> dict:
-    """Read the JSON config and apply the command-line overrides ("auto" values are filled from flags)."""
-    path = Path(args.deepspeed)
-    if not path.is_file():
-        raise SystemExit(f"error: --deepspeed {path}: no such file (ready configs: ds_configs/*.json)")
+def refuse(message: str) -> NoReturn:
+    """`error: <message>` once, from rank 0, and exit 2. For bad input found before torch.distributed is up,
+    so the launcher's RANK says which process speaks; every rank finds the same fault and exits."""
+    if os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")) == "0":
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def read_ds_config(path: str) -> dict:
+    """The JSON object in `path`, else refuse()."""
+    if not Path(path).is_file():
+        refuse(f"--deepspeed {path}: no such file (ready configs: ds_configs/*.json)")
     try:
-        cfg = json.loads(path.read_text())
+        cfg = json.loads(Path(path).read_text())
     except json.JSONDecodeError as e:
-        raise SystemExit(f"error: --deepspeed {path}: not valid JSON ({e})") from None
+        refuse(f"--deepspeed {path}: not valid JSON ({e})")
     if not isinstance(cfg, dict):
-        raise SystemExit(f"error: --deepspeed {path}: the top level must be a JSON object")
+        refuse(f"--deepspeed {path}: the top level must be a JSON object")
+    return cfg
+
+
+def check_ds_config(cfg: dict, hf_auto: bool = False) -> dict:
+    """`cfg` if DeepSpeed and coat_ds will accept it (coat_ds.deepspeed.check_config), else refuse() with the
+    key and what is allowed. `hf_auto`: "auto" values are HF Trainer's to fill."""
+    from coat_ds.deepspeed.check import check_config
+
+    try:
+        check_config(cfg, hf_auto=hf_auto)
+    except ValueError as e:
+        refuse(str(e))
+    return cfg
+
+
+def load_ds_config(args: argparse.Namespace) -> dict:
+    """Read the JSON config, apply the command-line overrides ("auto" values are filled from flags), check it."""
+    cfg = read_ds_config(args.deepspeed)
     cfg.pop("train_batch_size", None)  # derived by DeepSpeed from micro batch x grad accum x world size
     if args.micro_batch is not None or cfg.get("train_micro_batch_size_per_gpu") in (None, "auto"):
         cfg["train_micro_batch_size_per_gpu"] = args.micro_batch or 4
@@ -116,7 +143,7 @@ def load_ds_config(args: argparse.Namespace) -> dict:
         sched["total_num_steps"] = args.steps
     if isinstance(sched.get("warmup_num_steps"), int) and sched.get("total_num_steps", 0) <= sched["warmup_num_steps"]:
         sched["warmup_num_steps"] = max(1, sched["total_num_steps"] // 10)  # short runs: warm up for 10%
-    return cfg
+    return check_ds_config(cfg)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -182,6 +209,34 @@ def save_checkpoint(engine, ckpt_dir: Path, step: int, client_state: dict, keep_
             shutil.rmtree(d, ignore_errors=True)
     dist.barrier()
     return ckpt_dir / tag
+
+
+def resume_tag(args: argparse.Namespace, ckpt_dir: Path) -> str | None:
+    """The tag --resume (`latest`) or --resume-from names, its files checked before any model or data."""
+    if not (args.resume or args.resume_from):
+        return None
+    from coat_ds.deepspeed.check import check_tag
+    from coat_ds.deepspeed.checkpoint import CheckpointError
+
+    tag = args.resume_from
+    if tag is None:
+        if not (ckpt_dir / "latest").is_file():
+            refuse(f"--resume: no checkpoint to resume from ({ckpt_dir / 'latest'} does not exist)")
+        tag = (ckpt_dir / "latest").read_text().strip()
+    try:
+        check_tag(str(ckpt_dir / tag))
+    except CheckpointError as e:
+        refuse(unusable(ckpt_dir, tag, e))
+    return tag
+
+
+def unusable(ckpt_dir: Path, tag: str, err: Exception) -> str:
+    """One line: what is wrong with `tag`, and the tags that could be resumed from instead."""
+    from coat_ds.deepspeed.check import intact_tags
+
+    good = intact_tags(str(ckpt_dir), exclude=tag) if ckpt_dir.is_dir() else []
+    hint = f"intact tags: {', '.join(good)} (resume with --resume-from TAG)" if good else "no intact tag to resume from"
+    return f"checkpoint {tag} cannot be loaded: {err}; {hint}"
 
 
 def clean_partial_checkpoints(ckpt_dir: Path) -> None:
@@ -280,8 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     ds_config = load_ds_config(args)
     save_dir = Path(args.save_dir)
     ckpt_dir = save_dir / "checkpoints"
-    if args.resume and not (ckpt_dir / "latest").is_file():
-        raise SystemExit(f"error: --resume: no checkpoint to resume from ({ckpt_dir / 'latest'} does not exist)")
+    tag = resume_tag(args, ckpt_dir)  # None: a fresh run
     if args.export and Path(args.export).is_file():
         raise SystemExit(f"error: --export {args.export}: is a file; give a directory")
 
@@ -319,8 +373,13 @@ def main(argv: list[str] | None = None) -> int:
     log_path, plot_path = save_dir / "log.jsonl", save_dir / "loss.png"
 
     start = 0
-    if args.resume:
-        load_path, client = engine.load_checkpoint(str(ckpt_dir))
+    if tag is not None:
+        from coat_ds.deepspeed.checkpoint import CheckpointError
+
+        try:
+            load_path, client = engine.load_checkpoint(str(ckpt_dir), tag=tag)
+        except CheckpointError as e:  # what check_tag cannot see (e.g. another optimizer's states)
+            refuse(unusable(ckpt_dir, tag, e))
         if load_path is None:
             raise SystemExit(f"error: --resume: DeepSpeed found no loadable checkpoint in {ckpt_dir}")
         start = int(client["step"])
@@ -332,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         ckpt_dir.mkdir(exist_ok=True)
         clean_partial_checkpoints(ckpt_dir)
         # keep the log consistent with the checkpoint: drop records past the step we resume from
-        kept = [r for r in read_log(log_path) if r["step"] <= start] if args.resume else []
+        kept = [r for r in read_log(log_path) if r["step"] <= start] if tag is not None else []
         log_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
     dist.barrier()
 

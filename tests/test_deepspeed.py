@@ -6,6 +6,8 @@ Four launched jobs (shared by all tests below, ~4 min on 2 cores after the one-o
       refusal of truncated/foreign checkpoints; zero_to_fp32; an fp16 overflow step
   W1b world 1: 2 -> 1 resume (stages 1/2/3)
   MN  two "nodes" on this machine (--no_ssh --node_rank 0/1), ZeRO-2 across them
+A task in a dtype DeepSpeed's accelerator does not support here (fp16 on a CPU without oneDNN fp16) is
+left out of its job, and the tests that read it skip with the accelerator's answer.
 
 Why equality is exact: FP8 groups are per parameter whatever the partition (coat_ds/deepspeed/layout.py),
 and both worlds see bit-identical gradients (two micro-batches of 4: accumulated on one rank or
@@ -19,6 +21,8 @@ import os
 import shutil
 import socket
 import subprocess
+
+import functools
 
 import pytest
 import torch
@@ -43,7 +47,25 @@ def _env() -> dict:
     return env
 
 
+@functools.cache
+def unsupported(dtype: str) -> str | None:
+    """Why DeepSpeed would refuse `dtype` on this machine ("Type fp16 is not supported on your device"), or None."""
+    if dtype not in ("fp16", "bf16"):
+        return None
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    ok = getattr(acc, f"is_{dtype}_supported")()
+    return None if ok else f"DeepSpeed's {acc.device_name()} accelerator has no {dtype} here (is_{dtype}_supported() -> {ok!r})"
+
+
+def _dtype(task: str) -> str:
+    """The dtype field of a job.py task (kind:stage[:dtype...]); fp32 when left out."""
+    return (task.split(":")[2:] or ["fp32"])[0]
+
+
 def launch(out: str, ckpt: str, tasks: list[str], gpus: int, extra: list[str] = ()) -> dict:
+    tasks = [t for t in tasks if unsupported(_dtype(t)) is None]
     cmd = [shutil.which("deepspeed"), "--num_gpus", str(gpus), "--master_port", str(_port()), *extra, JOB,
            "--out", out, "--ckpt", ckpt, *tasks]
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
@@ -79,7 +101,7 @@ def _require_launcher():
 W1 = ["train:0:fp32", "train:1:fp32", "train:2:fp32", "train:3:fp32", "train:1:bf16", "train:2:fp16"]
 W2 = ["train:1:fp32", "train:2:fp32", "train:3:fp32", "train:1:bf16", "train:2:bf16", "train:3:bf16",
       "train:2:fp16", "train:2:fp32:offload", "resume:1:fp32:1", "resume:2:fp32:1", "resume:3:fp32:1",
-      "refuse:2", "tofp32:2:fp32", "tofp32:3:fp32", "skip:2", "regroup:2:fp32", "universal:3:fp32:1"]
+      "refuse:2", "tofp32:2:fp32", "tofp32:3:fp32", "skip:2:fp16", "regroup:2:fp32", "universal:3:fp32:1"]
 W1B = ["resume:1:fp32:2", "resume:2:fp32:2", "resume:3:fp32:2", "resume:2:bf16:2", "universal:2:fp32:2"]
 
 
@@ -103,6 +125,8 @@ def runs(tmp_path_factory):
 
 
 def _task(res: dict, job: str, task: str) -> dict:
+    if task not in res[job]["tasks"] and unsupported(_dtype(task)):
+        pytest.skip(unsupported(_dtype(task)))
     out = res[job]["tasks"][task]
     assert "error" not in out, f"{job} {task}: {out.get('error')}\n{out.get('trace')}"
     return out
@@ -126,11 +150,7 @@ def check_trajectories(res: dict) -> float:
     ddp_bf16 = _task(res, "w1", "train:0:bf16")["losses"]  # DeepSpeed's stage-0 bf16: bf16 gradient accumulation
     worst = max(abs(a - b) for a, b in zip(ddp_bf16, bf16_ref))
     assert worst < 3e-2
-    # fp16: one rank sums the two micro-batches' gradients in fp16, two ranks reduce them in fp32
-    fp16 = max(abs(a - b) for a, b in zip(_task(res, "w2", "train:2:fp16")["losses"],
-                                          _task(res, "w1", "train:2:fp16")["losses"]))
-    assert fp16 < 2e-2
-    return max(worst, fp16)
+    return worst
 
 
 def check_memory(res: dict) -> dict:
@@ -161,6 +181,13 @@ def check_checkpoints(res: dict) -> None:
 
 def test_zero_trajectories_equal_stage0(runs):
     check_trajectories(runs)
+
+
+def test_fp16_zero2_two_ranks_close_to_one(runs):
+    """One rank sums the two micro-batches' gradients in fp16, two ranks reduce them in fp32: close, not equal."""
+    fp16 = max(abs(a - b) for a, b in zip(_task(runs, "w2", "train:2:fp16")["losses"],
+                                          _task(runs, "w1", "train:2:fp16")["losses"]))
+    assert fp16 < 2e-2
 
 
 def test_state_memory_shrinks_with_world_size(runs):
@@ -206,7 +233,7 @@ def test_zero_to_fp32_recovers_masters(runs):
 
 
 def test_fp16_overflow_step_leaves_fp8_states(runs):
-    out = _task(runs, "w2", "skip:2")
+    out = _task(runs, "w2", "skip:2:fp16")
     assert out["unchanged"] and out["skipped_steps"] >= 1
     assert out["scale_after"] < out["scale_before"]
     assert all(x == x and x < 10 for x in out["losses"])

@@ -344,6 +344,22 @@ def test_adam_step_stochastic_rounding_ignores_partitioning(request, device, sim
         assert _same_bits(torch.cat(p), w[0]), i
 
 
+@pytest.mark.gpu
+def test_adamw_step_with_a_device_grad_scale_does_not_sync():
+    """The glue hands a device tensor (DeepSpeed's 1 / combined scale): reading it must not stall the host."""
+    from coat_ds import ops
+
+    params, grads, ms, vs, keys = _master_case("cuda", (4099, 1000), 128, torch.bfloat16, "bf16_sr", seed=15)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ops.adamw_step(params, grads, ms, vs, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1,
+                       v_format=E5M2, group_size=128, expansion=True, grad_scale=torch.tensor([0.5], device="cuda"),
+                       sr_keys=keys, sr_seed=3)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def test_adamw_step_rejects_bad_inputs():
     from coat_ds import ops
 

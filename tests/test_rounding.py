@@ -166,9 +166,11 @@ def tiny_update_run(sr: bool, n: int = 4096, steps: int = 64, device: str = "cpu
     return p16, p32
 
 
-def test_stochastic_rounding_keeps_updates_below_half_an_ulp():
-    p_sr, p32 = tiny_update_run(sr=True)
-    p_rn, _ = tiny_update_run(sr=False)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_stochastic_rounding_keeps_updates_below_half_an_ulp(device):
+    """Through ops.adamw_step: the compiled op where it builds (CPU op, CUDA kernel), else the reference."""
+    p_sr, p32 = tiny_update_run(sr=True, device=device)
+    p_rn, _ = tiny_update_run(sr=False, device=device)
     moved = 1 - p32.mean().item()
     assert 0.05 < moved < 0.08  # ~64 steps of ~1e-3
     assert torch.equal(p_rn.float(), torch.ones_like(p32))  # round to nearest loses every update

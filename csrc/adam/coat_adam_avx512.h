@@ -36,24 +36,15 @@ inline V load_bf16(const uint16_t* p, __mmask16 k) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)), 16));
 }
 
-// 16 gradient values from position at, widened to fp32 (exactly).
-template <coat::GradKind GK>
-inline V load_grad(const void* g, int64_t at, __mmask16 k) {
-    if constexpr (GK == coat::GradKind::kF32) {
-        return _mm512_maskz_loadu_ps(k, static_cast<const float*>(g) + at);
-    } else if constexpr (GK == coat::GradKind::kBf16) {
-        return load_bf16(static_cast<const uint16_t*>(g) + at, k);
-    } else {
-        return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, static_cast<const uint16_t*>(g) + at));
-    }
-}
-
-template <coat::Master MS>
-inline V load_master(const void* p, int64_t at, __mmask16 k) {
-    if constexpr (MS == coat::Master::kF32) {
+// 16 values (a gradient's or a master's) from position at, widened to fp32 (exactly).
+template <coat::Dtype K>
+inline V load_values(const void* p, int64_t at, __mmask16 k) {
+    if constexpr (K == coat::Dtype::kF32) {
         return _mm512_maskz_loadu_ps(k, static_cast<const float*>(p) + at);
-    } else {
+    } else if constexpr (K == coat::Dtype::kBf16) {
         return load_bf16(static_cast<const uint16_t*>(p) + at, k);
+    } else {
+        return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, static_cast<const uint16_t*>(p) + at));
     }
 }
 
@@ -128,11 +119,11 @@ inline void block_stored(const float* d, const float* k, int nb, float* inv_k, f
     _mm512_storeu_ps(log2d, s.log2d);
 }
 
-template <coat::GradKind GK, coat::Master MS, bool VE5M2, class Refs>
+template <coat::Dtype GK, coat::Master MS, bool VE5M2, class Refs>
 void adam_tensor(const Refs& t, const coat::AdamCoefs& c, uint32_t sr_key, int group_size, bool expansion) {
     const char* grad = static_cast<const char*>(t.grad);  // for prefetching; loads take t.grad
     const char* param = static_cast<const char*>(t.param);
-    constexpr int kGradBytes = GK == coat::GradKind::kF32 ? 4 : 2;
+    constexpr int kGradBytes = GK == coat::Dtype::kF32 ? 4 : 2;
     constexpr int kParamBytes = MS == coat::Master::kF32 ? 4 : 2;
     const V grad_scale = splat(c.grad_scale);
     const int64_t n_groups = (t.numel + group_size - 1) / group_size;
@@ -174,8 +165,8 @@ COAT_OMP_BLOCKS
                     }
                     V m = mdec.template decode<kSpecial>(load_codes(t.m_codes + at, k));
                     V v = vdec.template decode<kSpecial>(load_codes(t.v_codes + at, k));
-                    const V g = _mm512_mul_ps(load_grad<GK>(t.grad, at, k), grad_scale);  // unscale first
-                    V p = _mm512_mul_ps(load_master<MS>(t.param, at, k), decay);
+                    const V g = _mm512_mul_ps(load_values<GK>(t.grad, at, k), grad_scale);  // unscale first
+                    V p = _mm512_mul_ps(load_values<coat::master_dtype(MS)>(t.param, at, k), decay);
                     m = _mm512_add_ps(_mm512_mul_ps(beta1, m), _mm512_mul_ps(omb1, g));
                     v = _mm512_add_ps(_mm512_mul_ps(beta2, v), _mm512_mul_ps(_mm512_mul_ps(omb2, g), g));
                     const V denom = _mm512_fmadd_ps(_mm512_sqrt_ps(v), inv_bc2, eps);
@@ -222,8 +213,8 @@ COAT_OMP_BLOCKS
 template <class Refs>
 void adam_tensor(const Refs& t, const coat::AdamCoefs& c, uint32_t sr_key, int group_size, bool v_e5m2,
                  bool expansion) {
-    coat::with_step_types(t.grad_kind, t.master, [&](auto gk, auto ms) {
-        constexpr coat::GradKind GK = decltype(gk)::value;
+    coat::with_step_types(t.grad_dtype, t.master, [&](auto gk, auto ms) {
+        constexpr coat::Dtype GK = decltype(gk)::value;
         constexpr coat::Master MS = decltype(ms)::value;
         v_e5m2 ? adam_tensor<GK, MS, true>(t, c, sr_key, group_size, expansion)
                : adam_tensor<GK, MS, false>(t, c, sr_key, group_size, expansion);

@@ -16,7 +16,7 @@ struct AdamTensorRefs {
     void* param;  // fp32, or bf16 bits (master != kF32)
     coat::Master master;
     const void* grad;
-    coat::GradKind grad_kind;
+    coat::Dtype grad_dtype;
     uint8_t* m_codes;
     float* m_scale;
     float* m_expo;
@@ -69,9 +69,9 @@ inline std::vector<AdamTensorRefs> check_adam_args(
         const bool bf16_master = params[i].scalar_type() == at::kBFloat16;
         check_tensor(params[i], "params", i, bf16_master ? at::kBFloat16 : at::kFloat, numel, device);
         const at::ScalarType gt = grads[i].scalar_type();
-        const coat::GradKind gk = gt == at::kBFloat16 ? coat::GradKind::kBf16
-                                  : gt == at::kHalf   ? coat::GradKind::kF16
-                                                      : coat::GradKind::kF32;
+        const coat::Dtype gk = gt == at::kBFloat16 ? coat::Dtype::kBf16
+                                  : gt == at::kHalf   ? coat::Dtype::kF16
+                                                      : coat::Dtype::kF32;
         check_tensor(grads[i], "grads", i, gt == at::kBFloat16 || gt == at::kHalf ? gt : at::kFloat, numel, device);
         const coat::Master master = !bf16_master      ? coat::Master::kF32
                                     : sr_keys.empty() ? coat::Master::kBf16Rn

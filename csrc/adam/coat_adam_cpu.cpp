@@ -74,7 +74,7 @@ inline void requantize_group(const float* buf, int n, bool e5m2, bool expansion,
 }
 
 // One tensor's step on the portable loops, one body per (grad dtype, master dtype / rounding).
-template <coat::GradKind GK, coat::Master MS>
+template <coat::Dtype GK, coat::Master MS>
 void adam_tensor(const coat_ops::AdamTensorRefs& t, const coat::AdamCoefs& c, uint32_t sr_key, int group_size,
                  bool v_e5m2, bool expansion) {
     const int64_t n_groups = (t.numel + group_size - 1) / group_size;
@@ -95,8 +95,9 @@ void adam_tensor(const coat_ops::AdamTensorRefs& t, const coat::AdamCoefs& c, ui
         for (int i = 0; i < n; ++i) {
             float mi = coat::dequant_value<HostMath>(mq[i], m_tab[mq[i] & 0x7F], sm);
             float vi = coat::dequant_value<HostMath>(vq[i], v_tab[vq[i] & 0x7F], sv);
-            float pi = coat::load_master<MS>(t.param, off + i);
-            coat::adam_update<HostMath>(pi, coat::load_grad<GK>(t.grad, off + i), mi, vi, c);
+            float pi = coat::load_value<coat::master_dtype(MS)>(t.param, off + i);
+            const float gi = coat::mul_rn(coat::load_value<GK>(t.grad, off + i), c.grad_scale);
+            coat::adam_update<HostMath>(pi, gi, mi, vi, c);
             p_new[i] = coat::master_bits<MS>(pi, sr_key, index0 + (uint64_t)(off + i));
             m[i] = mi;
             v[i] = vi;
@@ -154,7 +155,7 @@ void adam_step(const std::vector<torch::Tensor>& params, const std::vector<torch
             continue;
         }
 #endif
-        coat::with_step_types(t.grad_kind, t.master, [&](auto gk, auto ms) {
+        coat::with_step_types(t.grad_dtype, t.master, [&](auto gk, auto ms) {
             adam_tensor<decltype(gk)::value, decltype(ms)::value>(t, c, key, (int)group_size, v_e5m2, expansion);
         });
     }

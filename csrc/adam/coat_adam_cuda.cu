@@ -7,6 +7,7 @@
 // over its lanes with shuffles. Each segment finds its tensor in a device table (multi-tensor launch:
 // one launch per param group), blocks are persistent and stride over the groups.
 #include <cfloat>
+#include <type_traits>
 
 #include "coat_adam_cuda.h"
 #include "coat_fp8.cuh"
@@ -16,7 +17,9 @@ namespace {
 
 using coat::DeviceMath;
 using coat::DeviceMathFtz;  // the fused step (see coat_fp8.cuh); quantize/dequantize keep subnormals
+using coat::Dtype;
 using coat::GroupScale;
+using coat::Master;
 
 constexpr int kThreads = 256;
 
@@ -44,13 +47,82 @@ __device__ __forceinline__ int find_tensor(const AdamTensor* __restrict__ t, int
 
 __device__ __forceinline__ uint32_t code_at(const uint32_t* words, int j) { return (words[j >> 2] >> (8 * (j & 3))) & 0xFFu; }
 
-template <int G, bool BF16_GRAD>
+// Chunk access: 4 consecutive values at element `at`, of which n (0..4) exist. vec: all 4 exist and the
+// pointer is aligned, so one vector access (streaming: every byte is touched once) does; else one per value.
+// Every memory stream of the step goes through these, so the kernel body has no vector/scalar copies.
+
+// Four values of dtype K, widened to fp32 (zeros past n).
+template <Dtype K>
+__device__ __forceinline__ void load4(const void* p, int64_t at, int n, bool vec, float out[4]) {
+    if (vec) {
+        if constexpr (K == Dtype::kF32) {
+            const float4 x = coat::load_f32x4_stream(static_cast<const float*>(p) + at);
+            out[0] = x.x, out[1] = x.y, out[2] = x.z, out[3] = x.w;
+        } else {
+            const uint2 u = __ldcs(reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(p) + at));
+            out[0] = coat::to_f32<K>(u.x & 0xFFFFu), out[1] = coat::to_f32<K>(u.x >> 16);
+            out[2] = coat::to_f32<K>(u.y & 0xFFFFu), out[3] = coat::to_f32<K>(u.y >> 16);
+        }
+        return;
+    }
+#pragma unroll
+    for (int r = 0; r < 4; ++r) out[r] = r < n ? coat::load_value<K>(p, at + r) : 0.0f;
+}
+
+// Four raw values of dtype K (fp32 bits, or 16-bit ones in the low half).
+template <Dtype K>
+__device__ __forceinline__ void store4(void* p, int64_t at, int n, bool vec, const uint32_t b[4]) {
+    if (vec) {
+        if constexpr (K == Dtype::kF32) {
+            __stcs(reinterpret_cast<uint4*>(static_cast<float*>(p) + at), make_uint4(b[0], b[1], b[2], b[3]));
+        } else {
+            __stcs(reinterpret_cast<uint2*>(static_cast<uint16_t*>(p) + at),
+                   make_uint2(b[0] | (b[1] << 16), b[2] | (b[3] << 16)));
+        }
+        return;
+    }
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+        if (r >= n) continue;
+        if constexpr (K == Dtype::kF32) {
+            static_cast<uint32_t*>(p)[at + r] = b[r];
+        } else {
+            static_cast<uint16_t*>(p)[at + r] = (uint16_t)b[r];
+        }
+    }
+}
+
+// Four FP8 codes as one little-endian word (zeros past n).
+__device__ __forceinline__ uint32_t load_codes4(const uint8_t* p, int64_t at, int n, bool vec) {
+    if (vec) return coat::load_u8x4(p + at);
+    uint32_t w = 0u;
+#pragma unroll
+    for (int r = 0; r < 4; ++r) w |= r < n ? (uint32_t)p[at + r] << (8 * r) : 0u;
+    return w;
+}
+
+__device__ __forceinline__ void store_codes4(uint8_t* p, int64_t at, int n, bool vec, uint32_t w) {
+    if (vec) {
+        coat::store_u8x4(p + at, w);
+        return;
+    }
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+        if (r < n) p[at + r] = (uint8_t)(w >> (8 * r));
+    }
+}
+
+// One kernel body for every (group size, grad dtype, master): GD and MS only change how values are read and
+// how the master is written back.
+template <int G, Dtype GD, Master MS>
 __global__ void __launch_bounds__(kThreads, 4) adam_kernel(const AdamTensor* __restrict__ tensors, int n_tensors,
-                                                        int64_t total_groups, coat::AdamCoefs c, bool v_e5m2,
-                                                        bool expansion) {
+                                                        int64_t total_groups, const coat::AdamCoefs c,
+                                                        const float* __restrict__ grad_scale, uint32_t sr_prefix,
+                                                        bool v_e5m2, bool expansion) {
     using T = Tile<G>;
     constexpr int V = T::kVpt;
     constexpr int W = T::kWords;
+    constexpr Dtype PD = coat::master_dtype(MS);
     // chunk q (4 values) of a lane starts at q * G/W + 4 * lane within the group: each load/store
     // instruction of a segment covers one contiguous span (full 32-byte sectors, no holes)
     constexpr int kChunkStride = G / W;
@@ -60,6 +132,7 @@ __global__ void __launch_bounds__(kThreads, 4) adam_kernel(const AdamTensor* __r
         s_log2_m[i] = coat::log2_abs_code_table(i, false);
         s_log2_v[i] = coat::log2_abs_code_table(i, v_e5m2);
     }
+    const float scale = grad_scale != nullptr ? __ldg(grad_scale) : c.grad_scale;  // on the device: no host sync
     __syncthreads();
 
     const int seg = threadIdx.x / T::kLanes;
@@ -70,7 +143,7 @@ __global__ void __launch_bounds__(kThreads, 4) adam_kernel(const AdamTensor* __r
         const bool active = gid < total_groups;
         AdamTensor t = {};
         int64_t lg = 0, base = 0;
-        int n_valid[W];  // valid values (0..4) of each chunk
+        int n_valid[W];  // valid values (0..4) of each chunk; 0 everywhere for an inactive lane
 #pragma unroll
         for (int q = 0; q < W; ++q) n_valid[q] = 0;
         bool vec = false;
@@ -94,39 +167,13 @@ __global__ void __launch_bounds__(kThreads, 4) adam_kernel(const AdamTensor* __r
 
         float p[V], g[V], m[V], v[V];
         uint32_t mw[W], vw[W];
-        if (vec) {
 #pragma unroll
-            for (int q = 0; q < W; ++q) {
-                const int64_t at = base + q * kChunkStride;
-                const float4 pp = coat::load_f32x4_stream(t.param + at);
-                p[4 * q] = pp.x, p[4 * q + 1] = pp.y, p[4 * q + 2] = pp.z, p[4 * q + 3] = pp.w;
-                if (BF16_GRAD) {
-                    coat::load_bf16x4(static_cast<const uint16_t*>(t.grad) + at, g + 4 * q);
-                } else {
-                    const float4 gg = coat::load_f32x4_stream(static_cast<const float*>(t.grad) + at);
-                    g[4 * q] = gg.x, g[4 * q + 1] = gg.y, g[4 * q + 2] = gg.z, g[4 * q + 3] = gg.w;
-                }
-                mw[q] = coat::load_u8x4(t.m_codes + at);
-                vw[q] = coat::load_u8x4(t.v_codes + at);
-            }
-        } else {
-#pragma unroll
-            for (int q = 0; q < W; ++q) {
-                mw[q] = vw[q] = 0u;
-#pragma unroll
-                for (int r = 0; r < 4; ++r) {
-                    const int j = 4 * q + r;
-                    const int64_t at = base + q * kChunkStride + r;
-                    p[j] = g[j] = 0.0f;
-                    if (r < n_valid[q]) {
-                        p[j] = t.param[at];
-                        g[j] = BF16_GRAD ? coat::bf16_to_f32(static_cast<const uint16_t*>(t.grad)[at])
-                                         : static_cast<const float*>(t.grad)[at];
-                        mw[q] |= (uint32_t)t.m_codes[at] << (8 * r);
-                        vw[q] |= (uint32_t)t.v_codes[at] << (8 * r);
-                    }
-                }
-            }
+        for (int q = 0; q < W; ++q) {
+            const int64_t at = base + q * kChunkStride;
+            load4<PD>(t.param, at, n_valid[q], vec, p + 4 * q);
+            load4<GD>(t.grad, at, n_valid[q], vec, g + 4 * q);
+            mw[q] = load_codes4(t.m_codes, at, n_valid[q], vec);
+            vw[q] = load_codes4(t.v_codes, at, n_valid[q], vec);
         }
 
         // dequantise, update, and track each moment's largest / smallest non-zero magnitude
@@ -138,7 +185,7 @@ __global__ void __launch_bounds__(kThreads, 4) adam_kernel(const AdamTensor* __r
             const uint32_t mc = code_at(mw, j), vc = code_at(vw, j);
             m[j] = coat::dequant_value<DeviceMathFtz>((uint8_t)mc, s_log2_m[mc & 0x7Fu], sm);
             v[j] = coat::dequant_value<DeviceMathFtz>((uint8_t)vc, s_log2_v[vc & 0x7Fu], sv);
-            coat::adam_update<DeviceMathFtz>(p[j], g[j], m[j], v[j], c);
+            coat::adam_update<DeviceMathFtz>(p[j], coat::mul_rn(g[j], scale), m[j], v[j], c);
             // The MUFU math below flushes subnormals: a subnormal moment kept as the group's smallest
             // value would read as log2 = -inf, drive k to its minimum and d below FLT_MIN (0), zeroing the
             // whole group next step (v = 0 under a live m: an m/eps update). Flush such moments here.
@@ -153,26 +200,25 @@ __global__ void __launch_bounds__(kThreads, 4) adam_kernel(const AdamTensor* __r
             }
         }
 
-        if (vec) {
+        // the master in its dtype (a bf16 one rounded here), and the bf16 copy
+        const uint32_t key = MS == Master::kBf16Sr ? coat::sr_key(sr_prefix, (uint64_t)t.sr_stream) : 0u;
+        // (vec as a compile-time constant here: ptxas keeps this part in registers only then)
+        auto store_master = [&](auto vec_c) {
 #pragma unroll
             for (int q = 0; q < W; ++q) {
                 const int64_t at = base + q * kChunkStride;
-                coat::store_f32x4_stream(t.param + at, make_float4(p[4 * q], p[4 * q + 1], p[4 * q + 2], p[4 * q + 3]));
-                if (t.bf16_out != nullptr) {
-                    coat::store_bf16x4(t.bf16_out + at, p[4 * q], p[4 * q + 1], p[4 * q + 2], p[4 * q + 3]);
-                }
-            }
-        } else {
+                uint32_t b[4];
 #pragma unroll
-            for (int j = 0; j < V; ++j) {
-                const int q = j >> 2, r = j & 3;
-                if (r < n_valid[q]) {
-                    const int64_t at = base + q * kChunkStride + r;
-                    t.param[at] = p[j];
-                    if (t.bf16_out != nullptr) t.bf16_out[at] = coat::f32_to_bf16(p[j]);
+                for (int r = 0; r < 4; ++r) b[r] = coat::master_bits<MS>(p[4 * q + r], key, (uint64_t)(t.sr_offset + at + r));
+                store4<PD>(t.param, at, n_valid[q], decltype(vec_c)::value, b);
+                if (t.bf16_out != nullptr) {
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) b[r] = coat::bf16_copy<MS>(b[r]);
+                    store4<Dtype::kBf16>(t.bf16_out, at, n_valid[q], decltype(vec_c)::value, b);
                 }
             }
-        }
+        };
+        vec ? store_master(std::true_type{}) : store_master(std::false_type{});
 
         m_big = coat::segment_max<T::kLanes>(m_big);
         v_big = coat::segment_max<T::kLanes>(v_big);
@@ -189,31 +235,17 @@ __global__ void __launch_bounds__(kThreads, 4) adam_kernel(const AdamTensor* __r
 
 #pragma unroll
         for (int q = 0; q < W; ++q) {
-            mw[q] = coat::fp8x4_encode<false>(
-                coat::expand_value<DeviceMathFtz>(m[4 * q], qm), coat::expand_value<DeviceMathFtz>(m[4 * q + 1], qm),
-                coat::expand_value<DeviceMathFtz>(m[4 * q + 2], qm), coat::expand_value<DeviceMathFtz>(m[4 * q + 3], qm));
-            vw[q] = coat::fp8x4_encode(
-                coat::expand_value<DeviceMathFtz>(v[4 * q], qv), coat::expand_value<DeviceMathFtz>(v[4 * q + 1], qv),
-                coat::expand_value<DeviceMathFtz>(v[4 * q + 2], qv), coat::expand_value<DeviceMathFtz>(v[4 * q + 3], qv),
-                v_e5m2);
-        }
-        if (vec) {
-#pragma unroll
-            for (int q = 0; q < W; ++q) {
-                const int64_t at = base + q * kChunkStride;
-                coat::store_u8x4(t.m_codes + at, mw[q]);
-                coat::store_u8x4(t.v_codes + at, vw[q]);
-            }
-        } else {
-#pragma unroll
-            for (int j = 0; j < V; ++j) {
-                const int q = j >> 2, r = j & 3;
-                if (r < n_valid[q]) {
-                    const int64_t at = base + q * kChunkStride + r;
-                    t.m_codes[at] = (uint8_t)code_at(mw, j);
-                    t.v_codes[at] = (uint8_t)code_at(vw, j);
-                }
-            }
+            const int64_t at = base + q * kChunkStride;
+            store_codes4(t.m_codes, at, n_valid[q], vec,
+                              coat::fp8x4_encode<false>(coat::expand_value<DeviceMathFtz>(m[4 * q], qm),
+                                                        coat::expand_value<DeviceMathFtz>(m[4 * q + 1], qm),
+                                                        coat::expand_value<DeviceMathFtz>(m[4 * q + 2], qm),
+                                                        coat::expand_value<DeviceMathFtz>(m[4 * q + 3], qm)));
+            store_codes4(t.v_codes, at, n_valid[q], vec,
+                              coat::fp8x4_encode(coat::expand_value<DeviceMathFtz>(v[4 * q], qv),
+                                                 coat::expand_value<DeviceMathFtz>(v[4 * q + 1], qv),
+                                                 coat::expand_value<DeviceMathFtz>(v[4 * q + 2], qv),
+                                                 coat::expand_value<DeviceMathFtz>(v[4 * q + 3], qv), v_e5m2));
         }
     }
 }
@@ -310,15 +342,16 @@ cudaError_t grid_size(Kernel kernel, int64_t tiles, int& blocks_per_sm, int* gri
     return cudaSuccess;
 }
 
-template <int G, bool BF16_GRAD>
+template <int G, Dtype GD, Master MS>
 cudaError_t launch_adam(const AdamTensor* tensors, int n_tensors, int64_t total_groups, const coat::AdamCoefs& c,
-                        bool v_e5m2, bool expansion, cudaStream_t stream) {
+                        const float* grad_scale, uint32_t sr_prefix, bool v_e5m2, bool expansion, cudaStream_t stream) {
     int grid = 0;
     const int64_t tiles = (total_groups + Tile<G>::kGroupsPerBlock - 1) / Tile<G>::kGroupsPerBlock;
     static int occupancy = 0;
-    cudaError_t err = grid_size(adam_kernel<G, BF16_GRAD>, tiles, occupancy, &grid);
+    cudaError_t err = grid_size(adam_kernel<G, GD, MS>, tiles, occupancy, &grid);
     if (err != cudaSuccess) return err;
-    adam_kernel<G, BF16_GRAD><<<grid, kThreads, 0, stream>>>(tensors, n_tensors, total_groups, c, v_e5m2, expansion);
+    adam_kernel<G, GD, MS><<<grid, kThreads, 0, stream>>>(tensors, n_tensors, total_groups, c, grad_scale, sr_prefix,
+                                                           v_e5m2, expansion);
     return cudaGetLastError();
 }
 
@@ -352,27 +385,35 @@ bool aligned(const void* p, uintptr_t bytes) { return p == nullptr || reinterpre
 
 }  // namespace
 
-bool adam_vector_aligned(const AdamTensor& t, bool bf16_grad) {
-    return aligned(t.param, 16) && aligned(t.grad, bf16_grad ? 8 : 16) && aligned(t.m_codes, 4) &&
-           aligned(t.v_codes, 4) && aligned(t.bf16_out, 8);
+bool adam_vector_aligned(const AdamTensor& t, Dtype grad_dtype, Master master) {
+    return aligned(t.param, master == Master::kF32 ? 16 : 8) && aligned(t.grad, grad_dtype == Dtype::kF32 ? 16 : 8) &&
+           aligned(t.m_codes, 4) && aligned(t.v_codes, 4) && aligned(t.bf16_out, 8);
 }
 
-cudaError_t adam_step(const AdamTensor* tensors, int n_tensors, int64_t total_groups, int group_size, bool bf16_grad,
-                      const coat::AdamCoefs& c, bool v_e5m2, bool expansion, cudaStream_t stream) {
+cudaError_t adam_step(const AdamTensor* tensors, int n_tensors, int64_t total_groups, int group_size,
+                      Dtype grad_dtype, Master master, const coat::AdamCoefs& c, const float* grad_scale,
+                      uint32_t sr_prefix, bool v_e5m2, bool expansion, cudaStream_t stream) {
     if (n_tensors == 0 || total_groups == 0) return cudaSuccess;
-#define COAT_ADAM_CASE(G)                                                                                    \
-    case G:                                                                                                  \
-        return bf16_grad ? launch_adam<G, true>(tensors, n_tensors, total_groups, c, v_e5m2, expansion, stream) \
-                         : launch_adam<G, false>(tensors, n_tensors, total_groups, c, v_e5m2, expansion, stream);
-    switch (group_size) {
-        COAT_ADAM_CASE(32)
-        COAT_ADAM_CASE(64)
-        COAT_ADAM_CASE(128)
-        COAT_ADAM_CASE(256)
-        default:
-            return cudaErrorInvalidValue;
-    }
+    cudaError_t err = cudaErrorInvalidValue;
+    coat::with_step_types(grad_dtype, master, [&](auto gd, auto ms) {
+        constexpr Dtype GD = decltype(gd)::value;
+        constexpr Master MS = decltype(ms)::value;
+        switch (group_size) {
+#define COAT_ADAM_CASE(G)                                                                                       \
+    case G:                                                                                                     \
+        err = launch_adam<G, GD, MS>(tensors, n_tensors, total_groups, c, grad_scale, sr_prefix, v_e5m2, expansion, \
+                                     stream);                                                                   \
+        break;
+            COAT_ADAM_CASE(32)
+            COAT_ADAM_CASE(64)
+            COAT_ADAM_CASE(128)
+            COAT_ADAM_CASE(256)
 #undef COAT_ADAM_CASE
+            default:
+                break;
+        }
+    });
+    return err;
 }
 
 cudaError_t quantize(const float* x, uint8_t* codes, float* scale, float* expo, int64_t numel, int group_size,

@@ -3,8 +3,10 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <list>
 #include <mutex>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -17,23 +19,24 @@ void check_cuda(cudaError_t err, const char* what) {
     TORCH_CHECK(err == cudaSuccess, "coat_adam: ", what, " failed: ", cudaGetErrorString(err));
 }
 
-// Device copies of AdamTensor tables, keyed on everything they hold (pointers, sizes, group size): an
-// optimizer that steps the same tensors every iteration uploads its table once. A few entries, since each
-// param group (and grad dtype) of an optimizer has its own.
+// Device copies of AdamTensor tables, keyed on everything they hold (pointers, sizes, rounding streams,
+// group size): an optimizer that steps the same tensors every iteration uploads its table once. A few
+// entries, since each param group (and grad dtype / master) of an optimizer has its own.
 class TableCache {
   public:
     const coat_cuda::AdamTensor* get(const std::vector<coat_cuda::AdamTensor>& host, int64_t group_size,
-                                     bool bf16_grad, const torch::Device& device, cudaStream_t stream) {
+                                     const torch::Device& device, cudaStream_t stream) {
         std::vector<int64_t> key;
-        key.reserve(host.size() * 10 + 3);
+        key.reserve(host.size() * 12 + 2);
         key.push_back(group_size);
-        key.push_back(bf16_grad);
         key.push_back(device.index());
         for (const auto& t : host) {
             const void* ptrs[] = {t.param, t.grad, t.m_codes, t.m_scale, t.m_expo, t.v_codes, t.v_scale, t.v_expo,
                                   t.bf16_out};
             for (const void* p : ptrs) key.push_back(reinterpret_cast<int64_t>(p));
             key.push_back(t.numel);
+            key.push_back(t.sr_stream);
+            key.push_back(t.sr_offset);
         }
         std::lock_guard<std::mutex> lock(mutex_);
         for (auto it = entries_.begin(); it != entries_.end(); ++it) {
@@ -63,22 +66,24 @@ TableCache& table_cache() {
     return *cache;
 }
 
-void launch_group(const std::vector<coat_ops::AdamTensorRefs>& refs, bool bf16_grad, const coat::AdamCoefs& c,
-                  int64_t group_size, bool v_e5m2, bool expansion, const torch::Device& device, cudaStream_t stream) {
+// One launch for the tensors of one (grad dtype, master): the kernel is specialised on both.
+void launch_group(const std::vector<coat_ops::AdamTensorRefs>& refs, coat::Dtype grad_dtype, coat::Master master,
+                  const coat::AdamCoefs& c, const float* grad_scale, uint32_t sr_prefix, int64_t group_size,
+                  bool v_e5m2, bool expansion, const torch::Device& device, cudaStream_t stream) {
     std::vector<coat_cuda::AdamTensor> host;
     int64_t groups = 0;
     for (const auto& r : refs) {
-        if (r.grad_bf16 != bf16_grad || r.numel == 0) continue;
-        coat_cuda::AdamTensor t{r.param,  r.grad,     r.m_codes, r.m_scale, r.m_expo, r.v_codes,
-                                r.v_scale, r.v_expo, r.bf16_out, r.numel,   groups,   0};
-        t.vec_ok = coat_cuda::adam_vector_aligned(t, bf16_grad) ? 1 : 0;
+        if (r.grad_dtype != grad_dtype || r.master != master || r.numel == 0) continue;
+        coat_cuda::AdamTensor t{r.param,   r.grad,   r.m_codes, r.m_scale, r.m_expo,    r.v_codes,  r.v_scale,
+                                r.v_expo,  r.bf16_out, r.numel, groups,    /*vec_ok=*/0, r.sr_stream, r.sr_offset};
+        t.vec_ok = coat_cuda::adam_vector_aligned(t, grad_dtype, master) ? 1 : 0;
         host.push_back(t);
         groups += (r.numel + group_size - 1) / group_size;
     }
     if (host.empty()) return;
-    const coat_cuda::AdamTensor* table = table_cache().get(host, group_size, bf16_grad, device, stream);
-    check_cuda(coat_cuda::adam_step(table, (int)host.size(), groups, (int)group_size, bf16_grad, c, v_e5m2,
-                                    expansion, stream),
+    const coat_cuda::AdamTensor* table = table_cache().get(host, group_size, device, stream);
+    check_cuda(coat_cuda::adam_step(table, (int)host.size(), groups, (int)group_size, grad_dtype, master, c,
+                                    grad_scale, sr_prefix, v_e5m2, expansion, stream),
                "adam_step launch");
 }
 
@@ -87,17 +92,29 @@ void adam_step(const std::vector<torch::Tensor>& params, const std::vector<torch
                const std::vector<torch::Tensor>& m_expo, const std::vector<torch::Tensor>& v_q,
                const std::vector<torch::Tensor>& v_scale, const std::vector<torch::Tensor>& v_expo,
                const std::vector<torch::Tensor>& bf16_out, double lr, double beta1, double beta2, double eps,
-               double weight_decay, int64_t step, int64_t group_size, bool v_e5m2, bool expansion) {
+               double weight_decay, int64_t step, int64_t group_size, bool v_e5m2, bool expansion,
+               const std::optional<torch::Tensor>& grad_scale_t, double grad_scale,
+               const std::vector<int64_t>& sr_keys, int64_t sr_seed) {
     const auto refs = coat_ops::check_adam_args(params, grads, m_q, m_scale, m_expo, v_q, v_scale, v_expo, bf16_out,
-                                                group_size, /*cuda=*/true);
+                                                sr_keys, group_size, /*cuda=*/true);
     if (refs.empty()) return;
-    const coat::AdamCoefs c = coat_ops::adam_coefs(lr, beta1, beta2, eps, weight_decay, step);
+    coat_ops::check_grad_scale(grad_scale_t, params);
+    // a tensor scale stays on the device (the kernel reads it: no host sync); a float travels in the coefs
+    const coat::AdamCoefs c = coat_ops::adam_coefs(lr, beta1, beta2, eps, weight_decay, step, grad_scale);
+    const float* scale_ptr = grad_scale_t.has_value() ? grad_scale_t->data_ptr<float>() : nullptr;
+    const uint32_t sr_prefix = coat::sr_prefix((uint64_t)sr_seed, (uint64_t)step);
     const torch::Device device = params[0].device();
     const c10::cuda::CUDAGuard guard(device);
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
-    // one launch per grad dtype present (the kernel is specialised on it)
-    launch_group(refs, false, c, group_size, v_e5m2, expansion, device, stream);
-    launch_group(refs, true, c, group_size, v_e5m2, expansion, device, stream);
+    // one launch per (grad dtype, master) present, in the order they first appear
+    std::vector<std::pair<coat::Dtype, coat::Master>> kinds;
+    for (const auto& r : refs) {
+        const std::pair<coat::Dtype, coat::Master> k{r.grad_dtype, r.master};
+        if (std::find(kinds.begin(), kinds.end(), k) == kinds.end()) kinds.push_back(k);
+    }
+    for (const auto& [gd, ms] : kinds) {
+        launch_group(refs, gd, ms, c, scale_ptr, sr_prefix, group_size, v_e5m2, expansion, device, stream);
+    }
 }
 
 void quantize(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
@@ -124,7 +141,8 @@ void dequantize(const torch::Tensor& codes, const torch::Tensor& scale, const to
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "coat_ds FP8 AdamW step and group (de)quantisation (CUDA)";
-    m.def("adam_step", &adam_step, "Fused FP8 AdamW step over lists of tensors (in place, one launch per grad dtype)");
+    m.def("adam_step", &adam_step,
+          "Fused FP8 AdamW step over lists of tensors (in place, one launch per (grad dtype, master dtype))");
     m.def("quantize", &quantize, "Group-quantise fp32 x into FP8 codes + per-group scale and exponent");
     m.def("dequantize", &dequantize, "FP8 codes + per-group scale and exponent -> fp32");
 }

@@ -293,10 +293,10 @@ COAT_HD float mul_rn(float a, float b) {
 #endif
 }
 
-// The reference's update, in its order of operations; g is the gradient before its scale.
+// The reference's update, in its order of operations; g is already scaled (mul_rn(g, c.grad_scale): the
+// separate fp32 multiply of DeepSpeed's unscale/clip).
 template <class Math>
 COAT_HD void adam_update(float& p, float g, float& m, float& v, const AdamCoefs& c) {
-    g = mul_rn(g, c.grad_scale);  // DeepSpeed's unscale/clip: a separate fp32 multiply
     p = p * c.decay;
     m = c.beta1 * m + c.one_minus_beta1 * g;
     v = c.beta2 * v + c.one_minus_beta2 * g * g;
@@ -333,8 +333,10 @@ COAT_HD float f16_to_f32(uint16_t h) {
 //   key  = fold of lowbias32(h ^ word) over the 32-bit halves of seed, step, stream (from kSrKey0)
 //   bits = lowbias32(key + lo(index) * kSrGolden + hi(index) * kSrGoldenHi) >> 16
 
-enum class GradKind : int { kF32 = 0, kBf16 = 1, kF16 = 2 };
+enum class Dtype : int { kF32 = 0, kBf16 = 1, kF16 = 2 };     // of a gradient, or of a master
 enum class Master : int { kF32 = 0, kBf16Rn = 1, kBf16Sr = 2 };  // fp32, or bf16 rounded to nearest / stochastically
+
+COAT_HD constexpr Dtype master_dtype(Master m) { return m == Master::kF32 ? Dtype::kF32 : Dtype::kBf16; }
 
 constexpr uint32_t kSrKey0 = 0x3C6EF372u;
 constexpr uint32_t kSrGolden = 0x9E3779B9u;
@@ -383,7 +385,7 @@ COAT_HD uint16_t f32_to_bf16_sr(float x, uint32_t bits16) {
 // f(gk, ms) with the runtime (grad kind, master) as std::integral_constant types, so that every host-side
 // launcher picks its template instantiation through one switch.
 template <class F>
-inline void with_step_types(GradKind gk, Master ms, F&& f) {
+inline void with_step_types(Dtype gk, Master ms, F&& f) {
     auto by_master = [&](auto g) {
         switch (ms) {
             case Master::kBf16Rn: return f(g, std::integral_constant<Master, Master::kBf16Rn>{});
@@ -392,29 +394,29 @@ inline void with_step_types(GradKind gk, Master ms, F&& f) {
         }
     };
     switch (gk) {
-        case GradKind::kBf16: return by_master(std::integral_constant<GradKind, GradKind::kBf16>{});
-        case GradKind::kF16: return by_master(std::integral_constant<GradKind, GradKind::kF16>{});
-        default: return by_master(std::integral_constant<GradKind, GradKind::kF32>{});
+        case Dtype::kBf16: return by_master(std::integral_constant<Dtype, Dtype::kBf16>{});
+        case Dtype::kF16: return by_master(std::integral_constant<Dtype, Dtype::kF16>{});
+        default: return by_master(std::integral_constant<Dtype, Dtype::kF32>{});
     }
 }
 
-template <GradKind K>
-COAT_HD float load_grad(const void* g, int64_t i) {
-    if constexpr (K == GradKind::kF32) {
-        return static_cast<const float*>(g)[i];
-    } else if constexpr (K == GradKind::kBf16) {
-        return bf16_to_f32(static_cast<const uint16_t*>(g)[i]);
+template <Dtype K>
+COAT_HD float to_f32(uint32_t raw) {  // raw bits of a K value (16-bit ones in the low half)
+    if constexpr (K == Dtype::kF32) {
+        return bits_f32(raw);
+    } else if constexpr (K == Dtype::kBf16) {
+        return bf16_to_f32((uint16_t)raw);
     } else {
-        return f16_to_f32(static_cast<const uint16_t*>(g)[i]);
+        return f16_to_f32((uint16_t)raw);
     }
 }
 
-template <Master M>
-COAT_HD float load_master(const void* p, int64_t i) {
-    if constexpr (M == Master::kF32) {
+template <Dtype K>
+COAT_HD float load_value(const void* p, int64_t i) {
+    if constexpr (K == Dtype::kF32) {
         return static_cast<const float*>(p)[i];
     } else {
-        return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
+        return to_f32<K>(static_cast<const uint16_t*>(p)[i]);
     }
 }
 

@@ -7,7 +7,7 @@ TASK (stage 0-3, dtype fp32|bf16|fp16):
                            into DIR/w<world>_s<S>_<D> (and checks the same-world resume: losses after
                            loading equal the uninterrupted run, bit for bit)
   resume:S:D:W             load DIR/w<W>_s<S>_<D> (saved at world size W) and train to the end
-  skip:S                   fp16 run whose step SKIP_AT overflows: the FP8 states must not change
+  skip:S:fp16              fp16 run whose step SKIP_AT overflows: the FP8 states must not change
   refuse:S                 truncated / foreign checkpoints must be refused before anything loads
   tofp32:S:D               DeepSpeed's zero_to_fp32 recovers the fp32 masters of DIR/w<world>_s<S>_<D>
   quick:S:D                12 steps, losses only
@@ -115,17 +115,17 @@ def _fp8_states(engine) -> list[torch.Tensor]:
 
 def task_skip(args, world, stage, dtype, rest):
     """fp16: step SKIP_AT gets an inf loss; DeepSpeed skips it, FP8 codes/scales/exponents stay put."""
-    engine = build(stage, "fp16", world)
-    common.train(engine, range(SKIP_AT), "fp16")
+    engine = build(stage, dtype, world)
+    common.train(engine, range(SKIP_AT), dtype)
     before = _fp8_states(engine)
     scale_before = engine.optimizer.cur_scale if hasattr(engine.optimizer, "cur_scale") else None
-    common.train(engine, range(SKIP_AT, SKIP_AT + 1), "fp16", poison={SKIP_AT})
+    common.train(engine, range(SKIP_AT, SKIP_AT + 1), dtype, poison={SKIP_AT})
     after = _fp8_states(engine)
     scale_after = getattr(engine.optimizer, "cur_scale", None)
     same = len(before) == len(after) and all(torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a,
                                                          b.view(torch.uint8) if b.element_size() == 1 else b)
                                              for a, b in zip(before, after))
-    losses = common.train(engine, range(SKIP_AT + 1, SKIP_AT + 11), "fp16")
+    losses = common.train(engine, range(SKIP_AT + 1, SKIP_AT + 11), dtype)
     return {"unchanged": same, "skipped_steps": engine.skipped_steps, "losses": losses,
             "scale_before": scale_before, "scale_after": scale_after}
 

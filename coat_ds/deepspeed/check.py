@@ -1,0 +1,184 @@
+"""Up-front checks of a training job's inputs: one line, before any model, data or device memory.
+
+The engine applies the same rules much later (CoatAdamW's params when DeepSpeed builds the optimizer, the
+"coat" section when it wraps the model, ZeRO's section when it builds ZeRO), on every rank, as a traceback.
+check_config runs them first, each rule from its owner: registry.validate_params, config.coat_section and
+DeepSpeed's own ZeRO config model; plus the combinations DeepSpeed or coat_ds refuse only once running.
+check_tag tells whether a saved checkpoint tag is complete without reading its tensors.
+"""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import re
+import typing
+from typing import Any, Mapping
+
+from .config import SECTION, CoatSection, coat_section
+from .registry import NAME, validate_params
+
+AUTO = "auto"  # HF Trainer / accelerate fill "auto" values themselves
+
+
+def check_config(cfg: Any, *, hf_auto: bool = False) -> None:
+    """Raise ValueError, one line naming the key and what is allowed, if DeepSpeed + coat_ds would refuse
+    `cfg`. With `hf_auto`, "auto" values are left to HF Trainer / accelerate, which fill them."""
+    if not isinstance(cfg, Mapping):
+        raise ValueError(f"the DeepSpeed config is a {type(cfg).__name__}; allowed: a JSON object")
+    coat_opt = _check_optimizer(cfg.get("optimizer"), hf_auto)
+    _check_coat(cfg)
+    _check_zero(cfg.get("zero_optimization"), coat_opt)
+    _check_precision(cfg)
+
+
+def _check_optimizer(opt: Any, hf_auto: bool) -> bool:
+    """Whether the config names CoatAdamW, whose params are then checked by its own rules."""
+    if opt is None:
+        return False
+    if not isinstance(opt, Mapping):
+        raise ValueError(f"optimizer={opt!r} is invalid; allowed: an object with \"type\" and \"params\"")
+    kind = opt.get("type")
+    if isinstance(kind, str) and kind != NAME and kind.lower() == NAME.lower():
+        raise ValueError(f"optimizer.type={kind!r} is invalid; allowed: {NAME!r} (DeepSpeed looks up names it "
+                         "does not know on torch.optim, where case matters)")
+    if kind != NAME:
+        return False
+    params = opt.get("params") or {}
+    if not isinstance(params, Mapping):
+        raise ValueError(f"optimizer.params={params!r} is invalid for {NAME}; allowed: an object of its keys")
+    validate_params({k: v for k, v in params.items() if not (hf_auto and v == AUTO)})
+    return True
+
+
+def _check_coat(cfg: Mapping) -> None:
+    if SECTION not in cfg:
+        return
+    if not isinstance(cfg[SECTION], Mapping):
+        keys = [f.name for f in dataclasses.fields(CoatSection)]
+        raise ValueError(f"{SECTION}={cfg[SECTION]!r} is invalid; allowed: an object with keys {keys}")
+    try:
+        coat_section(cfg)
+    except ValueError as exc:  # ActivationConfig names its keys "activation.<key>": give the full path
+        msg = str(exc)
+        raise ValueError(msg if msg.startswith(f"{SECTION}.") else f"{SECTION}.{msg}") from None
+
+
+def _check_zero(zero: Any, coat_opt: bool) -> None:
+    """DeepSpeed's own ZeRO config model, then what CoatAdamW cannot run."""
+    if zero is None or isinstance(zero, bool):  # a bool is DeepSpeed's deprecated form; it reads it itself
+        return
+    if not isinstance(zero, Mapping):
+        raise ValueError(f"zero_optimization={zero!r} is invalid; allowed: an object of DeepSpeed's ZeRO keys")
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from pydantic import ValidationError
+
+    try:
+        z = DeepSpeedZeroConfig(**zero)
+    except ValidationError as exc:
+        raise ValueError(_pydantic_line("zero_optimization", DeepSpeedZeroConfig, exc.errors()[0])) from None
+    device = getattr(z.offload_optimizer, "device", None)
+    if coat_opt and int(z.stage) == 3 and str(getattr(device, "value", device)) == "nvme":
+        raise ValueError(f"zero_optimization.offload_optimizer.device='nvme' is invalid with ZeRO-3 and {NAME}; "
+                         "allowed: 'cpu' or 'none' (DeepSpeed's NVMe swapper keeps every optimizer state as fp32 "
+                         "of its parameter's size; FP8 codes and per-group scales are not)")
+
+
+def _pydantic_line(prefix: str, model: type, err: dict) -> str:
+    """One pydantic error as `key=value is invalid; allowed: ...` (unknown keys: the keys allowed there)."""
+    key = ".".join(str(part) for part in (prefix, *err["loc"]))
+    if err["type"] == "extra_forbidden":
+        return f"{key}: unknown key; allowed keys: {_fields(model, err['loc'][:-1])}"
+    cause = (err.get("ctx") or {}).get("error")
+    msg = (str(cause) if cause is not None else err["msg"]).replace("Input should be ", "allowed: ")
+    return f"{key}={err['input']!r} is invalid; {msg}" if err["loc"] else f"{key}: {msg}"
+
+
+def _fields(model: type, path: tuple) -> list[str]:
+    """The current (not deprecated) keys of the pydantic model reached from `model` along `path`."""
+    for name in path:
+        ann = next(f for n, f in model.model_fields.items() if name in (n, f.alias)).annotation
+        model = next(a for a in (ann, *typing.get_args(ann)) if isinstance(a, type) and hasattr(a, "model_fields"))
+    return sorted(f.alias or n for n, f in model.model_fields.items()
+                  if not (f.json_schema_extra or {}).get("deprecated"))
+
+
+def _check_precision(cfg: Mapping) -> None:
+    """fp16 and bf16 together, or one the accelerator lacks: DeepSpeed refuses both inside initialize."""
+    on = [k for k in ("fp16", "bf16") if isinstance(cfg.get(k), Mapping) and cfg[k].get("enabled") is True]
+    if len(on) == 2:
+        raise ValueError("fp16.enabled and bf16.enabled are both true; allowed: at most one of them")
+    if not on:
+        return
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    ok = getattr(acc, f"is_{on[0]}_supported")()
+    if not ok:
+        raise ValueError(f"{on[0]}.enabled=true is invalid on this machine: DeepSpeed's {acc.device_name()} "
+                         f"accelerator says is_{on[0]}_supported() -> {ok!r}; allowed: "
+                         f"{'bf16' if on[0] == 'fp16' else 'fp16'} or fp32 (no {on[0]} section)")
+
+
+# ------------------------------------------------------------------ checkpoints
+_RANKED = re.compile(r"zero_pp_rank_\d+_")
+
+
+def check_tag(tag_dir: str) -> None:
+    """Raise CheckpointError naming the first missing or unreadable file of a DeepSpeed checkpoint tag.
+
+    Every `*.pt` file is unpickled with its tensors memory-mapped, not read (cheap at any size), which
+    catches truncated and missing files; the engine's load still checks contents (checkpoint.py)."""
+    from .checkpoint import CheckpointError
+
+    if not os.path.isdir(tag_dir):
+        raise CheckpointError(f"checkpoint missing: {tag_dir}")
+    model = next((os.path.join(tag_dir, n) for n in ("mp_rank_00_model_states.pt",
+                                                       "zero_pp_rank_0_mp_rank_00_model_states.pt")
+                  if os.path.isfile(os.path.join(tag_dir, n))), None)
+    if model is None:
+        raise CheckpointError(f"checkpoint file missing: {tag_dir}/mp_rank_00_model_states.pt")
+    states = _open(model)
+    world = int(states.get("dp_world_size", 1)) if isinstance(states, dict) else 1
+    files = sorted(glob.glob(os.path.join(tag_dir, "*.pt")))
+    for family in sorted({_RANKED.sub("zero_pp_rank_{}_", os.path.basename(f)) for f in files}):
+        for rank in range(world if "{}" in family else 0):  # one file per data-parallel rank
+            path = os.path.join(tag_dir, family.format(rank))
+            if not os.path.isfile(path):
+                raise CheckpointError(f"checkpoint file missing: {path}")
+    for path in files:
+        if path != model:
+            _open(path)
+
+
+def _open(path: str) -> Any:
+    import torch
+
+    from .checkpoint import CheckpointError
+
+    try:
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is refused the same way
+        raise CheckpointError(f"checkpoint file unreadable (truncated or corrupt): {path} "
+                              f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+
+
+def intact_tags(ckpt_dir: str, exclude: str | None = None) -> list[str]:
+    """Tags in `ckpt_dir` whose files check_tag accepts, newest (highest step number) first."""
+    from .checkpoint import CheckpointError
+
+    tags = sorted((d for d in os.listdir(ckpt_dir) if os.path.isdir(os.path.join(ckpt_dir, d))
+                   and not d.endswith(".tmp") and d != exclude), key=_natural, reverse=True)
+    good = []
+    for tag in tags:
+        try:
+            check_tag(os.path.join(ckpt_dir, tag))
+        except CheckpointError:
+            continue
+        good.append(tag)
+    return good
+
+
+def _natural(name: str) -> list:
+    """Sort key in which global_step20 comes before global_step100."""
+    return [(int(part), "") if part.isdigit() else (-1, part) for part in re.split(r"(\d+)", name)]
