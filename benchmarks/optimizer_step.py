@@ -1,12 +1,14 @@
-"""One optimizer step over one flat fp32 master tensor (as ZeRO hands it over): CoatAdamW against its peers.
+"""One optimizer step over one flat master tensor (as ZeRO hands it over): CoatAdamW against its peers.
 
-GPU (default): 1e8 and 1e9 values, fp32 and bf16 grads; rows for CoatAdamW (kernel step `coat_ms`, and the
-optimizer's full step with its non-finite-grad check `coat_step_ms`), DeepSpeed FusedAdam, torch fused AdamW,
-torchao AdamWFp8 / AdamW8bit and bitsandbytes AdamW8bit. Each: median ms over CUDA-event timings after
-warm-up, bytes it must move (param read+write, grad read, state read+write, counted from the real state
-tensors), GB/s, optimizer-state bytes per param; the device's copy bandwidth is measured in the same run.
-Peers run one at a time and are freed in between. Peers take grads in the param's dtype only, so bf16-grad
-rows time CoatAdamW alone.
+GPU (default): 1e8 and 1e9 values; rows for fp32 and bf16 grads on an fp32 master, and for bf16 grads on a
+bf16 master written by stochastic rounding (issue 16's training state, `master: bfloat16_sr`). Contenders:
+CoatAdamW (kernel step `coat_ms`, and the optimizer's full step with its non-finite-grad check
+`coat_step_ms`), DeepSpeed FusedAdam, torch fused AdamW, torchao AdamWFp8 / AdamW8bit and bitsandbytes
+AdamW8bit. Each: median ms over CUDA-event timings after warm-up, bytes it must move (master read+write,
+grad read, state read+write, counted from the real tensors; `coat_bytes_per_param`), GB/s and its fraction
+of the device's copy bandwidth (measured in the same run), optimizer-state bytes per param. Peers run one
+at a time and are freed in between. Peers take grads and master in fp32 only, so the other rows time
+CoatAdamW alone.
 
     python benchmarks/optimizer_step.py                   # -> benchmarks/results/optimizer_step.json
     python benchmarks/optimizer_step.py --device cpu      # CPU op vs DeepSpeedCPUAdam, 1e7 values
@@ -91,8 +93,39 @@ def free(device: str) -> None:
 
 # ---------------------------------------------------------------- contenders
 
+# (grad dtype, master): the fp32 master with fp32 or bf16 grads, and a bf16 master (stochastic rounding)
+CASES = ((torch.float32, "float32"), (torch.bfloat16, "float32"), (torch.bfloat16, "bfloat16_sr"))
+
+
+def case_tensors(p: torch.Tensor, g32: torch.Tensor, grad_dtype: torch.dtype, master: str):
+    """The master (p itself, or a bf16 copy) and the grads of one case."""
+    g = g32 if grad_dtype == torch.float32 else g32.to(grad_dtype)
+    return (p if master == "float32" else p.to(torch.bfloat16)), g
+
+
+def moved_bytes(master: torch.Tensor, g: torch.Tensor, state_bytes: int) -> int:
+    """What one step must move: master read + write, grad read, state read + write."""
+    return master.numel() * (2 * master.element_size() + g.element_size()) + 2 * state_bytes
+
+
+def case_row(device: str, numel: int, grad_dtype: torch.dtype, master: str, copy_bw: float) -> dict:
+    return dict(device=device_name(device), numel=numel, grad_dtype=str(grad_dtype).replace("torch.", ""),
+                master=master, copy_gbps=round(copy_bw, 1), errors={})
+
+
+def coat_fields(ms: float, moved: int, numel: int, sbytes: int, copy_bw: float) -> dict:
+    gbps = moved / (ms * 1e6)
+    return dict(coat_ms=round(ms, 4), coat_bytes=moved, coat_bytes_per_param=round(moved / numel, 3),
+                coat_gbps=round(gbps, 1), coat_frac_of_copy=round(gbps / copy_bw, 3),
+                state_bytes_per_param=round(sbytes / numel, 4))
+
+
+PEERS_NEED = "needs grads and master in fp32 (the param's dtype)"
+
+
 def coat_kernel(p: torch.Tensor, g: torch.Tensor, group_size: int = 128, v_format: str = "e4m3"):
-    """ops.adamw_step on one flat tensor with states laid out as CoatAdamW's: the step alone."""
+    """ops.adamw_step on one flat tensor with states laid out as CoatAdamW's: the step alone (a bf16 p is a
+    bf16 master, written by stochastic rounding)."""
     ng = n_groups(p.numel(), group_size)
     vf = get_format(v_format)
 
@@ -107,7 +140,7 @@ def coat_kernel(p: torch.Tensor, g: torch.Tensor, group_size: int = 128, v_forma
         state["step"] += 1
         ops.adamw_step([p], [g], [m], [v], lr=HP["lr"], beta1=HP["betas"][0], beta2=HP["betas"][1], eps=HP["eps"],
                        weight_decay=HP["weight_decay"], step=state["step"], v_format=vf, group_size=group_size,
-                       expansion=True)
+                       expansion=True, sr_keys=[(0, 0)] if p.dtype == torch.bfloat16 else None)
 
     return step, sum(t.numel() * t.element_size() for t in (*m, *v))
 
@@ -154,29 +187,24 @@ def bench_size(numel: int, device: str, peers: list[str], warmup: int, runs: int
     rows = []
     p = torch.nn.Parameter(torch.randn(numel, device=device) * 0.02)
     g32 = torch.randn(numel, device=device) * 1e-3
-    for grad_dtype in (torch.float32, torch.bfloat16):
-        g = g32 if grad_dtype == torch.float32 else g32.to(torch.bfloat16)
-        gb = g.element_size()
-        row = dict(device=device_name(device), numel=numel, grad_dtype=str(grad_dtype).replace("torch.", ""),
-                   copy_gbps=round(copy_bw, 1), errors={})
-        step, sbytes = coat_kernel(p.data, g)
+    for grad_dtype, master in CASES:
+        pm, g = case_tensors(p.data, g32, grad_dtype, master)
+        row = case_row(device, numel, grad_dtype, master, copy_bw)
+        step, sbytes = coat_kernel(pm, g)
         ms = median_ms(step, device, warmup, runs)
-        moved = numel * (8 + gb) + 2 * sbytes
-        row.update(coat_ms=round(ms, 4), coat_bytes=moved, coat_gbps=round(moved / (ms * 1e6), 1),
-                   coat_frac_of_copy=round(moved / (ms * 1e6) / copy_bw, 3),
-                   state_bytes_per_param=round(sbytes / numel, 4))
-        del step
+        row.update(coat_fields(ms, moved_bytes(pm, g, sbytes), numel, sbytes, copy_bw))
+        del step, pm
         free(device)
         for name in peers:
             key = name
-            if grad_dtype != torch.float32:
+            if grad_dtype != torch.float32 or master != "float32":
                 row[f"{key}_ms"] = None
-                row["errors"][key] = "needs grads in the param's dtype (fp32)"
+                row["errors"][key] = PEERS_NEED
                 continue
             p.grad = g
             try:
                 ms, sb = time_optimizer(name, p, device, warmup, runs)
-                moved = numel * (8 + gb) + 2 * sb
+                moved = moved_bytes(p.data, g, sb)
                 row.update({f"{key}_ms": round(ms, 4), f"{key}_gbps": round(moved / (ms * 1e6), 1),
                             f"{key}_state_bytes_per_param": round(sb / numel, 4)})
             except Exception as exc:  # noqa: BLE001 - a peer that fails is reported, the run goes on
@@ -202,18 +230,16 @@ def bench_size_cpu(numel: int, peers: list[str], warmup: int, runs: int, copy_bw
     rows = []
     p = torch.nn.Parameter(torch.randn(numel) * 0.02)
     g32 = torch.randn(numel) * 1e-3
-    for grad_dtype in (torch.float32, torch.bfloat16):
-        g = g32 if grad_dtype == torch.float32 else g32.to(torch.bfloat16)
-        gb = g.element_size()
-        row = dict(device=device_name("cpu"), numel=numel, grad_dtype=str(grad_dtype).replace("torch.", ""),
-                   copy_gbps=round(copy_bw, 1), errors={})
-        step, sbytes = coat_kernel(p.data, g)
+    for grad_dtype, master in CASES:
+        pm, g = case_tensors(p.data, g32, grad_dtype, master)
+        row = case_row("cpu", numel, grad_dtype, master, copy_bw)
+        step, sbytes = coat_kernel(pm, g)
         fns = {"coat": step}
         opts = {}
         for name in peers:
-            if grad_dtype != torch.float32:
+            if grad_dtype != torch.float32 or master != "float32":
                 row[f"{name}_ms"] = None
-                row["errors"][name] = "needs grads in the param's dtype (fp32)"
+                row["errors"][name] = PEERS_NEED
                 continue
             p.grad = g
             try:
@@ -231,19 +257,17 @@ def bench_size_cpu(numel: int, peers: list[str], warmup: int, runs: int, copy_bw
                 if i >= warmup:
                     times[name].append((time.perf_counter() - t0) * 1e3)
         ms = statistics.median(times["coat"])
-        moved = numel * (8 + gb) + 2 * sbytes
-        row.update(coat_ms=round(ms, 4), coat_min_ms=round(min(times["coat"]), 4), coat_bytes=moved,
-                   coat_gbps=round(moved / (ms * 1e6), 1), coat_frac_of_copy=round(moved / (ms * 1e6) / copy_bw, 3),
-                   state_bytes_per_param=round(sbytes / numel, 4))
+        row.update(coat_fields(ms, moved_bytes(pm, g, sbytes), numel, sbytes, copy_bw),
+                   coat_min_ms=round(min(times["coat"]), 4))
         for name, opt in opts.items():
             pms = statistics.median(times[name])
             sb = state_bytes(opt)
             row.update({f"{name}_ms": round(pms, 4), f"{name}_min_ms": round(min(times[name]), 4),
-                        f"{name}_gbps": round((numel * (8 + gb) + 2 * sb) / (pms * 1e6), 1),
+                        f"{name}_gbps": round(moved_bytes(p.data, g, sb) / (pms * 1e6), 1),
                         f"{name}_state_bytes_per_param": round(sb / numel, 4),
                         f"speedup_vs_{name}": round(pms / ms, 2)})
         p.grad = None
-        del step, fns, opts
+        del step, fns, opts, pm
         free("cpu")
         rows.append(row)
         print(json.dumps(row), flush=True)
