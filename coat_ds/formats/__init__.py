@@ -1,4 +1,4 @@
-"""FP8 formats and group quantization: plain-PyTorch reference math, no kernels."""
+"""FP8 formats, group quantization and bf16 rounding: plain-PyTorch reference math, no kernels."""
 from .fp8 import E4M3, E5M2, FORMATS, FP8Format, cast_to_fp8, get_format
 from .group_quant import (GROUP_SIZES, K_MAX, K_MIN, GroupQuantized, check_group_size, dequantize, group_params,
                           n_groups, quantize, relative_error)
