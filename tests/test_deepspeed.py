@@ -64,9 +64,9 @@ def _dtype(task: str) -> str:
     return (task.split(":")[2:] or ["fp32"])[0]
 
 
-def launch(out: str, ckpt: str, tasks: list[str], gpus: int, extra: list[str] = ()) -> dict:
+def launch(out: str, ckpt: str, tasks: list[str], gpus: int, extra: list[str] = (), job: str = JOB) -> dict:
     tasks = [t for t in tasks if unsupported(_dtype(t)) is None]
-    cmd = [shutil.which("deepspeed"), "--num_gpus", str(gpus), "--master_port", str(_port()), *extra, JOB,
+    cmd = [shutil.which("deepspeed"), "--num_gpus", str(gpus), "--master_port", str(_port()), *extra, job,
            "--out", out, "--ckpt", ckpt, *tasks]
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
     if proc.returncode != 0 or not os.path.isfile(out):

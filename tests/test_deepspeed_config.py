@@ -39,7 +39,7 @@ def test_unknown_param_is_an_error():
 
 def test_coat_section():
     assert coat_section({}).activation is None
-    with pytest.raises(ValueError, match=r"coat.optim: unknown key; allowed keys: \['activation'\]"):
+    with pytest.raises(ValueError, match=r"coat.optim: unknown key; allowed keys: \['activation', 'master_weights'\]"):
         coat_section({"coat": {"optim": {}}})
     with pytest.raises(ValueError, match="coat.activation"):
         coat_section({"coat": {"activation": {"no_such_key": 1}}})
@@ -94,10 +94,7 @@ def test_layout_single_rank_step_matches_plain_coat_adamw():
     flat = torch.nn.Parameter(torch.cat([p.detach().reshape(-1) for p in params] + [torch.zeros(3)]))
     opt = CoatAdamW([flat], lr=1e-2, group_size=32)
     segs = [Segment("w", 91, 0, 0, 91), Segment("b", 40, 0, 91, 40)]
-    from coat_ds.deepspeed.bind import _route
-
-    opt._coat_layouts = {id(flat): (flat, _layout(segs, 32, flat.numel()))}
-    _route(opt, collective=True)
+    opt.bind_partition(flat, _layout(segs, 32, flat.numel()))
     for step in range(5):
         grads = [torch.randn(s) for s in shapes]
         for p, gr in zip(ref.param_groups[0]["params"], grads):

@@ -1,28 +1,28 @@
-"""Attach partition layouts to the flat fp32 tensors DeepSpeed hands CoatAdamW, right after it builds them.
+"""Attach partition layouts to the flat tensors DeepSpeed hands CoatAdamW, right after it builds them.
 
 DeepSpeed's ZeRO-1/2 and bf16 optimizers describe each parameter's piece of a rank's partition in
 `param._hp_mapping` (the same map its universal checkpoints use); ZeRO-3 partitions each parameter
 evenly (`ds_tensor`). From these we build a ShardLayout per flat tensor, number the groups that
-partition boundaries cut identically on every rank, and route CoatAdamW's state creation and FP8
-step for those tensors through the layout. Parameters DeepSpeed leaves whole (stage 0 without bf16,
-fp16 stage 0) keep CoatAdamW's own per-parameter path: its groups are already the canonical ones.
+partition boundaries cut identically on every rank, and bind it to CoatAdamW (`bind_partition`): its
+state creation and FP8 step for that tensor then go through the layout. Parameters DeepSpeed leaves
+whole (stage 0 without bf16, fp16 stage 0) keep CoatAdamW's own per-parameter path: its groups are
+already the canonical ones. ZeRO-1/2/3 optimizers also get the step of zero_step.py (the kernel reads
+the gradient partition in place), and `"coat": {"master_weights": "bf16_sr"}` bf16 masters (master.py).
 """
 from __future__ import annotations
-
-import types
 
 import torch
 import torch.distributed as dist
 
 from ..optim import CoatAdamW
-from .layout import Segment, ShardLayout, local_cut_keys, skipped
-
+from . import zero_step
+from .layout import Segment, ShardLayout, local_cut_keys
+from .master import master_weights, use_bf16_master
 
 
 def layout_of(opt: CoatAdamW, p: torch.Tensor) -> ShardLayout | None:
-    """The layout bound to flat tensor p (kept on the optimizer, not the tensor: tensors get pickled)."""
-    entry = getattr(opt, "_coat_layouts", {}).get(id(p))
-    return entry[1] if entry is not None and entry[0] is p else None
+    """The layout bound to flat tensor p."""
+    return opt.partition_of(p)
 
 
 def _names(engine) -> dict:
@@ -85,13 +85,14 @@ def bind(engine) -> int:
         return 0
     from deepspeed.accelerator import get_accelerator
 
+    master = master_weights(engine)
+    if master != "fp32":
+        use_bf16_master(engine)
     comm_device = get_accelerator().current_device_name()
-    found = partitions(engine)
     zo = engine.optimizer
     sub_to_group = getattr(zo, "sub_group_to_group_id", None)
     bound = 0
-    opt._coat_layouts = {}
-    for i, (flat, segments, pg) in enumerate(found):
+    for i, (flat, segments, pg) in enumerate(partitions(engine)):
         gi = sub_to_group[i] if sub_to_group is not None else i
         group = opt.param_groups[gi] if gi < len(opt.param_groups) else _group_of(opt, flat, i)
         g = group["group_size"]
@@ -103,41 +104,11 @@ def bind(engine) -> int:
         else:
             everyone = [mine]
         cut_index = {k: n for n, k in enumerate(sorted({k for keys in everyone for k in keys}))}
-        opt._coat_layouts[id(flat)] = (flat, ShardLayout(segments, flat.numel(), g, pg, cut_index, comm_device))
+        opt.bind_partition(flat, ShardLayout(segments, flat.numel(), g, pg, cut_index, comm_device,
+                                             stochastic=master == "bf16_sr"))
         bound += 1
-    if bound:
-        _route(opt, collective=True)
+    is_zero = hasattr(zo, "single_partition_of_fp32_groups") or hasattr(zo, "fp32_partitioned_groups_flat")
+    if bound and is_zero and (zero_step.ENABLED or master != "fp32"):
+        zero_step.install(zo)
     engine._coat_bound = bound
     return bound
-
-
-def _route(opt: CoatAdamW, collective: bool) -> None:
-    """Send CoatAdamW's state creation and FP8 step for partitioned tensors through their layout.
-
-    The per-rank inf/NaN check becomes collective (inside the layout step): one rank skipping alone
-    would leave the others waiting in the exchange."""
-    if getattr(opt, "_coat_routed", False):
-        return
-    init_state, fp8_step = opt._init_state, opt._fp8_step
-
-    def _init_state_routed(self, p, group):
-        layout = layout_of(self, p)
-        if layout is None or not group["fp8_state"] or self.state[p]:
-            return init_state(p, group)
-        self.state[p].update(layout.init_state(p, group))
-        return self.state[p]
-
-    def _fp8_step_routed(self, params, group, step):
-        plain = [p for p in params if layout_of(self, p) is None]
-        if plain:
-            fp8_step(plain, group, step)
-        for p in params:
-            layout = layout_of(self, p)
-            if layout is not None and not layout.fp8_step(self, p, group, step):
-                skipped(self, p)
-
-    opt._init_state = types.MethodType(_init_state_routed, opt)
-    opt._fp8_step = types.MethodType(_fp8_step_routed, opt)
-    if collective:
-        opt.check_finite = False
-    opt._coat_routed = True

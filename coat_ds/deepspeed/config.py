@@ -10,12 +10,13 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 SECTION = "coat"
-_KEYS = ("activation",)
+_KEYS = ("activation", "master_weights")
 
 
 @dataclass(frozen=True)
 class CoatSection:
     activation: Any = None  # ActivationConfig, or None when the section has no "activation"
+    master_weights: str = "fp32"  # "fp32" | "bf16_sr" | "bf16_rn": coat_ds.deepspeed.master
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None) -> "CoatSection":
@@ -31,7 +32,9 @@ class CoatSection:
             from ..activation import ActivationConfig
 
             activation = ActivationConfig.from_dict(d["activation"])
-        return cls(activation=activation)
+        from .master import check_master_weights
+
+        return cls(activation=activation, master_weights=check_master_weights(d.get("master_weights", "fp32")))
 
 
 def coat_section(config: Mapping[str, Any] | None) -> CoatSection:

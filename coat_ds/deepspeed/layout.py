@@ -14,7 +14,8 @@ one a single rank does: same groups, same inputs, same function.
 """
 from __future__ import annotations
 
-import warnings
+import bisect
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,38 @@ from .. import ops
 from ..formats import get_format, n_groups
 
 Key = tuple  # (parameter name, group index)
+SR_SEED = 0  # stochastic rounding's bits are keyed by (SR_SEED, step, parameter, position): see formats.rounding
+
+
+def stream_of(name: str) -> int:
+    """The random stream of a parameter for stochastic rounding: a 31-bit hash of its name, the same on every rank."""
+    return zlib.crc32(name.encode()) & 0x7FFFFFFF
+
+
+class FlatPieces:
+    """A flat partition given as consecutive tensors, read where they lie: ZeRO's gradient partition is one
+    view per parameter piece (and padding) in its reduction buffer, not one flat tensor."""
+
+    def __init__(self, tensors) -> None:
+        self.tensors = [t.reshape(-1) for t in tensors]
+        self.starts, n = [], 0
+        for t in self.tensors:
+            self.starts.append(n)
+            n += t.numel()
+        self.numel = n
+
+    def narrow(self, start: int, n: int) -> torch.Tensor:
+        """Values start..start+n-1, which must lie in one piece (parameter pieces never straddle)."""
+        k = bisect.bisect_right(self.starts, start) - 1
+        off = start - self.starts[k]
+        if off + n > self.tensors[k].numel():
+            raise ValueError(f"FlatPieces: values {start}..{start + n - 1} straddle two pieces")
+        return self.tensors[k].narrow(0, off, n)
+
+    def nonfinite(self) -> torch.Tensor:
+        """1.0 if some value is inf/NaN, else 0.0 (sums: no N-sized bool temporary, 40x faster than isfinite on CPUs)."""
+        sums = torch.stack([t.sum().float() for t in self.tensors if t.numel()])
+        return sums.sum().isfinite().logical_not().float()
 
 
 @dataclass(frozen=True)
@@ -53,8 +86,10 @@ class ShardLayout:
     `cut_index` numbers the cut groups of *all* ranks the same way on every rank (see bind.py)."""
 
     def __init__(self, segments: list[Segment], flat_numel: int, group_size: int, process_group=None,
-                 cut_index: dict[Key, int] | None = None, comm_device: str | torch.device = "cpu") -> None:
+                 cut_index: dict[Key, int] | None = None, comm_device: str | torch.device = "cpu",
+                 stochastic: bool = False) -> None:
         self.segments = sorted(segments, key=lambda s: s.flat_start)
+        self.stochastic = stochastic  # a bf16 master is rounded stochastically (else to nearest)
         self.flat_numel = flat_numel
         self.group_size = group_size
         self.process_group = process_group
@@ -63,6 +98,7 @@ class ShardLayout:
         g = group_size
         self.bodies: list[tuple[int, int, int]] = []  # (flat start, numel, first meta index)
         self.cuts: list[tuple[int, int, int, int, int]] = []  # (global cut id, meta index, flat start, pos, numel)
+        body_keys, cut_keys = [], []  # (stream, offset in the parameter) of each tensor the step hands the kernel
         meta = 0
         for s in self.segments:
             js = list(s.groups(g))
@@ -71,6 +107,7 @@ class ShardLayout:
                 start = whole[0] * g
                 end = min((whole[-1] + 1) * g, s.param_numel)
                 self.bodies.append((s.flat_start + start - s.param_start, end - start, meta + whole[0] - js[0]))
+                body_keys.append((stream_of(s.name), start))
             for j in js:
                 if s.covers(j, g):
                     continue
@@ -78,8 +115,10 @@ class ShardLayout:
                 hi = min((j + 1) * g, s.param_numel, s.param_start + s.numel)
                 self.cuts.append((self.cut_index[(s.name, j)], meta + j - js[0], s.flat_start + lo - s.param_start,
                                   lo - j * g, hi - lo))
+                cut_keys.append((stream_of(s.name), j * g))
             meta += len(js)
         self.n_meta = meta
+        self.sr_keys = body_keys + cut_keys
 
     @property
     def meta_offsets(self) -> list[int]:
@@ -94,20 +133,23 @@ class ShardLayout:
         return [(s.name, s.param_numel, s.param_start, s.flat_start, s.numel) for s in self.segments]
 
     # ---------------------------------------------------------------- the step
-    def _exchange(self, p: torch.Tensor, grad: torch.Tensor, mq: torch.Tensor, vq: torch.Tensor) -> tuple:
-        """Whole cut groups (master, grad, m codes, v codes) on every owner, and whether any rank saw inf/NaN."""
+    def _exchange(self, p: torch.Tensor, grads: "FlatPieces", mq: torch.Tensor, vq: torch.Tensor,
+                  check: bool) -> tuple:
+        """Whole cut groups (master, grad, m codes, v codes) on every owner, and whether any rank saw inf/NaN
+        (asked only when `check`; with nothing to swap and nothing to check there is no collective)."""
         g = self.group_size
         n_cut = len(self.cut_index)
+        if n_cut == 0 and not check:
+            return None, False
         buf = torch.zeros(n_cut * 4 * g + 1, dtype=torch.float32, device=p.device)
         rows = buf[:-1].view(n_cut, 4, g)
         for cid, _, flat, pos, n in self.cuts:
             rows[cid, 0, pos:pos + n] = p[flat:flat + n]
-            rows[cid, 1, pos:pos + n] = grad[flat:flat + n].float()
+            rows[cid, 1, pos:pos + n] = grads.narrow(flat, n)
             rows[cid, 2, pos:pos + n] = mq.view(torch.uint8)[flat:flat + n].float()
             rows[cid, 3, pos:pos + n] = vq.view(torch.uint8)[flat:flat + n].float()
-        # a sum is non-finite iff some value is (or it passes 3.4e38): no N-sized bool temporary (1 GB at
-        # 1e9 values), and 40x faster than isfinite().all() on CPUs (0.8 vs 35 ms at 1e7, Offload's case)
-        buf[-1] = torch.isfinite(grad.sum()).logical_not().float()
+        if check:
+            buf[-1] = grads.nonfinite()
         if self.process_group is not None and dist.is_initialized() and dist.get_world_size(self.process_group) > 1:
             moved = buf.to(self.comm_device)
             dist.all_reduce(moved, group=self.process_group)  # parts are disjoint: the sum is exact
@@ -115,9 +157,8 @@ class ShardLayout:
             rows = buf[:-1].view(n_cut, 4, g)
         return rows, bool(buf[-1] > 0)
 
-    def _body_views(self, flat, grad, mq, vq, ms, me, vs, ve) -> tuple[list, list, list, list]:
-        """Per-parameter views of the partition, its grad and states (the first and the states made once
-        while their storage stays).
+    def _body_views(self, flat, mq, vq, ms, me, vs, ve) -> tuple[list, list, list]:
+        """Per-parameter views of the partition and its states, made once while their storage stays.
 
         A ZeRO partition holds hundreds of parameters: narrowing each of them afresh every step cost
         more than the fused kernel itself (2.2 ms of host time per step for 200 parameters)."""
@@ -132,44 +173,60 @@ class ShardLayout:
                 v.append((vq.narrow(0, start, n), vs.narrow(0, meta, k), ve.narrow(0, meta, k)))
             self._views_key, self._views = key, (params, m, v)
         params, m, v = self._views
-        # the gradient is a fresh tensor each step under ZeRO: views kept past the step would keep it alive
-        grads = [grad.narrow(0, start, n) for start, n, _ in self.bodies]
-        return list(params), grads, list(m), list(v)
+        return list(params), list(m), list(v)
 
     @torch.no_grad()
-    def fp8_step(self, opt, p: torch.Tensor, group: dict, step: int) -> bool:
-        """One CoatAdamW step on the flat partition p; False (nothing changed) if any rank's gradient is not finite."""
+    def step(self, opt, p: torch.Tensor, group: dict, step: int, grad, *, grad_scale=None,
+             lp_out: torch.Tensor | None = None, finite: bool | None = None) -> bool:
+        """One CoatAdamW step on the flat partition p; False (nothing changed) if any rank's gradient is not finite.
+
+        grad: a flat tensor or FlatPieces (any dtype; the gradient is never copied whole); grad_scale
+        multiplies it in fp32 inside the kernel (DeepSpeed's unscale and clip); lp_out: the model's copy
+        of the partition, written by the kernel (bf16) or copied after; finite: True when the caller knows
+        every rank's gradient is finite (the check and its collective are skipped)."""
         g = group["group_size"]
         if g != self.group_size:
             raise ValueError(f"CoatAdamW: group_size changed from {self.group_size} to {g} after DeepSpeed "
                              "partitioned the optimizer; allowed: the value the engine was built with")
+        grads = grad if isinstance(grad, FlatPieces) else FlatPieces([grad])
         st = opt.state[p]
-        grad = p.grad.reshape(-1)
         flat = p.view(-1)
         mq, vq = st["exp_avg_q"].view(-1), st["exp_avg_sq_q"].view(-1)
         ms, me, vs, ve = st["exp_avg_scale"], st["exp_avg_expo"], st["exp_avg_sq_scale"], st["exp_avg_sq_expo"]
-        rows, bad = self._exchange(flat, grad, mq, vq)
+        rows, bad = self._exchange(flat, grads, mq, vq, check=not finite)
         if bad:
             return False
-        params, grads, m, v = self._body_views(flat, grad, mq, vq, ms, me, vs, ve)
+        params, m, v = self._body_views(flat, mq, vq, ms, me, vs, ve)
+        # the gradient is a fresh tensor each step under ZeRO: views kept past the step would keep it alive
+        grad_list = [grads.narrow(start, n) for start, n, _ in self.bodies]
+        in_kernel = lp_out is not None and lp_out.dtype == torch.bfloat16 and flat.dtype == torch.float32
+        outs = [lp_out.view(-1).narrow(0, start, n) for start, n, _ in self.bodies] if in_kernel else []
         whole = []
         for cid, meta, _, _, _ in self.cuts:  # one tensor of exactly G values per cut group
-            pc, gc = rows[cid, 0].clone(), rows[cid, 1].clone()
+            pc, gc = rows[cid, 0].to(flat.dtype, copy=True), rows[cid, 1].clone()
             mc = rows[cid, 2].to(torch.uint8).view(mq.dtype)
             vc = rows[cid, 3].to(torch.uint8).view(vq.dtype)
             whole.append((pc, mc, vc))
             params.append(pc)
-            grads.append(gc)
+            grad_list.append(gc)
             m.append((mc, ms.narrow(0, meta, 1), me.narrow(0, meta, 1)))
             v.append((vc, vs.narrow(0, meta, 1), ve.narrow(0, meta, 1)))
+            if in_kernel:
+                outs.append(torch.empty(g, dtype=torch.bfloat16, device=flat.device))
         beta1, beta2 = group["betas"]
-        ops.adamw_step(params, grads, m, v, lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+        sr = self.stochastic and flat.dtype == torch.bfloat16
+        ops.adamw_step(params, grad_list, m, v, lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
                        weight_decay=group["weight_decay"], step=step, v_format=get_format(group["v_format"]),
-                       group_size=g, expansion=group["expansion"])
+                       group_size=g, expansion=group["expansion"], bf16_out=outs, grad_scale=grad_scale,
+                       sr_keys=self.sr_keys if sr else None, sr_seed=SR_SEED)
         for (_, _, start, pos, n), (pc, mc, vc) in zip(self.cuts, whole):
             flat[start:start + n] = pc[pos:pos + n]
             mq[start:start + n] = mc[pos:pos + n]
             vq[start:start + n] = vc[pos:pos + n]
+            if in_kernel:
+                lp_out.view(-1)[start:start + n] = pc[pos:pos + n]
+        if lp_out is not None and not in_kernel:
+            lp_out.copy_(p)
         return True
 
     def init_state(self, p: torch.Tensor, group: dict) -> dict:
@@ -183,10 +240,3 @@ class ShardLayout:
                 "exp_avg_sq_scale": torch.zeros(n, dtype=torch.float32, device=p.device),
                 "exp_avg_sq_expo": torch.ones(n, dtype=torch.float32, device=p.device)}
 
-
-def skipped(opt, p: torch.Tensor) -> None:
-    """Undo the step count CoatAdamW.step already advanced, count the skip, warn like CoatAdamW does."""
-    opt.state[p]["step"] -= 1
-    opt.skipped_steps += 1
-    warnings.warn(f"CoatAdamW: non-finite gradient on some rank; step skipped on every rank "
-                  f"({opt.skipped_steps} so far), parameters and states unchanged", RuntimeWarning)

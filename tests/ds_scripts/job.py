@@ -194,7 +194,7 @@ TASKS = {"train": task_train, "quick": task_quick, "regroup": task_regroup, "uni
          "tofp32": task_tofp32}
 
 
-def main() -> None:
+def main(tasks: dict = TASKS) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--ckpt", required=True)
@@ -215,7 +215,7 @@ def main() -> None:
         kind, stage, *rest = task.split(":")
         dtype = rest.pop(0) if rest else "fp32"
         try:
-            out["tasks"][task] = TASKS[kind](args, world, int(stage), dtype, rest)
+            out["tasks"][task] = tasks[kind](args, world, int(stage), dtype, rest)
         except Exception as exc:  # noqa: BLE001 - recorded; the test shows it
             import traceback
 

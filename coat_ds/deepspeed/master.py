@@ -1,0 +1,79 @@
+"""`"coat": {"master_weights": ...}`: where ZeRO keeps the master copy of the weights for CoatAdamW.
+
+- "fp32" (default): DeepSpeed's fp32 master partition (4 B/param), as with any optimizer.
+- "bf16_sr": the master partition is bf16 and the FP8 step writes it with stochastic rounding (random
+  bits keyed by seed, step and the value's position in its parameter: deterministic, world-size
+  independent, bit-exact on resume), so updates below a bf16 ulp survive in expectation.
+- "bf16_rn": the same with round-to-nearest, an ablation showing what stochastic rounding buys
+  (small updates are lost; not meant for training).
+
+With a bf16 master, ZeRO-1/2 on the device use the bf16 model partition itself as the master: the
+step updates it in place and DeepSpeed's fp32 partition is freed (master and model copy: 2 B/param
+instead of 6). Under ZeRO-Offload the master lives on the host in bf16 (DeepSpeed's pinned bf16
+staging buffer becomes the master, its fp32 partition is freed, and the host gradient buffer is bf16
+as with DeepSpeed's own `bf16_master_weights_and_grads`). ZeRO-3, stage 0 and DeepSpeed's BF16_Optimizer
+(what ZeRO-1 runs for a bf16 model with `"data_types": {"grad_accum_dtype": "fp32"}`) keep an fp32 master.
+"""
+from __future__ import annotations
+
+import torch
+
+MASTER_WEIGHTS = ("fp32", "bf16_sr", "bf16_rn")
+KEY = "coat.master_weights"
+
+
+def check_master_weights(value) -> str:
+    """The value of coat.master_weights, or a one-line ValueError naming the key and the allowed values."""
+    if value not in MASTER_WEIGHTS:
+        raise ValueError(f"{KEY}={value!r} is invalid; allowed: {list(MASTER_WEIGHTS)}")
+    return value
+
+
+def master_weights(engine) -> str:
+    from .config import coat_section
+
+    return coat_section(engine._config._param_dict).master_weights
+
+
+def _refuse(engine, value: str) -> str | None:
+    """Why this engine cannot keep a bf16 master, or None."""
+    zo = engine.optimizer
+    where = f"{KEY}={value!r}"
+    if not hasattr(zo, "single_partition_of_fp32_groups"):
+        return (f"{where} needs DeepSpeed's ZeRO-1/2 optimizer (with or without Offload); this engine runs "
+                f"{type(zo).__name__} (ZeRO stage {engine.zero_optimization_stage()}); allowed there: 'fp32'")
+    if zo.dtype != torch.bfloat16:
+        return f'{where} needs a bf16 model ("bf16": {{"enabled": true}}); this one trains in {zo.dtype}'
+    if any(not g["fp8_state"] for g in engine.basic_optimizer.param_groups):
+        return f"{where} needs fp8_state=true in every CoatAdamW param group (fp32 moments keep an fp32 master)"
+    return None
+
+
+@torch.no_grad()
+def use_bf16_master(engine) -> None:
+    """Make ZeRO-1/2's master partitions bf16 (the model partition itself on the device; the pinned bf16
+    staging buffer under Offload) and free DeepSpeed's fp32 ones. Call before anything has stepped."""
+    value = master_weights(engine)
+    reason = _refuse(engine, value)
+    if reason is not None:
+        raise ValueError(reason)
+    from deepspeed import comm as dist
+    from deepspeed.accelerator import get_accelerator
+
+    zo, opt = engine.optimizer, engine.basic_optimizer
+    for i, old in enumerate(zo.single_partition_of_fp32_groups):
+        if zo.cpu_offload:
+            new = zo.param_buffer_of_bit16_for_cpu_offload_groups[i]
+            new.copy_(old)  # the fp32 master was copied from the bf16 weights: exact
+            grad = torch.zeros_like(new)
+            new.grad = get_accelerator().pin_memory(grad) if zo.cpu_offload_pin_memory else grad
+        else:
+            new = zo.parallel_partitioned_bit16_groups[i][dist.get_rank(group=zo.real_dp_process_group[i])]
+        zo.single_partition_of_fp32_groups[i] = new
+        opt.param_groups[i]["params"] = [new]
+        old.grad = None
+    if zo.cpu_offload:  # DeepSpeed's own bf16-master mode of its offload buffers
+        zo.master_weights_and_grads_dtype = torch.bfloat16
+        zo.low_precision_master_weights_and_grads = True
+    zo._coat_bf16_master = True
+    zo._link_all_hp_params()  # the lp -> hp fragment views pointed into the fp32 partitions

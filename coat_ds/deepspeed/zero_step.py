@@ -1,0 +1,215 @@
+"""ZeRO's optimizer step for CoatAdamW engines: the FP8 kernel reads the gradient partition where it lies.
+
+Per param group, DeepSpeed's ZeRO-1/2 step (stage_1_and_2.py) flattens the rank's bit16 gradient
+partition (+2 B/param), converts it to fp32 (+4 B/param), multiplies it by 1/(clip x loss scale), runs
+the optimizer on the fp32 master and copies the master into the bit16 model partition; ZeRO-3 does the
+same per sub-group (stage3.py `_prepare_fp32_grad_for_sub_group`). CoatAdamW's kernel takes bf16, fp16
+or fp32 gradients and that scalar itself, and writes the bf16 model copy as it goes, so here it gets the
+views DeepSpeed already keeps of the partition (`averaged_gradients[i]`, one per parameter piece: with
+contiguous gradients they lie in one reduction buffer, in reduction order, hence pieces and not one
+tensor) and nothing of partition size is allocated. Widening bf16/fp16 to fp32 is exact and the scalar
+is DeepSpeed's own (its unscale_and_clip_grads applied to a 1), so the step is bit-identical to
+DeepSpeed's (tests/test_zero_state.py). A non-finite gradient is caught by DeepSpeed's own overflow
+check or norm where it computes one; only where it does not does CoatAdamW read the gradient to check.
+
+DeepSpeed 0.19.8 builds its ZeRO optimizers itself (no factory to hook), so bind() gives the instance a
+subclass of its own class (`install`). ZeRO-3's step calls overridable methods per sub-group, so four
+small overrides suffice. ZeRO-1/2 do their per-group work inline in `step`, so that override re-states
+`DeepSpeedZeroOptimizer.step` of DeepSpeed 0.19.8 (overflow check, norm, loss scale, all-gather) around
+its own per-group body, and hands back to DeepSpeed's step where it does not apply (autocast's grad
+scaler, ZenFlow, Offload with an fp32 master: that path has no fp32 copy on the device to save).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from deepspeed import comm as dist
+from deepspeed.runtime.utils import is_invalid_grad_norm
+from deepspeed.runtime.zero.stage_1_and_2 import (INITIAL_MICRO_STEP_ID, OPTIMIZER_ALLGATHER_TIMER,
+                                                  OPTIMIZER_STEP_TIMER, OPTIMIZER_TIMERS, all_gather_dp_groups)
+from deepspeed.checkpoint.constants import SINGLE_PARTITION_OF_FP32_GROUPS
+
+from .layout import FlatPieces
+
+ENABLED = True  # False: DeepSpeed's own step for fp32 masters (what the tests compare with)
+
+
+class Zero12Step:
+    """Mixed into DeepSpeedZeroOptimizer (ZeRO-1/2) of a CoatAdamW engine; see the module docstring."""
+
+    _coat_bf16_master = False  # master.py sets it when the master partitions are bf16
+
+    def step(self, closure=None):
+        if self.torch_autocast_gradscaler or self.zenflow or (self.cpu_offload and not self._coat_bf16_master):
+            return super().step(closure)
+        go, norm = self._coat_check_and_scale()
+        if not go:
+            return
+        finite = self.check_grad_overflow or (norm is not None and not is_invalid_grad_norm(norm))
+        self.timers(OPTIMIZER_STEP_TIMER).start()
+        for i in range(len(self.bit16_groups)):
+            self._coat_step_group(i, norm, finite)
+        self.timers(OPTIMIZER_STEP_TIMER).stop()
+        self._lazy_init_hp_params_optimizer_state()
+        if self.cpu_offload:
+            self.reset_cpu_buffers()
+        self.timers(OPTIMIZER_ALLGATHER_TIMER).start()
+        all_gather_dp_groups(groups_flat=self.bit16_groups_flat, partitioned_param_groups=self.parallel_partitioned_bit16_groups,
+                             dp_process_group=self.real_dp_process_group, start_alignment_factor=self.nccl_start_alignment_factor,
+                             allgather_bucket_size=self.allgather_bucket_size)
+        self.timers(OPTIMIZER_ALLGATHER_TIMER).stop()
+        for i in range(len(self.bit16_groups)):
+            self._update_model_bit16_weights(i)
+        self.timers.log(OPTIMIZER_TIMERS)
+
+    def _coat_check_and_scale(self) -> tuple[bool, torch.Tensor | None]:
+        """DeepSpeed's step up to the optimizer: overflow check, global norm, loss-scale update.
+        (False, None) when the step is skipped (gradients dropped as DeepSpeed drops them)."""
+        self.micro_step_id = INITIAL_MICRO_STEP_ID
+        self._wait_for_offload_copies()
+        if self.cpu_offload:
+            self._offload_accumulated_param_ids = set()
+        if not self.compute_grad_norm:
+            self._global_grad_norm = None
+        self.overflow = False
+        if self.check_grad_overflow:
+            self.check_overflow(partition_gradients=self.partition_gradients)
+        norm = None
+        if self.compute_grad_norm and not self.overflow:
+            if self.cpu_offload:
+                self._apply_muon_updates_cpu_offload()
+            norm = self.scaled_global_norm()
+            if (self.dtype != torch.bfloat16 or self.check_grad_overflow) and is_invalid_grad_norm(norm):
+                self.overflow = True
+        prev_scale = self.loss_scale
+        self._update_scale(self.overflow)
+        if self.overflow:
+            self._coat_drop_gradients()
+            return False, None
+        self._commit_muon_momentum()
+        if norm is not None:
+            self._global_grad_norm = norm / prev_scale
+        return True, norm
+
+    def _coat_drop_gradients(self) -> None:
+        if self.compute_grad_norm:
+            self._global_grad_norm = float("inf")
+        self.zero_grad(set_to_none=True)
+        self._release_preflattened_grad_buffers()
+        if self.cpu_offload:
+            self.reset_cpu_buffers()
+        else:
+            for k in self.averaged_gradients.keys():
+                self.averaged_gradients[k] = None
+                self.all_grad_tensors[k] = None
+        for timer in OPTIMIZER_TIMERS:
+            self.timers(timer).start()
+            self.timers(timer).stop()
+
+    def _coat_grad_scale(self, norm, device: torch.device) -> torch.Tensor:
+        """What DeepSpeed's unscale_and_clip_grads multiplies the gradient by (its own code, applied to a 1)."""
+        probe = torch.ones(1, dtype=torch.float32, device=device)
+        self.unscale_and_clip_grads([probe], norm)
+        return probe
+
+    def _coat_grad_pieces(self, i: int) -> list[torch.Tensor]:
+        self.free_grad_in_param_list(self.params_not_in_partition[i])
+        pre = self._get_preflattened_grad_partition(i)
+        pieces = [pre] if pre is not None else list(self.averaged_gradients[i])
+        self.free_grad_in_param_list(self.params_in_partition[i])  # our views keep the buffer until the step ends
+        return pieces
+
+    def _coat_step_group(self, i: int, norm, finite: bool) -> None:
+        opt, master = self.optimizer, self.single_partition_of_fp32_groups[i]
+        group = opt.param_groups[i]
+        lp = self.parallel_partitioned_bit16_groups[i][dist.get_rank(group=self.real_dp_process_group[i])]
+        if opt.partition_of(master) is None or not group["fp8_state"]:
+            return self._coat_step_plain(i, norm, master, lp)
+        grads = master.grad if self.cpu_offload else FlatPieces(self._coat_grad_pieces(i))
+        opt.step_partition(master, group, grads, grad_scale=self._coat_grad_scale(norm, master.device),
+                           lp_out=None if master is lp or self.cpu_offload else lp, finite=finite)
+        if self.cpu_offload:  # the host bf16 master is what the model partition receives
+            lp.data.copy_(master.data, non_blocking=True)
+        self._release_preflattened_grad_buffers(i)
+        self.averaged_gradients[i] = None
+        self.all_grad_tensors[i] = None
+
+    def _coat_step_plain(self, i: int, norm, master: torch.Tensor, lp: torch.Tensor) -> None:
+        """DeepSpeed's own per-group body, for a group with fp32 moments (fp8_state=False)."""
+        grad = torch.cat([t.reshape(-1) for t in self._coat_grad_pieces(i)]).to(master.dtype)
+        master.grad = grad
+        self._release_preflattened_grad_buffers(i)
+        self.averaged_gradients[i] = None
+        self.all_grad_tensors[i] = None
+        self.unscale_and_clip_grads([grad], norm)
+        self._optimizer_step(i)
+        master.grad = None
+        lp.data.copy_(master.data)
+
+    def state_dict(self):
+        sd = super().state_dict()
+        if self._coat_bf16_master and not self.cpu_offload:  # views of the model's flat buffer: save just them
+            sd[SINGLE_PARTITION_OF_FP32_GROUPS] = [t.clone() for t in sd[SINGLE_PARTITION_OF_FP32_GROUPS]]
+        return sd
+
+
+class Zero3Step:
+    """Mixed into DeepSpeedZeroOptimizer_Stage3 of a CoatAdamW engine: the per-sub-group hooks of its step."""
+
+    def _coat_group(self, i: int) -> dict | None:
+        """The param group of sub-group i if this step takes it over (bound FP8 group, on the device)."""
+        flat = self.fp32_partitioned_groups_flat[i]
+        group = self.optimizer.param_groups[self.sub_group_to_group_id[i]]
+        if (self.offload_optimizer or self.torch_autocast_gradscaler or self.zenflow or not group["fp8_state"]
+                or self._swappable_optimizer_subgroup(i) or self.optimizer.partition_of(flat) is None):
+            return None
+        return group
+
+    def _prepare_fp32_grad_for_sub_group(self, i: int) -> None:
+        if self._coat_group(i) is None:
+            return super()._prepare_fp32_grad_for_sub_group(i)
+        self._coat_grads[i] = FlatPieces(self.averaged_gradients[i])
+        self.averaged_gradients[i] = None
+
+    def unscale_and_clip_grads(self, i: int, total_norm) -> None:
+        if i not in self._coat_grads:
+            return super().unscale_and_clip_grads(i, total_norm)
+        # DeepSpeed 0.19.8's stage-3 unscale_and_clip_grads, as a scalar for the kernel
+        combined_scale = self.loss_scale
+        if self.clip_grad > 0.:
+            clip = ((total_norm / self.loss_scale) + 1e-6) / self.clip_grad
+            combined_scale = torch.clamp(clip, min=1.0) * self.loss_scale
+        device = self.fp32_partitioned_groups_flat[i].device
+        self._coat_scales[i] = torch.ones(1, dtype=torch.float32, device=device).mul_(1. / combined_scale)
+
+    def _optimizer_step(self, i: int) -> None:
+        if i not in self._coat_grads:
+            return super()._optimizer_step(i)
+        lp = self.fp16_partitioned_groups_flat[i]
+        in_kernel = lp is not None and lp.dtype == torch.bfloat16
+        # DeepSpeed's step already skipped a step whose gradient norm is not finite
+        self.optimizer.step_partition(self.fp32_partitioned_groups_flat[i], self._coat_group(i),
+                                      self._coat_grads.pop(i), grad_scale=self._coat_scales.pop(i),
+                                      lp_out=lp if in_kernel else None, finite=True)
+        if in_kernel:
+            self._coat_lp_written.add(i)
+
+    def _reassign_or_swap_out_partitioned_parameters(self, i: int) -> None:
+        if i not in self._coat_lp_written:
+            return super()._reassign_or_swap_out_partitioned_parameters(i)
+        self._coat_lp_written.discard(i)
+        self._unflatten_partitioned_parameters(i)
+
+
+@functools.lru_cache(maxsize=None)
+def _subclass(mixin: type, base: type) -> type:
+    return type(f"Coat{base.__name__}", (mixin, base), {"__module__": __name__})
+
+
+def install(zo) -> None:
+    """Give the ZeRO optimizer `zo` (stage 1, 2 or 3) of a CoatAdamW engine the step of this module."""
+    mixin = Zero3Step if hasattr(zo, "fp32_partitioned_groups_flat") else Zero12Step
+    if not isinstance(zo, mixin):
+        zo.__class__ = _subclass(mixin, type(zo))
+    zo._coat_grads, zo._coat_scales, zo._coat_lp_written = {}, {}, set()

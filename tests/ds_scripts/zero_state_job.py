@@ -1,0 +1,247 @@
+"""One launched DeepSpeed job for the ZeRO training state of CoatAdamW (issue 16); results go to a JSON file.
+
+    deepspeed --num_gpus N tests/ds_scripts/zero_state_job.py --out r.json --ckpt DIR TASK [TASK ...]
+
+TASK (stage 1-3; dtype bf16 = bf16 gradients, bf16acc = fp32 gradient accumulation, fp16):
+  exact:S:D          50 steps with coat_ds's ZeRO step and with DeepSpeed's own (gradient clipping on):
+                     losses of both, the resumed tail of coat_ds's, and the largest fp32 tensor either
+                     step allocates (numel) against the partition size
+  master:S:M[:offload][:bf16grads]  50 steps with coat.master_weights M (bf16_sr | bf16_rn), fp32 gradient
+                     accumulation (bf16grads: bf16); saves DIR/m<world>_s<S>_<M>[_<flags>] at step 30, resumes;
+                     the dtypes and sizes of the tensors the optimizer keeps
+  cross:S:A:B        load DIR/m<world>_s<S>_<A> (A = fp32 saves one first) into an engine with
+                     master_weights B: its master right after loading against the file's, 20 more steps
+  resume:S:M:W       load DIR/m<W>_s<S>_<M> (saved at world size W: re-partitioned when it differs), train on
+  universal:S:M:W    convert DIR/m<W>_s<S>_<M> to a universal checkpoint, load it, train on
+  refuse:S           configs bf16_sr cannot run with: the error of each
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import deepspeed  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+import common  # noqa: E402
+import job  # noqa: E402  (its main runs the tasks)
+from coat_ds.deepspeed import zero_step  # noqa: E402
+
+STEPS, SAVE_AT = job.STEPS, job.SAVE_AT
+
+
+def config(stage: int, dtype: str, world: int, **coat) -> dict:
+    cfg = common.config(stage, "bf16" if dtype in ("bf16", "bf16acc") else dtype, world)
+    if dtype == "bf16":
+        cfg.pop("data_types", None)  # DeepSpeed's default: gradients reduced and kept in bf16
+    if coat:
+        cfg["coat"] = coat
+    return cfg
+
+
+def build(cfg: dict, deepspeed_step: bool = False):
+    zero_step.ENABLED = not deepspeed_step
+    try:
+        model = common.model()
+        engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
+    finally:
+        zero_step.ENABLED = True
+    return engine
+
+
+def train_dtype(dtype: str) -> str:
+    return "bf16" if dtype == "bf16acc" else dtype
+
+
+class LargestAlloc(TorchDispatchMode):
+    """The largest fp32 tensor (numel) with fresh storage that any op creates while active (views and
+    in-place results share their input's storage): DeepSpeed's fp32 gradient partition shows up here."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                  if torch.is_tensor(a)}
+        for t in torch.utils._pytree.tree_leaves(out):
+            if torch.is_tensor(t) and t.dtype == torch.float32 and t.untyped_storage().data_ptr() not in inputs:
+                self.numel = max(self.numel, t.numel())
+        return out
+
+
+def step_alloc(engine, dtype: str, step: int) -> tuple[int, list[float]]:
+    """Train one step with the optimizer step watched: the largest fp32 tensor created inside the step, the loss."""
+    probe = LargestAlloc()
+    original = engine.optimizer.step
+
+    def watched(*a, **kw):
+        with probe:
+            return original(*a, **kw)
+
+    engine.optimizer.step = watched
+    try:
+        losses = common.train(engine, range(step, step + 1), dtype)
+    finally:
+        del engine.optimizer.step
+    return probe.numel, losses
+
+
+def partition_numel(engine) -> int:
+    zo = engine.optimizer
+    flats = getattr(zo, "single_partition_of_fp32_groups", None) or zo.fp32_partitioned_groups_flat
+    return max(f.numel() for f in flats)
+
+
+def task_exact(args, world, stage, dtype, rest):
+    cfg = dict(config(stage, dtype, world), gradient_clipping=0.2)
+    out = {"partition": 0}
+    for name, ds in (("deepspeed", True), ("coat", False)):
+        engine = build(cfg, deepspeed_step=ds)
+        out["partition"] = partition_numel(engine)
+        d = train_dtype(dtype)
+        losses = common.train(engine, range(SAVE_AT - 1), d)
+        out[f"{name}_alloc"], last = step_alloc(engine, d, SAVE_AT - 1)
+        losses += last
+        path = os.path.join(args.ckpt, f"exact_w{world}_s{stage}_{dtype}_{name}")
+        engine.save_checkpoint(path, tag="t")
+        losses += common.train(engine, range(SAVE_AT, STEPS), d)
+        out[name] = losses
+        out[f"{name}_skipped"] = engine.skipped_steps
+        if not ds:
+            engine = build(cfg)
+            engine.load_checkpoint(path, tag="t")
+            out["coat_resumed"] = common.train(engine, range(SAVE_AT, STEPS), d)
+    return out
+
+
+def kept_tensors(engine) -> list[tuple[str, str, int]]:
+    """(where, dtype, numel) of every tensor the ZeRO optimizer and CoatAdamW keep (attributes, lists,
+    dicts, optimizer state, the hp fragments linked to the model's parameters)."""
+    seen, out = set(), []
+
+    def walk(obj, where, depth):
+        if id(obj) in seen or depth > 4:
+            return
+        seen.add(id(obj))
+        if torch.is_tensor(obj):
+            out.append((where, str(obj.dtype), obj.numel()))
+            if obj.grad is not None:
+                walk(obj.grad, where + ".grad", depth)
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(v, f"{where}[{k!r}]"[:120], depth + 1)
+        elif isinstance(obj, (list, tuple)):
+            for k, v in enumerate(obj):
+                walk(v, f"{where}[{k}]", depth + 1)
+
+    zo = engine.optimizer
+    walk(vars(zo), "zero", 0)
+    walk(dict(engine.basic_optimizer.state), "state", 0)
+    for p in engine.module.parameters():
+        if getattr(p, "_hp_mapping", None) is not None:
+            walk(vars(p._hp_mapping), "hp_mapping", 0)
+    return out
+
+
+def task_master(args, world, stage, master, rest):
+    offload = "offload" in rest
+    cfg = config(stage, "bf16" if "bf16grads" in rest else "bf16acc", world, master_weights=master)
+    if offload:
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    engine = build(cfg)
+    n = partition_numel(engine)
+    losses = common.train(engine, range(SAVE_AT), "bf16")
+    path = os.path.join(args.ckpt, "_".join([f"m{world}_s{stage}_{master}", *rest]))
+    engine.save_checkpoint(path, tag="t")
+    losses += common.train(engine, range(SAVE_AT, STEPS), "bf16")
+    kept = kept_tensors(engine)
+    out = {"losses": losses, "partition": n, "fp32_partition_sized": [k for k in kept if k[1] == "torch.float32" and k[2] >= n],
+           "master_dtypes": sorted({str(f.dtype) for f in engine.optimizer.single_partition_of_fp32_groups}),
+           "skipped": engine.skipped_steps}
+    del engine
+    engine = build(cfg)
+    engine.load_checkpoint(path, tag="t")
+    out["resumed"] = common.train(engine, range(SAVE_AT, STEPS), "bf16")
+    return out
+
+
+def _masters(engine) -> torch.Tensor:
+    return torch.cat([f.detach().float().reshape(-1) for f in engine.optimizer.single_partition_of_fp32_groups])
+
+
+def _saved_masters(path: str, world: int) -> torch.Tensor:
+    """This rank's master partitions as the checkpoint holds them (without DeepSpeed's padding)."""
+    from coat_ds.deepspeed.checkpoint import zero_files
+
+    f = zero_files(os.path.join(path, "t"), world)[dist.get_rank()]
+    flats = torch.load(f, map_location="cpu", weights_only=False)["optimizer_state_dict"]["single_partition_of_fp32_groups"]
+    return torch.cat([t.reshape(-1) for t in flats])
+
+
+def task_cross(args, world, stage, src, rest):
+    """Checkpoint with master_weights src, saved at this world size, loaded with master_weights rest[0]."""
+    dst = rest[0]
+    path = os.path.join(args.ckpt, f"m{world}_s{stage}_{src}")
+    if src == "fp32":  # an fp32-master checkpoint of the same run, saved here
+        engine = build(config(stage, "bf16acc", world))
+        common.train(engine, range(SAVE_AT), "bf16")
+        engine.save_checkpoint(path, tag="t")
+        del engine
+    saved = _saved_masters(path, world)
+    engine = build(config(stage, "bf16acc", world, master_weights=dst))
+    engine.load_checkpoint(path, tag="t")
+    got = _masters(engine)[:saved.numel()]
+    want = saved.to(torch.bfloat16).float() if dst != "fp32" else saved.float()
+    return {"saved_dtype": str(saved.dtype), "master_dtype": str(engine.optimizer.single_partition_of_fp32_groups[0].dtype),
+            "master_exact": bool(torch.equal(got, want)), "resumed": common.train(engine, range(SAVE_AT, STEPS), "bf16")}
+
+
+def task_resume(args, world, stage, master, rest):
+    """Load DIR/m<W>_s<S>_<M> (saved at world size W = rest[0]) here and train to the end."""
+    engine = build(config(stage, "bf16acc", world, master_weights=master))
+    engine.load_checkpoint(os.path.join(args.ckpt, f"m{rest[0]}_s{stage}_{master}"), tag="t")
+    return {"resumed": common.train(engine, range(SAVE_AT, STEPS), "bf16")}
+
+
+def task_universal(args, world, stage, master, rest):
+    from coat_ds.deepspeed.universal import convert
+
+    src = int(rest[0])
+    dst = os.path.join(args.ckpt, f"uni_m{src}_s{stage}_{master}_to_w{world}")
+    if dist.get_rank() == 0:
+        convert(os.path.join(args.ckpt, f"m{src}_s{stage}_{master}", "t"), os.path.join(dst, "t"))
+    job.barrier()
+    cfg = config(stage, "bf16acc", world, master_weights=master)
+    cfg["checkpoint"] = {"load_universal": True}
+    engine = build(cfg)
+    engine.load_checkpoint(dst, tag="t")
+    return {"resumed": common.train(engine, range(SAVE_AT, STEPS), "bf16")}
+
+
+def task_refuse(args, world, stage, dtype, rest):
+    cases = {"zero3": config(3, "bf16acc", world, master_weights="bf16_sr"),
+             "bf16_optimizer": config(1, "bf16acc", world, master_weights="bf16_sr"),
+             "fp32_model": config(2, "fp32", world, master_weights="bf16_sr"),
+             "bad_value": config(2, "bf16acc", world, master_weights="bf16")}
+    out = {}
+    for name, cfg in cases.items():
+        try:
+            build(cfg)
+            out[name] = "built"
+        except ValueError as exc:
+            out[name] = str(exc)
+    return out
+
+
+TASKS = {"exact": task_exact, "master": task_master, "cross": task_cross, "resume": task_resume,
+         "universal": task_universal, "refuse": task_refuse}
+
+
+if __name__ == "__main__":
+    job.main(TASKS)

@@ -1,0 +1,102 @@
+"""ZeRO's training state for CoatAdamW (issue 16), through the `deepspeed` launcher (CPU accelerator, gloo).
+
+Two launched jobs (tests/ds_scripts/zero_state_job.py):
+  W1  world 1: bf16_sr master, ZeRO-2 (the world-size reference; its checkpoint re-partitions to 2 ranks)
+  W2  world 2: coat_ds's ZeRO step against DeepSpeed's own (ZeRO-1/2/3; bf16 gradients, fp32-accumulated
+      bf16, fp16 where the accelerator has it), bf16_sr / bf16_rn masters on the device and under Offload,
+      cross-setting and re-partitioning loads, universal conversion, refusals
+
+Part 1 is exact by construction (the kernel widens the same gradient and multiplies by the same fp32
+scalar DeepSpeed would), so losses are compared with ==. bf16_sr is exact across world sizes because its
+random bits are keyed by positions in parameters, not in partitions.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from test_deepspeed import SAVE_AT, STEPS, _require_launcher, _task, launch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+JOB = os.path.join(ROOT, "tests", "ds_scripts", "zero_state_job.py")
+
+pytestmark = pytest.mark.slow
+
+EXACT = [f"exact:{s}:{d}" for s in (1, 2, 3) for d in ("bf16", "fp16")] + ["exact:2:bf16acc"]
+W1 = ["master:2:bf16_sr"]
+W2 = EXACT + ["master:2:bf16_sr", "master:1:bf16_sr:bf16grads", "master:2:bf16_rn", "master:2:bf16_sr:offload",
+              "resume:2:bf16_sr:1", "universal:2:bf16_sr:1", "cross:2:fp32:bf16_sr", "cross:2:bf16_sr:fp32",
+              "refuse:2"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    _require_launcher()
+    if torch.cuda.is_available():
+        pytest.skip("CPU-accelerator runs")
+    tmp = str(tmp_path_factory.mktemp("zs"))
+    ckpt = os.path.join(tmp, "ckpt")
+    os.makedirs(ckpt)
+    res = {"w1": launch(os.path.join(tmp, "w1.json"), ckpt, W1, 1, job=JOB)}
+    res["w2"] = launch(os.path.join(tmp, "w2.json"), ckpt, W2, 2, job=JOB)
+    return res
+
+
+@pytest.mark.parametrize("task", EXACT)
+def test_zero_step_is_deepspeeds_bit_for_bit(runs, task):
+    """50 steps with gradient clipping (and fp16's loss scale): coat_ds's step == DeepSpeed's, resume exact,
+    and no fp32 tensor of partition size is made in the step (DeepSpeed's makes one from bit16 gradients)."""
+    out = _task(runs, "w2", task)
+    assert len(out["coat"]) == STEPS and out["coat"] == out["deepspeed"]
+    assert out["coat_resumed"] == out["coat"][SAVE_AT:]
+    assert out["coat_skipped"] == out["deepspeed_skipped"]
+    assert out["partition"] > out["coat_alloc"]
+    if not task.endswith("acc"):  # with fp32 accumulation DeepSpeed steps on its fp32 buffer in place too
+        assert out["deepspeed_alloc"] >= out["partition"]
+
+
+def _falls(losses: list[float]) -> bool:
+    return sum(losses[-5:]) < sum(losses[:5]) - 0.1
+
+
+def test_bf16_sr_trains_resumes_and_keeps_no_fp32_partition(runs):
+    for task in ("master:2:bf16_sr", "master:1:bf16_sr:bf16grads", "master:2:bf16_sr:offload"):
+        out = _task(runs, "w2", task)
+        assert _falls(out["losses"]), task
+        assert out["resumed"] == out["losses"][SAVE_AT:], f"{task}: resume is not exact"
+        assert out["master_dtypes"] == ["torch.bfloat16"]
+        assert out["fp32_partition_sized"] == [], f"{task}: the optimizer keeps {out['fp32_partition_sized']}"
+
+
+def test_bf16_sr_is_world_size_invariant(runs):
+    """The random bits are keyed by position in the parameter: 1 and 2 ranks give identical losses, and a
+    1-rank checkpoint re-partitioned to 2 ranks (or converted to the universal form) continues exactly."""
+    one = _task(runs, "w1", "master:2:bf16_sr")["losses"]
+    assert _task(runs, "w2", "master:2:bf16_sr")["losses"] == one
+    assert _task(runs, "w2", "resume:2:bf16_sr:1")["resumed"] == one[SAVE_AT:]
+    assert _task(runs, "w2", "universal:2:bf16_sr:1")["resumed"] == one[SAVE_AT:]
+
+
+def test_stochastic_rounding_differs_from_round_to_nearest(runs):
+    sr, rn = _task(runs, "w2", "master:2:bf16_sr")["losses"], _task(runs, "w2", "master:2:bf16_rn")["losses"]
+    assert sr[0] == rn[0] and sr != rn
+    assert _task(runs, "w2", "master:2:bf16_rn")["resumed"] == rn[SAVE_AT:]
+
+
+def test_checkpoints_load_across_master_settings(runs):
+    """fp32 -> bf16_sr rounds the master once (to nearest); bf16_sr -> fp32 widens it exactly."""
+    for task, dtype in (("cross:2:fp32:bf16_sr", "torch.bfloat16"), ("cross:2:bf16_sr:fp32", "torch.float32")):
+        out = _task(runs, "w2", task)
+        assert out["master_exact"] and out["master_dtype"] == dtype, task
+        assert all(x == x and x < 3 for x in out["resumed"]), task
+
+
+def test_bf16_master_refused_where_it_cannot_run(runs):
+    out = _task(runs, "w2", "refuse:2")
+    assert "coat.master_weights='bf16_sr' needs DeepSpeed's ZeRO-1/2 optimizer" in out["zero3"]
+    assert "DeepSpeedZeroOptimizer_Stage3 (ZeRO stage 3)" in out["zero3"]
+    assert "BF16_Optimizer (ZeRO stage 1)" in out["bf16_optimizer"]
+    assert "needs a bf16 model" in out["fp32_model"]
+    assert "coat.master_weights='bf16' is invalid; allowed: ['fp32', 'bf16_sr', 'bf16_rn']" == out["bad_value"]
