@@ -1,12 +1,13 @@
-"""Convergence: a ~125M Llama pretrained from scratch with BF16 + AdamW, coat_ds optimizer-only and coat_ds full.
+"""Convergence: a ~125M Llama pretrained from scratch with BF16 + AdamW, coat_ds optimizer-only and coat_ds full
+(with an fp32 master, and with a bf16 master written by stochastic rounding or, as an ablation, to nearest).
 
-    python benchmarks/convergence.py --steps 2000 --parallel --out /tmp/conv     # one GPU, ~125M, 3 runs
+    python benchmarks/convergence.py --steps 2000 --parallel --out /tmp/conv     # one GPU, ~125M, 5 runs
     python benchmarks/convergence.py --smoke --out /tmp/conv_smoke                # CPU, tiny, < 60 s
 
-All three runs start from the same weights (examples/train.py's build_model with one seed) and read the
+All runs start from the same weights (examples/train.py's build_model with one seed) and read the
 same batches in the same order (examples/data.py's Batches: the sample at an index depends only on the
 seed), on the default corpus (the interpreter's standard library, BPE-tokenized; built once by this
-process before the runs start). Each run is its own process, so `--parallel` can put all three on one
+process before the runs start). Each run is its own process, so `--parallel` can put all of them on one
 GPU at once: a 125M model leaves an H100 mostly idle, and the losses do not depend on the neighbours.
 The loop keeps the running loss on the device and reads it back only every --log-every steps.
 
@@ -276,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     common = max(set.intersection(*val_steps), default=None) if val_steps else None
     at = lambda n: next((v for st, v in (runs.get(n) or {}).get("val", []) if st == common), None)  # noqa: E731
     bf16, full, opt = at("bf16"), at("coat_full"), at("coat_opt")
+    sr, rn = at("coat_full_bf16sr"), at("coat_full_bf16rn")
     gap = lambda c: (c - bf16) / bf16 if c is not None and bf16 else None  # noqa: E731
     tail = lambda n: [v for _, v in (runs.get(n) or {}).get("train", [])[-5:]]  # noqa: E731
     res = {
@@ -289,6 +291,9 @@ def main(argv: list[str] | None = None) -> int:
         "steps": common or 0, "steps_requested": args.steps,
         "bf16_val_loss": bf16, "coat_val_loss": full, "coat_opt_val_loss": opt,
         "val_loss_gap_rel": gap(full), "val_loss_gap_rel_optimizer_only": gap(opt),
+        "coat_bf16sr_val_loss": sr, "val_loss_gap_rel_bf16sr": gap(sr),
+        "coat_bf16rn_val_loss": rn, "val_loss_gap_rel_bf16rn": gap(rn),
+        "within_target_bf16sr": None if gap(sr) is None else abs(gap(sr)) <= TARGET_GAP,
         "bf16_train_loss_last50": sum(tail("bf16")) / len(tail("bf16")) if tail("bf16") else None,
         "coat_train_loss_last50": sum(tail("coat_full")) / len(tail("coat_full")) if tail("coat_full") else None,
         "target_gap_rel": TARGET_GAP,
@@ -306,8 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as e:
         print(f"warning: no plot ({e}); render it later with benchmarks/plot_utils.py {path}", file=sys.stderr)
     f = lambda v, s=".4f": "-" if v is None else format(v, s)  # noqa: E731
-    print(f"final val loss: bf16 {f(bf16)}, coat optimizer-only {f(opt)}, coat full {f(full)}; gap "
-          f"{f(gap(full), '+.3%')} (target within {TARGET_GAP:.1%})  ->  {path}", flush=True)
+    print(f"final val loss: bf16 {f(bf16)}, coat optimizer-only {f(opt)}, coat full {f(full)} (bf16 master: SR "
+          f"{f(sr)}, RN {f(rn)}); gap {f(gap(full), '+.3%')}, bf16 SR {f(gap(sr), '+.3%')} (target within "
+          f"{TARGET_GAP:.1%})  ->  {path}", flush=True)
     return 0 if all(r.get("status") == "ok" for r in runs.values()) else 1
 
 

@@ -61,12 +61,17 @@ MODELS = {
                       intermediate_size=11008, vocab_size=32000),
 }
 
-# The three configurations, as shipped in ds_configs/. A file not there yet is derived from zero2_coat.json.
+# The configurations, as shipped in ds_configs/. A file not there yet is derived from zero2_coat.json.
 CONFIGS = {
     "bf16": ("BF16 + FusedAdam", "ds_configs/zero2_bf16.json"),
     "coat_opt": ("coat_ds optimizer-only", "ds_configs/zero2_coat_optimizer_only.json"),
     "coat_full": ("coat_ds full", "ds_configs/zero2_coat.json"),
+    "coat_full_bf16sr": ("coat_ds full, bf16 master (stochastic rounding)", "ds_configs/zero2_coat.json"),
+    "coat_full_bf16rn": ("coat_ds full, bf16 master (round to nearest: ablation)", "ds_configs/zero2_coat.json"),
 }
+# what a configuration adds to its file's "coat" section
+COAT_OVERRIDES = {"coat_full_bf16sr": {"master_weights": "bf16_sr"}, "coat_full_bf16rn": {"master_weights": "bf16_rn"}}
+E2E_CONFIGS = "bf16,coat_opt,coat_full,coat_full_bf16sr"   # e2e.py's default (round to nearest is for convergence)
 TARGETS = {"memory_reduction": 1.54, "speedup_at_max_batch": 1.43}   # COAT's paper, Llama-2-7B
 GIB = 2 ** 30
 
@@ -94,6 +99,8 @@ def ds_config(name: str, *, micro_batch: int, zero_stage: int | None = None, on_
             cfg["optimizer"]["type"] = "AdamW"
         elif name == "coat_opt":
             cfg.pop("coat", None)
+    if name in COAT_OVERRIDES:
+        cfg.setdefault("coat", {}).update(COAT_OVERRIDES[name])
     cfg.pop("train_batch_size", None)
     cfg["train_micro_batch_size_per_gpu"] = micro_batch
     cfg["gradient_accumulation_steps"] = 1
@@ -341,7 +348,10 @@ def worker(args: argparse.Namespace) -> int:
     cfg = ds_config(args.config, micro_batch=args.start_batch, zero_stage=args.zero_stage, on_cpu=not on_cuda,
                     grad_accum_dtype=args.grad_accum_dtype)
     source = cfg.pop("_source")
-    engine = train_lib.initialize(net, cfg)
+    try:
+        engine = train_lib.initialize(net, cfg)
+    except torch.OutOfMemoryError as e:
+        oom_exit(out, rank, args.start_batch, e, "engine set-up")
     engine.train()
     limit = args.mem_fraction * accel.total_memory() if on_cuda else float("inf")
     emit({"kind": "setup", "params": n_params, "world_size": world, "config_source": source, "ds_config": cfg,
@@ -443,11 +453,7 @@ def worker(args: argparse.Namespace) -> int:
         try:
             rec = rung(b, first)
         except torch.OutOfMemoryError as e:
-            with open(out, "a") as fh:     # any rank: the one that ran out may not be rank 0
-                fh.write(json.dumps({"kind": "oom", "rank": rank, "micro_batch": b,
-                                     "error": str(e).splitlines()[0]}) + "\n")
-            sys.stdout.flush()
-            os._exit(17)   # ranks may be mid-collective: end now, the launcher stops the others
+            oom_exit(out, rank, b, e, "training step")
         rec["elapsed_s"] = time.time() - t_start
         emit(rec)
         if rank == 0:
@@ -469,6 +475,31 @@ def worker(args: argparse.Namespace) -> int:
           "elapsed_s": time.time() - t_start})
     dist.barrier()
     return 0
+
+
+def oom_exit(out: Path, rank: int, b: int, e: Exception, phase: str) -> None:
+    """Record an out-of-memory error (any rank: the one that ran out may not be rank 0) and end the worker now:
+    ranks may be mid-collective, the launcher stops the others."""
+    msg = str(e).splitlines()[0]
+    with open(out, "a") as fh:
+        fh.write(json.dumps({"kind": "oom", "rank": rank, "micro_batch": b, "phase": phase, "error": msg,
+                             "needed_gb": oom_needed_gb(msg)}) + "\n")
+    sys.stdout.flush()
+    os._exit(17)
+
+
+def oom_needed_gb(msg: str) -> float | None:
+    """What the process needed when it ran out, from PyTorch's message: what PyTorch had allocated plus what it
+    tried to allocate (a lower bound: the step would have gone on allocating)."""
+    import re
+
+    unit = {"B": 1, "KiB": 2 ** 10, "MiB": 2 ** 20, "GiB": 2 ** 30, "TiB": 2 ** 40}
+    size = r"([0-9.]+) (B|KiB|MiB|GiB|TiB)"
+    tried = re.search(r"Tried to allocate " + size, msg)
+    held = re.search(size + r" is allocated by PyTorch", msg)
+    if not tried or not held:
+        return None
+    return sum(float(m.group(1)) * unit[m.group(2)] for m in (tried, held)) / GIB
 
 
 def profile_step(inputs, one_step, sync, on_cuda: bool, b: int, top: int = 15) -> dict:
@@ -639,7 +670,23 @@ def summarize_config(name: str, records: list[dict], equal_batch: int, errors: l
         row["max_batch"] = {k: best[k] for k in ("micro_batch", "peak_alloc_gb", "peak_reserved_gb",
                                                  "tokens_per_s", "step_time_s")}
         row["max_batch"]["exact"] = bool(failing and failing[0] == best["micro_batch"] + 1)
+    row.update(max_micro_batch(records, best))
     return row
+
+
+def max_micro_batch(records: list[dict], best: dict | None) -> dict:
+    """max_micro_batch (0: does not fit at micro-batch 1) and, when 0, what micro-batch 1 needed: from the OOM
+    message, or the peak reserved memory of a step that ran but passed the fit rule."""
+    if best is not None:
+        return {"max_micro_batch": best["micro_batch"]}
+    one = [r for r in records if r.get("micro_batch") == 1 and r["kind"] in ("oom", "rung")]
+    if not one:   # nothing was tried at 1 (the worker failed otherwise): unknown, not 0
+        return {"max_micro_batch": None}
+    r = one[-1]
+    if r["kind"] == "rung":
+        return {"max_micro_batch": 0, "needed_gb_at_1": r["peak_reserved_gb"], "needed_from": "peak reserved"}
+    return {"max_micro_batch": 0, "needed_gb_at_1": r.get("needed_gb"), "oom_phase": r.get("phase"),
+            "needed_from": "OOM message: allocated by PyTorch + tried to allocate", "oom_error": r["error"]}
 
 
 def ratio(a, b):
@@ -649,7 +696,7 @@ def ratio(a, b):
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="llama-1b", choices=list(MODELS))
-    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from {list(CONFIGS)}")
+    p.add_argument("--configs", default=E2E_CONFIGS, help=f"comma-separated, from {list(CONFIGS)}")
     p.add_argument("--num-gpus", type=int, default=1, help="world size (deepspeed launcher when > 1)")
     p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], help="override the configs' ZeRO stage")
     p.add_argument("--seq-len", type=int, default=2048)
@@ -739,6 +786,9 @@ def main(argv: list[str] | None = None) -> int:
         "memory_reduction_by_batch": common,
         "speedup_at_max_batch": ratio(tps("coat_full"), tps("bf16")),
         "speedup_at_max_batch_optimizer_only": ratio(tps("coat_opt"), tps("bf16")),
+        "memory_reduction_bf16sr": ratio(peak("bf16"), peak("coat_full_bf16sr")),
+        "speedup_at_max_batch_bf16sr": ratio(tps("coat_full_bf16sr"), tps("bf16")),
+        "max_micro_batch": {r["name"]: r.get("max_micro_batch") for r in rows},
         "speedup_at_equal_batch": ratio(tps_eq("coat_full"), tps_eq("bf16")),
         "targets": TARGETS, "fit_rule": f"peak reserved <= {args.mem_fraction} x device memory",
         "configs": rows, "versions": versions(), "command": command(), "date": now(),
@@ -757,7 +807,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"memory reduction at micro-batch {args.equal_batch}: {f(res['memory_reduction'])} (target "
           f"{TARGETS['memory_reduction']}x); speedup at max batch: {f(res['speedup_at_max_batch'])} (target "
           f"{TARGETS['speedup_at_max_batch']}x)  ->  {path}")
-    return 0 if all(r["equal_batch"] for r in rows) else 1
+    return 0 if all(r["equal_batch"] or r.get("max_micro_batch") == 0 for r in rows) else 1
 
 
 if __name__ == "__main__":

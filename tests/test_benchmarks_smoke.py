@@ -18,7 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from e2e import CONFIGS, ds_config, next_batch  # noqa: E402
+from e2e import CONFIGS, ds_config, max_micro_batch, next_batch, oom_needed_gb  # noqa: E402
 
 GIB = 2 ** 30
 
@@ -84,8 +84,30 @@ def test_configs_share_everything_but_the_named_change():
     assert not (cfgs["coat_opt"].get("coat", {}).get("activation", {}).get("enabled", False))
     assert cfgs["coat_full"]["optimizer"]["type"] == "CoatAdamW"
     assert cfgs["coat_full"]["coat"]["activation"].get("enabled", True)
+    for n, master in (("coat_full_bf16sr", "bf16_sr"), ("coat_full_bf16rn", "bf16_rn")):
+        assert cfgs[n]["coat"] == dict(cfgs["coat_full"]["coat"], master_weights=master)
+        assert {k: v for k, v in cfgs[n].items() if k != "coat"} == {k: v for k, v in cfgs["coat_full"].items() if k != "coat"}
+    assert "master_weights" not in cfgs["coat_full"]["coat"]
     with pytest.raises(ValueError, match="allowed"):
         ds_config("fp16", micro_batch=1)
+
+
+OOM = ("CUDA out of memory. Tried to allocate 25.10 GiB. GPU 0 has a total capacity of 79.19 GiB of which 12.50 GiB "
+       "is free. Including non-PyTorch memory, this process has 66.68 GiB memory in use. Of the allocated memory "
+       "65.90 GiB is allocated by PyTorch, and 256.00 MiB is reserved by PyTorch but unallocated.")
+
+
+def test_max_micro_batch_is_zero_with_what_one_needed_when_one_does_not_fit():
+    assert oom_needed_gb(OOM) == pytest.approx(65.90 + 25.10)
+    assert oom_needed_gb("RuntimeError: something else") is None
+    rung = {"kind": "rung", "micro_batch": 4, "fits": True, "peak_reserved_gb": 50.0}
+    assert max_micro_batch([rung], rung) == {"max_micro_batch": 4}
+    oom = {"kind": "oom", "micro_batch": 1, "phase": "training step", "error": OOM, "needed_gb": oom_needed_gb(OOM)}
+    got = max_micro_batch([oom], None)
+    assert got["max_micro_batch"] == 0 and got["needed_gb_at_1"] == pytest.approx(91.0)
+    over = {"kind": "rung", "micro_batch": 1, "fits": False, "peak_reserved_gb": 78.0}
+    assert max_micro_batch([over], None) == {"max_micro_batch": 0, "needed_gb_at_1": 78.0, "needed_from": "peak reserved"}
+    assert max_micro_batch([], None) == {"max_micro_batch": None}
 
 
 def test_grad_accum_dtype_reaches_every_config_and_only_when_asked():
