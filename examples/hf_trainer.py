@@ -6,7 +6,7 @@
 The JSON is the single source of truth: the Trainer's arguments (batch size, accumulation, lr, betas, eps,
 weight decay, clipping, bf16, warmup) are read from it, so HF's consistency check between TrainingArguments
 and the DeepSpeed config always passes. DeepSpeed builds the optimizer named in the config ("CoatAdamW"),
-and the `"coat": {"activation": ...}` section is applied to the model (FP8 layers) before the Trainer sees it.
+and DeepSpeed's engine applies the `"coat": {"activation": ...}` section (FP8 layers) when the Trainer builds it.
 """
 from __future__ import annotations
 
@@ -91,16 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     model = build_model(argparse.Namespace(model=args.model, model_size=args.model_size, seed=args.seed),
                         tokens.vocab_size, args.seq_len)
 
-    import coat_ds.deepspeed  # noqa: F401  registers "CoatAdamW" with DeepSpeed
-    from coat_ds.inject import inject
+    import coat_ds  # noqa: F401  DeepSpeed's engine now knows "CoatAdamW" and the "coat" section
     from transformers import Trainer
 
-    from coat_ds.activation import ActivationConfig
-
     targs = training_arguments(ds_config, args)
-    activation = ds_config.get("coat", {}).get("activation")
-    if activation is not None:     # the Trainer calls deepspeed.initialize itself: swap layers first
-        inject(model, ActivationConfig.from_dict(activation).resolve(targs.gradient_accumulation_steps))
     trainer = Trainer(model=model, args=targs, train_dataset=Windows(tokens.train, args.seq_len),
                       eval_dataset=Windows(tokens.val, args.seq_len, limit=args.eval_samples))
     result = trainer.train()

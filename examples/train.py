@@ -171,11 +171,12 @@ def param_groups(model) -> list[dict]:
 
 
 def initialize(model, ds_config: dict):
-    """deepspeed.initialize through coat_ds: the "coat" section swaps in FP8 layers, "CoatAdamW" is a known optimizer."""
-    import coat_ds.deepspeed
+    """Plain deepspeed.initialize: after `import coat_ds` the engine applies the "coat" section (FP8 layers) and
+    knows "CoatAdamW"."""
+    import coat_ds  # noqa: F401
+    import deepspeed
 
-    engine, _, _, _ = coat_ds.deepspeed.initialize(model=model, model_parameters=param_groups(model),
-                                                   config=ds_config)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model), config=ds_config)
     return engine
 
 

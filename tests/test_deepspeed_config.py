@@ -45,28 +45,6 @@ def test_coat_section():
         coat_section({"coat": {"activation": {"no_such_key": 1}}})
 
 
-@pytest.mark.parametrize("gas,cache", [(1, False), (4, True)])
-def test_initialize_resolves_cache_weights_from_the_engine(monkeypatch, gas, cache):
-    """coat_ds.deepspeed.initialize turns the FP8 weight cache on only for gradient accumulation, by the engine's
-    gradient_accumulation_steps: the config may leave it out (DeepSpeed derives it from train_batch_size)."""
-    transformers = pytest.importorskip("transformers")
-    import coat_ds.deepspeed as cds
-
-    class Engine:  # what deepspeed.initialize returns first, as far as the glue reads it
-        def gradient_accumulation_steps(self):
-            return gas
-
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2))
-    seen = {}
-    monkeypatch.setattr(deepspeed, "initialize", lambda model, **kw: (seen.update(kw) or Engine(), None, None, None))
-    cds.initialize(model, {"train_batch_size": 8 * gas, "coat": {"activation": {}}})
-    layer = model.model.layers[0]
-    assert type(layer).__name__ == "CoatDecoderLayer"
-    assert layer.coat_config.cache_weights is cache and all(g.cache is cache for g in layer.weight_groups)
-    assert seen["config"]["coat"]["activation"] == {}   # the user's config is passed on unchanged
-
-
 def _layout(segments, g, flat_numel):
     cuts = sorted(set(local_cut_keys(segments, g)))
     return ShardLayout(segments, flat_numel, g, None, {k: i for i, k in enumerate(cuts)})

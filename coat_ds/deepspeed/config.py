@@ -1,8 +1,8 @@
-"""The `"coat"` section of a DeepSpeed config: what coat_ds.deepspeed.initialize does to the model.
+"""The `"coat"` section of a DeepSpeed config: what the DeepSpeed engine does to the model (engine.py).
 
     "coat": {"activation": {...}}     FP8 activation flow (keys: coat_ds.activation.ActivationConfig)
 
-DeepSpeed ignores top-level keys it does not know, so the same JSON file serves both.
+DeepSpeed ignores top-level keys it does not know; after `import coat_ds` its engine applies this one.
 """
 from __future__ import annotations
 
@@ -31,7 +31,11 @@ class CoatSection:
                                  "ActivationConfig keys")
             from ..activation import ActivationConfig
 
-            activation = ActivationConfig.from_dict(d["activation"])
+            try:
+                activation = ActivationConfig.from_dict(d["activation"])
+            except ValueError as exc:  # ActivationConfig names its keys "activation.<key>": give the full path
+                msg = str(exc)
+                raise ValueError("coat." + msg if msg.startswith("activation.") else msg) from None
         from .master import check_master_weights
 
         return cls(activation=activation, master_weights=check_master_weights(d.get("master_weights", "fp32")))

@@ -1,58 +1,89 @@
-"""coat_ds.deepspeed.initialize: deepspeed.initialize plus what the "coat" section asks for."""
+"""What coat_ds does inside `DeepSpeedEngine.__init__`: the one place every route to DeepSpeed passes.
+
+`deepspeed.initialize` (a user's own script, the launcher), HF Trainer and accelerate all build a
+DeepSpeedEngine from a config; `import coat_ds` wraps two of its steps (hook()):
+
+- `_configure_distributed_model(model)`, the first step that has both the config and the module, and
+  runs before ZeRO builds its optimizer and before ZeRO-3 installs its module hooks: the config's
+  `"coat": {"activation": ...}` section swaps in the FP8 decoder layers there (so ZeRO partitions, hooks
+  and flattens the model that will run) and cache_weights "when_accumulating" is decided from the
+  engine's own gradient_accumulation_steps (which DeepSpeed derives where the config leaves it out);
+- `_configure_optimizer`: a CoatAdamW *instance* may run under ZeRO-Offload (it has its own CPU kernel;
+  DeepSpeed's `zero_force_ds_cpu_optimizer` check targets slow torch optimizers), and partition layouts
+  are bound and checkpoint hooks installed as soon as ZeRO has built its flat partitions.
+"""
 from __future__ import annotations
 
-import copy
-import json
-import os
+import functools
 from typing import Any
 
 import torch
 
 from ..optim import CoatAdamW
 from .config import coat_section
-from .registry import register
+
+SECTION_KEY = "coat.activation"
 
 
-def _load_config(config: Any) -> dict:
-    if config is None:
-        return {}
-    if isinstance(config, (str, os.PathLike)):
-        with open(config) as f:
-            return json.load(f)
-    return copy.deepcopy(dict(config))
+def apply_section(engine, model: torch.nn.Module) -> None:
+    """Apply the engine config's "coat" section to `model`; a ValueError naming coat.activation if it cannot."""
+    activation = coat_section(engine._config._param_dict).activation
+    if activation is None:
+        return
+    from deepspeed.utils import log_dist
+
+    from ..inject.swap import apply
+
+    try:
+        n = apply(model, activation, engine.gradient_accumulation_steps())
+    except ValueError as exc:
+        raise ValueError(f"{SECTION_KEY} cannot be applied to this model: {exc}") from None
+    log_dist(f"coat_ds: {SECTION_KEY}: {n} FP8 decoder layers" if n else f"coat_ds: {SECTION_KEY}: enabled is false, "
+             "the model keeps its stock layers", ranks=[0])
 
 
-def _offloads_optimizer(cfg: dict) -> bool:
-    device = ((cfg.get("zero_optimization") or {}).get("offload_optimizer") or {}).get("device", "none")
-    return str(device).lower() in ("cpu", "nvme")
+def _client_coat_adamw_offload(engine, client_optimizer: Any, *_: Any) -> None:
+    """A CoatAdamW instance passes DeepSpeed's Offload check (unless the config itself sets the key)."""
+    if isinstance(client_optimizer, CoatAdamW) and "zero_force_ds_cpu_optimizer" not in engine._config._param_dict:
+        engine._config.zero_force_ds_cpu_optimizer = False
+
+
+def _wrap(engine_cls, name: str, before=None, after=None) -> None:
+    original = getattr(engine_cls, name)
+    if getattr(original, "_coat_wrapped", False):
+        return
+
+    @functools.wraps(original)
+    def wrapped(self, *args, **kw):
+        if before is not None:
+            before(self, *args, **kw)
+        out = original(self, *args, **kw)
+        if after is not None:
+            after(self, *args, **kw)
+        return out
+
+    wrapped._coat_wrapped = True
+    setattr(engine_cls, name, wrapped)
+
+
+def _bind_partitions(engine, *_: Any) -> None:
+    from .bind import bind
+    from .checkpoint import install
+
+    if isinstance(getattr(engine, "basic_optimizer", None), CoatAdamW):
+        bind(engine)
+        install(engine)
+
+
+def hook(engine_cls) -> None:
+    """Idempotent; registry.register() calls it with DeepSpeedEngine."""
+    _wrap(engine_cls, "_configure_distributed_model", before=apply_section)
+    _wrap(engine_cls, "_configure_optimizer", before=_client_coat_adamw_offload, after=_bind_partitions)
 
 
 def initialize(model: torch.nn.Module, config: Any = None, optimizer: Any = None, **kw: Any):
-    """Same arguments and return value as deepspeed.initialize (config: dict or path).
-
-    - "coat": {"activation": {...}} injects the FP8 activation layers first (coat_ds.inject); cache_weights
-      "when_accumulating" is decided afterwards from the engine's gradient_accumulation_steps (DeepSpeed
-      derives it from train_batch_size where the config leaves it out);
-    - a CoatAdamW instance with ZeRO-Offload needs no "zero_force_ds_cpu_optimizer": false: it runs
-      its CPU kernel on the offloaded partition (DeepSpeed's check targets slow torch optimizers).
-    """
+    """deepspeed.initialize with the model first (kept for scripts written against it): the engine itself
+    applies the "coat" section, so plain `deepspeed.initialize` after `import coat_ds` gives the same engine."""
     import deepspeed
 
-    register()
-    cfg = _load_config(config if config is not None else kw.pop("config_params", None))
-    section = coat_section(cfg)
-    if section.activation is not None:
-        from .. import inject
-
-        inject(model, section.activation)
-    if isinstance(optimizer, CoatAdamW) and _offloads_optimizer(cfg):
-        cfg.setdefault("zero_force_ds_cpu_optimizer", False)
-    if optimizer is None and "model_parameters" not in kw and (cfg.get("optimizer") or {}).get("type") == "CoatAdamW":
-        kw["model_parameters"] = [p for p in model.parameters() if p.requires_grad]
-    result = deepspeed.initialize(model=model, config=cfg, optimizer=optimizer, **kw)
-    if section.activation is not None:
-        gas = result[0].gradient_accumulation_steps()
-        for m in model.modules():
-            if hasattr(m, "resolve_weight_cache"):
-                m.resolve_weight_cache(gas)
-    return result
+    return deepspeed.initialize(model=model, config=config, optimizer=optimizer, **kw)

@@ -2,13 +2,11 @@
 
 DeepSpeed builds an optimizer it does not know by `getattr(torch.optim, name)(params, **params_cfg)`
 and lets ZeRO run any class listed in `ZERO_SUPPORTED_OPTIMIZERS`. We put a validating factory named
-CoatAdamW on `torch.optim` and CoatAdamW on that list, and wrap `DeepSpeedEngine._configure_optimizer`
-so the engine binds partition layouts (bind.py) as soon as ZeRO has built its flat partitions: that
-covers deepspeed.initialize, the launcher, HF Trainer and accelerate alike.
+CoatAdamW on `torch.optim` and CoatAdamW on that list, and hook DeepSpeedEngine (engine.py: the "coat"
+section, partition layouts), which covers deepspeed.initialize, the launcher, HF Trainer and accelerate alike.
 """
 from __future__ import annotations
 
-import functools
 from typing import Any, Iterable
 
 from ..optim import CoatAdamW
@@ -39,25 +37,6 @@ def coat_adamw_from_config(model_parameters: Iterable, **params: Any) -> CoatAda
 coat_adamw_from_config.__name__ = coat_adamw_from_config.__qualname__ = NAME
 
 
-def _wrap_configure_optimizer(engine_cls) -> None:
-    original = engine_cls._configure_optimizer
-    if getattr(original, "_coat_wrapped", False):
-        return
-
-    @functools.wraps(original)
-    def _configure_optimizer(self, client_optimizer, model_parameters):
-        original(self, client_optimizer, model_parameters)
-        from .bind import bind
-        from .checkpoint import install
-
-        if isinstance(getattr(self, "basic_optimizer", None), CoatAdamW):
-            bind(self)
-            install(self)
-
-    _configure_optimizer._coat_wrapped = True
-    engine_cls._configure_optimizer = _configure_optimizer
-
-
 def register() -> None:
     """Idempotent; `import coat_ds` calls it."""
     import torch
@@ -71,4 +50,6 @@ def register() -> None:
     setattr(torch.optim, NAME, coat_adamw_from_config)
     if CoatAdamW not in zero_utils.ZERO_SUPPORTED_OPTIMIZERS:
         zero_utils.ZERO_SUPPORTED_OPTIMIZERS.append(CoatAdamW)
-    _wrap_configure_optimizer(DeepSpeedEngine)
+    from .engine import hook
+
+    hook(DeepSpeedEngine)

@@ -6,6 +6,7 @@ changes. What the model has attached to a layer (training flag, HF gradient chec
 moves with the swap in both directions."""
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from torch import nn
@@ -53,13 +54,25 @@ def policy_for(model: nn.Module) -> InjectionPolicy:
 
 def _refuse_wrapped(model: nn.Module, what: str) -> None:
     """ZeRO-3 decides which parameters to gather per module when deepspeed.initialize installs its hooks
-    (a leaf layer's children get none), so swapping afterwards would run layers on unfetched parameters."""
+    (a leaf layer's children get none), so swapping afterwards would run layers on unfetched parameters.
+    Its registration marks every module (`ds_recompute_parameters`; `ds_grads_remaining` from the first
+    forward on); a model built under zero.Init has partitioned parameters but no such marks yet."""
     if type(model).__name__ == "DeepSpeedEngine":
-        raise ValueError(f"coat_ds.{what} got a DeepSpeedEngine; call it on the model before deepspeed.initialize "
-                         "(or use coat_ds.deepspeed.initialize with a \"coat\": {\"activation\": ...} section)")
-    if any(hasattr(m, "ds_grads_remaining") for m in model.modules()):
-        raise ValueError(f"coat_ds.{what}: this model already carries DeepSpeed ZeRO-3 hooks; call it before "
-                         "deepspeed.initialize (to save, use the engine: state_dict keys are the stock ones)")
+        raise ValueError(f"coat_ds.{what} got a DeepSpeedEngine; the FP8 layers go into the model before "
+                         "deepspeed.initialize (a \"coat\": {\"activation\": ...} config section does it there)")
+    if any(hasattr(m, "ds_recompute_parameters") or hasattr(m, "ds_grads_remaining") for m in model.modules()):
+        raise ValueError(f"coat_ds.{what}: this model already carries DeepSpeed ZeRO-3 hooks (an engine wrapped it); "
+                         "the FP8 layers go in before deepspeed.initialize (to save, use the engine: state_dict keys "
+                         "are the stock ones)")
+
+
+def _serves(have: Any, want: Any) -> bool:
+    """Whether layers built with ActivationConfig `have` serve a request for `want`: equal, but for a
+    cache_weights decision that one of them leaves to gradient accumulation ("when_accumulating")."""
+    when = _activation().config.CACHE_WHEN_ACCUMULATING
+    if when in (have.cache_weights, want.cache_weights):
+        have = replace(have, cache_weights=want.cache_weights)
+    return have == want
 
 
 def _install_output_capture(model: nn.Module) -> None:
@@ -131,7 +144,7 @@ def inject(model: nn.Module, config: Any = None) -> nn.Module:
     targets = [(name, m) for name, m in model.named_modules()
                if type(m).__name__ in policy.layer_class_names and not isinstance(m, coat_cls)]
     injected = [m for m in model.modules() if isinstance(m, coat_cls)]
-    other = {repr(m.coat_config) for m in injected if m.coat_config != cfg}
+    other = {repr(m.coat_config) for m in injected if not _serves(m.coat_config, cfg)}
     if other:
         raise ValueError(f"coat_ds.inject: this model is already injected with {sorted(other)}; "
                          f"call coat_ds.revert(model) first to inject {cfg!r}")
@@ -153,6 +166,32 @@ def inject(model: nn.Module, config: Any = None) -> nn.Module:
         _set_submodule(model, name, new)
     object.__setattr__(model, INJECTED_ATTR, policy.model_type)
     return model
+
+
+def apply(model: nn.Module, config: Any, gradient_accumulation_steps: int) -> int:
+    """What a DeepSpeed engine does with a `"coat": {"activation": ...}` section; returns the FP8 layer count.
+
+    Injects, unless the model already runs FP8 layers that serve `config` (injected by the user, or by an
+    earlier engine: HF Trainer may build one for evaluation first), then decides cache_weights
+    "when_accumulating" by `gradient_accumulation_steps`. `enabled: false` leaves the model as it is and
+    refuses one that already runs FP8 layers (the section and the model disagree)."""
+    if type(model).__name__ == "DeepSpeedEngine":
+        _refuse_wrapped(model, "inject")
+    cfg = _as_config(config)
+    coat_cls = _activation().CoatDecoderLayer
+    layers = [m for m in model.modules() if isinstance(m, coat_cls)]
+    if not cfg.enabled:
+        if layers:
+            raise ValueError(f"enabled is false but the model already runs {len(layers)} FP8 decoder layers "
+                             "(coat_ds.inject was called on it); call coat_ds.revert(model) or drop enabled: false")
+        return 0
+    if not layers or not all(_serves(m.coat_config, cfg) for m in layers):
+        inject(model, cfg)
+        layers = [m for m in model.modules() if isinstance(m, coat_cls)]
+    for layer in layers:
+        layer.coat_config = cfg  # the request; resolve_weight_cache decides "when_accumulating" from it
+        layer.resolve_weight_cache(gradient_accumulation_steps)
+    return len(layers)
 
 
 def revert(model: nn.Module) -> nn.Module:
