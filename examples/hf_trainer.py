@@ -52,6 +52,7 @@ def training_arguments(ds_config: dict, args: argparse.Namespace):
     warmup = sched.get("warmup_num_steps", 0)
     warmup = warmup if isinstance(warmup, int) and warmup < args.steps else max(1, args.steps // 10)
     sched["warmup_num_steps"] = warmup
+    sched["total_num_steps"] = args.steps   # HF checks it against max_steps
     return TrainingArguments(
         output_dir=args.output_dir, max_steps=args.steps, seed=args.seed, deepspeed=ds_config,
         per_device_train_batch_size=ds_config.get("train_micro_batch_size_per_gpu", 4),

@@ -139,7 +139,7 @@ def load_ds_config(args: argparse.Namespace) -> dict:
     if args.lr is not None and "optimizer" in cfg:
         cfg["optimizer"].setdefault("params", {})["lr"] = args.lr
     sched = cfg.get("scheduler", {}).get("params", {})
-    if sched.get("total_num_steps") in (None, "auto") and "scheduler" in cfg:
+    if "scheduler" in cfg:  # the schedule spans this run (--steps), whatever the file says
         sched["total_num_steps"] = args.steps
     if isinstance(sched.get("warmup_num_steps"), int) and sched.get("total_num_steps", 0) <= sched["warmup_num_steps"]:
         sched["warmup_num_steps"] = max(1, sched["total_num_steps"] // 10)  # short runs: warm up for 10%
