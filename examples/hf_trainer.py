@@ -1,6 +1,7 @@
 """The same Llama as examples/train.py, trained by HF `Trainer` with a coat_ds DeepSpeed config.
 
     deepspeed examples/hf_trainer.py --deepspeed ds_configs/zero2_coat.json --steps 100
+    deepspeed examples/hf_trainer.py --deepspeed ds_configs/hf/zero2_coat.json     # HF "auto" values
     deepspeed --num_gpus 8 examples/hf_trainer.py --deepspeed ds_configs/zero3_coat.json --model-size 125m
 
 The JSON is the single source of truth: the Trainer's arguments (batch size, accumulation, lr, betas, eps,
@@ -41,13 +42,19 @@ class Windows:
         return {"input_ids": ids, "labels": ids}
 
 
+def given(value, default):
+    """A value of the JSON, or `default` where it is absent or "auto" (ds_configs/hf/: the Trainer fills it)."""
+    return default if value is None or value == "auto" else value
+
+
 def training_arguments(ds_config: dict, args: argparse.Namespace):
-    """TrainingArguments whose every DeepSpeed-checked value is the one in the JSON."""
+    """TrainingArguments whose every DeepSpeed-checked value is the one in the JSON (our defaults for "auto")."""
     from deepspeed.accelerator import get_accelerator
     from transformers import TrainingArguments
 
     opt = ds_config.get("optimizer", {}).get("params", {})
-    betas = opt.get("betas", [0.9, 0.999])
+    betas = given(opt.get("betas"), [0.9, 0.95])
+    micro = given(ds_config.get("train_micro_batch_size_per_gpu"), 4)
     sched = ds_config.get("scheduler", {}).get("params", {})
     warmup = sched.get("warmup_num_steps", 0)
     warmup = warmup if isinstance(warmup, int) and warmup < args.steps else max(1, args.steps // 10)
@@ -55,13 +62,12 @@ def training_arguments(ds_config: dict, args: argparse.Namespace):
     sched["total_num_steps"] = args.steps   # HF checks it against max_steps
     return TrainingArguments(
         output_dir=args.output_dir, max_steps=args.steps, seed=args.seed, deepspeed=ds_config,
-        per_device_train_batch_size=ds_config.get("train_micro_batch_size_per_gpu", 4),
-        per_device_eval_batch_size=ds_config.get("train_micro_batch_size_per_gpu", 4),
-        gradient_accumulation_steps=ds_config.get("gradient_accumulation_steps", 1),
-        learning_rate=opt.get("lr", 1e-3), adam_beta1=betas[0], adam_beta2=betas[1],
-        adam_epsilon=opt.get("eps", 1e-8), weight_decay=opt.get("weight_decay", 0.0),
-        max_grad_norm=ds_config.get("gradient_clipping", 1.0), warmup_steps=warmup,
-        bf16=bool(ds_config.get("bf16", {}).get("enabled", False)),
+        per_device_train_batch_size=micro, per_device_eval_batch_size=micro,
+        gradient_accumulation_steps=given(ds_config.get("gradient_accumulation_steps"), 1),
+        learning_rate=given(opt.get("lr"), 1e-3), adam_beta1=betas[0], adam_beta2=betas[1],
+        adam_epsilon=given(opt.get("eps"), 1e-8), weight_decay=given(opt.get("weight_decay"), 0.1),
+        max_grad_norm=given(ds_config.get("gradient_clipping"), 1.0), warmup_steps=warmup,
+        bf16=bool(given(ds_config.get("bf16", {}).get("enabled"), "bf16" in ds_config)),
         use_cpu=get_accelerator().device_name() == "cpu",      # DeepSpeed's CPU accelerator (no GPU here)
         logging_steps=1, save_strategy="no", report_to="none", dataloader_num_workers=0, disable_tqdm=False,
     )
