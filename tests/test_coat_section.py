@@ -1,0 +1,178 @@
+"""The "coat" section takes effect wherever DeepSpeed reads the config (coat_ds/deepspeed/engine.py).
+
+Two launched 2-rank jobs (CPU accelerator, gloo; tests/ds_scripts/section_job.py), shared by the tests:
+  DS   `deepspeed --num_gpus 2`: a user's own script with plain deepspeed.initialize and a shipped config
+       file; ZeRO-3 with the model built under HF's zero.Init; every shipped config as it is; HF Trainer with
+       an HF "auto" config (ds_configs/hf/); what the section refuses
+  ACC  `accelerate launch` with an accelerate config naming a DeepSpeed config file
+Each route's losses are compared with ==, per rank, to coat_ds.deepspeed.initialize's on the same
+model, config and batches: the same FP8 model trains the same way whatever built the engine.
+The last test is in-process: what the engine's swap (coat_ds.inject.swap.apply) accepts and refuses.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("deepspeed")
+pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parents[1]
+JOB = ROOT / "tests" / "ds_scripts" / "section_job.py"
+DS_TASKS = ["plain", "zero3_init", "refusals", "hf_trainer", "configs"]
+STEPS = 3
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(cmd: list[str], out: Path) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env.setdefault("COAT_JOB_TIMEOUT", "420")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    if not out.is_file():
+        pytest.fail(f"launch failed ({proc.returncode}): {' '.join(cmd)}\n{(proc.stdout + proc.stderr)[-6000:]}")
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def ds_job(tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("section")
+    out = tmp / "r.json"
+    cmd = [shutil.which("deepspeed") or str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2",
+           "--master_port", str(_port()), str(JOB), "--out", str(out), "--tmp", str(tmp), *DS_TASKS]
+    return _launch(cmd, out)
+
+
+@pytest.fixture(scope="module")
+def acc_job(tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("section_acc")
+    out = tmp / "r.json"
+    conf = tmp / "accelerate.yaml"
+    conf.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\ndeepspeed_config:\n"
+                    f"  deepspeed_config_file: {ROOT / 'ds_configs' / 'zero2_coat.json'}\n  zero3_init_flag: false\n"
+                    "num_machines: 1\nnum_processes: 2\nmachine_rank: 0\nuse_cpu: true\n")
+    cmd = [shutil.which("accelerate") or str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
+           str(conf), "--main_process_port", str(_port()), str(JOB), "--out", str(out), "--tmp", str(tmp), "accelerate"]
+    return _launch(cmd, out)
+
+
+def ranks(result: dict, task: str) -> list[dict]:
+    assert task in result, f"task {task} did not finish: {sorted(result)}"
+    per_rank = list(result[task].values())
+    for r in per_rank:
+        assert "error" not in r, r.get("trace", r["error"])
+    assert len(per_rank) == 2
+    return per_rank
+
+
+def assert_trains_like_reference(r: dict, steps: int = STEPS) -> None:
+    assert r["fp8"] == 2 and r["optimizer"] == "CoatAdamW", r     # both decoder layers are FP8 layers
+    assert len(r["losses"]) == steps and all(math.isfinite(x) for x in r["losses"]), r
+    assert r["losses"] == r["reference"], r                         # bit-equal to coat_ds.deepspeed.initialize
+
+
+@pytest.mark.slow
+def test_plain_deepspeed_initialize_with_a_shipped_config(ds_job):
+    for r in ranks(ds_job, "plain"):
+        assert_trains_like_reference(r)
+        assert r["injected_by_user"] == r["losses"]                 # a model the user injected is accepted as is
+        assert r["cache"] == [False]                                # cache_weights: no accumulation, no cache
+
+
+@pytest.mark.slow
+def test_hf_trainer_with_an_auto_config(ds_job):
+    for r in ranks(ds_job, "hf_trainer"):
+        assert_trains_like_reference(r)
+
+
+@pytest.mark.slow
+def test_accelerate_with_a_deepspeed_config_file(acc_job):
+    for r in ranks(acc_job, "accelerate"):
+        assert r["config_file"] == str(ROOT / "ds_configs" / "zero2_coat.json")
+        assert_trains_like_reference(r)
+
+
+@pytest.mark.slow
+def test_zero3_with_zero_init(ds_job):
+    for r in ranks(ds_job, "zero3_init"):
+        assert r["partitioned"]                                     # from_pretrained built it under zero.Init
+        assert r["probe_fp8"] == 2 and r["probe_untouched"]         # the swap left every partition as it was
+        assert r["leaf"]
+        assert_trains_like_reference(r)                             # reference: the same weights, built whole
+
+
+@pytest.mark.slow
+def test_every_shipped_config_through_plain_deepspeed(ds_job):
+    shipped = sorted(p.name for p in (ROOT / "ds_configs").glob("*.json"))
+    for res in ranks(ds_job, "configs"):
+        assert sorted(res) == shipped
+        for name, r in res.items():
+            cfg = json.loads((ROOT / "ds_configs" / name).read_text())
+            coat = cfg.get("coat", {}).get("activation", {"enabled": False}).get("enabled", True)
+            assert r["fp8"] == (2 if coat else 0), (name, r)
+            assert (r["optimizer"] == "CoatAdamW") == (cfg["optimizer"]["type"] == "CoatAdamW"), (name, r)
+            assert len(r["losses"]) == 2 and all(math.isfinite(x) for x in r["losses"]), (name, r)
+            assert all(lr > 0 for lr in r["lr"]), (name, r)             # the scheduler ran on numbers
+
+
+@pytest.mark.slow
+def test_what_the_section_cannot_apply_to_is_refused(ds_job):
+    for r in ranks(ds_job, "refusals"):
+        for case, why in (("gpt2", "model_type='gpt2' has no coat_ds injection policy"),
+                          ("sequential", "has no config.model_type"),
+                          ("other_config", "already injected with"),
+                          ("disabled_but_injected", "enabled is false but the model already runs 2 FP8"),
+                          ("wrapped", "already carries DeepSpeed ZeRO-3 hooks"),
+                          ("engine", "got a DeepSpeedEngine")):
+            assert r[case] and r[case].startswith("ValueError: coat.activation cannot be applied"), (case, r[case])
+            assert why in r[case], (case, r[case])
+        assert r["bad_value"].startswith("ValueError: coat.activation.mode='half'"), r["bad_value"]
+
+
+@pytest.mark.slow
+def test_enabled_false_and_engines_without_a_config_optimizer(ds_job):
+    for r in ranks(ds_job, "refusals"):
+        assert r["disabled_fp8"] == 0                               # "enabled": false: the model stays stock
+        assert r["client_optimizer_fp8"] == 2                       # the optimizer section is not needed
+        assert r["no_optimizer_fp8"] == 2
+        assert r["cache_gas1"] == [False, 1]                        # [cache on?, engine's accumulation steps]
+        assert r["cache_derived_gas2"] == [True, 2]                 # derived from train_batch_size by DeepSpeed
+
+
+def test_apply_accepts_the_same_settings_and_decides_the_cache():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import coat_ds
+    from coat_ds.inject.swap import apply, is_injected
+
+    def tiny():
+        return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                            num_hidden_layers=2, num_attention_heads=2))
+
+    def caches(model):
+        return {(layer.coat_config.cache_weights, g.cache) for layer in model.model.layers for g in layer.weight_groups}
+
+    model = coat_ds.inject(tiny(), {"cache_weights": True})
+    layers = list(model.model.layers)
+    assert apply(model, {}, 1) == 2 and list(model.model.layers) == layers   # accepted, nothing swapped again
+    assert caches(model) == {(False, False)}                  # "when_accumulating", one micro-batch: no cache
+    assert apply(model, {}, 4) == 2 and caches(model) == {(True, True)}
+    with pytest.raises(ValueError, match="already injected with"):
+        apply(model, {"mode": "linear"}, 1)
+    with pytest.raises(ValueError, match="enabled is false but the model already runs 2 FP8"):
+        apply(model, {"enabled": False}, 1)
+    stock = tiny()
+    assert apply(stock, {"enabled": False}, 1) == 0 and not is_injected(stock)
+    assert apply(stock, {"mode": "linear"}, 2) == 2 and caches(stock) == {(True, True)}
