@@ -34,6 +34,7 @@ BAD = [
     ({"coat": {"activation": {"modes": "full"}}}, "coat.activation has no key 'modes'; allowed keys: ['enabled', "),
     ({"coat": {"activations": {}}}, "coat.activations: unknown key; allowed keys: ['activation'"),
     ({"coat": True}, "coat=True is invalid; allowed: an object with keys ['activation'"),
+    ({"coat": {"master_weights": "bf16"}}, "coat.master_weights='bf16' is invalid; allowed: ['fp32', 'bf16_sr', "),
     ({"zero_optimization": {"stage": 4}}, "zero_optimization.stage=4 is invalid; allowed: 0, 1, 2, 3"),
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"devices": "cpu"}}},
      "zero_optimization.offload_optimizer.devices: unknown key; allowed keys: ['buffer_count', "),
@@ -55,6 +56,8 @@ def test_bad_config_is_one_line_naming_key_and_allowed(cfg, line):
 def test_shipped_configs_and_hf_auto_values_pass():
     for path in sorted((ROOT / "ds_configs").glob("*.json")):
         check_config(json.loads(path.read_text()))
+    for path in sorted((ROOT / "ds_configs" / "hf").glob("*.json")):  # HF Trainer-style, with "auto" values
+        check_config(json.loads(path.read_text()), hf_auto=True)
     hf = {**_opt(lr="auto", betas="auto", weight_decay="auto"), "bf16": {"enabled": "auto"},
           "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto"}}
     check_config(hf, hf_auto=True)  # HF Trainer fills "auto"; plain DeepSpeed does not:

@@ -57,11 +57,7 @@ def _check_coat(cfg: Mapping) -> None:
     if not isinstance(cfg[SECTION], Mapping):
         keys = [f.name for f in dataclasses.fields(CoatSection)]
         raise ValueError(f"{SECTION}={cfg[SECTION]!r} is invalid; allowed: an object with keys {keys}")
-    try:
-        coat_section(cfg)
-    except ValueError as exc:  # ActivationConfig names its keys "activation.<key>": give the full path
-        msg = str(exc)
-        raise ValueError(msg if msg.startswith(f"{SECTION}.") else f"{SECTION}.{msg}") from None
+    coat_section(cfg)
 
 
 def _check_zero(zero: Any, coat_opt: bool) -> None:
