@@ -353,6 +353,7 @@ def worker(args: argparse.Namespace) -> int:
     except torch.OutOfMemoryError as e:
         oom_exit(out, rank, args.start_batch, e, "engine set-up")
     engine.train()
+    accel.empty_cache()   # set-up's transients (flat copies, fp32 partitions a bf16 master frees) are not the run's
     limit = args.mem_fraction * accel.total_memory() if on_cuda else float("inf")
     emit({"kind": "setup", "params": n_params, "world_size": world, "config_source": source, "ds_config": cfg,
           "setup_s": time.time() - t_start, "device_total_gb": accel.total_memory() / GIB,

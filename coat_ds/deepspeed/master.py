@@ -77,3 +77,4 @@ def use_bf16_master(engine) -> None:
         zo.low_precision_master_weights_and_grads = True
     zo._coat_bf16_master = True
     zo._link_all_hp_params()  # the lp -> hp fragment views pointed into the fp32 partitions
+    get_accelerator().empty_cache()  # hand the fp32 partitions' blocks back, not just to the allocator's cache
