@@ -25,10 +25,10 @@ JOB = os.path.join(ROOT, "tests", "ds_scripts", "zero_state_job.py")
 pytestmark = pytest.mark.slow
 
 EXACT = [f"exact:{s}:{d}" for s in (1, 2, 3) for d in ("bf16", "fp16")] + ["exact:2:bf16acc"]
-W1 = ["master:2:bf16_sr"]
-W2 = EXACT + ["master:2:bf16_sr", "master:1:bf16_sr:bf16grads", "master:2:bf16_rn", "master:2:bf16_sr:offload",
-              "resume:2:bf16_sr:1", "universal:2:bf16_sr:1", "cross:2:fp32:bf16_sr", "cross:2:bf16_sr:fp32",
-              "refuse:2"]
+W1 = ["master:2:bf16_sr", "master:3:bf16_sr"]
+W2 = EXACT + ["master:2:bf16_sr", "master:1:bf16_sr:bf16grads", "master:3:bf16_sr", "master:2:bf16_rn",
+              "master:2:bf16_sr:offload", "resume:2:bf16_sr:1", "resume:3:bf16_sr:1", "universal:2:bf16_sr:1",
+              "cross:2:fp32:bf16_sr", "cross:2:bf16_sr:fp32", "cross:3:bf16_sr:fp32", "refuse:2"]
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,7 @@ def _falls(losses: list[float]) -> bool:
 
 
 def test_bf16_sr_trains_resumes_and_keeps_no_fp32_partition(runs):
-    for task in ("master:2:bf16_sr", "master:1:bf16_sr:bf16grads", "master:2:bf16_sr:offload"):
+    for task in ("master:2:bf16_sr", "master:1:bf16_sr:bf16grads", "master:3:bf16_sr", "master:2:bf16_sr:offload"):
         out = _task(runs, "w2", task)
         assert _falls(out["losses"]), task
         assert out["resumed"] == out["losses"][SAVE_AT:], f"{task}: resume is not exact"
@@ -77,6 +77,9 @@ def test_bf16_sr_is_world_size_invariant(runs):
     assert _task(runs, "w2", "master:2:bf16_sr")["losses"] == one
     assert _task(runs, "w2", "resume:2:bf16_sr:1")["resumed"] == one[SAVE_AT:]
     assert _task(runs, "w2", "universal:2:bf16_sr:1")["resumed"] == one[SAVE_AT:]
+    assert _task(runs, "w1", "master:3:bf16_sr")["losses"] == one  # ZeRO-3: same groups, same bits
+    assert _task(runs, "w2", "master:3:bf16_sr")["losses"] == one
+    assert _task(runs, "w2", "resume:3:bf16_sr:1")["resumed"] == one[SAVE_AT:]
 
 
 def test_stochastic_rounding_differs_from_round_to_nearest(runs):
@@ -87,7 +90,8 @@ def test_stochastic_rounding_differs_from_round_to_nearest(runs):
 
 def test_checkpoints_load_across_master_settings(runs):
     """fp32 -> bf16_sr rounds the master once (to nearest); bf16_sr -> fp32 widens it exactly."""
-    for task, dtype in (("cross:2:fp32:bf16_sr", "torch.bfloat16"), ("cross:2:bf16_sr:fp32", "torch.float32")):
+    for task, dtype in (("cross:2:fp32:bf16_sr", "torch.bfloat16"), ("cross:2:bf16_sr:fp32", "torch.float32"),
+                        ("cross:3:bf16_sr:fp32", "torch.float32")):
         out = _task(runs, "w2", task)
         assert out["master_exact"] and out["master_dtype"] == dtype, task
         assert all(x == x and x < 3 for x in out["resumed"]), task
@@ -95,8 +99,8 @@ def test_checkpoints_load_across_master_settings(runs):
 
 def test_bf16_master_refused_where_it_cannot_run(runs):
     out = _task(runs, "w2", "refuse:2")
-    assert "coat.master_weights='bf16_sr' needs DeepSpeed's ZeRO-1/2 optimizer" in out["zero3"]
-    assert "DeepSpeedZeroOptimizer_Stage3 (ZeRO stage 3)" in out["zero3"]
+    assert "coat.master_weights='bf16_sr' under ZeRO-3 needs parameters and optimizer on the device" in out["zero3_offload"]
+    assert "coat.master_weights='bf16_sr' needs DeepSpeed's ZeRO-1/2/3 optimizer" in out["bf16_optimizer"]
     assert "BF16_Optimizer (ZeRO stage 1)" in out["bf16_optimizer"]
     assert "needs a bf16 model" in out["fp32_model"]
     assert "coat.master_weights='bf16' is invalid; allowed: ['fp32', 'bf16_sr', 'bf16_rn']" == out["bad_value"]

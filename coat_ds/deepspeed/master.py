@@ -7,12 +7,13 @@
 - "bf16_rn": the same with round-to-nearest, an ablation showing what stochastic rounding buys
   (small updates are lost; not meant for training).
 
-With a bf16 master, ZeRO-1/2 on the device use the bf16 model partition itself as the master: the
+With a bf16 master, ZeRO-1/2/3 on the device use the bf16 model partition itself as the master: the
 step updates it in place and DeepSpeed's fp32 partition is freed (master and model copy: 2 B/param
-instead of 6). Under ZeRO-Offload the master lives on the host in bf16 (DeepSpeed's pinned bf16
+instead of 6). Under ZeRO-1/2 Offload the master lives on the host in bf16 (DeepSpeed's pinned bf16
 staging buffer becomes the master, its fp32 partition is freed, and the host gradient buffer is bf16
-as with DeepSpeed's own `bf16_master_weights_and_grads`). ZeRO-3, stage 0 and DeepSpeed's BF16_Optimizer
-(what ZeRO-1 runs for a bf16 model with `"data_types": {"grad_accum_dtype": "fp32"}`) keep an fp32 master.
+as with DeepSpeed's own `bf16_master_weights_and_grads`). ZeRO-3 with Offload or NVMe, stage 0 and
+DeepSpeed's BF16_Optimizer (what ZeRO-1 runs for a bf16 model with `"data_types": {"grad_accum_dtype":
+"fp32"}`) keep an fp32 master.
 """
 from __future__ import annotations
 
@@ -39,9 +40,13 @@ def _refuse(engine, value: str) -> str | None:
     """Why this engine cannot keep a bf16 master, or None."""
     zo = engine.optimizer
     where = f"{KEY}={value!r}"
-    if not hasattr(zo, "single_partition_of_fp32_groups"):
-        return (f"{where} needs DeepSpeed's ZeRO-1/2 optimizer (with or without Offload); this engine runs "
-                f"{type(zo).__name__} (ZeRO stage {engine.zero_optimization_stage()}); allowed there: 'fp32'")
+    if hasattr(zo, "fp32_partitioned_groups_flat"):
+        if zo.offload_optimizer or zo.offload_param or any(f is None for f in zo.fp16_partitioned_groups_flat):
+            return (f"{where} under ZeRO-3 needs parameters and optimizer on the device (no Offload, no NVMe); "
+                    "allowed there: 'fp32'")
+    elif not hasattr(zo, "single_partition_of_fp32_groups"):
+        return (f"{where} needs DeepSpeed's ZeRO-1/2/3 optimizer; this engine runs {type(zo).__name__} "
+                f"(ZeRO stage {engine.zero_optimization_stage()}); allowed there: 'fp32'")
     if zo.dtype != torch.bfloat16:
         return f'{where} needs a bf16 model ("bf16": {{"enabled": true}}); this one trains in {zo.dtype}'
     if any(not g["fp8_state"] for g in engine.basic_optimizer.param_groups):
@@ -49,18 +54,37 @@ def _refuse(engine, value: str) -> str | None:
     return None
 
 
+def masters(zo) -> list:
+    """The master partitions of a ZeRO-1/2 or ZeRO-3 optimizer."""
+    return zo.fp32_partitioned_groups_flat if hasattr(zo, "fp32_partitioned_groups_flat") else zo.single_partition_of_fp32_groups
+
+
 @torch.no_grad()
 def use_bf16_master(engine) -> None:
-    """Make ZeRO-1/2's master partitions bf16 (the model partition itself on the device; the pinned bf16
-    staging buffer under Offload) and free DeepSpeed's fp32 ones. Call before anything has stepped."""
+    """Make ZeRO's master partitions bf16 (the model partition itself on the device; the pinned bf16
+    staging buffer under ZeRO-1/2 Offload) and free DeepSpeed's fp32 ones. Call before anything has stepped."""
     value = master_weights(engine)
     reason = _refuse(engine, value)
     if reason is not None:
         raise ValueError(reason)
+    from deepspeed.accelerator import get_accelerator
+
+    zo = engine.optimizer
+    if hasattr(zo, "fp32_partitioned_groups_flat"):  # ZeRO-3: as DeepSpeed itself does when the dtypes agree
+        for i, old in enumerate(zo.fp32_partitioned_groups_flat):
+            new = zo.fp16_partitioned_groups_flat[i]
+            new.ds_id, new.requires_grad = old.ds_id, True
+            zo.fp32_partitioned_groups_flat[i] = new
+    else:
+        _zero12_bf16_master(zo, engine.basic_optimizer)
+    zo._coat_bf16_master = True
+    get_accelerator().empty_cache()  # hand the fp32 partitions' blocks back, not just to the allocator's cache
+
+
+def _zero12_bf16_master(zo, opt) -> None:
     from deepspeed import comm as dist
     from deepspeed.accelerator import get_accelerator
 
-    zo, opt = engine.optimizer, engine.basic_optimizer
     for i, old in enumerate(zo.single_partition_of_fp32_groups):
         if zo.cpu_offload:
             new = zo.param_buffer_of_bit16_for_cpu_offload_groups[i]
@@ -75,6 +99,4 @@ def use_bf16_master(engine) -> None:
     if zo.cpu_offload:  # DeepSpeed's own bf16-master mode of its offload buffers
         zo.master_weights_and_grads_dtype = torch.bfloat16
         zo.low_precision_master_weights_and_grads = True
-    zo._coat_bf16_master = True
     zo._link_all_hp_params()  # the lp -> hp fragment views pointed into the fp32 partitions
-    get_accelerator().empty_cache()  # hand the fp32 partitions' blocks back, not just to the allocator's cache

@@ -28,7 +28,7 @@ from deepspeed import comm as dist
 from deepspeed.runtime.utils import is_invalid_grad_norm
 from deepspeed.runtime.zero.stage_1_and_2 import (INITIAL_MICRO_STEP_ID, OPTIMIZER_ALLGATHER_TIMER,
                                                   OPTIMIZER_STEP_TIMER, OPTIMIZER_TIMERS, all_gather_dp_groups)
-from deepspeed.checkpoint.constants import SINGLE_PARTITION_OF_FP32_GROUPS
+from deepspeed.checkpoint.constants import FP32_FLAT_GROUPS, SINGLE_PARTITION_OF_FP32_GROUPS
 
 from .layout import FlatPieces
 
@@ -157,6 +157,8 @@ class Zero12Step:
 class Zero3Step:
     """Mixed into DeepSpeedZeroOptimizer_Stage3 of a CoatAdamW engine: the per-sub-group hooks of its step."""
 
+    _coat_bf16_master = False  # master.py sets it when the master partitions are the bf16 model partitions
+
     def _coat_group(self, i: int) -> dict | None:
         """The param group of sub-group i if this step takes it over (bound FP8 group, on the device)."""
         flat = self.fp32_partitioned_groups_flat[i]
@@ -186,13 +188,13 @@ class Zero3Step:
     def _optimizer_step(self, i: int) -> None:
         if i not in self._coat_grads:
             return super()._optimizer_step(i)
-        lp = self.fp16_partitioned_groups_flat[i]
-        in_kernel = lp is not None and lp.dtype == torch.bfloat16
+        master, lp = self.fp32_partitioned_groups_flat[i], self.fp16_partitioned_groups_flat[i]
+        in_kernel = lp is not None and lp.dtype == torch.bfloat16 and lp is not master
         # DeepSpeed's step already skipped a step whose gradient norm is not finite
-        self.optimizer.step_partition(self.fp32_partitioned_groups_flat[i], self._coat_group(i),
-                                      self._coat_grads.pop(i), grad_scale=self._coat_scales.pop(i),
-                                      lp_out=lp if in_kernel else None, finite=True)
-        if in_kernel:
+        self.optimizer.step_partition(master, self._coat_group(i), self._coat_grads.pop(i),
+                                      grad_scale=self._coat_scales.pop(i), lp_out=lp if in_kernel else None,
+                                      finite=True)
+        if in_kernel or lp is master:
             self._coat_lp_written.add(i)
 
     def _reassign_or_swap_out_partitioned_parameters(self, i: int) -> None:
@@ -200,6 +202,12 @@ class Zero3Step:
             return super()._reassign_or_swap_out_partitioned_parameters(i)
         self._coat_lp_written.discard(i)
         self._unflatten_partitioned_parameters(i)
+
+    def _rigid_state_dict(self):
+        sd = super()._rigid_state_dict()
+        if self._coat_bf16_master:  # views of the model's flat buffer: save just them
+            sd[FP32_FLAT_GROUPS] = [t.clone() for t in sd[FP32_FLAT_GROUPS]]
+        return sd
 
 
 @functools.lru_cache(maxsize=None)

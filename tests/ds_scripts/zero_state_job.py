@@ -30,6 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 import common  # noqa: E402
 import job  # noqa: E402  (its main runs the tasks)
 from coat_ds.deepspeed import zero_step  # noqa: E402
+from coat_ds.deepspeed.master import masters  # noqa: E402
 
 STEPS, SAVE_AT = job.STEPS, job.SAVE_AT
 
@@ -93,9 +94,7 @@ def step_alloc(engine, dtype: str, step: int) -> tuple[int, list[float]]:
 
 
 def partition_numel(engine) -> int:
-    zo = engine.optimizer
-    flats = getattr(zo, "single_partition_of_fp32_groups", None) or zo.fp32_partitioned_groups_flat
-    return max(f.numel() for f in flats)
+    return max(f.numel() for f in masters(engine.optimizer))
 
 
 def task_exact(args, world, stage, dtype, rest):
@@ -161,8 +160,11 @@ def task_master(args, world, stage, master, rest):
     engine.save_checkpoint(path, tag="t")
     losses += common.train(engine, range(SAVE_AT, STEPS), "bf16")
     kept = kept_tensors(engine)
-    out = {"losses": losses, "partition": n, "fp32_partition_sized": [k for k in kept if k[1] == "torch.float32" and k[2] >= n],
-           "master_dtypes": sorted({str(f.dtype) for f in engine.optimizer.single_partition_of_fp32_groups}),
+    # ZeRO-3's gradient buffer holds what grad_accum_dtype asks for (fp32 here): not a copy of the weights
+    out = {"losses": losses, "partition": n,
+           "fp32_partition_sized": [k for k in kept if k[1] == "torch.float32" and k[2] >= n
+                                    and "grad_partitions_flat_buffer" not in k[0]],
+           "master_dtypes": sorted({str(f.dtype) for f in masters(engine.optimizer)}),
            "skipped": engine.skipped_steps}
     del engine
     engine = build(cfg)
@@ -172,7 +174,7 @@ def task_master(args, world, stage, master, rest):
 
 
 def _masters(engine) -> torch.Tensor:
-    return torch.cat([f.detach().float().reshape(-1) for f in engine.optimizer.single_partition_of_fp32_groups])
+    return torch.cat([f.detach().float().reshape(-1) for f in masters(engine.optimizer)])
 
 
 def _saved_masters(path: str, world: int) -> torch.Tensor:
@@ -180,7 +182,8 @@ def _saved_masters(path: str, world: int) -> torch.Tensor:
     from coat_ds.deepspeed.checkpoint import zero_files
 
     f = zero_files(os.path.join(path, "t"), world)[dist.get_rank()]
-    flats = torch.load(f, map_location="cpu", weights_only=False)["optimizer_state_dict"]["single_partition_of_fp32_groups"]
+    osd = torch.load(f, map_location="cpu", weights_only=False)["optimizer_state_dict"]
+    flats = osd.get("single_partition_of_fp32_groups") or osd["fp32_flat_groups"]
     return torch.cat([t.reshape(-1) for t in flats])
 
 
@@ -198,7 +201,7 @@ def task_cross(args, world, stage, src, rest):
     engine.load_checkpoint(path, tag="t")
     got = _masters(engine)[:saved.numel()]
     want = saved.to(torch.bfloat16).float() if dst != "fp32" else saved.float()
-    return {"saved_dtype": str(saved.dtype), "master_dtype": str(engine.optimizer.single_partition_of_fp32_groups[0].dtype),
+    return {"saved_dtype": str(saved.dtype), "master_dtype": str(masters(engine.optimizer)[0].dtype),
             "master_exact": bool(torch.equal(got, want)), "resumed": common.train(engine, range(SAVE_AT, STEPS), "bf16")}
 
 
@@ -225,7 +228,9 @@ def task_universal(args, world, stage, master, rest):
 
 
 def task_refuse(args, world, stage, dtype, rest):
-    cases = {"zero3": config(3, "bf16acc", world, master_weights="bf16_sr"),
+    zero3_offload = config(3, "bf16acc", world, master_weights="bf16_sr")
+    zero3_offload["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    cases = {"zero3_offload": zero3_offload,
              "bf16_optimizer": config(1, "bf16acc", world, master_weights="bf16_sr"),
              "fp32_model": config(2, "fp32", world, master_weights="bf16_sr"),
              "bad_value": config(2, "bf16acc", world, master_weights="bf16")}
