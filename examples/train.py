@@ -25,8 +25,9 @@ import signal
 import socket
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))                 # examples/data.py
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))          # coat_ds from a checkout
@@ -331,16 +332,8 @@ def set_single_process_env() -> None:
                       MASTER_PORT=str(port))
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    ds_config = load_ds_config(args)
-    save_dir = Path(args.save_dir)
-    ckpt_dir = save_dir / "checkpoints"
-    tag = resume_tag(args, ckpt_dir)  # None: a fresh run
-    if args.export and Path(args.export).is_file():
-        raise SystemExit(f"error: --export {args.export}: is a file; give a directory")
-
-    # Data and model first, on the host: bad inputs fail here, before any device memory is touched.
+def load_inputs(args: argparse.Namespace):
+    """Data and model, on the host: bad inputs fail here, before any device memory is touched."""
     try:
         if args.model:
             from transformers import AutoConfig
@@ -354,129 +347,215 @@ def main(argv: list[str] | None = None) -> int:
                                data_dtype=args.data_dtype, model_vocab=model_vocab)
     except data_lib.DataError as e:
         raise SystemExit(f"error: {e}") from None
-    model = build_model(args, tokens.vocab_size, args.seq_len)
+    return tokens, build_model(args, tokens.vocab_size, args.seq_len)
+
+
+@dataclass
+class Run:
+    """What the loop, evaluation and checkpointing share: the engine, the data and where results go."""
+    args: argparse.Namespace
+    engine: Any
+    batches: Any
+    rank: int
+    world: int
+    micro_bs: int
+    grad_accum: int
+    save_dir: Path
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.micro_bs * self.grad_accum * self.world * self.args.seq_len
+
+    @property
+    def ckpt_dir(self) -> Path:
+        return self.save_dir / "checkpoints"
+
+    @property
+    def log_path(self) -> Path:
+        return self.save_dir / "log.jsonl"
+
+    @property
+    def data_key(self) -> list:
+        """What fixes the data order; a resumed run warns when it differs."""
+        return [self.args.seed, self.args.seq_len, self.micro_bs, self.grad_accum, self.world]
+
+    def log(self, record: dict) -> None:
+        with open(self.log_path, "a") as fh:
+            fh.write(json.dumps(record) + "\n")
+
+
+def resume(run: Run, tag: str | None) -> int:
+    """Load checkpoint `tag` (None: a fresh run); the step to start from."""
+    if tag is None:
+        return 0
+    from coat_ds.deepspeed.checkpoint import CheckpointError
+
+    try:
+        load_path, client = run.engine.load_checkpoint(str(run.ckpt_dir), tag=tag)
+    except CheckpointError as e:  # what check_tag cannot see (e.g. another optimizer's states)
+        refuse(unusable(run.ckpt_dir, tag, e))
+    if load_path is None:
+        raise SystemExit(f"error: --resume: DeepSpeed found no loadable checkpoint in {run.ckpt_dir}")
+    if client.get("data") != run.data_key:
+        print(f"warning: resuming with a different seed/seq-len/batch/world size than the checkpoint "
+              f"({client.get('data')}); the data order will differ", file=sys.stderr)
+    return int(client["step"])
+
+
+def prepare_save_dir(run: Run, start: int, resumed: bool) -> None:
+    """Rank 0: the output directories, no half-written checkpoints, and a log that ends at `start`."""
+    run.save_dir.mkdir(parents=True, exist_ok=True)
+    run.ckpt_dir.mkdir(exist_ok=True)
+    clean_partial_checkpoints(run.ckpt_dir)
+    # keep the log consistent with the checkpoint: drop records past the step we resume from
+    kept = [r for r in read_log(run.log_path) if r["step"] <= start] if resumed else []
+    run.log_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+
+
+def catch_stop_signals() -> dict:
+    """SIGTERM/SIGINT only set a flag: the loop stops after the step, checkpoints, and exits 128 + signal."""
+    stop = {"signal": 0}
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: stop.update(signal=signum))
+    return stop
+
+
+def evaluate(run: Run, step: int) -> float:
+    import torch
+    import deepspeed.comm as dist
+
+    engine = run.engine
+    engine.eval()
+    with torch.no_grad():
+        losses = [lm_loss(engine, x, y).detach() for x, y in run.batches.val_batches(run.args.eval_batches)]
+    engine.train()
+    v = torch.stack(losses).mean().reshape(1).float().to(engine.device)
+    dist.all_reduce(v)
+    val = v.item() / run.world
+    if run.rank == 0:
+        run.log({"kind": "eval", "step": step, "val_loss": val})
+        engine.monitor.write_events([("Eval/val_loss", val, step * run.tokens_per_step)])
+    return val
+
+
+def checkpoint(run: Run, step: int) -> Path:
+    client = {"step": step, "data": run.data_key}
+    return save_checkpoint(run.engine, run.ckpt_dir, step, client, run.args.keep_last)
+
+
+def train_step(run: Run, step: int, stop: dict) -> tuple[float, bool, float]:
+    """One optimizer step (all micro-batches) -> (mean loss over ranks, whether any rank was signalled, seconds)."""
+    import torch
+    import deepspeed.comm as dist
+
+    t0 = time.perf_counter()
+    loss_sum = 0.0
+    for micro in range(run.grad_accum):
+        x, y = run.batches.train_batch(step, micro)
+        loss = lm_loss(run.engine, x, y)
+        run.engine.backward(loss)
+        run.engine.step()
+        loss_sum += loss.detach().float()
+    # one collective per step: the mean loss and whether any rank was signalled (all stop together)
+    stats = torch.stack([torch.as_tensor(loss_sum / run.grad_accum, dtype=torch.float32).cpu(),
+                         torch.tensor(float(stop["signal"]))]).to(run.engine.device)
+    dist.all_reduce(stats)
+    return stats[0].item() / run.world, stats[1].item() > 0, time.perf_counter() - t0
+
+
+def log_step(run: Run, step: int, mean_loss: float, dt: float, peak: float, bar) -> None:
+    """Rank 0: the step's record in log.jsonl, DeepSpeed's monitors and the progress bar."""
+    lr = run.engine.get_lr()[0]
+    tps = run.tokens_per_step
+    rec = {"kind": "train", "step": step, "loss": mean_loss, "lr": lr, "tokens": step * tps,
+           "tokens_per_s": tps / dt, "step_time_s": dt, "peak_mem_gb": peak}
+    run.log(rec)
+    run.engine.monitor.write_events([("Train/tokens_per_s", rec["tokens_per_s"], step * tps),
+                                     ("Train/peak_mem_gb", peak, step * tps)])
+    bar.set_postfix(loss=f"{mean_loss:.3f}", tok_s=f"{tps / dt:,.0f}", mem=f"{peak:.2f}G",
+                    lr=f"{lr:.2e}", refresh=False)
+    bar.update(1)
+
+
+def train(run: Run, start: int, stop: dict) -> tuple[int, Path | None, bool]:
+    """The loop, from `start` to --steps or a stop signal -> (last step, last checkpoint, stopped by a signal)."""
+    from deepspeed.accelerator import get_accelerator
+    from tqdm import tqdm
+
+    args, accel = run.args, get_accelerator()
+    bar = tqdm(total=args.steps, initial=start, disable=run.rank != 0, dynamic_ncols=True, unit="step")
+    step, last_ckpt = start, None
+    run.engine.train()
+    stopping = False
+    while step < args.steps and not stopping:
+        accel.reset_peak_memory_stats()
+        mean_loss, stopping, dt = train_step(run, step, stop)
+        step += 1
+        if run.rank == 0:
+            log_step(run, step, mean_loss, dt, accel.max_memory_allocated() / 2**30, bar)
+        if not math.isfinite(mean_loss):
+            raise SystemExit(f"error: the loss became {mean_loss} at step {step}; lower --lr or check the data")
+        if args.eval_every and step % args.eval_every == 0 and step < args.steps:
+            evaluate(run, step)
+        if args.save_every and step % args.save_every == 0 and step < args.steps and not stopping:
+            last_ckpt = checkpoint(run, step)
+    bar.close()
+    return step, last_ckpt, stopping
+
+
+def run_info(run: Run, ds_config: dict, n_params: int, tokens, **rest) -> dict:
+    """The summary's description of the job (what summarize adds the results to)."""
+    args = run.args
+    zero = ds_config.get("zero_optimization", {}).get("stage", 0)
+    return dict(model=args.model or f"llama-{args.model_size}", params=n_params, config=args.deepspeed,
+                zero_stage=zero, precision="bf16" if ds_config.get("bf16", {}).get("enabled") else
+                "fp16" if ds_config.get("fp16", {}).get("enabled") else "fp32",
+                optimizer=ds_config.get("optimizer", {}).get("type", "client"),
+                coat_activation=bool(ds_config.get("coat", {}).get("activation", {}).get("enabled", False)),
+                data=tokens.source, micro_batch=run.micro_bs, grad_accum=run.grad_accum, world_size=run.world,
+                seq_len=args.seq_len, tokens_per_step=run.tokens_per_step, steps=args.steps, **rest)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    ds_config = load_ds_config(args)
+    save_dir = Path(args.save_dir)
+    tag = resume_tag(args, save_dir / "checkpoints")  # None: a fresh run
+    if args.export and Path(args.export).is_file():
+        raise SystemExit(f"error: --export {args.export}: is a file; give a directory")
+    tokens, model = load_inputs(args)
     n_params = sum(p.numel() for p in model.parameters())
 
-    import torch
     import deepspeed
     import deepspeed.comm as dist
     from deepspeed.accelerator import get_accelerator
-    from tqdm import tqdm
 
     set_single_process_env()
     deepspeed.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     engine = initialize(model, ds_config)
     micro_bs, grad_accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
-    tokens_per_step = micro_bs * grad_accum * world * args.seq_len
     batches = data_lib.Batches(tokens, args.seq_len, micro_bs, grad_accum, rank, world, args.seed)
-    accel = get_accelerator()
-    log_path, plot_path = save_dir / "log.jsonl", save_dir / "loss.png"
+    run = Run(args, engine, batches, rank, world, micro_bs, grad_accum, save_dir)
+    plot_path = save_dir / "loss.png"
 
-    start = 0
-    if tag is not None:
-        from coat_ds.deepspeed.checkpoint import CheckpointError
-
-        try:
-            load_path, client = engine.load_checkpoint(str(ckpt_dir), tag=tag)
-        except CheckpointError as e:  # what check_tag cannot see (e.g. another optimizer's states)
-            refuse(unusable(ckpt_dir, tag, e))
-        if load_path is None:
-            raise SystemExit(f"error: --resume: DeepSpeed found no loadable checkpoint in {ckpt_dir}")
-        start = int(client["step"])
-        if client.get("data") != [args.seed, args.seq_len, micro_bs, grad_accum, world]:
-            print(f"warning: resuming with a different seed/seq-len/batch/world size than the checkpoint "
-                  f"({client.get('data')}); the data order will differ", file=sys.stderr)
+    start = resume(run, tag)
     if rank == 0:
-        save_dir.mkdir(parents=True, exist_ok=True)
-        ckpt_dir.mkdir(exist_ok=True)
-        clean_partial_checkpoints(ckpt_dir)
-        # keep the log consistent with the checkpoint: drop records past the step we resume from
-        kept = [r for r in read_log(log_path) if r["step"] <= start] if tag is not None else []
-        log_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        prepare_save_dir(run, start, tag is not None)
     dist.barrier()
-
-    stop = {"signal": 0}
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, frame: stop.update(signal=signum))
-
-    def evaluate(step: int) -> float:
-        engine.eval()
-        with torch.no_grad():
-            losses = [lm_loss(engine, x, y).detach() for x, y in batches.val_batches(args.eval_batches)]
-        engine.train()
-        v = torch.stack(losses).mean().reshape(1).float().to(engine.device)
-        dist.all_reduce(v)
-        val = v.item() / world
-        if rank == 0:
-            with open(log_path, "a") as fh:
-                fh.write(json.dumps({"kind": "eval", "step": step, "val_loss": val}) + "\n")
-            engine.monitor.write_events([("Eval/val_loss", val, step * tokens_per_step)])
-        return val
-
-    def checkpoint(step: int) -> Path:
-        client = {"step": step, "data": [args.seed, args.seq_len, micro_bs, grad_accum, world]}
-        return save_checkpoint(engine, ckpt_dir, step, client, args.keep_last)
-
-    bar = tqdm(total=args.steps, initial=start, disable=rank != 0, dynamic_ncols=True, unit="step")
-    t_start, step, last_ckpt, val = time.time(), start, None, None
-    engine.train()
-    stopping = False
-    while step < args.steps and not stopping:
-        t0 = time.perf_counter()
-        accel.reset_peak_memory_stats()
-        loss_sum = 0.0
-        for micro in range(grad_accum):
-            x, y = batches.train_batch(step, micro)
-            loss = lm_loss(engine, x, y)
-            engine.backward(loss)
-            engine.step()
-            loss_sum += loss.detach().float()
-        step += 1
-        # one collective per step: the mean loss and whether any rank was signalled (all stop together)
-        stats = torch.stack([torch.as_tensor(loss_sum / grad_accum, dtype=torch.float32).cpu(),
-                             torch.tensor(float(stop["signal"]))]).to(engine.device)
-        dist.all_reduce(stats)
-        mean_loss, stopping = stats[0].item() / world, stats[1].item() > 0
-        dt = time.perf_counter() - t0
-        peak = accel.max_memory_allocated() / 2**30
-        lr = engine.get_lr()[0]
-        if rank == 0:
-            rec = {"kind": "train", "step": step, "loss": mean_loss, "lr": lr, "tokens": step * tokens_per_step,
-                   "tokens_per_s": tokens_per_step / dt, "step_time_s": dt, "peak_mem_gb": peak}
-            with open(log_path, "a") as fh:
-                fh.write(json.dumps(rec) + "\n")
-            engine.monitor.write_events([("Train/tokens_per_s", rec["tokens_per_s"], step * tokens_per_step),
-                                         ("Train/peak_mem_gb", peak, step * tokens_per_step)])
-            bar.set_postfix(loss=f"{mean_loss:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}", mem=f"{peak:.2f}G",
-                            lr=f"{lr:.2e}", refresh=False)
-            bar.update(1)
-        if not math.isfinite(mean_loss):
-            raise SystemExit(f"error: the loss became {mean_loss} at step {step}; lower --lr or check the data")
-        if args.eval_every and step % args.eval_every == 0 and step < args.steps:
-            val = evaluate(step)
-        if args.save_every and step % args.save_every == 0 and step < args.steps and not stopping:
-            last_ckpt = checkpoint(step)
-    bar.close()
-
-    interrupted = stopping
+    stop = catch_stop_signals()
+    t_start = time.time()
+    step, last_ckpt, interrupted = train(run, start, stop)
     if step > start or last_ckpt is None:
-        last_ckpt = checkpoint(step)
+        last_ckpt = checkpoint(run, step)
     if not interrupted:
-        val = evaluate(step)
+        evaluate(run, step)
     if rank == 0:
-        records = read_log(log_path)
+        records = read_log(run.log_path)
         plot(records, plot_path)
-        zero = ds_config.get("zero_optimization", {}).get("stage", 0)
-        info = dict(model=args.model or f"llama-{args.model_size}", params=n_params, config=args.deepspeed,
-                    zero_stage=zero, precision="bf16" if ds_config.get("bf16", {}).get("enabled") else
-                    "fp16" if ds_config.get("fp16", {}).get("enabled") else "fp32",
-                    optimizer=ds_config.get("optimizer", {}).get("type", "client"),
-                    coat_activation=bool(ds_config.get("coat", {}).get("activation", {}).get("enabled", False)),
-                    data=tokens.source, micro_batch=micro_bs, grad_accum=grad_accum, world_size=world,
-                    seq_len=args.seq_len, tokens_per_step=tokens_per_step, steps=args.steps,
-                    wall_s=time.time() - t_start, interrupted=interrupted, device=accel.device_name(),
-                    log=str(log_path), plot=str(plot_path), checkpoint=str(last_ckpt))
+        info = run_info(run, ds_config, n_params, tokens, wall_s=time.time() - t_start, interrupted=interrupted,
+                        device=get_accelerator().device_name(), log=str(run.log_path), plot=str(plot_path),
+                        checkpoint=str(last_ckpt))
         s = summarize(records, info)
         (save_dir / "summary.json").write_text(json.dumps(s, indent=1))
         print_summary(s)
