@@ -32,105 +32,133 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from e2e import (CONFIGS, ROOT, WarningLog, base_optimizer, check_args, command, device_name, ds_config,  # noqa: E402
-                 free_port, now, versions)
+                 free_port, now, versions, write_results)
 
 TARGET_GAP = 0.005   # final validation loss within 0.5% of BF16
 
 
-def worker(args: argparse.Namespace) -> int:
-    import torch
-    import deepspeed
+class Worker:
+    """One configuration's run: the engine, the fixed batches, the loss curves and the result file."""
 
-    import data as data_lib     # examples/data.py
-    import train as train_lib   # examples/train.py
+    def __init__(self, args: argparse.Namespace):
+        import torch
+        import deepspeed
 
-    wlog = WarningLog()
-    train_lib.set_single_process_env()
-    deepspeed.init_distributed()
-    on_cuda = torch.cuda.is_available()
-    tokens = data_lib.load(args.data, args.seq_len, vocab_size=args.vocab_size)
-    model = train_lib.build_model(argparse.Namespace(model=None, model_size=args.model_size, seed=args.seed),
-                                  tokens.vocab_size, args.seq_len)
-    n_params = sum(p.numel() for p in model.parameters())
-    cfg = ds_config(args.config, micro_batch=args.micro_batch, on_cpu=not on_cuda, lr=args.lr,
-                    total_steps=args.steps, warmup_steps=args.warmup_steps)
-    source = cfg.pop("_source")
-    engine = train_lib.initialize(model, cfg)
-    dev = engine.device
-    batches = data_lib.Batches(tokens, args.seq_len, args.micro_batch, 1, 0, 1, args.seed)
-    val_data = list(batches.val_batches(args.eval_batches))
+        import data as data_lib     # examples/data.py
+        import train as train_lib   # examples/train.py
 
-    def fetch(step: int):
-        x, y = batches.train_batch(step, 0)
-        if on_cuda:
-            return x.pin_memory().to(dev, non_blocking=True), y.pin_memory().to(dev, non_blocking=True)
+        self.args, self.lm_loss = args, train_lib.lm_loss
+        self.wlog = WarningLog()
+        train_lib.set_single_process_env()
+        deepspeed.init_distributed()
+        self.on_cuda = torch.cuda.is_available()
+        tokens = data_lib.load(args.data, args.seq_len, vocab_size=args.vocab_size)
+        model = train_lib.build_model(argparse.Namespace(model=None, model_size=args.model_size, seed=args.seed),
+                                      tokens.vocab_size, args.seq_len)
+        self.n_params = sum(p.numel() for p in model.parameters())
+        self.cfg = ds_config(args.config, micro_batch=args.micro_batch, on_cpu=not self.on_cuda, lr=args.lr,
+                             total_steps=args.steps, warmup_steps=args.warmup_steps)
+        self.source = self.cfg.pop("_source")
+        self.engine = train_lib.initialize(model, self.cfg)
+        self.dev = self.engine.device
+        self.batches = data_lib.Batches(tokens, args.seq_len, args.micro_batch, 1, 0, 1, args.seed)
+        self.val_data = list(self.batches.val_batches(args.eval_batches))
+        self.train_log: list[list] = []
+        self.val_log: list[list] = []
+        self.status = "running"
+        self.t_train = 0.0
+
+    def fetch(self, step: int):
+        x, y = self.batches.train_batch(step, 0)
+        if self.on_cuda:
+            return x.pin_memory().to(self.dev, non_blocking=True), y.pin_memory().to(self.dev, non_blocking=True)
         return x, y
 
-    def evaluate() -> float:
-        engine.eval()
-        total = torch.zeros((), device=dev)
+    def evaluate(self) -> float:
+        import torch
+
+        self.engine.eval()
+        total = torch.zeros((), device=self.dev)
         with torch.no_grad():
-            for x, y in val_data:
-                total += train_lib.lm_loss(engine, x, y).float()
-        engine.train()
-        return total.item() / len(val_data)
+            for x, y in self.val_data:
+                total += self.lm_loss(self.engine, x, y).float()
+        self.engine.train()
+        return total.item() / len(self.val_data)
 
-    train_log, val_log = [], []
-    status = "running"
-
-    def save(extra: dict | None = None) -> None:
+    def save(self) -> None:
         """The result so far; rewritten at every evaluation so a run killed by the time budget keeps its curves."""
+        import torch
+
+        args, train_log, val_log = self.args, self.train_log, self.val_log
         steps_done = train_log[-1][0] if train_log else 0
-        res = {"config": args.config, "label": CONFIGS[args.config][0], "config_source": source, "ds_config": cfg,
-               "params": n_params, "status": status, "steps_done": steps_done, "train": train_log, "val": val_log,
+        res = {"config": args.config, "label": CONFIGS[args.config][0], "config_source": self.source,
+               "ds_config": self.cfg, "params": self.n_params, "status": self.status, "steps_done": steps_done,
+               "train": train_log, "val": val_log,
                "final_val_loss": val_log[-1][1] if val_log and val_log[-1][0] == steps_done else None,
-               "tokens_per_s": steps_done * args.micro_batch * args.seq_len / t_train if t_train > 0 else None,
-               "peak_mem_gb": torch.cuda.max_memory_allocated() / 2 ** 30 if on_cuda else None,
-               "coat_warnings": wlog.messages, **(extra or {})}
-        if args.dump_state and not status.startswith("diverged"):   # every evaluation: a stopped run still has one
-            res["adam_state"] = dump_adam_state(engine, Path(args.dump_state), args.state_sample,
+               "tokens_per_s": steps_done * args.micro_batch * args.seq_len / self.t_train if self.t_train > 0
+               else None,
+               "peak_mem_gb": torch.cuda.max_memory_allocated() / 2 ** 30 if self.on_cuda else None,
+               "coat_warnings": self.wlog.messages}
+        if args.dump_state and not self.status.startswith("diverged"):   # every evaluation: a stopped run still has one
+            res["adam_state"] = dump_adam_state(self.engine, Path(args.dump_state), args.state_sample,
                                                 f"{args.config} run, llama-{args.model_size}, step {steps_done}")
         tmp = Path(args.result + ".tmp")
         tmp.write_text(json.dumps(res))
         os.replace(tmp, args.result)
 
-    acc = torch.zeros((), device=dev, dtype=torch.float32)
-    engine.train()
-    t_train, t_mark = 0.0, time.perf_counter()
-    nxt = fetch(0)
-    for step in range(args.steps):
-        x, y = nxt
-        if step + 1 < args.steps:
-            nxt = fetch(step + 1)       # the copy overlaps this step's compute
-        loss = train_lib.lm_loss(engine, x, y)
-        engine.backward(loss)
-        engine.step()
-        acc += loss.detach().float()
-        done = step + 1
-        if done % args.log_every == 0 or done == args.steps:
-            n = done - (train_log[-1][0] if train_log else 0)
-            mean = acc.item() / n
-            acc.zero_()
-            train_log.append([done, mean])
-            if not math.isfinite(mean):
-                status = f"diverged: train loss {mean} at step {done}"
+    def log_train(self, done: int, acc) -> bool:
+        """Read the summed train loss back as the mean since the last record; False when the run must stop
+        (diverged, or out of time)."""
+        n = done - (self.train_log[-1][0] if self.train_log else 0)
+        mean = acc.item() / n
+        acc.zero_()
+        self.train_log.append([done, mean])
+        if not math.isfinite(mean):
+            self.status = f"diverged: train loss {mean} at step {done}"
+            return False
+        if self.args.deadline and time.time() > self.args.deadline and done < self.args.steps:
+            self.status = f"stopped by the time budget at step {done}"
+            return False
+        return True
+
+    def train(self) -> None:
+        import torch
+
+        args, engine = self.args, self.engine
+        acc = torch.zeros((), device=self.dev, dtype=torch.float32)
+        engine.train()
+        t_mark = time.perf_counter()
+        nxt = self.fetch(0)
+        for step in range(args.steps):
+            x, y = nxt
+            if step + 1 < args.steps:
+                nxt = self.fetch(step + 1)       # the copy overlaps this step's compute
+            loss = self.lm_loss(engine, x, y)
+            engine.backward(loss)
+            engine.step()
+            acc += loss.detach().float()
+            done = step + 1
+            if (done % args.log_every == 0 or done == args.steps) and not self.log_train(done, acc):
                 break
-            if args.deadline and time.time() > args.deadline and done < args.steps:
-                status = f"stopped by the time budget at step {done}"
-                break
-        if done % args.eval_every == 0 or done == args.steps:
-            t_train += time.perf_counter() - t_mark
-            val_log.append([done, evaluate()])
-            print(f"[{args.config}] step {done}: train {train_log[-1][1]:.4f} val {val_log[-1][1]:.4f}", flush=True)
-            save()
-            t_mark = time.perf_counter()
-    t_train += time.perf_counter() - t_mark
-    if status.startswith("stopped") and (not val_log or val_log[-1][0] != train_log[-1][0]):
-        val_log.append([train_log[-1][0], evaluate()])
-    if status == "running":
-        status = "ok"
-    save()
-    return 0 if status == "ok" else 3
+            if done % args.eval_every == 0 or done == args.steps:
+                self.t_train += time.perf_counter() - t_mark
+                self.val_log.append([done, self.evaluate()])
+                print(f"[{args.config}] step {done}: train {self.train_log[-1][1]:.4f} "
+                      f"val {self.val_log[-1][1]:.4f}", flush=True)
+                self.save()
+                t_mark = time.perf_counter()
+        self.t_train += time.perf_counter() - t_mark
+
+
+def worker(args: argparse.Namespace) -> int:
+    w = Worker(args)
+    w.train()
+    if w.status.startswith("stopped") and (not w.val_log or w.val_log[-1][0] != w.train_log[-1][0]):
+        w.val_log.append([w.train_log[-1][0], w.evaluate()])
+    if w.status == "running":
+        w.status = "ok"
+    w.save()
+    return 0 if w.status == "ok" else 3
 
 
 def dump_adam_state(engine, path: Path, sample: int, what: str) -> dict:
@@ -199,7 +227,7 @@ def wait(proc: subprocess.Popen, deadline: float) -> int:
         return 124
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from {list(CONFIGS)}")
     p.add_argument("--model-size", default="125m", help="a size from examples/train.py's MODEL_SIZES")
@@ -226,28 +254,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dump-state", help=argparse.SUPPRESS)
     p.add_argument("--deadline", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.worker:
-        return worker(args)
-    if args.smoke:
-        args.model_size, args.seq_len, args.micro_batch, args.steps = "tiny", 64, 4, 3
-        args.warmup_steps, args.log_every, args.eval_every, args.eval_batches = 1, 1, 3, 1
-        args.vocab_size, args.state_sample = 512, 4096
-        args.data = args.data or str(ROOT / "coat_ds")        # a small text folder: the BPE trains in seconds
-    names = check_args(p, args, ("seq_len", "micro_batch", "steps", "log_every", "eval_every", "eval_batches"))
+    return p, p.parse_args(argv)
 
-    sys.path.insert(0, str(ROOT / "examples"))
-    import data as data_lib
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    t0 = time.time()
-    tokens = data_lib.load(args.data, args.seq_len, vocab_size=args.vocab_size)   # built once, read by every run
-    n_train = len(tokens.train)
-    print(f"data: {tokens.source}: {n_train:,} train / {len(tokens.val):,} val tokens ({time.time() - t0:.0f} s)",
-          flush=True)
-    args.deadline = t0 + args.time_budget - 20          # the runs stop themselves, evaluate and save
-    deadline = t0 + args.time_budget + 40                 # then they are killed
+def run_all(args: argparse.Namespace, names: list[str], out: Path, deadline: float) -> dict[str, dict]:
+    """Every configuration's worker (at once with --parallel, else one after the other) -> its result by name."""
     rcs, runs = {}, {}
     if args.parallel:
         procs = {n: launch(args, n, out) for n in names}
@@ -269,7 +280,11 @@ def main(argv: list[str] | None = None) -> int:
         runs[n]["exit_code"] = rcs[n]
         runs[n]["log_tail"] = log.read_text()[-2000:] if rcs[n] != 0 else ""
         print(f"{n}: {runs[n]['status']}, final val loss {runs[n]['final_val_loss']}", flush=True)
+    return runs
 
+
+def headline(args: argparse.Namespace, runs: dict[str, dict], tokens, t0: float) -> dict:
+    """convergence.json: the validation losses compared at the last step every run evaluated, and the runs."""
     import torch  # noqa: F401  (versions() and device_name())
 
     # compare at the last step every run evaluated (all of them, unless the time budget stopped one early)
@@ -280,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     sr, rn = at("coat_full_bf16sr"), at("coat_full_bf16rn")
     gap = lambda c: (c - bf16) / bf16 if c is not None and bf16 else None  # noqa: E731
     tail = lambda n: [v for _, v in (runs.get(n) or {}).get("train", [])[-5:]]  # noqa: E731
-    res = {
+    n_train = len(tokens.train)
+    return {
         "device": device_name(), "model": f"llama-{args.model_size}",
         "params": next((r.get("params") for r in runs.values() if r.get("params")), None),
         "data": tokens.source.split(" (cache")[0], "train_tokens": n_train, "val_tokens": len(tokens.val),
@@ -301,19 +317,38 @@ def main(argv: list[str] | None = None) -> int:
         "adam_state": (runs.get("bf16") or {}).get("adam_state"),
         "runs": runs, "versions": versions(), "command": command(), "date": now(), "wall_s": time.time() - t0, "smoke": args.smoke,
     }
-    path = out / "convergence.json"
-    path.write_text(json.dumps(res, indent=1))
-    try:
-        from plot_utils import plot_convergence
-        plot_convergence(res, out / "convergence.png")
-        res["png"] = str(out / "convergence.png")
-        path.write_text(json.dumps(res, indent=1))
-    except ImportError as e:
-        print(f"warning: no plot ({e}); render it later with benchmarks/plot_utils.py {path}", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p, args = parse_args(argv)
+    if args.worker:
+        return worker(args)
+    if args.smoke:
+        args.model_size, args.seq_len, args.micro_batch, args.steps = "tiny", 64, 4, 3
+        args.warmup_steps, args.log_every, args.eval_every, args.eval_batches = 1, 1, 3, 1
+        args.vocab_size, args.state_sample = 512, 4096
+        args.data = args.data or str(ROOT / "coat_ds")        # a small text folder: the BPE trains in seconds
+    names = check_args(p, args, ("seq_len", "micro_batch", "steps", "log_every", "eval_every", "eval_batches"))
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    import data as data_lib
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    tokens = data_lib.load(args.data, args.seq_len, vocab_size=args.vocab_size)   # built once, read by every run
+    print(f"data: {tokens.source}: {len(tokens.train):,} train / {len(tokens.val):,} val tokens "
+          f"({time.time() - t0:.0f} s)", flush=True)
+    args.deadline = t0 + args.time_budget - 20          # the runs stop themselves, evaluate and save
+    runs = run_all(args, names, out, deadline=t0 + args.time_budget + 40)   # then they are killed
+    res = headline(args, runs, tokens, t0)
+    path = write_results(res, out, "convergence")
+    bf16, opt, full = res["bf16_val_loss"], res["coat_opt_val_loss"], res["coat_val_loss"]
+    sr, rn = res["coat_bf16sr_val_loss"], res["coat_bf16rn_val_loss"]
     f = lambda v, s=".4f": "-" if v is None else format(v, s)  # noqa: E731
     print(f"final val loss: bf16 {f(bf16)}, coat optimizer-only {f(opt)}, coat full {f(full)} (bf16 master: SR "
-          f"{f(sr)}, RN {f(rn)}); gap {f(gap(full), '+.3%')}, bf16 SR {f(gap(sr), '+.3%')} (target within "
-          f"{TARGET_GAP:.1%})  ->  {path}", flush=True)
+          f"{f(sr)}, RN {f(rn)}); gap {f(res['val_loss_gap_rel'], '+.3%')}, bf16 SR "
+          f"{f(res['val_loss_gap_rel_bf16sr'], '+.3%')} (target within {TARGET_GAP:.1%})  ->  {path}", flush=True)
     return 0 if all(r.get("status") == "ok" for r in runs.values()) else 1
 
 

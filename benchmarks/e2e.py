@@ -316,68 +316,97 @@ def grad_tensors(engine):
 # ---------------------------------------------------------------------------------------------------------
 # Worker: one configuration, one engine, a ladder of micro-batch sizes
 # ---------------------------------------------------------------------------------------------------------
-def worker(args: argparse.Namespace) -> int:
-    import torch
-    import deepspeed
-    import deepspeed.comm as dist
-    from deepspeed.accelerator import get_accelerator
+class Worker:
+    """One configuration's engine and the ladder's shared state: where records go, the memory limit, the data."""
 
-    import train as train_lib   # examples/train.py: engine initialisation (coat_ds.deepspeed glue) and the loss
+    def __init__(self, args: argparse.Namespace):
+        import torch
+        import deepspeed
+        import deepspeed.comm as dist
+        from deepspeed.accelerator import get_accelerator
 
-    wlog = WarningLog()
-    train_lib.set_single_process_env()
-    deepspeed.init_distributed()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    accel = get_accelerator()
-    on_cuda = torch.cuda.is_available()
-    device = torch.device(accel.device_name(int(os.environ.get("LOCAL_RANK", 0)))) if on_cuda else \
-        torch.device("cpu")
-    if on_cuda:
-        torch.cuda.set_device(device)
-    out = Path(args.result)
+        import train as train_lib   # examples/train.py: engine initialisation (coat_ds.deepspeed glue) and the loss
 
-    def emit(rec: dict) -> None:
-        if rank == 0:
-            with open(out, "a") as fh:
+        self.args, self.train_lib, self.dist = args, train_lib, dist
+        self.wlog = WarningLog()
+        train_lib.set_single_process_env()
+        deepspeed.init_distributed()
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.accel = accel = get_accelerator()
+        self.on_cuda = torch.cuda.is_available()
+        self.device = torch.device(accel.device_name(int(os.environ.get("LOCAL_RANK", 0)))) if self.on_cuda else \
+            torch.device("cpu")
+        if self.on_cuda:
+            torch.cuda.set_device(self.device)
+        self.out = Path(args.result)
+        self.t_start = time.time()
+        self.engine = self.setup_engine()
+        self.gen = torch.Generator(device="cpu").manual_seed(args.seed + self.rank)
+
+    def setup_engine(self):
+        """Build the model and the engine; emit the set-up record (parameters, config, memory limit)."""
+        import torch
+
+        args, accel = self.args, self.accel
+        net = build_llama(args.model, self.device, torch.bfloat16 if self.on_cuda else torch.float32, args.seed)
+        n_params = sum(p.numel() for p in net.parameters())
+        self.vocab = net.config.vocab_size
+        cfg = ds_config(args.config, micro_batch=args.start_batch, zero_stage=args.zero_stage,
+                        on_cpu=not self.on_cuda, grad_accum_dtype=args.grad_accum_dtype)
+        source = cfg.pop("_source")
+        try:
+            engine = self.train_lib.initialize(net, cfg)
+        except torch.OutOfMemoryError as e:
+            oom_exit(self.out, self.rank, args.start_batch, e, "engine set-up")
+        engine.train()
+        accel.empty_cache()   # set-up's transients (flat copies, fp32 partitions a bf16 master frees) are not the run's
+        self.limit = limit = args.mem_fraction * accel.total_memory() if self.on_cuda else float("inf")
+        self.emit({"kind": "setup", "params": n_params, "world_size": self.world, "config_source": source,
+                   "ds_config": cfg, "setup_s": time.time() - self.t_start,
+                   "device_total_gb": accel.total_memory() / GIB,
+                   "limit_gb": limit / GIB if math.isfinite(limit) else None})
+        return engine
+
+    def emit(self, rec: dict) -> None:
+        if self.rank == 0:
+            with open(self.out, "a") as fh:
                 fh.write(json.dumps(rec) + "\n")
 
-    t_start = time.time()
-    net = build_llama(args.model, device, torch.bfloat16 if on_cuda else torch.float32, args.seed)
-    n_params = sum(p.numel() for p in net.parameters())
-    vocab = net.config.vocab_size
-    cfg = ds_config(args.config, micro_batch=args.start_batch, zero_stage=args.zero_stage, on_cpu=not on_cuda,
-                    grad_accum_dtype=args.grad_accum_dtype)
-    source = cfg.pop("_source")
-    try:
-        engine = train_lib.initialize(net, cfg)
-    except torch.OutOfMemoryError as e:
-        oom_exit(out, rank, args.start_batch, e, "engine set-up")
-    engine.train()
-    accel.empty_cache()   # set-up's transients (flat copies, fp32 partitions a bf16 master frees) are not the run's
-    limit = args.mem_fraction * accel.total_memory() if on_cuda else float("inf")
-    emit({"kind": "setup", "params": n_params, "world_size": world, "config_source": source, "ds_config": cfg,
-          "setup_s": time.time() - t_start, "device_total_gb": accel.total_memory() / GIB,
-          "limit_gb": limit / GIB if math.isfinite(limit) else None})
-    gen = torch.Generator(device="cpu").manual_seed(args.seed + rank)
-
-    def sync():
-        if on_cuda:
+    def sync(self) -> None:
+        if self.on_cuda:
+            import torch
             torch.cuda.synchronize()
 
-    def reduce_max(vals: list[float]) -> list[float]:
-        t = torch.tensor(vals, dtype=torch.float64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    def reduce_max(self, vals: list[float]) -> list[float]:
+        import torch
+
+        t = torch.tensor(vals, dtype=torch.float64, device=self.device)
+        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX)
         return t.tolist()
 
-    def one_step(x, y):
-        loss = train_lib.lm_loss(engine, x, y)
-        engine.backward(loss)
-        engine.step()
+    def one_step(self, x, y):
+        loss = self.train_lib.lm_loss(self.engine, x, y)
+        self.engine.backward(loss)
+        self.engine.step()
         return loss
 
-    def breakdown(x, y) -> dict:
+    def allocated(self) -> int | None:
+        return self.accel.memory_allocated() if self.on_cuda else None
+
+    def peak(self, reset: bool) -> int | None:
+        """The allocator's peak since the last reset (None on CPU); `reset` starts a new one."""
+        if not self.on_cuda:
+            return None
+        peak = self.accel.max_memory_allocated()
+        if reset:
+            self.accel.reset_peak_memory_stats()
+        return peak
+
+    def breakdown(self, x, y) -> dict:
         """One instrumented step: tensors per category and the allocator's view around it."""
-        counter = StorageCounter()
+        import torch
+
+        engine, counter = self.engine, StorageCounter()
         weights = counter.add(p for p in engine.module.parameters())
         base = base_optimizer(engine)
         master = counter.add(p for g in base.param_groups for p in g["params"])
@@ -392,89 +421,100 @@ def worker(args: argparse.Namespace) -> int:
                 saved[key] = st.nbytes()
             return t
 
-        sync()
-        a0 = accel.memory_allocated() if on_cuda else None
-        if on_cuda:
-            accel.reset_peak_memory_stats()
+        self.sync()
+        a0 = self.allocated()
+        self.peak(reset=True)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = train_lib.lm_loss(engine, x, y)
-        sync()
-        a1 = accel.memory_allocated() if on_cuda else None
+            loss = self.train_lib.lm_loss(engine, x, y)
+        self.sync()
+        a1 = self.allocated()
         engine.backward(loss)
-        sync()
-        a2 = accel.memory_allocated() if on_cuda else None
+        self.sync()
+        a2 = self.allocated()
         grads = counter.add(grad_tensors(engine))
         fp8_cache = counter.add(t for m in engine.module.modules() for v in vars(m).values()
                                 if isinstance(getattr(v, "_codes", None), dict) for t in v._codes.values())
-        peak_fb = accel.max_memory_allocated() if on_cuda else None
-        if on_cuda:
-            accel.reset_peak_memory_stats()
+        peak_fb = self.peak(reset=True)
         engine.step()
-        sync()
-        peak_step = accel.max_memory_allocated() if on_cuda else None
+        self.sync()
+        peak_step = self.peak(reset=False)
         acts = sum(v for k, v in saved.items() if k not in counter.seen)
-        rec = {"weights_gb": (weights + master + fp8_cache) / GIB, "model_weights_gb": weights / GIB,
-               "master_weights_gb": master / GIB, "fp8_weight_cache_gb": fp8_cache / GIB,
-               "optimizer_state_gb": opt_state / GIB, "grads_gb": grads / GIB,
-               "activations_gb": acts / GIB,
-               "alloc_forward_delta_gb": (a1 - a0) / GIB if on_cuda else None,
-               "alloc_backward_delta_gb": (a2 - a0) / GIB if on_cuda else None,
-               # which phase sets the peak: forward+backward, or the ZeRO optimizer step (fp32 gradient copies)
-               "peak_forward_backward_gb": peak_fb / GIB if on_cuda else None,
-               "peak_optimizer_step_gb": peak_step / GIB if on_cuda else None}
-        return rec
+        return {"weights_gb": (weights + master + fp8_cache) / GIB, "model_weights_gb": weights / GIB,
+                "master_weights_gb": master / GIB, "fp8_weight_cache_gb": fp8_cache / GIB,
+                "optimizer_state_gb": opt_state / GIB, "grads_gb": grads / GIB,
+                "activations_gb": acts / GIB,
+                "alloc_forward_delta_gb": (a1 - a0) / GIB if self.on_cuda else None,
+                "alloc_backward_delta_gb": (a2 - a0) / GIB if self.on_cuda else None,
+                # which phase sets the peak: forward+backward, or the ZeRO optimizer step (fp32 gradient copies)
+                "peak_forward_backward_gb": peak_fb / GIB if self.on_cuda else None,
+                "peak_optimizer_step_gb": peak_step / GIB if self.on_cuda else None}
 
-    def rung_inputs(b: int):
-        x_all = torch.randint(0, vocab, (b, args.seq_len + 1), generator=gen)
-        return x_all[:, :-1].to(device), x_all[:, 1:].to(device)
+    def rung_inputs(self, b: int):
+        import torch
 
-    def rung(b: int, first: bool) -> dict:
-        x, y = rung_inputs(b)
+        x_all = torch.randint(0, self.vocab, (b, self.args.seq_len + 1), generator=self.gen)
+        return x_all[:, :-1].to(self.device), x_all[:, 1:].to(self.device)
+
+    def rung(self, b: int, first: bool) -> dict:
+        args, accel = self.args, self.accel
+        x, y = self.rung_inputs(b)
         for _ in range(args.warmup + (1 if first else 0)):
-            one_step(x, y)
-        sync()
+            self.one_step(x, y)
+        self.sync()
         accel.reset_peak_memory_stats()
         t0 = time.perf_counter()
         for _ in range(args.steps):
-            loss = one_step(x, y)
-        sync()
+            loss = self.one_step(x, y)
+        self.sync()
         dt = time.perf_counter() - t0
-        peak_alloc, peak_res, dt = reduce_max([accel.max_memory_allocated(), accel.max_memory_reserved(), dt])
+        peak_alloc, peak_res, dt = self.reduce_max([accel.max_memory_allocated(), accel.max_memory_reserved(), dt])
         rec = {"kind": "rung", "micro_batch": b, "peak_alloc_gb": peak_alloc / GIB, "peak_reserved_gb": peak_res / GIB,
-               "step_time_s": dt / args.steps, "tokens_per_s": b * args.seq_len * world * args.steps / dt,
-               "loss": float(loss.detach().float()), "fits": bool(peak_res <= limit)}
+               "step_time_s": dt / args.steps, "tokens_per_s": b * args.seq_len * self.world * args.steps / dt,
+               "loss": float(loss.detach().float()), "fits": bool(peak_res <= self.limit)}
         if first:
-            rec["breakdown"] = breakdown(x, y)
+            rec["breakdown"] = self.breakdown(x, y)
         return rec
 
-    lo, hi = None, args.known_fail
-    points: list[tuple[int, float]] = []
-    b, first = args.start_batch, True
-    while b is not None:
-        try:
-            rec = rung(b, first)
-        except torch.OutOfMemoryError as e:
-            oom_exit(out, rank, b, e, "training step")
-        rec["elapsed_s"] = time.time() - t_start
-        emit(rec)
-        if rank == 0:
-            print(f"[{args.config}] micro-batch {b}: peak {rec['peak_alloc_gb']:.2f} GiB allocated, "
-                  f"{rec['peak_reserved_gb']:.2f} reserved, {rec['tokens_per_s']:,.0f} tokens/s", flush=True)
-        first = False
-        if rec["fits"]:
-            lo = b if lo is None else max(lo, b)
-            points.append((b, rec["peak_reserved_gb"] * GIB))
-        else:
-            hi = b if hi is None else min(hi, b)
-        over_time = time.time() - _T0 > args.budget_s
-        n_rungs = sum(1 for _ in points) + (0 if hi is None else 1)
-        b = None if over_time or n_rungs >= args.max_rungs else next_batch(points, lo, hi, limit, args.max_batch)
+    def climb(self) -> tuple[int | None, int | None]:
+        """The ladder of micro-batch sizes -> (largest that fit, smallest that did not)."""
+        import torch
+
+        args = self.args
+        lo, hi = None, args.known_fail
+        points: list[tuple[int, float]] = []
+        b, first = args.start_batch, True
+        while b is not None:
+            try:
+                rec = self.rung(b, first)
+            except torch.OutOfMemoryError as e:
+                oom_exit(self.out, self.rank, b, e, "training step")
+            rec["elapsed_s"] = time.time() - self.t_start
+            self.emit(rec)
+            if self.rank == 0:
+                print(f"[{args.config}] micro-batch {b}: peak {rec['peak_alloc_gb']:.2f} GiB allocated, "
+                      f"{rec['peak_reserved_gb']:.2f} reserved, {rec['tokens_per_s']:,.0f} tokens/s", flush=True)
+            first = False
+            if rec["fits"]:
+                lo = b if lo is None else max(lo, b)
+                points.append((b, rec["peak_reserved_gb"] * GIB))
+            else:
+                hi = b if hi is None else min(hi, b)
+            over_time = time.time() - _T0 > args.budget_s
+            n_rungs = sum(1 for _ in points) + (0 if hi is None else 1)
+            b = None if over_time or n_rungs >= args.max_rungs else next_batch(points, lo, hi, self.limit,
+                                                                                 args.max_batch)
+        return lo, hi
+
+
+def worker(args: argparse.Namespace) -> int:
+    w = Worker(args)
+    lo, hi = w.climb()
     pb = args.profile_batch or lo
     if args.profile and pb is not None:
-        emit(profile_step(lambda: rung_inputs(pb), one_step, sync, on_cuda, pb))
-    emit({"kind": "done", "largest_fitting": lo, "smallest_failing": hi, "coat_warnings": wlog.messages,
-          "elapsed_s": time.time() - t_start})
-    dist.barrier()
+        w.emit(profile_step(lambda: w.rung_inputs(pb), w.one_step, w.sync, w.on_cuda, pb))
+    w.emit({"kind": "done", "largest_fitting": lo, "smallest_failing": hi, "coat_warnings": w.wlog.messages,
+            "elapsed_s": time.time() - w.t_start})
+    w.dist.barrier()
     return 0
 
 
@@ -694,7 +734,7 @@ def ratio(a, b):
     return a / b if a and b else None
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="llama-1b", choices=list(MODELS))
     p.add_argument("--configs", default=E2E_CONFIGS, help=f"comma-separated, from {list(CONFIGS)}")
@@ -725,43 +765,34 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-s", type=float, default=1e9, help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.worker:
-        return worker(args)
-    if args.smoke:
-        args.model, args.seq_len, args.steps, args.warmup = "tiny", 32, 1, 0
-        args.max_batch, args.equal_batch, args.max_rungs = min(args.max_batch, 2), 1, 2
-    names = check_args(p, args, ("seq_len", "equal_batch", "max_batch", "steps", "num_gpus", "max_rungs",
-                                 "profile_batch"))
-    if not 0 < args.mem_fraction <= 1:
-        p.error(f"--mem-fraction={args.mem_fraction} is invalid; allowed: a float in (0, 1]")
+    return p, p.parse_args(argv)
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    t0 = time.time()
-    rows = []
-    for i, name in enumerate(names):
-        result = out / f"e2e_{name}.jsonl"
-        result.unlink(missing_ok=True)
-        errors: list[str] = []
-        share = (args.time_budget - (time.time() - t0)) / (len(names) - i)
-        rc, tail = launch(args, name, result, args.equal_batch, None, share)
-        recs = read_records(result)
-        if rc != 0:
-            ooms = [r["micro_batch"] for r in recs if r["kind"] == "oom"]
-            fit = [r["micro_batch"] for r in recs if r["kind"] == "rung" and r["fits"]]
-            errors.append(f"worker exit {rc}" + (f" (OOM at micro-batch {ooms[-1]})" if ooms else "") +
-                          ("" if ooms else f": {tail[-1500:]}"))
-            remaining = args.time_budget - (time.time() - t0) - (len(names) - i - 1) * 60
-            if ooms and remaining > 90:        # restart once, below the failing size
-                start = (max(fit) + ooms[-1]) // 2 if fit else ooms[-1] // 2
-                if start >= 1 and start not in fit:
-                    rc2, tail2 = launch(args, name, result, start, ooms[-1], remaining)
-                    recs = read_records(result)
-                    if rc2 != 0:
-                        errors.append(f"restart exit {rc2}: {tail2[-1500:]}")
-        rows.append(summarize_config(name, recs, args.equal_batch, errors))
 
+def run_config(args: argparse.Namespace, name: str, result: Path, share: float, remaining) -> dict:
+    """One configuration's worker (restarted once below the failing size after an OOM) -> its summary row.
+    `remaining()` is the time left for a restart."""
+    result.unlink(missing_ok=True)
+    errors: list[str] = []
+    rc, tail = launch(args, name, result, args.equal_batch, None, share)
+    recs = read_records(result)
+    if rc != 0:
+        ooms = [r["micro_batch"] for r in recs if r["kind"] == "oom"]
+        fit = [r["micro_batch"] for r in recs if r["kind"] == "rung" and r["fits"]]
+        errors.append(f"worker exit {rc}" + (f" (OOM at micro-batch {ooms[-1]})" if ooms else "") +
+                      ("" if ooms else f": {tail[-1500:]}"))
+        left = remaining()
+        if ooms and left > 90:        # restart once, below the failing size
+            start = (max(fit) + ooms[-1]) // 2 if fit else ooms[-1] // 2
+            if start >= 1 and start not in fit:
+                rc2, tail2 = launch(args, name, result, start, ooms[-1], left)
+                recs = read_records(result)
+                if rc2 != 0:
+                    errors.append(f"restart exit {rc2}: {tail2[-1500:]}")
+    return summarize_config(name, recs, args.equal_batch, errors)
+
+
+def headline(args: argparse.Namespace, rows: list[dict], t0: float) -> dict:
+    """e2e.json: the ratios between configurations, the rows, and how they were measured."""
     import torch  # noqa: F401  (versions() and device_name() need it; imported late to keep workers separate)
 
     by = {r["name"]: r for r in rows}
@@ -775,7 +806,7 @@ def main(argv: list[str] | None = None) -> int:
             if r["micro_batch"] in full:
                 common[str(r["micro_batch"])] = r["peak_alloc_gb"] / full[r["micro_batch"]]
     setup = rows[0]
-    res = {
+    return {
         "device": device_name(),
         "model": args.model, "params": setup.get("params"), "shape": MODELS[args.model],
         "grad_accum_dtype": args.grad_accum_dtype or "config default",
@@ -795,15 +826,44 @@ def main(argv: list[str] | None = None) -> int:
         "configs": rows, "versions": versions(), "command": command(), "date": now(),
         "wall_s": time.time() - t0, "smoke": args.smoke,
     }
-    path = out / "e2e.json"
+
+
+def write_results(res: dict, out: Path, name: str) -> Path:
+    """`name`.json and `name`.png, drawn by plot_utils.plot_`name` (the JSON names the PNG once it exists)."""
+    path = out / f"{name}.json"
     path.write_text(json.dumps(res, indent=1))
     try:
-        from plot_utils import plot_e2e
-        plot_e2e(res, out / "e2e.png")
-        res["png"] = str(out / "e2e.png")
+        import plot_utils
+        getattr(plot_utils, f"plot_{name}")(res, out / f"{name}.png")
+        res["png"] = str(out / f"{name}.png")
     except ImportError as e:   # no matplotlib on this node: `python benchmarks/plot_utils.py e2e.json` later
         print(f"warning: no plot ({e}); render it later with benchmarks/plot_utils.py {path}", file=sys.stderr)
     path.write_text(json.dumps(res, indent=1))
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p, args = parse_args(argv)
+    if args.worker:
+        return worker(args)
+    if args.smoke:
+        args.model, args.seq_len, args.steps, args.warmup = "tiny", 32, 1, 0
+        args.max_batch, args.equal_batch, args.max_rungs = min(args.max_batch, 2), 1, 2
+    names = check_args(p, args, ("seq_len", "equal_batch", "max_batch", "steps", "num_gpus", "max_rungs",
+                                 "profile_batch"))
+    if not 0 < args.mem_fraction <= 1:
+        p.error(f"--mem-fraction={args.mem_fraction} is invalid; allowed: a float in (0, 1]")
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    rows = []
+    for i, name in enumerate(names):
+        share = (args.time_budget - (time.time() - t0)) / (len(names) - i)
+        remaining = lambda: args.time_budget - (time.time() - t0) - (len(names) - i - 1) * 60  # noqa: E731
+        rows.append(run_config(args, name, out / f"e2e_{name}.jsonl", share, remaining))
+    res = headline(args, rows, t0)
+    path = write_results(res, out, "e2e")
     f = lambda v: "-" if v is None else f"{v:.2f}x"  # noqa: E731
     print(f"memory reduction at micro-batch {args.equal_batch}: {f(res['memory_reduction'])} (target "
           f"{TARGETS['memory_reduction']}x); speedup at max batch: {f(res['speedup_at_max_batch'])} (target "
