@@ -12,6 +12,7 @@ CoatAdamW alone.
 
     python benchmarks/optimizer_step.py                   # -> benchmarks/results/optimizer_step.json
     python benchmarks/optimizer_step.py --device cpu      # CPU op vs DeepSpeedCPUAdam, 1e7 values
+                                                          # (the file's `machines` keeps one headline per CPU)
     python benchmarks/optimizer_step.py --smoke           # tiny sizes on CPU, seconds; prints the JSON
 """
 from __future__ import annotations
@@ -226,7 +227,7 @@ def bench_size(numel: int, device: str, peers: list[str], warmup: int, runs: int
 def bench_size_cpu(numel: int, peers: list[str], warmup: int, runs: int, copy_bw: float) -> list[dict]:
     """CPU rows: every contender is built first, then the timed steps are interleaved (coat kernel, then each
     peer, repeated), so a shared host's changing load falls on all of them alike. Median and min per
-    contender; speed-ups are ratios of medians."""
+    contender; speed-ups are ratios of medians, and (`_paired`) medians of the per-round ratios."""
     rows = []
     p = torch.nn.Parameter(torch.randn(numel) * 0.02)
     g32 = torch.randn(numel) * 1e-3
@@ -265,7 +266,10 @@ def bench_size_cpu(numel: int, peers: list[str], warmup: int, runs: int, copy_bw
             row.update({f"{name}_ms": round(pms, 4), f"{name}_min_ms": round(min(times[name]), 4),
                         f"{name}_gbps": round(moved_bytes(p.data, g, sb) / (pms * 1e6), 1),
                         f"{name}_state_bytes_per_param": round(sb / numel, 4),
-                        f"speedup_vs_{name}": round(pms / ms, 2)})
+                        f"speedup_vs_{name}": round(pms / ms, 2),
+                        # per-round ratios: a load change between rounds (a shared host) falls on both sides
+                        f"speedup_vs_{name}_paired": round(statistics.median(
+                            a / b for a, b in zip(times[name], times["coat"])), 2)})
         p.grad = None
         del step, fns, opts, pm
         free("cpu")
@@ -278,7 +282,7 @@ def bench_size_cpu(numel: int, peers: list[str], warmup: int, runs: int, copy_bw
 
 def host_info() -> dict:
     """What a CPU figure depends on: the CPU model and its SIMD, threads, the compiler, and the load."""
-    info = {"threads": torch.get_num_threads(), "cores": os.cpu_count(),
+    info = {"threads": torch.get_num_threads(), "cores": os.cpu_count(), "nproc": len(os.sched_getaffinity(0)),
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
     try:
         with open("/proc/cpuinfo") as f:
@@ -303,6 +307,30 @@ def host_info() -> dict:
         info["coat_cpu_kernels"] = f"unknown ({type(exc).__name__})"
     info["loadavg_start"] = list(os.getloadavg())
     return info
+
+
+def machine_row(result: dict) -> dict:
+    """One CPU run's headline (fp32 grads and master, as ZeRO-Offload hands them): kept per machine."""
+    row = next(r for r in result["rows"] if r["grad_dtype"] == "float32" and r.get("master", "float32") == "float32")
+    host = result.get("host", {})
+    return {"cpu_model": host.get("cpu_model"), "nproc": host.get("nproc", host.get("cores")),
+            "threads": host.get("threads"), "simd": host.get("simd"), "kernels": host.get("coat_cpu_kernels"),
+            "numel": row["numel"], "cpu_adam_ms": row.get("cpu_adam_ms"), "coat_ms": row["coat_ms"],
+            "speedup_vs_cpu_adam": row.get("speedup_vs_cpu_adam"),
+            "speedup_vs_cpu_adam_paired": row.get("speedup_vs_cpu_adam_paired"), "date": result["date"],
+            "command": result["command"], "coat_ds_commit": result["versions"].get("coat_ds_commit")}
+
+
+def with_machines(result: dict, out: str) -> dict:
+    """result plus `machines`: the headline of every machine measured into out, this run's replacing its own."""
+    machines = []
+    if os.path.exists(out):
+        with open(out) as f:
+            old = json.load(f)
+        machines = old.get("machines") or ([machine_row(old)] if "host" in old else [])
+    new = machine_row(result)
+    same = ("cpu_model", "nproc")
+    return {**result, "machines": [m for m in machines if any(m[k] != new[k] for k in same)] + [new]}
 
 
 def device_name(device: str) -> str:
@@ -367,6 +395,8 @@ def main() -> None:
     if host is not None:
         host["loadavg_end"] = list(os.getloadavg())
         result["host"] = host
+    if out and host is not None:
+        result = with_machines(result, out)
     if out:
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         with open(out, "w") as f:
