@@ -301,7 +301,8 @@ def print_summary(s: dict) -> None:
     f = lambda v, spec=".4f": "-" if v is None else format(v, spec)  # noqa: E731
     lines = [
         f"model      {s['model']}  ({s['params'] / 1e6:.1f}M params)",
-        f"config     {s['config']}  (ZeRO-{s['zero_stage']}, {s['precision']}, optimizer {s['optimizer']})",
+        f"config     {s['config']}  (ZeRO-{s['zero_stage']}, {s['precision']}, optimizer {s['optimizer']}, "
+        f"FP8 decoder layers {s['fp8_layers']})",
         f"data       {s['data']}",
         f"batch      {s['micro_batch']} x {s['grad_accum']} accum x {s['world_size']} ranks x {s['seq_len']} "
         f"tokens = {s['tokens_per_step']} tokens/step",
@@ -503,6 +504,13 @@ def train(run: Run, start: int, stop: dict) -> tuple[int, Path | None, bool]:
     return step, last_ckpt, stopping
 
 
+def fp8_layers(model) -> int:
+    """How many decoder layers the engine runs in FP8: what the config's coat section did, not what it says."""
+    from coat_ds.activation import CoatDecoderLayer
+
+    return sum(isinstance(m, CoatDecoderLayer) for m in model.modules())
+
+
 def run_info(run: Run, ds_config: dict, n_params: int, tokens, **rest) -> dict:
     """The summary's description of the job (what summarize adds the results to)."""
     args = run.args
@@ -511,7 +519,7 @@ def run_info(run: Run, ds_config: dict, n_params: int, tokens, **rest) -> dict:
                 zero_stage=zero, precision="bf16" if ds_config.get("bf16", {}).get("enabled") else
                 "fp16" if ds_config.get("fp16", {}).get("enabled") else "fp32",
                 optimizer=ds_config.get("optimizer", {}).get("type", "client"),
-                coat_activation=bool(ds_config.get("coat", {}).get("activation", {}).get("enabled", False)),
+                fp8_layers=fp8_layers(run.engine.module),
                 data=tokens.source, micro_batch=run.micro_bs, grad_accum=run.grad_accum, world_size=run.world,
                 seq_len=args.seq_len, tokens_per_step=run.tokens_per_step, steps=args.steps, **rest)
 

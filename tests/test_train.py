@@ -13,7 +13,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
 pytestmark = pytest.mark.slow
+
+from train import MODEL_SIZES  # noqa: E402
 
 # the default model and data, shrunk for CI: tiny Llama, 64-token samples, 2 samples per rank
 SMALL = ["--model-size", "tiny", "--seq-len", "64", "--micro-batch", "2", "--lr", "3e-3", "--eval-batches", "2"]
@@ -67,6 +70,8 @@ def test_main_command_then_resume(tmp_path):
     assert any((ckpt / "step0000004").glob("*optim_states.pt"))
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps_done"] == 4 and summary["world_size"] == 2 and summary["optimizer"] == "CoatAdamW"
+    assert summary["fp8_layers"] == MODEL_SIZES[summary["model"].removeprefix("llama-")]["num_hidden_layers"]
+    assert f"FP8 decoder layers {summary['fp8_layers']}" in out
 
     # the same config plus DeepSpeed's CSV monitor; and an HF export at the end
     cfg = json.loads((ROOT / "ds_configs/zero2_coat.json").read_text())
