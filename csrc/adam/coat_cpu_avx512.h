@@ -154,8 +154,9 @@ struct Decoder {
 // and the exp2 is fused into the encoding: with r = floor(L), f = L - r, a normal code is
 // round(2^mb r + 2^mb 2^f) (the mantissa's carry lands in the exponent by itself), a subnormal one
 // (r < 0) round(2^mb 2^f 2^r); 2^f is a degree-4 fit (2.6e-6 relative: a code differs from the reference's
-// only where 2^mb 2^f lies within ~2e-5 of a rounding midpoint, then by one step). Round to nearest even, saturate to max,
-// NaN -> a NaN code, +0 for x = +-0 (the reference's torch.where); log2d = +inf marks an all-zero group.
+// only where 2^mb 2^f lies within ~2e-5 of a rounding midpoint, then by one step). Round to nearest even,
+// saturate to max, NaN -> a NaN code, +0 for x = +-0 (the reference's torch.where); log2d = +inf marks an
+// all-zero group.
 template <bool E5M2>
 struct Encoder {
     using L = Fp8Layout<E5M2>;
