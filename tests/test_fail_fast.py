@@ -43,6 +43,13 @@ BAD = [
     ({**_opt(), "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"}}},
      "zero_optimization.offload_optimizer.device='nvme' is invalid with ZeRO-3 and CoatAdamW; allowed: 'cpu' or"),
     ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "fp16.enabled and bf16.enabled are both true"),
+    ({"coat": {"master_weights": "bf16_sr"}, "zero_optimization": {"stage": 2}},
+     "coat.master_weights='bf16_sr' needs a bf16 model (\"bf16\": {\"enabled\": true}); this one trains in fp32"),
+    ({"coat": {"master_weights": "bf16_sr"}, "bf16": {"enabled": True}},
+     "coat.master_weights='bf16_sr' needs ZeRO stage 1, 2 or 3 (zero_optimization.stage is 0)"),
+    ({"coat": {"master_weights": "bf16_rn"}, "bf16": {"enabled": True},
+      "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}},
+     "coat.master_weights='bf16_rn' under ZeRO-3 needs parameters and optimizer on the device"),
 ]
 
 
@@ -55,7 +62,10 @@ def test_bad_config_is_one_line_naming_key_and_allowed(cfg, line):
 
 def test_shipped_configs_and_hf_auto_values_pass():
     for path in sorted((ROOT / "ds_configs").glob("*.json")):
-        check_config(json.loads(path.read_text()))
+        cfg = json.loads(path.read_text())
+        check_config(cfg)
+        if "coat" in cfg and cfg["zero_optimization"]["stage"] in (1, 2):  # where a bf16 master runs, offload too
+            check_config({**cfg, "coat": {**cfg["coat"], "master_weights": "bf16_sr"}})
     for path in sorted((ROOT / "ds_configs" / "hf").glob("*.json")):  # HF Trainer-style, with "auto" values
         check_config(json.loads(path.read_text()), hf_auto=True)
     hf = {**_opt(lr="auto", betas="auto", weight_decay="auto"), "bf16": {"enabled": "auto"},

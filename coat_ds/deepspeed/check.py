@@ -16,6 +16,7 @@ import typing
 from typing import Any, Mapping
 
 from .config import SECTION, CoatSection, coat_section
+from .master import config_refusal
 from .registry import NAME, validate_params
 
 AUTO = "auto"  # HF Trainer / accelerate fill "auto" values themselves
@@ -27,7 +28,7 @@ def check_config(cfg: Any, *, hf_auto: bool = False) -> None:
     if not isinstance(cfg, Mapping):
         raise ValueError(f"the DeepSpeed config is a {type(cfg).__name__}; allowed: a JSON object")
     coat_opt = _check_optimizer(cfg.get("optimizer"), hf_auto)
-    _check_coat(cfg)
+    _check_coat(cfg, hf_auto)
     _check_zero(cfg.get("zero_optimization"), coat_opt)
     _check_precision(cfg)
 
@@ -51,13 +52,16 @@ def _check_optimizer(opt: Any, hf_auto: bool) -> bool:
     return True
 
 
-def _check_coat(cfg: Mapping) -> None:
+def _check_coat(cfg: Mapping, hf_auto: bool) -> None:
     if SECTION not in cfg:
         return
     if not isinstance(cfg[SECTION], Mapping):
         keys = [f.name for f in dataclasses.fields(CoatSection)]
         raise ValueError(f"{SECTION}={cfg[SECTION]!r} is invalid; allowed: an object with keys {keys}")
     coat_section(cfg)
+    reason = config_refusal(cfg, hf_auto)
+    if reason is not None:
+        raise ValueError(reason)
 
 
 def _check_zero(zero: Any, coat_opt: bool) -> None:

@@ -17,6 +17,8 @@ DeepSpeed's BF16_Optimizer (what ZeRO-1 runs for a bf16 model with `"data_types"
 """
 from __future__ import annotations
 
+from typing import Mapping
+
 import torch
 
 MASTER_WEIGHTS = ("fp32", "bf16_sr", "bf16_rn")
@@ -36,19 +38,50 @@ def master_weights(engine) -> str:
     return coat_section(engine._config._param_dict).master_weights
 
 
+def _zero3_offload(where: str) -> str:
+    return (f"{where} under ZeRO-3 needs parameters and optimizer on the device (no Offload, no NVMe); "
+            "allowed there: 'fp32'")
+
+
+def _not_bf16(where: str, dtype: object) -> str:
+    return f'{where} needs a bf16 model ("bf16": {{"enabled": true}}); this one trains in {dtype}'
+
+
+def config_refusal(cfg: Mapping, hf_auto: bool = False) -> str | None:
+    """Why a config's coat.master_weights cannot run, from the config alone, so that check_config refuses it
+    before any model exists (the engine-side _refuse also sees param groups and the optimizer DeepSpeed chose).
+    With hf_auto, HF's "auto" precision is left to the Trainer."""
+    value = (cfg.get("coat") or {}).get("master_weights", "fp32")
+    if value == "fp32":
+        return None
+    where = f"{KEY}={value!r}"
+    bf16 = (cfg.get("bf16") or {}).get("enabled", False)
+    if bf16 is not True and not (hf_auto and bf16 == "auto"):
+        return _not_bf16(where, "fp16" if (cfg.get("fp16") or {}).get("enabled") is True else "fp32")
+    zero = cfg.get("zero_optimization")
+    zero = zero if isinstance(zero, Mapping) else {}
+    stage = zero.get("stage", 0)
+    if stage == 0:
+        return f"{where} needs ZeRO stage 1, 2 or 3 (zero_optimization.stage is 0); allowed there: 'fp32'"
+    offloaded = [k for k in ("offload_optimizer", "offload_param")
+                 if str((zero.get(k) or {}).get("device", "none")).lower() != "none"]
+    if stage == 3 and offloaded:
+        return _zero3_offload(where)
+    return None
+
+
 def _refuse(engine, value: str) -> str | None:
     """Why this engine cannot keep a bf16 master, or None."""
     zo = engine.optimizer
     where = f"{KEY}={value!r}"
     if hasattr(zo, "fp32_partitioned_groups_flat"):
         if zo.offload_optimizer or zo.offload_param or any(f is None for f in zo.fp16_partitioned_groups_flat):
-            return (f"{where} under ZeRO-3 needs parameters and optimizer on the device (no Offload, no NVMe); "
-                    "allowed there: 'fp32'")
+            return _zero3_offload(where)
     elif not hasattr(zo, "single_partition_of_fp32_groups"):
         return (f"{where} needs DeepSpeed's ZeRO-1/2/3 optimizer; this engine runs {type(zo).__name__} "
                 f"(ZeRO stage {engine.zero_optimization_stage()}); allowed there: 'fp32'")
     if zo.dtype != torch.bfloat16:
-        return f'{where} needs a bf16 model ("bf16": {{"enabled": true}}); this one trains in {zo.dtype}'
+        return _not_bf16(where, zo.dtype)
     if any(not g["fp8_state"] for g in engine.basic_optimizer.param_groups):
         return f"{where} needs fp8_state=true in every CoatAdamW param group (fp32 moments keep an fp32 master)"
     return None
