@@ -20,11 +20,6 @@ from .layout import Segment, ShardLayout, local_cut_keys
 from .master import master_weights, use_bf16_master
 
 
-def layout_of(opt: CoatAdamW, p: torch.Tensor) -> ShardLayout | None:
-    """The layout bound to flat tensor p."""
-    return opt.partition_of(p)
-
-
 def _names(engine) -> dict:
     names = getattr(engine, "param_names", None)
     if names:

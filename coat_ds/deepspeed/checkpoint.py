@@ -26,7 +26,7 @@ import torch.distributed as dist
 from .. import ops as ops_glue
 from ..formats import E4M3, get_format, n_groups
 from ..optim import CoatAdamW
-from .bind import layout_of, partitions
+from .bind import partitions
 
 LAYOUTS = "coat_layouts"
 FP8_KEYS = ("step", "exp_avg_q", "exp_avg_scale", "exp_avg_expo", "exp_avg_sq_q", "exp_avg_sq_scale",
@@ -49,7 +49,7 @@ def _state_dict_post(opt: CoatAdamW, sd: dict) -> dict:
     flats = getattr(opt, "_coat_flat_index", {})
     rec = {}
     for i, p in enumerate(_flat_params(opt)):
-        layout = layout_of(opt, p)
+        layout = opt.partition_of(p)
         rec[i] = None if layout is None else {"layout": layout.record(), "flat_index": flats.get(id(p)),
                                               "group_size": layout.group_size}
     sd[LAYOUTS] = rec
@@ -366,7 +366,7 @@ def restore(engine, canon: dict[str, dict], zsd0: dict) -> None:
     opt = engine.basic_optimizer
     found = partitions(engine)
     for k, (flat, segments, _) in enumerate(found):
-        layout = layout_of(opt, flat)
+        layout = opt.partition_of(flat)
         group = _group_for(opt, engine, k)
         size = group["group_size"]
         st = layout.init_state(flat, group) if group["fp8_state"] else {

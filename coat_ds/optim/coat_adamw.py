@@ -111,18 +111,20 @@ class CoatAdamW(torch.optim.Optimizer):
             raise ValueError("CoatAdamW.step_partition: p is not a bound partition of an fp8_state group")
         self._init_state(p, group)
         self.state[p]["step"] += 1
-        inputs.setdefault("finite", None if self.check_finite else True)
-        if partition.step(self, p, group, int(self.state[p]["step"].item()), grad, **inputs):
-            return True
-        self._skip_partition(p)
-        return False
+        return self._step_bound(partition, p, group, int(self.state[p]["step"].item()), grad, **inputs)
 
-    def _skip_partition(self, p: torch.Tensor) -> None:
-        """Undo the step count just advanced, count the skip, warn like step() does."""
+    def _step_bound(self, partition: "Partition", p: torch.Tensor, group: dict, step: int, grad: Any,
+                    **inputs: Any) -> bool:
+        """The partition's step of p (whose step count is already advanced); on a skip, undo the count,
+        count the skip and warn like step() does."""
+        inputs.setdefault("finite", None if self.check_finite else True)
+        if partition.step(self, p, group, step, grad, **inputs):
+            return True
         self.state[p]["step"] -= 1
         self.skipped_steps += 1
         warnings.warn(f"CoatAdamW: non-finite gradient on some rank; step skipped on every rank "
                       f"({self.skipped_steps} so far), parameters and states unchanged", RuntimeWarning)
+        return False
 
     def _init_state(self, p: torch.Tensor, group: dict) -> dict:
         state = self.state[p]
@@ -218,11 +220,14 @@ class CoatAdamW(torch.optim.Optimizer):
                              for k, v in st.items()}
 
     def _fp8_step(self, params: list, group: dict, step: int) -> None:
-        bound = [p for p in params if self.partition_of(p) is not None]
-        for p in bound:
-            if not self.partition_of(p).step(self, p, group, step, p.grad, finite=None if self.check_finite else True):
-                self._skip_partition(p)
-        params = [p for p in params if self.partition_of(p) is None]
+        plain = []
+        for p in params:
+            partition = self.partition_of(p)
+            if partition is None:
+                plain.append(p)
+            else:
+                self._step_bound(partition, p, group, step, p.grad)
+        params = plain
         if not params:
             return
         beta1, beta2 = group["betas"]
