@@ -68,7 +68,7 @@ def build_base(shape: str, seed: int = 0):
 def make_variant(name: str, layers):
     layers = [copy.deepcopy(l) for l in layers]
     if name.startswith("coat"):
-        from coat_ds.activation import CoatDecoderLayer
+        from coat_ds.hf import CoatDecoderLayer
 
         layers = [CoatDecoderLayer(l, {"mode": "linear" if name == "coat_linear" else "full"}) for l in layers]
     if name.startswith("torchao"):
@@ -83,7 +83,7 @@ def make_variant(name: str, layers):
 
 
 def coat_layers(stack):
-    from coat_ds.activation import CoatDecoderLayer
+    from coat_ds.hf import CoatDecoderLayer
 
     return [m for m in stack.modules() if isinstance(m, CoatDecoderLayer)]
 

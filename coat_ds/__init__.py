@@ -1,6 +1,6 @@
 """coat_ds: FP8 memory-efficient training (COAT) for DeepSpeed."""
 from .optim import CoatAdamW
-from .inject import inject, revert
+from .hf import inject, revert
 from .deepspeed import register as _register_deepspeed
 
 _register_deepspeed()  # "type": "CoatAdamW" in DeepSpeed configs, ZeRO support, partition layouts

@@ -61,7 +61,7 @@ def _ops(build: bool) -> list[tuple[str, str]]:
     from torch.utils.cpp_extension import is_ninja_available
 
     from .op_builder import ALL_OPS
-    from .ops.loader import load_op, op_status
+    from .kernels.loader import load_op, op_status
 
     jit_root = os.path.dirname(next(iter(ALL_OPS.values()))().jit_dir())
     rows = [("ninja (JIT builds)", _yes(is_ninja_available())), ("JIT cache", jit_root)]

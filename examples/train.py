@@ -506,7 +506,7 @@ def train(run: Run, start: int, stop: dict) -> tuple[int, Path | None, bool]:
 
 def fp8_layers(model) -> int:
     """How many decoder layers the engine runs in FP8: what the config's coat section did, not what it says."""
-    from coat_ds.activation import CoatDecoderLayer
+    from coat_ds.hf import CoatDecoderLayer
 
     return sum(isinstance(m, CoatDecoderLayer) for m in model.modules())
 

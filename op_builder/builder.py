@@ -64,7 +64,7 @@ class CoatBuilderMixin:
         super().__init__(name=self.NAME)
 
     def absolute_name(self) -> str:
-        return f"coat_ds.ops.{self.NAME}_op"
+        return f"coat_ds.kernels.{self.NAME}_op"
 
     def incompatibility(self) -> str | None:
         """Why this op cannot build on this machine, or None if it can."""

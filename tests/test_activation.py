@@ -7,7 +7,8 @@ import copy
 import pytest
 import torch
 
-from coat_ds.activation import ActivationConfig, CoatDecoderLayer
+from coat_ds.activation import ActivationConfig
+from coat_ds.hf import CoatDecoderLayer
 from coat_ds.activation import reference as R
 from coat_ds.formats import E4M3, E5M2
 

@@ -16,7 +16,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from coat_ds.activation import CoatDecoderLayer, gemm, ops
+from coat_ds.activation import gemm, ops
+from coat_ds.hf import CoatDecoderLayer
 
 transformers = pytest.importorskip("transformers")
 from transformers import LlamaConfig  # noqa: E402

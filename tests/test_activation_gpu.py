@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from coat_ds.activation import CoatDecoderLayer
+from coat_ds.hf import CoatDecoderLayer
 from coat_ds.activation import ops
 from coat_ds.activation import reference as R
 from coat_ds.formats import E4M3, E5M2
@@ -21,7 +21,7 @@ FMTS = [E4M3, E5M2]
 
 @pytest.fixture(scope="module", autouse=True)
 def kernels():
-    from coat_ds.ops.loader import load_op
+    from coat_ds.kernels.loader import load_op
 
     op = load_op("CoatQuantBuilder")
     assert op is not None, "CoatQuantBuilder did not build"

@@ -7,7 +7,7 @@ Two launched 2-rank jobs (CPU accelerator, gloo; tests/ds_scripts/section_job.py
   ACC  `accelerate launch` with an accelerate config naming a DeepSpeed config file
 Each route's losses are compared with ==, per rank, to coat_ds.deepspeed.initialize's on the same
 model, config and batches: the same FP8 model trains the same way whatever built the engine.
-The last test is in-process: what the engine's swap (coat_ds.inject.swap.apply) accepts and refuses.
+The last test is in-process: what the engine's swap (coat_ds.hf.swap.apply) accepts and refuses.
 """
 from __future__ import annotations
 
@@ -155,7 +155,7 @@ def test_apply_accepts_the_same_settings_and_decides_the_cache():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import coat_ds
-    from coat_ds.inject.swap import apply, is_injected
+    from coat_ds.hf.swap import apply, is_injected
 
     def tiny():
         return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,

@@ -18,8 +18,9 @@ from transformers import (AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, Lla
                           MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
 
 import coat_ds
-from coat_ds.activation import ActivationConfig, CoatDecoderLayer
-from coat_ds.inject import InjectionPolicy, get_policy, is_injected, register_policy, supported_model_types
+from coat_ds.activation import ActivationConfig
+from coat_ds.hf import CoatDecoderLayer
+from coat_ds.hf import InjectionPolicy, get_policy, is_injected, register_policy, supported_model_types
 
 VOCAB, SEQ = 256, 24
 _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -13,7 +13,7 @@ import torch
 from coat_ds import op_builder
 from coat_ds.formats import E4M3, E5M2, GROUP_SIZES, cast_to_fp8, dequantize, n_groups, quantize, round_bf16
 from coat_ds.formats.group_quant import K_STEPS
-from coat_ds.optim.reference import adamw_step_reference
+from coat_ds.kernels.adam_reference import adamw_step_reference
 from coat_ds.op_builder.builder import gencode_flags, parse_cuda_arch_list
 
 CPU_SIZES = (1, 127, 128, 129, 4099)

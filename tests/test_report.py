@@ -10,7 +10,7 @@ import torch
 
 import coat_ds
 from coat_ds import op_builder
-from coat_ds.ops.loader import op_status
+from coat_ds.kernels.loader import op_status
 
 
 def _report(tmp_path, extensions_dir, *args: str) -> dict[str, str]:

@@ -190,7 +190,7 @@ def test_bad_flags(capsys):
 
 def test_every_config_parses_and_names_known_keys():
     import coat_ds.deepspeed as cds
-    from coat_ds.deepspeed.registry import validate_params
+    from coat_ds.deepspeed.optimizer_type import validate_params
 
     for path in sorted((ROOT / "ds_configs").glob("*.json")):
         cfg = json.loads(path.read_text())

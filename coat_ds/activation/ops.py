@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from ..formats import FP8Format, get_format
-from ..ops.loader import load_op
+from ..kernels.loader import load_op
 from . import reference as R
 
 KERNEL_GROUP = 16

@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 from .config import SECTION, CoatSection, coat_section
 from .master import config_refusal
-from .registry import NAME, validate_params
+from .optimizer_type import NAME, validate_params
 
 AUTO = "auto"  # HF Trainer / accelerate fill "auto" values themselves
 

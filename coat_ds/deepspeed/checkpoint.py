@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import ops as ops_glue
+from .. import kernels
 from ..formats import E4M3, get_format, n_groups
 from ..optim import CoatAdamW
 from .bind import partitions
@@ -354,8 +354,8 @@ def regroup(c: dict, size: int, expansion: bool) -> dict:
         return c
     out = dict(c, group_size=size)
     for name, fmt in (("exp_avg", E4M3), ("exp_avg_sq", get_format(c["v_format"]))):
-        x = ops_glue.dequantize(c[f"{name}_q"].view(fmt.dtype), c[f"{name}_scale"], c[f"{name}_expo"], c["group_size"])
-        q, s, e = ops_glue.quantize(x, fmt, size, expansion)
+        x = kernels.dequantize(c[f"{name}_q"].view(fmt.dtype), c[f"{name}_scale"], c[f"{name}_expo"], c["group_size"])
+        q, s, e = kernels.quantize(x, fmt, size, expansion)
         out[f"{name}_q"], out[f"{name}_scale"], out[f"{name}_expo"] = q.view(torch.uint8), s, e
     return out
 

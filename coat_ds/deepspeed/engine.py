@@ -32,7 +32,7 @@ def apply_section(engine, model: torch.nn.Module) -> None:
         return
     from deepspeed.utils import log_dist
 
-    from ..inject.swap import apply
+    from ..hf.swap import apply
 
     try:
         n = apply(model, activation, engine.gradient_accumulation_steps())

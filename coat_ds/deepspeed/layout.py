@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .. import ops
+from .. import kernels
 from ..formats import get_format, n_groups
 
 Key = tuple  # (parameter name, group index)
@@ -215,7 +215,7 @@ class ShardLayout:
                 outs.append(torch.empty(g, dtype=torch.bfloat16, device=flat.device))
         beta1, beta2 = group["betas"]
         sr = self.stochastic and flat.dtype == torch.bfloat16
-        ops.adamw_step(params, grad_list, m, v, lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+        kernels.adamw_step(params, grad_list, m, v, lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
                        weight_decay=group["weight_decay"], step=step, v_format=get_format(group["v_format"]),
                        group_size=g, expansion=group["expansion"], bf16_out=outs, grad_scale=grad_scale,
                        sr_keys=self.sr_keys if sr else None, sr_seed=SR_SEED)

@@ -1,5 +1,5 @@
 """CoatAdamW and its reference step."""
 from .coat_adamw import CoatAdamW
-from .reference import adamw_step_reference
+from ..kernels.adam_reference import adamw_step_reference
 
 __all__ = ["CoatAdamW", "adamw_step_reference"]

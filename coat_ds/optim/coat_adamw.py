@@ -7,7 +7,7 @@ from typing import Any, Callable, Iterable, Protocol
 
 import torch
 
-from .. import ops
+from .. import kernels
 from ..formats import E4M3, FORMATS, GROUP_SIZES, FP8Format, get_format, n_groups
 
 _STATE_KEYS = ("exp_avg_q", "exp_avg_scale", "exp_avg_expo", "exp_avg_sq_q", "exp_avg_sq_scale", "exp_avg_sq_expo")
@@ -235,7 +235,7 @@ class CoatAdamW(torch.optim.Optimizer):
         # the kernels update fp32 contiguous masters (what ZeRO hands over); others go through an fp32 copy
         masters = [p if p.dtype == torch.float32 and p.is_contiguous() else p.detach().float().contiguous()
                    for p in params]
-        ops.adamw_step(masters, [p.grad.contiguous() for p in params],
+        kernels.adamw_step(masters, [p.grad.contiguous() for p in params],
                        [(s["exp_avg_q"], s["exp_avg_scale"], s["exp_avg_expo"]) for s in states],
                        [(s["exp_avg_sq_q"], s["exp_avg_sq_scale"], s["exp_avg_sq_expo"]) for s in states],
                        lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],

@@ -8,7 +8,7 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/device.txt" 2>&1
 # JIT builds first, side by side, so that no timed job pays for one (the wheelhouse's DeepSpeed has no prebuilt ops)
 python3 -c "from deepspeed.ops.op_builder import FusedAdamBuilder; FusedAdamBuilder().load()" > "$OUT/build.log" 2>&1 &
-python3 -c "from coat_ds.ops.loader import load_op; assert load_op('CoatAdamBuilder')" >> "$OUT/build.log" 2>&1 &
+python3 -c "from coat_ds.kernels.loader import load_op; assert load_op('CoatAdamBuilder')" >> "$OUT/build.log" 2>&1 &
 wait
 COAT_ZERO_GPU_SUMMARY="$OUT/gpu_summary.json" timeout 160 python3 -m pytest tests/test_deepspeed.py -m gpu -q -x \
   > "$OUT/pytest_gpu.log" 2>&1 || echo "pytest gpu failed: $?" >> "$OUT/errors.txt"

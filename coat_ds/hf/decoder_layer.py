@@ -12,10 +12,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .config import ActivationConfig
-from . import ops
-from .functions import LinearFn, MlpFn, NormLinearFn, RopeFn
-from .weight_cache import WeightGroup
+from ..activation.config import ActivationConfig
+from ..activation import ops
+from ..activation.functions import LinearFn, MlpFn, NormLinearFn, RopeFn
+from ..activation.weight_cache import WeightGroup
 
 try:
     from transformers.modeling_layers import GradientCheckpointingLayer as _Base

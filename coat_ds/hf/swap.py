@@ -24,14 +24,14 @@ _HOOK_TABLES = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forwar
 _CHECKPOINT_ATTRS = ("gradient_checkpointing", "_gradient_checkpointing_func")
 
 
-def _activation():
+def _decoder_layer() -> type:
     # Imported late: coat_ds.inject must import (and list policies) even where the activation layers fail to.
-    from coat_ds import activation
-    return activation
+    from .decoder_layer import CoatDecoderLayer
+    return CoatDecoderLayer
 
 
 def _as_config(config: Any):
-    cfg_cls = _activation().ActivationConfig
+    from ..activation import ActivationConfig as cfg_cls
     if config is None:
         return cfg_cls()
     if isinstance(config, cfg_cls):
@@ -69,7 +69,7 @@ def _refuse_wrapped(model: nn.Module, what: str) -> None:
 def _serves(have: Any, want: Any) -> bool:
     """Whether layers built with ActivationConfig `have` serve a request for `want`: equal, but for a
     cache_weights decision that one of them leaves to gradient accumulation ("when_accumulating")."""
-    when = _activation().config.CACHE_WHEN_ACCUMULATING
+    from ..activation.config import CACHE_WHEN_ACCUMULATING as when
     if when in (have.cache_weights, want.cache_weights):
         have = replace(have, cache_weights=want.cache_weights)
     return have == want
@@ -140,7 +140,7 @@ def inject(model: nn.Module, config: Any = None) -> nn.Module:
     policy = policy_for(model)
     if not cfg.enabled:  # "enabled": false in the JSON section: swap nothing
         return model
-    coat_cls = _activation().CoatDecoderLayer
+    coat_cls = _decoder_layer()
     targets = [(name, m) for name, m in model.named_modules()
                if type(m).__name__ in policy.layer_class_names and not isinstance(m, coat_cls)]
     injected = [m for m in model.modules() if isinstance(m, coat_cls)]
@@ -178,7 +178,7 @@ def apply(model: nn.Module, config: Any, gradient_accumulation_steps: int) -> in
     if type(model).__name__ == "DeepSpeedEngine":
         _refuse_wrapped(model, "inject")
     cfg = _as_config(config)
-    coat_cls = _activation().CoatDecoderLayer
+    coat_cls = _decoder_layer()
     layers = [m for m in model.modules() if isinstance(m, coat_cls)]
     if not cfg.enabled:
         if layers:
@@ -197,7 +197,7 @@ def apply(model: nn.Module, config: Any, gradient_accumulation_steps: int) -> in
 def revert(model: nn.Module) -> nn.Module:
     """Put the stock HF decoder layers back (same parameter tensors), in place; returns `model`."""
     _refuse_wrapped(model, "revert")
-    coat_cls = _activation().CoatDecoderLayer
+    coat_cls = _decoder_layer()
     targets = [(name, m) for name, m in model.named_modules() if isinstance(m, coat_cls)]
     for name, layer in targets:
         # found by identity rather than by a stored handle, so deepcopy / pickle of the model cannot confuse it

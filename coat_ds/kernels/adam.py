@@ -10,7 +10,7 @@ import torch
 
 from ..formats import E4M3, FP8Format, dequantize as ref_dequantize, get_format, quantize as ref_quantize
 from .loader import load_op
-from .reference_adam import adamw_step_reference
+from .adam_reference import adamw_step_reference
 
 
 def _op(device: torch.device):
