@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from coat_ds.formats import (GROUP_SIZES, K_MAX, check_group_size, dequantize, get_format, quantize,
-                             relative_error)
+from coat_ds.formats import (GROUP_SIZES, K_MAX, Fp8Moment, check_group_size, dequantize, get_format, quantize,
+                             relative_error, state_keys)
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 
@@ -86,3 +86,69 @@ def test_bad_format_names_the_key(bad):
 def test_bad_group_size(bad):
     with pytest.raises(ValueError, match="group_size"):
         check_group_size(bad)
+
+
+# ------------------------------------------------------------------ Fp8Moment
+def _moment(numel: int, fmt: str = "e4m3", group_size: int = 32, seed: int = 0) -> tuple[Fp8Moment, torch.Tensor]:
+    torch.manual_seed(seed)
+    x = torch.randn(numel) * torch.exp(torch.randn(numel))
+    return Fp8Moment(*quantize(x, fmt, group_size), group_size, get_format(fmt)), x
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_moment_zeros_decode_to_zeros(fmt):
+    m = Fp8Moment.zeros((3, 50), fmt, 32)
+    assert m.codes.dtype == get_format(fmt).dtype and m.codes.shape == (3, 50) and m.numel == 150
+    assert m.scale.dtype == m.expo.dtype == torch.float32 and m.scale.shape == m.expo.shape == (5,)
+    assert torch.equal(m.scale, torch.zeros(5)) and torch.equal(m.expo, torch.ones(5))
+    assert torch.equal(m.dequantize(), torch.zeros(3, 50))
+    assert Fp8Moment.zeros(150, fmt, 32, groups=7).scale.shape == (7,)  # a partition's metadata count
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_moment_dequantize_is_the_reference(fmt):
+    m, x = _moment(300, fmt)
+    ref = dequantize(m.codes, m.scale, m.expo, 32)
+    got = m.dequantize()
+    assert torch.equal(got, ref) and not got.isnan().any()
+    assert ((got - x).abs() <= 0.1 * x.abs()).all()
+
+
+@pytest.mark.parametrize("start,stop", [(0, 300), (0, 32), (32, 96), (5, 6), (31, 33), (17, 300), (100, 100)])
+def test_moment_slice_keeps_its_groups(start, stop):
+    m, _ = _moment(300)
+    whole = m.dequantize()
+    s = m.slice(start, stop)
+    assert s.numel == stop - start and s.offset == start % 32
+    g0, g1 = start // 32, ((stop - 1) // 32 + 1 if stop > start else start // 32)
+    assert torch.equal(s.scale, m.scale[g0:g1]) and torch.equal(s.expo, m.expo[g0:g1])
+    assert torch.equal(s.codes.view(torch.uint8), m.codes[start:stop].view(torch.uint8))
+    assert torch.equal(s.dequantize(), whole[start:stop])  # every element, against the reference
+    inner = s.slice(1, stop - start) if stop - start > 1 else s  # a slice of a slice: offsets add up
+    assert torch.equal(inner.dequantize(), whole[start + (stop - start > 1):stop])
+
+
+def test_moment_slices_are_views_copy_writes_through():
+    src, _ = _moment(300, seed=1)
+    dst = Fp8Moment.zeros(300, "e4m3", 32)
+    for a, b in [(0, 70), (70, 200), (200, 300)]:  # pieces cut inside groups; shared groups written twice
+        dst.slice(a, b).copy_(src.slice(a, b))
+    assert torch.equal(dst.dequantize(), src.dequantize())
+    with pytest.raises(ValueError, match="do not match"):
+        dst.slice(0, 64).copy_(src.slice(1, 65))
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_moment_state_round_trip_repairs_dtypes(fmt):
+    m, _ = _moment(200, fmt)
+    state = m.to_state("exp_avg_sq")
+    assert list(state) == list(state_keys("exp_avg_sq")) == ["exp_avg_sq_q", "exp_avg_sq_scale", "exp_avg_sq_expo"]
+    back = Fp8Moment.from_state(state, "exp_avg_sq", fmt, 32)
+    assert back.codes is m.codes and back.scale is m.scale  # right dtypes: no copy
+    widened = {k: v.to(torch.bfloat16 if k.endswith("_q") else torch.float64) for k, v in state.items()}
+    as_bits = dict(state, exp_avg_sq_q=m.codes.view(torch.uint8))
+    for saved in (widened, as_bits):  # a cast by torch's optimizer load; a tool storing uint8 bits
+        got = Fp8Moment.from_state(saved, "exp_avg_sq", fmt, 32)
+        assert got.codes.dtype == get_format(fmt).dtype and got.scale.dtype == got.expo.dtype == torch.float32
+        assert torch.equal(got.codes.view(torch.uint8), m.codes.view(torch.uint8))
+        assert torch.equal(got.dequantize(), m.dequantize())
