@@ -2,7 +2,7 @@
 // primitives of coat_cpu_avx512.h. Work is cut into blocks of 16 groups: the block's stored scales are
 // decoded 16 at once, its values are stepped 16 per instruction into a per-thread buffer (tracking each
 // group's magnitude range), the 16 new scales are computed in one vector, then the buffer is encoded.
-// No torch headers: Refs is any struct with AdamTensorRefs' fields (coat_adam_common.h).
+// No torch headers.
 #pragma once
 
 #include <algorithm>
@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "coat_adam_tensor.h"
 #include "coat_cpu_avx512.h"
 
 namespace coat::avx512 {
@@ -119,8 +120,9 @@ inline void block_stored(const float* d, const float* k, int nb, float* inv_k, f
     _mm512_storeu_ps(log2d, s.log2d);
 }
 
-template <coat::Dtype GK, coat::Master MS, bool VE5M2, class Refs>
-void adam_tensor(const Refs& t, const coat::AdamCoefs& c, uint32_t sr_key, int group_size, bool expansion) {
+template <coat::Dtype GK, coat::Master MS, bool VE5M2>
+void adam_tensor(const coat::AdamTensor& t, const coat::AdamCoefs& c, uint32_t sr_key, int group_size,
+                 bool expansion) {
     const char* grad = static_cast<const char*>(t.grad);  // for prefetching; loads take t.grad
     const char* param = static_cast<const char*>(t.param);
     constexpr int kGradBytes = GK == coat::Dtype::kF32 ? 4 : 2;
@@ -212,9 +214,8 @@ COAT_OMP_BLOCKS
 
 // One tensor's step: grads fp32, bf16 or fp16; master fp32 or bf16 (rounded to nearest or stochastically,
 // sr_key: coat::sr_key of its stream); v in E4M3 or E5M2.
-template <class Refs>
-void adam_tensor(const Refs& t, const coat::AdamCoefs& c, uint32_t sr_key, int group_size, bool v_e5m2,
-                 bool expansion) {
+inline void adam_tensor(const coat::AdamTensor& t, const coat::AdamCoefs& c, uint32_t sr_key, int group_size,
+                        bool v_e5m2, bool expansion) {
     coat::with_step_types(t.grad_dtype, t.master, [&](auto gk, auto ms) {
         constexpr coat::Dtype GK = decltype(gk)::value;
         constexpr coat::Master MS = decltype(ms)::value;

@@ -7,27 +7,10 @@
 #include <optional>
 #include <vector>
 
+#include "coat_adam_tensor.h"
 #include "coat_fp8_math.h"
 
 namespace coat_ops {
-
-// Raw pointers of one tensor's step (checked once, then used by the kernels).
-struct AdamTensorRefs {
-    void* param;  // fp32, or bf16 bits (master != kF32)
-    coat::Master master;
-    const void* grad;
-    coat::Dtype grad_dtype;
-    uint8_t* m_codes;
-    float* m_scale;
-    float* m_expo;
-    uint8_t* v_codes;
-    float* v_scale;
-    float* v_expo;
-    uint16_t* bf16_out;  // nullptr: no bf16 copy
-    int64_t numel;
-    int64_t sr_stream;  // stochastic rounding: the parameter's stream and this tensor's offset in it
-    int64_t sr_offset;
-};
 
 inline void check_group_size(int64_t group_size) {
     TORCH_CHECK_VALUE(group_size == 32 || group_size == 64 || group_size == 128 || group_size == 256,
@@ -42,7 +25,8 @@ inline void check_tensor(const torch::Tensor& t, const char* what, size_t i, at:
     TORCH_CHECK(t.device() == device, what, "[", i, "] is on ", t.device(), ", expected ", device);
 }
 
-inline std::vector<AdamTensorRefs> check_adam_args(
+// The step's tensors, checked, as raw pointers (group_begin and vec_ok are left 0: the CUDA launch sets them).
+inline std::vector<coat::AdamTensor> check_adam_args(
     const std::vector<torch::Tensor>& params, const std::vector<torch::Tensor>& grads,
     const std::vector<torch::Tensor>& m_q, const std::vector<torch::Tensor>& m_scale,
     const std::vector<torch::Tensor>& m_expo, const std::vector<torch::Tensor>& v_q,
@@ -57,7 +41,7 @@ inline std::vector<AdamTensorRefs> check_adam_args(
     TORCH_CHECK(bf16_out.empty() || bf16_out.size() == n, "adam_step: bf16_out must be empty or one per param");
     TORCH_CHECK(sr_keys.empty() || sr_keys.size() == 2 * n,
                 "adam_step: sr_keys must be empty or one (stream, offset) pair per param");
-    std::vector<AdamTensorRefs> refs;
+    std::vector<coat::AdamTensor> refs;
     refs.reserve(n);
     if (n == 0) return refs;
     const torch::Device device = params[0].device();
@@ -90,9 +74,10 @@ inline std::vector<AdamTensorRefs> check_adam_args(
             check_tensor(bf16_out[i], "bf16_out", i, at::kBFloat16, numel, device);
             out = reinterpret_cast<uint16_t*>(bf16_out[i].data_ptr());
         }
-        refs.push_back({params[i].data_ptr(), master, grads[i].data_ptr(), gk, m_q[i].data_ptr<uint8_t>(),
+        refs.push_back({params[i].data_ptr(), grads[i].data_ptr(), m_q[i].data_ptr<uint8_t>(),
                         m_scale[i].data_ptr<float>(), m_expo[i].data_ptr<float>(), v_q[i].data_ptr<uint8_t>(),
-                        v_scale[i].data_ptr<float>(), v_expo[i].data_ptr<float>(), out, numel, stream, offset});
+                        v_scale[i].data_ptr<float>(), v_expo[i].data_ptr<float>(), out, numel, /*group_begin=*/0,
+                        /*vec_ok=*/0, stream, offset, gk, master});
     }
     return refs;
 }

@@ -75,7 +75,7 @@ inline void requantize_group(const float* buf, int n, bool e5m2, bool expansion,
 
 // One tensor's step on the portable loops, one body per (grad dtype, master dtype / rounding).
 template <coat::Dtype GK, coat::Master MS>
-void adam_tensor(const coat_ops::AdamTensorRefs& t, const coat::AdamCoefs& c, uint32_t sr_key, int group_size,
+void adam_tensor(const coat::AdamTensor& t, const coat::AdamCoefs& c, uint32_t sr_key, int group_size,
                  bool v_e5m2, bool expansion) {
     const int64_t n_groups = (t.numel + group_size - 1) / group_size;
     const float* m_tab = log2_table(false);

@@ -15,6 +15,7 @@
 namespace coat_cuda {
 namespace {
 
+using coat::AdamTensor;
 using coat::DeviceMath;
 using coat::DeviceMathFtz;  // the fused step (see coat_fp8.cuh); quantize/dequantize keep subnormals
 using coat::Dtype;
@@ -385,8 +386,8 @@ bool aligned(const void* p, uintptr_t bytes) { return p == nullptr || reinterpre
 
 }  // namespace
 
-bool adam_vector_aligned(const AdamTensor& t, Dtype grad_dtype, Master master) {
-    return aligned(t.param, master == Master::kF32 ? 16 : 8) && aligned(t.grad, grad_dtype == Dtype::kF32 ? 16 : 8) &&
+bool adam_vector_aligned(const AdamTensor& t) {
+    return aligned(t.param, t.master == Master::kF32 ? 16 : 8) && aligned(t.grad, t.grad_dtype == Dtype::kF32 ? 16 : 8) &&
            aligned(t.m_codes, 4) && aligned(t.v_codes, 4) && aligned(t.bf16_out, 8);
 }
 

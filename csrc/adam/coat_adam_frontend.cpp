@@ -24,7 +24,7 @@ void check_cuda(cudaError_t err, const char* what) {
 // entries, since each param group (and grad dtype / master) of an optimizer has its own.
 class TableCache {
   public:
-    const coat_cuda::AdamTensor* get(const std::vector<coat_cuda::AdamTensor>& host, int64_t group_size,
+    const coat::AdamTensor* get(const std::vector<coat::AdamTensor>& host, int64_t group_size,
                                      const torch::Device& device, cudaStream_t stream) {
         std::vector<int64_t> key;
         key.reserve(host.size() * 12 + 2);
@@ -42,17 +42,17 @@ class TableCache {
         for (auto it = entries_.begin(); it != entries_.end(); ++it) {
             if (it->first == key) {
                 entries_.splice(entries_.begin(), entries_, it);  // most recently used first
-                return static_cast<const coat_cuda::AdamTensor*>(entries_.front().second.data_ptr());
+                return static_cast<const coat::AdamTensor*>(entries_.front().second.data_ptr());
             }
         }
-        const int64_t bytes = (int64_t)(host.size() * sizeof(coat_cuda::AdamTensor));
+        const int64_t bytes = (int64_t)(host.size() * sizeof(coat::AdamTensor));
         torch::Tensor dev = torch::empty({bytes}, torch::dtype(torch::kUInt8).device(device));
         // pageable source: the copy is staged before this call returns, so `host` may go away
         check_cuda(cudaMemcpyAsync(dev.data_ptr(), host.data(), bytes, cudaMemcpyHostToDevice, stream),
                    "table upload");
         entries_.emplace_front(std::move(key), dev);
         if (entries_.size() > kMaxEntries) entries_.pop_back();
-        return static_cast<const coat_cuda::AdamTensor*>(dev.data_ptr());
+        return static_cast<const coat::AdamTensor*>(dev.data_ptr());
     }
 
   private:
@@ -67,21 +67,21 @@ TableCache& table_cache() {
 }
 
 // One launch for the tensors of one (grad dtype, master): the kernel is specialised on both.
-void launch_group(const std::vector<coat_ops::AdamTensorRefs>& refs, coat::Dtype grad_dtype, coat::Master master,
+void launch_group(const std::vector<coat::AdamTensor>& refs, coat::Dtype grad_dtype, coat::Master master,
                   const coat::AdamCoefs& c, const float* grad_scale, uint32_t sr_prefix, int64_t group_size,
                   bool v_e5m2, bool expansion, const torch::Device& device, cudaStream_t stream) {
-    std::vector<coat_cuda::AdamTensor> host;
+    std::vector<coat::AdamTensor> host;
     int64_t groups = 0;
     for (const auto& r : refs) {
         if (r.grad_dtype != grad_dtype || r.master != master || r.numel == 0) continue;
-        coat_cuda::AdamTensor t{r.param,   r.grad,   r.m_codes, r.m_scale, r.m_expo,    r.v_codes,  r.v_scale,
-                                r.v_expo,  r.bf16_out, r.numel, groups,    /*vec_ok=*/0, r.sr_stream, r.sr_offset};
-        t.vec_ok = coat_cuda::adam_vector_aligned(t, grad_dtype, master) ? 1 : 0;
+        coat::AdamTensor t = r;
+        t.group_begin = groups;
+        t.vec_ok = coat_cuda::adam_vector_aligned(t) ? 1 : 0;
         host.push_back(t);
         groups += (r.numel + group_size - 1) / group_size;
     }
     if (host.empty()) return;
-    const coat_cuda::AdamTensor* table = table_cache().get(host, group_size, device, stream);
+    const coat::AdamTensor* table = table_cache().get(host, group_size, device, stream);
     check_cuda(coat_cuda::adam_step(table, (int)host.size(), groups, (int)group_size, grad_dtype, master, c,
                                     grad_scale, sr_prefix, v_e5m2, expansion, stream),
                "adam_step launch");
