@@ -1,8 +1,10 @@
 // Shared CUDA helpers for coat_ds's FP8 kernels: device exp2/log2, FP8 encode (hardware cvt on sm_89+,
-// RNE + saturation), the log2|code| tables, segment (sub-warp) reductions and vector load/store types.
+// RNE + saturation), single-value FP8 casts and power-of-two scales (the activation kernels), the
+// log2|code| tables, segment (sub-warp) reductions and vector load/store types.
 // CUDA headers only: the torch bindings live in .cpp files.
 #pragma once
 
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -98,6 +100,39 @@ __device__ __forceinline__ uint32_t fp8x4_encode(float a, float b, float c, floa
 
 __device__ __forceinline__ uint32_t fp8x4_encode(float a, float b, float c, float d, bool e5m2) {
     return e5m2 ? fp8x4_encode<true>(a, b, c, d) : fp8x4_encode<false>(a, b, c, d);
+}
+
+// One value, through cuda_fp8.h: saturating round to nearest even (on sm_89+ the cvt of fp8x2_encode;
+// below it cuda_fp8.h's software path, which gives every NaN the positive NaN code), and the exact decode.
+template <bool E5M2>
+__device__ __forceinline__ uint8_t fp8_cast(float x) {
+    return (uint8_t)__nv_cvt_float_to_fp8(x, __NV_SATFINITE, E5M2 ? __NV_E5M2 : __NV_E4M3);
+}
+
+template <bool E5M2>
+__device__ __forceinline__ float fp8_to_f32(uint8_t c) {
+    __half_raw h = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)c, E5M2 ? __NV_E5M2 : __NV_E4M3);
+    return __half2float(__half(h));
+}
+
+// Power-of-two scales 2^p, p in [-kPow2Bias, kPow2Bias], stored per group as the byte p + kPow2Bias.
+constexpr int kPow2Bias = 127;
+
+__device__ __forceinline__ float exp2i(int p) { return ldexpf(1.0f, p); }
+__device__ __forceinline__ uint8_t pow2_byte(int p) { return (uint8_t)(p + kPow2Bias); }
+__device__ __forceinline__ float pow2_of_byte(uint8_t b) { return exp2i((int)b - kPow2Bias); }
+
+// p of the smallest power of two 2^p that maps amax into the format: with amax = m 2^e (frexp) and the
+// format's largest value kMaxFrac 2^kMaxExp, p = e - kMaxExp + (m > kMaxFrac); -kPow2Bias for 0 or NaN
+// (coat_ds/activation/reference.py's pow2_exponent).
+template <bool E5M2>
+__device__ __forceinline__ int pow2_exponent(float amax) {
+    using L = Fp8Layout<E5M2>;
+    if (!(amax > 0.0f)) return -kPow2Bias;
+    int e;
+    const float m = frexpf(amax, &e);
+    const int p = e - L::kMaxExp + (m > L::kMaxFrac ? 1 : 0);
+    return p < -kPow2Bias ? -kPow2Bias : (p > kPow2Bias ? kPow2Bias : p);
 }
 
 // log2|value| of the 128 FP8 magnitudes (see coat_fp8_math.h). Copy them to shared memory before

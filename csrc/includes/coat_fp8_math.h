@@ -28,7 +28,6 @@ constexpr float kKMin = 1.0f / 16.0f;
 constexpr float kKMax = 16.0f;
 
 // Per-format constants, rounded to fp32 exactly as the reference's Python scalars are.
-COAT_HD float fp8_max(bool e5m2) { return e5m2 ? 57344.0f : 448.0f; }
 COAT_HD float fp8_log2_max(bool e5m2) { return e5m2 ? 15.807354927062988f : 8.807354927062988f; }
 // K_STEPS * log2(F^2 / 2)
 COAT_HD float fp8_k_numer(bool e5m2) { return e5m2 ? 489.83535750584333f : 265.83535750584333f; }
@@ -72,7 +71,14 @@ struct Fp8Layout {
     static constexpr uint32_t kNanCode = 0x7Fu;
     static constexpr float kMinNormal = E5M2 ? 6.103515625e-05f : 0.015625f;  // 2^(1 - bias)
     static constexpr float kSubnormalInvStep = E5M2 ? 65536.0f : 512.0f;      // 2^(bias - 1 + mant_bits)
+    // The largest finite value in frexp's form kMaxFrac 2^kMaxExp (0.875 2^9 = 448, 0.875 2^16 = 57344).
+    static constexpr int kMaxExp = (int)(kMaxCode >> kMantBits) - kBias + 1;
+    static constexpr float kMaxFrac = 0.5f + (float)(kMaxCode & ((1u << kMantBits) - 1u)) / (float)(2u << kMantBits);
+    static constexpr float kMax = kMaxFrac * (float)(1u << kMaxExp);
 };
+static_assert(Fp8Layout<false>::kMax == 448.0f && Fp8Layout<true>::kMax == 57344.0f, "FP8 layouts");
+
+COAT_HD float fp8_max(bool e5m2) { return e5m2 ? Fp8Layout<true>::kMax : Fp8Layout<false>::kMax; }
 
 // float -> FP8 code: round to nearest even with subnormals, saturating to +-max (like the reference's
 // clamp-then-cast), NaN -> NaN. Branch-free so the CPU loops vectorise.

@@ -10,38 +10,23 @@
 #include "coat_quant.h"
 
 #include <cuda_bf16.h>
-#include <cuda_fp8.h>
+
+#include "coat_fp8.cuh"
 
 namespace coat_quant {
 namespace {
 
 using bf16 = __nv_bfloat16;
+using coat::exp2i;
+using coat::fp8_cast;  // FP8 casts and power-of-two scales: coat_fp8.cuh
+using coat::fp8_to_f32;
+using coat::kPow2Bias;
+using coat::pow2_byte;
+using coat::pow2_exponent;
+using coat::pow2_of_byte;
 constexpr int G = 16;
 constexpr int kThreads = 256;
 constexpr int kTile = 64;
-
-template <bool E5M2>
-__device__ __forceinline__ uint8_t enc(float x) {
-    return (uint8_t)__nv_cvt_float_to_fp8(x, __NV_SATFINITE, E5M2 ? __NV_E5M2 : __NV_E4M3);
-}
-
-template <bool E5M2>
-__device__ __forceinline__ float dec(uint8_t c) {
-    __half_raw h = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)c, E5M2 ? __NV_E5M2 : __NV_E4M3);
-    return __half2float(__half(h));
-}
-
-// p with 2^p the smallest power of two mapping amax into the format (reference.pow2_exponent)
-template <bool E5M2>
-__device__ __forceinline__ int pow2_exp(float amax) {
-    if (!(amax > 0.0f)) return -127;
-    int e;
-    const float m = frexpf(amax, &e);
-    int p = e - (E5M2 ? 16 : 9) + (m > 0.875f ? 1 : 0);
-    return p < -127 ? -127 : (p > 127 ? 127 : p);
-}
-
-__device__ __forceinline__ float exp2i(int p) { return ldexpf(1.0f, p); }
 
 __device__ __forceinline__ void load16(const bf16* p, float* v) {
     const uint4 a = reinterpret_cast<const uint4*>(p)[0];
@@ -127,16 +112,16 @@ __global__ void rmsnorm_quant_k(const bf16* x, const bf16* w, float eps, uint8_t
         float amax = 0.0f;
 #pragma unroll
         for (int j = 0; j < G; ++j) amax = fmaxf(amax, fabsf(v[j]));
-        const int p = pow2_exp<E5M2>(amax);
+        const int p = pow2_exponent<E5M2>(amax);
         const float inv = exp2i(-p), sc = exp2i(p);
         alignas(16) uint8_t c[G];
 #pragma unroll
         for (int j = 0; j < G; ++j) {
-            c[j] = enc<E5M2>(v[j] * inv);
-            ym = fmaxf(ym, fabsf(dec<E5M2>(c[j]) * sc * r * wv[j]));
+            c[j] = fp8_cast<E5M2>(v[j] * inv);
+            ym = fmaxf(ym, fabsf(fp8_to_f32<E5M2>(c[j]) * sc * r * wv[j]));
         }
         store_codes(xq + row * n + g * G, c);
-        xs[row * ng + g] = (uint8_t)(p + 127);
+        xs[row * ng + g] = pow2_byte(p);
     }
     ym = block_reduce<true>(ym);
     if (threadIdx.x == 0) ymax[row] = ym;
@@ -163,9 +148,9 @@ __global__ void rmsnorm_backward_k(const bf16* dy, const uint8_t* xq, const uint
                 load16(dy + row * n + g * G, d);
                 load16(w + g * G, wv);
                 load_codes(xq + row * n + g * G, c);
-                const float sc = exp2i((int)xs[row * ng + g] - 127);
+                const float sc = pow2_of_byte(xs[row * ng + g]);
 #pragma unroll
-                for (int j = 0; j < G; ++j) dot += (d[j] * wv[j]) * (dec<IN_E5M2>(c[j]) * sc * r);
+                for (int j = 0; j < G; ++j) dot += (d[j] * wv[j]) * (fp8_to_f32<IN_E5M2>(c[j]) * sc * r);
             }
         }
         const float mean = block_reduce<false>(dot) / (float)n;
@@ -176,7 +161,7 @@ __global__ void rmsnorm_backward_k(const bf16* dy, const uint8_t* xq, const uint
                 load16(dy + row * n + g * G, d);
                 load16(w + g * G, wv);
                 load_codes(xq + row * n + g * G, c);
-                const float sc = exp2i((int)xs[row * ng + g] - 127);
+                const float sc = pow2_of_byte(xs[row * ng + g]);
                 float rs[G];
                 if (dres != nullptr) {
                     load16(dres + row * n + g * G, rs);
@@ -187,7 +172,7 @@ __global__ void rmsnorm_backward_k(const bf16* dy, const uint8_t* xq, const uint
                 alignas(16) bf16 o[G];
 #pragma unroll
                 for (int j = 0; j < G; ++j) {
-                    xh[j] = dec<IN_E5M2>(c[j]) * sc * r;
+                    xh[j] = fp8_to_f32<IN_E5M2>(c[j]) * sc * r;
                     float v = r * (d[j] * wv[j] - xh[j] * mean);
                     if (dres != nullptr) v += rs[j];
                     o[j] = __float2bfloat16_rn(v);
@@ -222,21 +207,21 @@ __global__ void silu_mul_quant_k(const bf16* gu, uint8_t* q, uint8_t* sc, float*
             mg = fmaxf(mg, fabsf(gv[j]));
             mu = fmaxf(mu, fabsf(uv[j]));
         }
-        const int pg = pow2_exp<E5M2>(mg), pu = pow2_exp<E5M2>(mu);
+        const int pg = pow2_exponent<E5M2>(mg), pu = pow2_exponent<E5M2>(mu);
         const float ig = exp2i(-pg), iu = exp2i(-pu), sg = exp2i(pg), su = exp2i(pu);
         alignas(16) uint8_t cg[G];
         alignas(16) uint8_t cu[G];
 #pragma unroll
         for (int j = 0; j < G; ++j) {
-            cg[j] = enc<E5M2>(gv[j] * ig);
-            cu[j] = enc<E5M2>(uv[j] * iu);
-            const float gd = dec<E5M2>(cg[j]) * sg, ud = dec<E5M2>(cu[j]) * su;
+            cg[j] = fp8_cast<E5M2>(gv[j] * ig);
+            cu[j] = fp8_cast<E5M2>(uv[j] * iu);
+            const float gd = fp8_to_f32<E5M2>(cg[j]) * sg, ud = fp8_to_f32<E5M2>(cu[j]) * su;
             am = fmaxf(am, fabsf(gd * sigmoid(gd) * ud));
         }
         store_codes(q + row * 2 * i + g * G, cg);
         store_codes(q + row * 2 * i + i + g * G, cu);
-        sc[row * 2 * ngi + g] = (uint8_t)(pg + 127);
-        sc[row * 2 * ngi + ngi + g] = (uint8_t)(pu + 127);
+        sc[row * 2 * ngi + g] = pow2_byte(pg);
+        sc[row * 2 * ngi + ngi + g] = pow2_byte(pu);
     }
     am = block_reduce<true>(am);
     if (threadIdx.x == 0) amax[row] = am;
@@ -255,12 +240,12 @@ __global__ void silu_mul_backward_k(const bf16* da, const uint8_t* q, const uint
         alignas(16) uint8_t cu[G];
         load_codes(q + row * 2 * i + g * G, cg);
         load_codes(q + row * 2 * i + i + g * G, cu);
-        const float sg = exp2i((int)sc[row * 2 * ngi + g] - 127), su = exp2i((int)sc[row * 2 * ngi + ngi + g] - 127);
+        const float sg = pow2_of_byte(sc[row * 2 * ngi + g]), su = pow2_of_byte(sc[row * 2 * ngi + ngi + g]);
         alignas(16) bf16 og[G];
         alignas(16) bf16 ou[G];
 #pragma unroll
         for (int j = 0; j < G; ++j) {
-            const float gv = dec<IN_E5M2>(cg[j]) * sg, uv = dec<IN_E5M2>(cu[j]) * su;
+            const float gv = fp8_to_f32<IN_E5M2>(cg[j]) * sg, uv = fp8_to_f32<IN_E5M2>(cu[j]) * su;
             const float s = sigmoid(gv);
             og[j] = __float2bfloat16_rn(d[j] * uv * s * (1.0f + gv * (1.0f - s)));
             ou[j] = __float2bfloat16_rn(d[j] * gv * s);
@@ -293,9 +278,9 @@ struct NormSrc {
         load_codes(q + r * n + c, cd);
         float wv[G];
         load16(w + c, wv);
-        const float sc = exp2i((int)s[r * (n / G) + c / G] - 127), rs = rstd[r];
+        const float sc = pow2_of_byte(s[r * (n / G) + c / G]), rs = rstd[r];
 #pragma unroll
-        for (int j = 0; j < G; ++j) v[j] = dec<IN_E5M2>(cd[j]) * sc * rs * wv[j];
+        for (int j = 0; j < G; ++j) v[j] = fp8_to_f32<IN_E5M2>(cd[j]) * sc * rs * wv[j];
     }
 };
 
@@ -310,10 +295,10 @@ struct SiluSrc {
         load_codes(q + r * 2 * i + c, cg);
         load_codes(q + r * 2 * i + i + c, cu);
         const int64_t ng = 2 * i / G;
-        const float sg = exp2i((int)s[r * ng + c / G] - 127), su = exp2i((int)s[r * ng + (i + c) / G] - 127);
+        const float sg = pow2_of_byte(s[r * ng + c / G]), su = pow2_of_byte(s[r * ng + (i + c) / G]);
 #pragma unroll
         for (int j = 0; j < G; ++j) {
-            const float g = dec<IN_E5M2>(cg[j]) * sg, u = dec<IN_E5M2>(cu[j]) * su;
+            const float g = fp8_to_f32<IN_E5M2>(cg[j]) * sg, u = fp8_to_f32<IN_E5M2>(cu[j]) * su;
             v[j] = g * sigmoid(g) * u;
         }
     }
@@ -332,7 +317,7 @@ __global__ void tile_quant_k(Src src, const float* scale, uint8_t* out, uint8_t*
         src.load(r, c0, v);
         alignas(16) uint8_t c[G];
 #pragma unroll
-        for (int j = 0; j < G; ++j) c[j] = enc<OUT_E5M2>(v[j] * inv);
+        for (int j = 0; j < G; ++j) c[j] = fp8_cast<OUT_E5M2>(v[j] * inv);
         if (out != nullptr) store_codes(out + r * n + c0, c);
         if (out_t != nullptr)
 #pragma unroll
@@ -368,7 +353,7 @@ __global__ void tensor_scale_k(const float* amax, int64_t m, float* scale) {
     }
     v = block_reduce<true>(v);
     nans = block_reduce<false>(nans);
-    if (threadIdx.x == 0) *scale = exp2i(nans > 0.0f ? -127 : pow2_exp<E5M2>(v));
+    if (threadIdx.x == 0) *scale = exp2i(nans > 0.0f ? -kPow2Bias : pow2_exponent<E5M2>(v));
 }
 
 int num_sms() {
