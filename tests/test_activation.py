@@ -9,7 +9,7 @@ import torch
 
 from coat_ds.activation import ActivationConfig
 from coat_ds.hf import CoatDecoderLayer
-from coat_ds.activation import reference as R
+from coat_ds.kernels import quant_reference as R
 from coat_ds.formats import E4M3, E5M2
 
 transformers = pytest.importorskip("transformers")

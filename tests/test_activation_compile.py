@@ -7,7 +7,7 @@ Two ways a traced FP8 layer has given wrong gradients, each checked here on the 
     check is structural: no autograd.Function forward in the Dynamo graph mutates anything in place.
   - an eager implementation (a CUDA kernel writing into `torch.empty` outputs through raw pointers) run on
     fake/functional tensors while a graph is traced: the graph would hold only the empty outputs. Every
-    tracer must see the `coat_act` custom ops instead (ops.tracing()), also make_fx without Dynamo."""
+    tracer must see the `coat_act` custom ops instead (quant.tracing()), also make_fx without Dynamo."""
 import collections
 import copy
 import operator
@@ -16,7 +16,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from coat_ds.activation import gemm, ops
+from coat_ds.activation import gemm
+from coat_ds.kernels import quant
+from coat_ds.kernels.custom_op import KERNEL_OPS
 from coat_ds.hf import CoatDecoderLayer
 
 transformers = pytest.importorskip("transformers")
@@ -25,7 +27,6 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 
 from coat_ds.formats import E4M3, E5M2  # noqa: E402
 
-IMPLS = [(ops, "_" + n) for n in ops.SCHEMAS] + [(gemm, "_fp8_mm")]
 
 
 @pytest.fixture
@@ -33,13 +34,15 @@ def eager_impl_calls(monkeypatch):
     """(name, traced) of every call of an eager implementation; traced: a python dispatch mode is active or
     an argument is a tensor subclass (fake/functional), i.e. the call happens while a graph is traced."""
     calls = collections.Counter()
-    for mod, name in IMPLS:
-        def wrapped(*args, _f=getattr(mod, name), _n=name):
+    assert {gemm.fp8_mm, quant.row_amax, quant.rope_qkv_backward} <= set(KERNEL_OPS.values())
+    for name, kop in KERNEL_OPS.items():
+        def wrapped(*args, _f=kop.impl, _n=name, **kwargs):
             traced = _get_current_dispatch_mode() is not None or any(
-                isinstance(a, torch.Tensor) and type(a) not in (torch.Tensor, torch.nn.Parameter) for a in args)
+                isinstance(a, torch.Tensor) and type(a) not in (torch.Tensor, torch.nn.Parameter)
+                for a in (*args, *kwargs.values()))
             calls[(_n, traced)] += 1
-            return _f(*args)
-        monkeypatch.setattr(mod, name, wrapped)
+            return _f(*args, **kwargs)
+        monkeypatch.setattr(kop, "impl", wrapped)
     return calls
 
 
@@ -141,16 +144,16 @@ def test_make_fx_traces_custom_ops(eager_impl_calls):
     from torch.fx.experimental.proxy_tensor import make_fx
 
     def f(x, w, dy, wt):
-        xq, xs, rstd, ymax = ops.rmsnorm_quant(x, w, 1e-6, E4M3, 16)
-        ys = ops.tensor_scale(ymax, E4M3)
-        y, yt = ops.rmsnorm_rebuild(xq, xs, rstd, w, ys, E4M3, 16, True, True)
-        ws = ops.tensor_scale(ops.row_amax(wt), E4M3)
-        wq, _ = ops.quant_tensor(wt, ws, E4M3)
+        xq, xs, rstd, ymax = quant.rmsnorm_quant(x, w, 1e-6, E4M3, 16)
+        ys = quant.tensor_scale(ymax, E4M3)
+        y, yt = quant.rmsnorm_rebuild(xq, xs, rstd, w, ys, E4M3, 16, True, True)
+        ws = quant.tensor_scale(quant.row_amax(wt), E4M3)
+        wq, _ = quant.quant_tensor(wt, ws, E4M3)
         out = gemm.fp8_mm(y, ys, wq, ws, x.dtype)
-        q, s, amax = ops.silu_mul_quant(torch.cat([out, out], 1), E4M3, 16)
-        dgu, _ = ops.silu_mul_backward(dy, q, s, 16)
-        dx, dw = ops.rmsnorm_backward(dgu[:, :128], xq, xs, rstd, w, 16, dres=dy)
-        return out, dx, dw, yt, ops.silu_mul_rebuild(q, s, ops.tensor_scale(amax, E5M2), E5M2, 16)[0]
+        q, s, amax = quant.silu_mul_quant(torch.cat([out, out], 1), E4M3, 16)
+        dgu, _ = quant.silu_mul_backward(dy, q, s, 16)
+        dx, dw = quant.rmsnorm_backward(dgu[:, :128], xq, xs, rstd, w, 16, dres=dy)
+        return out, dx, dw, yt, quant.silu_mul_rebuild(q, s, quant.tensor_scale(amax, E5M2), E5M2, 16)[0]
 
     x, dy = torch.randn(32, 128).bfloat16(), torch.randn(32, 128).bfloat16()
     w, wt = (torch.rand(128) + 0.5).bfloat16(), torch.randn(128, 128).bfloat16()
@@ -168,7 +171,25 @@ def test_make_fx_traces_custom_ops(eager_impl_calls):
 
 def test_eager_path_skips_the_dispatcher(eager_impl_calls):
     """On real tensors with no dispatch mode, the ops call their implementation directly."""
-    assert not ops.tracing(torch.ones(2)) and not ops.tracing()
+    assert not quant.tracing(torch.ones(2)) and not quant.tracing()
     x = torch.randn(32, 64).bfloat16()
-    ops.row_amax(x)
-    assert eager_impl_calls == {("_row_amax", False): 1}
+    quant.row_amax(x)
+    assert eager_impl_calls == {("row_amax", False): 1}
+
+
+def test_fakes_match_implementations():
+    """torch.library.opcheck (fake tensor check) of every op but RoPE (CUDA only) on the CPU path: each
+    fake gives its implementation's shapes, dtypes and strides, for every optional layout and argument."""
+    x, w, s = torch.randn(32, 64).bfloat16(), (torch.rand(64) + 0.5).bfloat16(), torch.tensor(0.5)
+    xq, xs, rstd, ymax = quant.rmsnorm_quant(x, w, 1e-6, E4M3, 16)
+    q, qs, _ = quant.silu_mul_quant(x, E5M2, 16)
+    cases = [(quant.row_amax, (x,)), (quant.tensor_scale, (ymax, "e5m2")),
+             (quant.quant_tensor, (x, s, "e4m3", False, True)), (quant.quant_tensor, (x, s, "e5m2")),
+             (quant.rmsnorm_quant, (x, w, 1e-6, "e4m3", 16)),
+             (quant.rmsnorm_rebuild, (xq, xs, rstd, w, s, "e5m2", 16, True, True)),
+             (quant.rmsnorm_backward, (x, xq, xs, rstd, w, 16, x)), (quant.rmsnorm_backward, (x, xq, xs, rstd, w, 16)),
+             (quant.silu_mul_quant, (x, "e4m3", 16)), (quant.silu_mul_rebuild, (q, qs, s, "e4m3", 16, False, True)),
+             (quant.silu_mul_backward, (x[:, :32], q, qs, 16)), (gemm.fp8_mm, (xq, s, xq, s, torch.bfloat16, None))]
+    assert {k for k, _ in cases} == set(KERNEL_OPS.values()) - {quant.rope_qkv, quant.rope_qkv_backward}
+    for kop, args in cases:
+        torch.library.opcheck(kop.op, args, test_utils="test_faketensor")

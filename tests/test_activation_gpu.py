@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from coat_ds.hf import CoatDecoderLayer
-from coat_ds.activation import ops
-from coat_ds.activation import reference as R
+from coat_ds.kernels import quant
+from coat_ds.kernels import quant_reference as R
 from coat_ds.formats import E4M3, E5M2
 
 pytestmark = pytest.mark.gpu
@@ -55,9 +55,9 @@ def _close_bf16(a, b):
 @pytest.mark.parametrize("fmt", FMTS)
 def test_row_amax_and_quant_tensor(fmt):
     x = _rand(256, 320, 1)
-    assert torch.equal(ops.row_amax(x), R.row_amax(x))
+    assert torch.equal(quant.row_amax(x), R.row_amax(x))
     scale = R.tensor_scale(R.row_amax(x), fmt)
-    q, qt = ops.quant_tensor(x, scale, fmt, True, True)
+    q, qt = quant.quant_tensor(x, scale, fmt, True, True)
     rq, _ = R.quant_tensor(x, scale, fmt, True, False)
     _codes_equal(q, rq)
     _codes_equal(qt, rq.t().contiguous())
@@ -67,20 +67,20 @@ def test_row_amax_and_quant_tensor(fmt):
 def test_rmsnorm_kernels(fmt):
     m, n = 192, 4096 + 1024  # 320 groups: two groups per thread in the backward
     x, w = _rand(m, n, 2), (torch.rand(n, device="cuda") + 0.5).bfloat16()
-    k = ops.rmsnorm_quant(x, w, 1e-5, fmt, 16)
+    k = quant.rmsnorm_quant(x, w, 1e-5, fmt, 16)
     r = R.rmsnorm_quant(x, w, 1e-5, fmt, 16)
     _codes_equal(k[0], r[0])
     assert torch.equal(k[1], r[1])
     assert torch.allclose(k[2], r[2], rtol=1e-5, atol=0) and torch.allclose(k[3], r[3], rtol=1e-5, atol=0)
     xq, xs, rstd, ymax = r
     scale = R.tensor_scale(ymax, E4M3)
-    kq, kqt = ops.rmsnorm_rebuild(xq, xs, rstd, w, scale, E4M3, 16, True, True)
+    kq, kqt = quant.rmsnorm_rebuild(xq, xs, rstd, w, scale, E4M3, 16, True, True)
     rq, _ = R.rmsnorm_rebuild(xq, xs, rstd, w, scale, E4M3, 16, True, False)
     _one_step(kq, rq, E4M3)
     _codes_equal(kqt, kq.t().contiguous())
     dy, dres = _rand(m, n, 3), _rand(m, n, 4)
     for res in (None, dres):
-        kdx, kdw = ops.rmsnorm_backward(dy, xq, xs, rstd, w, 16, res)
+        kdx, kdw = quant.rmsnorm_backward(dy, xq, xs, rstd, w, 16, res)
         rdx, rdw = R.rmsnorm_backward(dy, xq, xs, rstd, w, 16, res)
         _close_bf16(kdx, rdx)
         assert torch.allclose(kdw, rdw, rtol=1e-4, atol=1e-4 * rdw.abs().max().item())
@@ -90,19 +90,19 @@ def test_rmsnorm_kernels(fmt):
 def test_silu_mul_kernels(fmt):
     m, i = 160, 2752  # 11008 / 4: not a multiple of 64, so tiles hang over the edge
     gu = _rand(m, 2 * i, 5)
-    k = ops.silu_mul_quant(gu, fmt, 16)
+    k = quant.silu_mul_quant(gu, fmt, 16)
     r = R.silu_mul_quant(gu, fmt, 16)
     _codes_equal(k[0], r[0])
     assert torch.equal(k[1], r[1])
     assert torch.allclose(k[2], r[2], rtol=1e-5, atol=0)
     q, s, amax = r
     scale = R.tensor_scale(amax, E4M3)
-    ka, kat = ops.silu_mul_rebuild(q, s, scale, E4M3, 16, True, True)
+    ka, kat = quant.silu_mul_rebuild(q, s, scale, E4M3, 16, True, True)
     ra, _ = R.silu_mul_rebuild(q, s, scale, E4M3, 16, True, False)
     _one_step(ka, ra, E4M3)
     _codes_equal(kat, ka.t().contiguous())
     da = _rand(m, i, 6)
-    kd, kmax = ops.silu_mul_backward(da, q, s, 16)
+    kd, kmax = quant.silu_mul_backward(da, q, s, 16)
     rd, rmax = R.silu_mul_backward(da, q, s, 16)
     _close_bf16(kd, rd)
     assert torch.equal(kmax, R.row_amax(kd))
@@ -113,7 +113,7 @@ def test_fused_weight_operand(transposed):
     """q/k/v weights quantized slice by slice into one operand == quantizing their concatenation."""
     ws = [_rand(256, 320, 11), _rand(64, 320, 12), _rand(64, 320, 13)]
     scale = R.tensor_scale(torch.cat([R.row_amax(w) for w in ws]), E4M3)
-    got = ops.quant_weights(ws, scale, E4M3, transposed)
+    got = quant.quant_weights(ws, scale, E4M3, transposed)
     want, want_t = R.quant_tensor(torch.cat(ws), scale, E4M3, True, True)
     _codes_equal(got, want_t if transposed else want)
 
@@ -135,7 +135,7 @@ def _tensor_scale_cases():
 
 @pytest.mark.parametrize("fmt", FMTS)
 def test_tensor_scale_kernel(kernels, fmt, monkeypatch):
-    """The kernel itself, then ops.tensor_scale with the reference made unreachable: it must dispatch."""
+    """The kernel itself, then quant.tensor_scale with the reference made unreachable: it must dispatch."""
     cases = _tensor_scale_cases()
     for name, amax in cases.items():
         want = R.tensor_scale(amax, fmt)
@@ -143,9 +143,9 @@ def test_tensor_scale_kernel(kernels, fmt, monkeypatch):
         kernels.tensor_scale(amax, got, fmt is E5M2)
         assert torch.equal(got, want), (name, got.item(), want.item())
     reference = R.tensor_scale
-    monkeypatch.setattr(R, "tensor_scale", lambda *a: pytest.fail("ops.tensor_scale fell back to the reference"))
+    monkeypatch.setattr(R, "tensor_scale", lambda *a: pytest.fail("quant.tensor_scale fell back to the reference"))
     for name, amax in cases.items():
-        assert torch.equal(ops.tensor_scale(amax, fmt), reference(amax, fmt)), name
+        assert torch.equal(quant.tensor_scale(amax, fmt), reference(amax, fmt)), name
 
 
 @pytest.mark.parametrize("nkv,cs_batch", [(8, 1), (2, 2)])

@@ -16,7 +16,7 @@ import torch
 from torch.autograd import Function
 
 from ..formats import FP8Format
-from . import ops
+from ..kernels import quant
 from .config import ActivationConfig
 from .gemm import fp8_mm
 from .weight_cache import WeightGroup
@@ -26,13 +26,13 @@ def residual_add(out: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
     """out + res: in place in eager mode; out of place where a graph is traced. torch < 2.13's compiled
     autograd.Function drops the gradient of an output that its forward mutated in place (all-zero
     gradients for everything before it; seen with torch 2.11, CPU and CUDA alike)."""
-    return out + res if ops.tracing(out) else out.add_(res)
+    return out + res if quant.tracing(out) else out.add_(res)
 
 
 def quant_operand(x: torch.Tensor, fmt: FP8Format, rowmajor: bool = True, transposed: bool = False):
     """(codes, transposed codes, scale) of a per-tensor FP8 GEMM operand: row maxima, then one scale."""
-    scale = ops.tensor_scale(ops.row_amax(x), fmt)
-    q, qt = ops.quant_tensor(x, scale, fmt, rowmajor, transposed)
+    scale = quant.tensor_scale(quant.row_amax(x), fmt)
+    q, qt = quant.quant_tensor(x, scale, fmt, rowmajor, transposed)
     return q, qt, scale
 
 
@@ -54,9 +54,9 @@ def _norm_linear(x: torch.Tensor, norm_w: torch.Tensor, eps: float, cfg: Activat
     """RMSNorm then an FP8 GEMM: (output, (xq, xs, rstd, ys)), the norm's FP8 input and the scale of its
     FP8 output being what backward rebuilds the GEMM input from."""
     fwd, g = cfg.fwd, cfg.group_size
-    xq, xs, rstd, ymax = ops.rmsnorm_quant(x, norm_w, eps, fwd, g)
-    ys = ops.tensor_scale(ymax, fwd)
-    y, _ = ops.rmsnorm_rebuild(xq, xs, rstd, norm_w, ys, fwd, g)
+    xq, xs, rstd, ymax = quant.rmsnorm_quant(x, norm_w, eps, fwd, g)
+    ys = quant.tensor_scale(ymax, fwd)
+    y, _ = quant.rmsnorm_rebuild(xq, xs, rstd, norm_w, ys, fwd, g)
     wq, ws = group.operand(transposed=False)
     return fp8_mm(y, ys, wq, ws, x.dtype, group.bias_cat()), (xq, xs, rstd, ys)
 
@@ -74,10 +74,10 @@ class NormLinearFn(Function):
     def backward(ctx, dout: torch.Tensor):
         xq, xs, rstd, ys, norm_w = ctx.saved_tensors
         cfg, group = ctx.cfg, ctx.group
-        _, yt = ops.rmsnorm_rebuild(xq, xs, rstd, norm_w, ys, cfg.fwd, cfg.group_size, rowmajor=False,
+        _, yt = quant.rmsnorm_rebuild(xq, xs, rstd, norm_w, ys, cfg.fwd, cfg.group_size, rowmajor=False,
                                     transposed=True)
         dy, pgrads = _linear_backward(dout.contiguous(), group, yt, ys, cfg.bwd)
-        dx, dnw = ops.rmsnorm_backward(dy, xq, xs, rstd, norm_w, cfg.group_size)
+        dx, dnw = quant.rmsnorm_backward(dy, xq, xs, rstd, norm_w, cfg.group_size)
         return dx, dnw.to(norm_w.dtype), None, None, None, *pgrads
 
 
@@ -87,10 +87,10 @@ class MlpFn(Function):
                 gu: WeightGroup, down: WeightGroup, *params: torch.Tensor) -> torch.Tensor:
         fwd, g = cfg.fwd, cfg.group_size
         gate_up, (xq, xs, rstd, ys) = _norm_linear(h, norm_w, eps, cfg, gu)
-        q, s, amax = ops.silu_mul_quant(gate_up, fwd, g)
+        q, s, amax = quant.silu_mul_quant(gate_up, fwd, g)
         del gate_up
-        a_s = ops.tensor_scale(amax, fwd)
-        a, _ = ops.silu_mul_rebuild(q, s, a_s, fwd, g)
+        a_s = quant.tensor_scale(amax, fwd)
+        a, _ = quant.silu_mul_rebuild(q, s, a_s, fwd, g)
         wq, ws = down.operand(transposed=False)
         out = fp8_mm(a, a_s, wq, ws, h.dtype, down.bias_cat())
         out = residual_add(out, h)
@@ -103,22 +103,22 @@ class MlpFn(Function):
         xq, xs, rstd, ys, q, s, a_s, norm_w = ctx.saved_tensors
         cfg, g = ctx.cfg, ctx.cfg.group_size
         dout = dout.contiguous()
-        _, at = ops.silu_mul_rebuild(q, s, a_s, cfg.fwd, g, rowmajor=False, transposed=True)
+        _, at = quant.silu_mul_rebuild(q, s, a_s, cfg.fwd, g, rowmajor=False, transposed=True)
         da, down_grads = _linear_backward(dout, ctx.down, at, a_s, cfg.bwd)
         del at
-        dgu, amax = ops.silu_mul_backward(da, q, s, g)
+        dgu, amax = quant.silu_mul_backward(da, q, s, g)
         del da
-        dgs = ops.tensor_scale(amax, cfg.bwd)
-        dq, dqt = ops.quant_tensor(dgu, dgs, cfg.bwd, rowmajor=True, transposed=True)
+        dgs = quant.tensor_scale(amax, cfg.bwd)
+        dq, dqt = quant.quant_tensor(dgu, dgs, cfg.bwd, rowmajor=True, transposed=True)
         wt, ws = ctx.gu.operand(transposed=True)
         dy = fp8_mm(dq, dgs, wt, ws, dout.dtype)
         del dq
-        _, yt = ops.rmsnorm_rebuild(xq, xs, rstd, norm_w, ys, cfg.fwd, g, rowmajor=False, transposed=True)
+        _, yt = quant.rmsnorm_rebuild(xq, xs, rstd, norm_w, ys, cfg.fwd, g, rowmajor=False, transposed=True)
         w = ctx.gu.weights[0]
         dw = fp8_mm(dqt, dgs, yt, ys, w.dtype)
         db = dgu.sum(dim=0).to(w.dtype) if ctx.gu.has_bias else None
         gu_grads = ctx.gu.split_grad(dw, db)
-        dh, dnw = ops.rmsnorm_backward(dy, xq, xs, rstd, norm_w, g, dres=dout)
+        dh, dnw = quant.rmsnorm_backward(dy, xq, xs, rstd, norm_w, g, dres=dout)
         return dh, dnw.to(norm_w.dtype), None, None, None, None, *gu_grads, *down_grads
 
 
@@ -128,7 +128,7 @@ class RopeFn(Function):
     @staticmethod
     def forward(ctx, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: int, nh: int, nkv: int,
                 hd: int):
-        q, k, v = ops.rope_qkv(qkv, cos, sin, batch, nh, nkv, hd)
+        q, k, v = quant.rope_qkv(qkv, cos, sin, batch, nh, nkv, hd)
         ctx.save_for_backward(cos, sin)  # the model's shared cos/sin: no per-layer memory
         ctx.dims, ctx.shapes = (nh, nkv, hd), (q.shape, k.shape, v.shape)
         return q, k, v
@@ -137,7 +137,7 @@ class RopeFn(Function):
     def backward(ctx, dq, dk, dv):
         cos, sin = ctx.saved_tensors
         dq, dk, dv = (cos.new_zeros(shape) if g is None else g for g, shape in zip((dq, dk, dv), ctx.shapes))
-        return ops.rope_qkv_backward(dq, dk, dv, cos, sin, *ctx.dims), None, None, None, None, None, None
+        return quant.rope_qkv_backward(dq, dk, dv, cos, sin, *ctx.dims), None, None, None, None, None, None
 
 
 class LinearFn(Function):
@@ -157,7 +157,7 @@ class LinearFn(Function):
     def backward(ctx, dout: torch.Tensor):
         saved, xs = ctx.saved_tensors
         cfg = ctx.cfg
-        xt = saved if ctx.save_fp8 else ops.quant_tensor(saved, xs, cfg.fwd, rowmajor=False, transposed=True)[1]
+        xt = saved if ctx.save_fp8 else quant.quant_tensor(saved, xs, cfg.fwd, rowmajor=False, transposed=True)[1]
         dout = dout.contiguous()
         dx, pgrads = _linear_backward(dout, ctx.group, xt, xs, cfg.bwd)
         return dx, (dout if ctx.has_res else None), None, None, None, *pgrads

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import functools
 import warnings
+from typing import Optional
 
 import torch
+from torch import Tensor
 
-from .ops import tracing
+from ..kernels.custom_op import KernelOp
 
 
 FP8_GEMM_CAPABILITY = (8, 9)  # FP8 Tensor Cores: Ada, Hopper and newer
@@ -33,8 +35,10 @@ def _fp8_gemm_ok(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape[0] % 16 == 0 and a.shape[1] % 16 == 0 and b.shape[1] % 16 == 0
 
 
-def _fp8_mm(a: torch.Tensor, sa: torch.Tensor, b_t: torch.Tensor, sb: torch.Tensor, out_dtype: torch.dtype,
-            bias: torch.Tensor | None = None) -> torch.Tensor:
+@KernelOp  # opaque to the compiler, like the other FP8 ops: the graph keeps the exact cuBLAS call eager runs
+def fp8_mm(a: Tensor, sa: Tensor, b_t: Tensor, sb: Tensor, out_dtype: torch.dtype,
+           bias: Optional[Tensor] = None) -> Tensor:
+    """(a * sa) @ (b_t * sb)^T: a [M, K] and b_t [N, K] FP8 row-major, sa/sb fp32 0-d scales -> [M, N]."""
     b = b_t.t()
     if a.device.type == "cpu":  # torch's CPU _scaled_mm is a naive loop (~400x slower); same fp32 math via mm
         out = (a.float() @ b.float()) * (sa * sb)
@@ -47,17 +51,6 @@ def _fp8_mm(a: torch.Tensor, sa: torch.Tensor, b_t: torch.Tensor, sb: torch.Tens
     return out if bias is None else out + bias
 
 
-# Opaque to the compiler, like the other FP8 ops: the graph keeps the exact cuBLAS call that eager mode runs.
-_fp8_mm_op = torch.library.custom_op(
-    "coat_act::fp8_mm", mutates_args=(),
-    schema="(Tensor a, Tensor sa, Tensor b_t, Tensor sb, ScalarType out_dtype, Tensor? bias) -> Tensor")(_fp8_mm)
-_fp8_mm_op.register_fake(lambda a, sa, b_t, sb, out_dtype, bias: a.new_empty(a.shape[0], b_t.shape[0],
-                                                                                  dtype=out_dtype))
-
-
-def fp8_mm(a: torch.Tensor, sa: torch.Tensor, b_t: torch.Tensor, sb: torch.Tensor, out_dtype: torch.dtype,
-           bias: torch.Tensor | None = None) -> torch.Tensor:
-    """(a * sa) @ (b_t * sb)^T: a [M, K] and b_t [N, K] FP8 row-major, sa/sb fp32 0-d scales -> [M, N]."""
-    if tracing(a):
-        return _fp8_mm_op(a, sa, b_t, sb, out_dtype, bias)
-    return _fp8_mm(a, sa, b_t, sb, out_dtype, bias)
+@fp8_mm.register_fake
+def _(a, sa, b_t, sb, out_dtype, bias=None):
+    return a.new_empty(a.shape[0], b_t.shape[0], dtype=out_dtype)

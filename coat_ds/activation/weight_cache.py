@@ -15,7 +15,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..formats import FP8Format
-from . import ops
+from ..kernels import quant as ops
 
 
 _optimizer_steps = 0

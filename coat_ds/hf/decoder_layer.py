@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..activation.config import ActivationConfig
-from ..activation import ops
+from ..kernels import quant as ops
 from ..activation.functions import LinearFn, MlpFn, NormLinearFn, RopeFn
 from ..activation.weight_cache import WeightGroup
 

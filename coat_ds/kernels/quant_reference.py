@@ -71,10 +71,11 @@ def tensor_scale(amax_rows: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
 
 
 def quant_tensor(x: torch.Tensor, scale: torch.Tensor, fmt: FP8Format, rowmajor: bool = True,
-                 transposed: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(codes [M, N] or None, codes of x^T [N, M] or None): both layouts from one quantization."""
+                 transposed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes [M, N], codes of x^T [N, M]): both layouts from one quantization; one not asked for is an empty
+    tensor (as the kernels give it: a custom op cannot return None)."""
     q = cast_to_fp8(x.float() * (1.0 / scale), fmt)
-    return (q if rowmajor else None), (q.t().contiguous() if transposed else None)
+    return (q if rowmajor else q.new_empty(0)), (q.t().contiguous() if transposed else q.new_empty(0))
 
 
 # ---------------------------------------------------------------- RMSNorm
