@@ -52,7 +52,7 @@ class Worker:
         train_lib.set_single_process_env()
         deepspeed.init_distributed()
         self.on_cuda = torch.cuda.is_available()
-        tokens = data_lib.load(args.data, args.seq_len, vocab_size=args.vocab_size)
+        tokens = data_lib.load(args.data, args.seq_len, vocab_size=args.vocab_size, max_bytes=args.data_bytes)
         model = train_lib.build_model(argparse.Namespace(model=None, model_size=args.model_size, seed=args.seed),
                                       tokens.vocab_size, args.seq_len)
         self.n_params = sum(p.numel() for p in model.parameters())
@@ -195,8 +195,10 @@ def dump_adam_state(engine, path: Path, sample: int, what: str) -> dict:
             "optimizer": type(base).__name__}
 
 
-def launch(args: argparse.Namespace, name: str, out: Path) -> tuple[subprocess.Popen, Path, Path]:
-    result, log = out / f"convergence_{name}.json", out / f"convergence_{name}.log"
+def launch(args: argparse.Namespace, name: str, out: Path,
+           tag: str | None = None) -> tuple[subprocess.Popen, Path, Path]:
+    """Start one configuration's worker; its result and log are named after `tag` (default: the name)."""
+    result, log = out / f"convergence_{tag or name}.json", out / f"convergence_{tag or name}.log"
     result.unlink(missing_ok=True)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--config", name,
            "--model-size", args.model_size, "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch),
@@ -206,7 +208,9 @@ def launch(args: argparse.Namespace, name: str, out: Path) -> tuple[subprocess.P
            "--result", str(result), "--deadline", str(args.deadline)]
     if args.data:
         cmd += ["--data", args.data]
-    if name == "bf16":
+    if args.data_bytes:
+        cmd += ["--data-bytes", str(args.data_bytes)]
+    if name == "bf16" and args.state_sample:
         cmd += ["--dump-state", str(out / "adam_state_bf16.pt"), "--state-sample", str(args.state_sample)]
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0",
                WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
@@ -232,6 +236,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from {list(CONFIGS)}")
     p.add_argument("--model-size", default="125m", help="a size from examples/train.py's MODEL_SIZES")
     p.add_argument("--data", help="as examples/train.py --data (default: the standard-library corpus)")
+    p.add_argument("--data-bytes", type=int, help="a --data text folder: use files up to this many bytes in all")
     p.add_argument("--vocab-size", type=int, default=8192)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--micro-batch", type=int, default=16)
@@ -242,7 +247,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--eval-batches", type=int, default=16)
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--state-sample", type=int, default=2_000_000, help="Adam-state values saved from the BF16 run")
+    p.add_argument("--state-sample", type=int, default=2_000_000,
+                   help="Adam-state values saved from the BF16 run (0: none)")
     p.add_argument("--parallel", action="store_true", help="run the configurations at the same time")
     p.add_argument("--time-budget", type=float, default=3600.0, help="seconds before the runs are killed")
     p.add_argument("--smoke", action="store_true", help="tiny model, few steps, small corpus (CPU is fine)")
@@ -270,17 +276,23 @@ def run_all(args: argparse.Namespace, names: list[str], out: Path, deadline: flo
             procs[n] = launch(args, n, out)
             rcs[n] = wait(procs[n][0], deadline)
     for n, (_, result, log) in procs.items():
-        if result.exists():
-            runs[n] = json.loads(result.read_text())
-            if rcs[n] != 0 and runs[n]["status"] in ("running", "ok"):
-                runs[n]["status"] = f"stopped at step {runs[n]['steps_done']} (exit {rcs[n]})"
-        else:
-            runs[n] = {"config": n, "label": CONFIGS[n][0], "status": f"failed (exit {rcs[n]})", "train": [],
-                       "val": [], "final_val_loss": None}
-        runs[n]["exit_code"] = rcs[n]
-        runs[n]["log_tail"] = log.read_text()[-2000:] if rcs[n] != 0 else ""
-        print(f"{n}: {runs[n]['status']}, final val loss {runs[n]['final_val_loss']}", flush=True)
+        runs[n] = collect(n, rcs[n], result, log)
     return runs
+
+
+def collect(name: str, rc: int, result: Path, log: Path) -> dict:
+    """A finished (or killed) worker's result: what it last saved, with its exit code; a stub when it saved none."""
+    if result.exists():
+        run = json.loads(result.read_text())
+        if rc != 0 and run["status"] in ("running", "ok"):
+            run["status"] = f"stopped at step {run['steps_done']} (exit {rc})"
+    else:
+        run = {"config": name, "label": CONFIGS[name][0], "status": f"failed (exit {rc})", "train": [], "val": [],
+               "final_val_loss": None}
+    run["exit_code"] = rc
+    run["log_tail"] = log.read_text()[-2000:] if rc != 0 else ""
+    print(f"{result.stem}: {run['status']}, final val loss {run['final_val_loss']}", flush=True)
+    return run
 
 
 def headline(args: argparse.Namespace, runs: dict[str, dict], tokens, t0: float) -> dict:
@@ -319,15 +331,20 @@ def headline(args: argparse.Namespace, runs: dict[str, dict], tokens, t0: float)
     }
 
 
+def smoke_recipe(args: argparse.Namespace) -> None:
+    """The --smoke recipe: tiny model, few steps, a small text folder (the BPE trains in seconds); CPU is fine."""
+    args.model_size, args.seq_len, args.micro_batch, args.steps = "tiny", 64, 4, 3
+    args.warmup_steps, args.log_every, args.eval_every, args.eval_batches = 1, 1, 3, 1
+    args.vocab_size, args.state_sample = 512, 4096
+    args.data = args.data or str(ROOT / "coat_ds")
+
+
 def main(argv: list[str] | None = None) -> int:
     p, args = parse_args(argv)
     if args.worker:
         return worker(args)
     if args.smoke:
-        args.model_size, args.seq_len, args.micro_batch, args.steps = "tiny", 64, 4, 3
-        args.warmup_steps, args.log_every, args.eval_every, args.eval_batches = 1, 1, 3, 1
-        args.vocab_size, args.state_sample = 512, 4096
-        args.data = args.data or str(ROOT / "coat_ds")        # a small text folder: the BPE trains in seconds
+        smoke_recipe(args)
     names = check_args(p, args, ("seq_len", "micro_batch", "steps", "log_every", "eval_every", "eval_batches"))
 
     sys.path.insert(0, str(ROOT / "examples"))
@@ -336,7 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    tokens = data_lib.load(args.data, args.seq_len, vocab_size=args.vocab_size)   # built once, read by every run
+    tokens = data_lib.load(args.data, args.seq_len, vocab_size=args.vocab_size,   # built once, read by every run
+                           max_bytes=args.data_bytes)
     print(f"data: {tokens.source}: {len(tokens.train):,} train / {len(tokens.val):,} val tokens "
           f"({time.time() - t0:.0f} s)", flush=True)
     args.deadline = t0 + args.time_budget - 20          # the runs stop themselves, evaluate and save

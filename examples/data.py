@@ -340,13 +340,27 @@ def _text_files(root: Path) -> list[Path]:
     return files
 
 
-def text_folder(root: Path, tok: Tok | None, vocab_size: int) -> TokenData:
+def _capped(root: Path, files: list[Path], max_bytes: int) -> list[Path]:
+    """Files in an order spread over the whole tree (by a hash of the relative path), up to max_bytes in all."""
+    keep, total = [], 0
+    for f in sorted(files, key=lambda f: zlib.crc32(str(f.relative_to(root)).encode())):
+        size = f.stat().st_size
+        if total + size <= max_bytes:
+            keep.append(f)
+            total += size
+    return sorted(keep)
+
+
+def text_folder(root: Path, tok: Tok | None, vocab_size: int, max_bytes: int | None = None) -> TokenData:
     files = _text_files(root)
+    if max_bytes is not None:
+        files = _capped(root, files, max_bytes)
     if len(files) < 2:
         raise DataError(f"--data {root}: a text folder needs at least 2 UTF-8 text files (one is held out for "
                         f"validation); found {len(files)}")
     train, val = _split_files(root, files)
-    ident = [f"text folder {root}"] + _file_ids(files)
+    cap = f", files up to {max_bytes:,} bytes" if max_bytes is not None else ""
+    ident = [f"text folder {root}{cap}"] + _file_ids(files)
     return _build_text_cache("text", ident, lambda: map(_read_text, train), lambda: map(_read_text, val), tok,
                              vocab_size)
 
@@ -468,12 +482,14 @@ def saved_dataset(path: Path, tok: Tok | None, vocab_size: int) -> TokenData:
 
 
 def load(data: str | None, seq_len: int, *, tokenizer: str | None = None, vocab_size: int = DEFAULT_VOCAB,
-         data_dtype: str = "uint16", model_vocab: int | None = None) -> TokenData:
+         data_dtype: str = "uint16", model_vocab: int | None = None, max_bytes: int | None = None) -> TokenData:
     """Resolve --data into train/val token streams, checking everything the training loop relies on.
 
     data: None for the embedded stdlib corpus, else a path (see the module docstring).
     tokenizer: an HF model name/path whose tokenizer encodes text sources; None trains a BPE of `vocab_size`.
     model_vocab: when the model is fixed (--model), every token id must be below it.
+    max_bytes: a text folder contributes files (spread over its tree) up to this many bytes: a big package's
+    source stays quick to tokenize.
     """
     if not isinstance(seq_len, int) or seq_len < 1:
         raise DataError(f"--seq-len={seq_len!r} is invalid; allowed: an integer >= 1")
@@ -481,6 +497,10 @@ def load(data: str | None, seq_len: int, *, tokenizer: str | None = None, vocab_
         raise DataError(f"--vocab-size={vocab_size!r} is invalid; allowed: an integer in [257, 1048576] "
                         f"(byte-level BPE starts from 256 byte tokens)")
     tok = _LazyTok(tokenizer) if tokenizer else None
+    if max_bytes is not None and (data is None or not Path(data).expanduser().is_dir()):
+        raise DataError(f"--data-bytes={max_bytes!r} applies to a text folder only; got --data {data or 'stdlib'}")
+    if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes < 1):
+        raise DataError(f"--data-bytes={max_bytes!r} is invalid; allowed: an integer >= 1")
     if data is None:
         td = stdlib_corpus(tok, vocab_size)
     else:
@@ -493,7 +513,7 @@ def load(data: str | None, seq_len: int, *, tokenizer: str | None = None, vocab_
             elif any((path / f"train{e}").exists() for e in (".bin", ".npy")):
                 td = token_files(path, data_dtype)
             else:
-                td = text_folder(path, tok, vocab_size)
+                td = text_folder(path, tok, vocab_size, max_bytes)
         elif path.suffix in (".npy", ".bin"):
             td = token_files(path, data_dtype)
         else:

@@ -227,3 +227,47 @@ def test_host_overhead_dry_run_reports_per_layer_host_time(tmp_path):
         assert r["host_top_per_layer"] and r["date"] and r["command"] and r["versions"]["torch"]
     bad = subprocess.run(cmd[:2] + ["--seq", "100"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--seq=100 is invalid; allowed: a multiple of 16" in bad.stderr
+
+
+def test_seed_spread_smoke_statistics_recompute_from_each_seed_and_merge_keeps_what_ran(tmp_path):
+    import statistics
+
+    import seed_spread
+
+    env = dict(os.environ, COAT_DISABLE_OPS="1", COAT_DATA_CACHE=str(tmp_path / "data_cache"), PYTHONUNBUFFERED="1")
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "seed_spread.py"), "--smoke", "--out",
+                           str(tmp_path / "out")], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    res = json.loads((tmp_path / "out" / "seed_spread.json").read_text())
+    for key in ("device", "versions", "command", "date", "calls", "default"):
+        assert key in res, key
+    sec = res["default"]
+    assert sec["recipe"]["steps"] == 4 and sec["steps_compared"] == 4
+    assert set(sec["runs"]) == {"bf16", "coat_full"} and all(set(r) == {"0", "1"} for r in sec["runs"].values())
+    # the seed changes the weights and the data: the two seeds' curves differ
+    assert sec["runs"]["bf16"]["0"]["val"] != sec["runs"]["bf16"]["1"]["val"]
+    st = {}
+    for name, runs in sec["runs"].items():
+        final = [dict(runs[s]["val"])[4] for s in ("0", "1")]
+        best = [min(v for _, v in runs[s]["val"]) for s in ("0", "1")]
+        got = sec["summary"][name]
+        assert got["seeds"] == [0, 1] and got["final"] == final and got["best"] == best
+        assert got["final_mean"] == pytest.approx(sum(final) / 2)
+        assert got["final_std"] == pytest.approx(abs(final[0] - final[1]) / math.sqrt(2))   # n - 1
+        assert got["best_std"] == pytest.approx(statistics.stdev(best))
+        st[name] = got
+    b = st["bf16"]
+    lo, hi = min(b["final"]) - b["final_std"], max(b["final"]) + b["final_std"]
+    assert sec["bf16_band"] == pytest.approx([lo, hi])
+    for got in st.values():
+        assert got["gap_rel_mean"] == pytest.approx((got["final_mean"] - b["final_mean"]) / b["final_mean"])
+        assert got["within_bf16_spread"] is (lo <= got["final_mean"] <= hi)
+    assert (tmp_path / "out" / "seed_spread.png").stat().st_size > 10_000
+    # merging: a later run of a pair replaces it, a run that saved no curve does not
+    new = {"status": "ok", "val": [[2, 1.0], [4, 0.5]], "steps_done": 4}
+    seed_spread.merge(sec, {("bf16", 0): {"status": "failed (exit 1)", "val": []}, ("bf16", 1): new}, call=1)
+    seed_spread.summarize(sec)
+    assert sec["runs"]["bf16"]["0"]["call"] == 0 and sec["runs"]["bf16"]["1"]["val"] == new["val"]
+    assert sec["summary"]["bf16"]["final"] == [st["bf16"]["final"][0], 0.5]

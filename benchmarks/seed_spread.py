@@ -1,0 +1,318 @@
+"""Seed spread: is coat's validation loss inside BF16's own seed-to-seed spread? Every (configuration, seed)
+is one benchmarks/convergence.py worker (the seed sets the initial weights and the data order alike), up to
+--max-parallel of them at once on one GPU, on convergence.py's default recipe (125M Llama, seq 512,
+micro-batch 16, 2000 steps, the standard-library corpus, tokenized once here before the runs).
+
+One H100, 600 s per command: two calls merge into one seed_spread.json (a later run of a pair replaces it),
+and a third adds the `long_data` section (seq 1024 x micro-batch 8, the same tokens per step, on a larger
+corpus: the transformers package's own source, files up to --data-bytes):
+
+    python benchmarks/seed_spread.py --configs bf16,coat_full --seeds 0,1,2 --time-budget 555 --out OUT
+    python benchmarks/seed_spread.py --configs coat_opt,coat_full_bf16sr --seeds 0,1,2 --time-budget 555 --out OUT
+    python benchmarks/seed_spread.py --long --seeds 0,1,2 --time-budget 555 --out OUT
+    python benchmarks/seed_spread.py --smoke --out /tmp/seeds                       # CPU, tiny, < 60 s
+
+Workers still running at the deadline stop themselves (evaluate, save) and are killed shortly after; every
+worker rewrites its result at each evaluation, so a stopped run keeps its curve ("partial"). The statistics
+compare every run of a section at the last step all of them evaluated (`steps_compared`).
+Output in --out: seed_spread.json, seed_spread.png, one result and log per run.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import convergence  # noqa: E402
+from e2e import CONFIGS, ROOT, check_args, check_positive, command, device_name, now, versions  # noqa: E402
+
+DEFAULT_CONFIGS = "bf16,coat_opt,coat_full,coat_full_bf16sr"
+LONG_CONFIGS = "bf16,coat_full"
+LONG_DATA_BYTES = 40_000_000        # ~10M tokens of transformers' source: the BPE builds in well under a minute
+STOP_MARGIN_S, KILL_MARGIN_S = 30.0, 8.0   # before the budget ends: workers stop themselves, then are killed
+
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, argparse.Namespace, list[str], list[int]]:
+    """This script's options, the worker recipe (convergence.py's defaults, adjusted), the configs, the seeds."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--configs", help=f"comma-separated, from {list(CONFIGS)} (default {DEFAULT_CONFIGS}; "
+                                     f"with --long {LONG_CONFIGS})")
+    p.add_argument("--seeds", default="0,1,2", help="comma-separated integers")
+    p.add_argument("--max-parallel", type=int, default=6, help="workers at once on the one device")
+    p.add_argument("--time-budget", type=float, default=3600.0, help="seconds for the whole command")
+    p.add_argument("--steps", type=int, help="default: convergence.py's 2000 (the smoke's 4)")
+    p.add_argument("--long", action="store_true", help="seq 1024 x micro-batch 8 on --data: the long_data section")
+    p.add_argument("--data", help="with --long (default: the transformers package's source folder)")
+    p.add_argument("--data-bytes", type=int, help=f"a --data folder's files up to this many bytes "
+                                                  f"(--long default {LONG_DATA_BYTES:,})")
+    p.add_argument("--smoke", action="store_true", help="tiny model, few steps, 2 configs x 2 seeds (CPU is fine)")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = p.parse_args(argv)
+    check_positive(p, args, ("max_parallel", "steps"))
+    try:
+        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    except ValueError:
+        p.error(f"--seeds={args.seeds!r} is invalid; allowed: comma-separated integers")
+    if args.data and not (args.long or args.smoke):
+        p.error("--data applies to --long only (the default section is convergence.py's own corpus)")
+    rec = recipe_args(args)
+    args.configs = args.configs or (LONG_CONFIGS if args.long else DEFAULT_CONFIGS)
+    if args.smoke:
+        args.configs, seeds = ("bf16,coat_full" if args.configs == DEFAULT_CONFIGS else args.configs), seeds[:2]
+    names = check_args(p, args, ())
+    if not seeds or len(set(seeds)) != len(seeds):
+        p.error(f"--seeds={args.seeds!r} is invalid; allowed: distinct comma-separated integers")
+    return args, rec, names, seeds
+
+
+def recipe_args(args: argparse.Namespace) -> argparse.Namespace:
+    """convergence.py's worker arguments: its defaults, the --long or --smoke changes, no Adam-state dump."""
+    _, rec = convergence.parse_args([])
+    rec.data, rec.data_bytes = args.data, args.data_bytes
+    if args.smoke:
+        convergence.smoke_recipe(rec)
+        rec.steps, rec.eval_every = 4, 2
+        if args.long:
+            rec.seq_len, rec.micro_batch = 128, 2
+    elif args.long:
+        rec.seq_len, rec.micro_batch = 1024, 8          # 8192 tokens per step, as the default recipe
+        if rec.data is None:
+            import transformers
+            rec.data = os.path.dirname(transformers.__file__)
+        if rec.data_bytes is None and Path(rec.data).is_dir():
+            rec.data_bytes = LONG_DATA_BYTES
+    rec.steps = args.steps or rec.steps
+    rec.state_sample = 0
+    return rec
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Running the pairs
+# ---------------------------------------------------------------------------------------------------------
+def run_pairs(rec: argparse.Namespace, pairs: list[tuple[str, int]], out: Path, max_parallel: int,
+              kill_at: float) -> dict[tuple[str, int], dict]:
+    """Every (config, seed) worker, at most max_parallel at once; those still running at kill_at are killed
+    (their last saved result is kept). A pair not started before the workers' own deadline is left out."""
+    pending, active, done = list(pairs), {}, {}
+    while pending or active:
+        while pending and len(active) < max_parallel and time.time() < rec.deadline - 60:
+            name, seed = pending.pop(0)
+            run_args = copy.copy(rec)
+            run_args.seed = seed
+            active[(name, seed)] = convergence.launch(run_args, name, out, tag=f"{name}_seed{seed}")
+        if time.time() >= rec.deadline - 60:
+            pending.clear()
+        for key, (proc, result, log) in list(active.items()):
+            rc = proc.poll()
+            if rc is None and time.time() >= kill_at:
+                rc = convergence.wait(proc, time.time())
+            if rc is not None:
+                done[key] = convergence.collect(key[0], rc, result, log)
+                del active[key]
+        time.sleep(0.5)
+    return done
+
+
+def entry(run: dict, call: int) -> dict:
+    """What seed_spread.json keeps of one worker's result."""
+    status = run.get("status", "")
+    kind = "ok" if status == "ok" else "partial" if run.get("val") else "failed"
+    keep = ("steps_done", "final_val_loss", "val", "tokens_per_s", "peak_mem_gb", "params", "coat_warnings",
+            "exit_code")
+    e = {"status": kind, "detail": status, "call": call, **{k: run.get(k) for k in keep}}
+    if kind != "ok":
+        e["log_tail"] = run.get("log_tail", "")
+    return e
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Statistics
+# ---------------------------------------------------------------------------------------------------------
+def at_step(val: list, step: int | None) -> tuple[float | None, float | None]:
+    """(the validation loss at `step`, the best one up to it) of one curve."""
+    upto = [v for s, v in val if step is not None and s <= step]
+    final = next((v for s, v in val if s == step), None)
+    return final, (min(upto) if upto else None)
+
+
+def mean_std(xs: list[float]) -> tuple[float | None, float | None]:
+    """Mean and sample standard deviation (n - 1); None where there are too few values."""
+    return (statistics.mean(xs) if xs else None), (statistics.stdev(xs) if len(xs) > 1 else None)
+
+
+def config_stats(runs: dict[str, dict], step: int | None) -> dict:
+    """One configuration's seeds at `step`: each seed's final and best loss, their mean, std, min and max."""
+    seeds = sorted((s for s, e in runs.items() if at_step(e["val"] or [], step)[0] is not None), key=int)
+    final = [at_step(runs[s]["val"], step)[0] for s in seeds]
+    best = [at_step(runs[s]["val"], step)[1] for s in seeds]
+    (fm, fs), (bm, bs) = mean_std(final), mean_std(best)
+    return {"seeds": [int(s) for s in seeds], "final": final, "best": best, "final_mean": fm, "final_std": fs,
+            "best_mean": bm, "best_std": bs, "final_min": min(final, default=None),
+            "final_max": max(final, default=None), "statuses": [runs[s]["status"] for s in seeds]}
+
+
+def summarize(section: dict) -> None:
+    """steps_compared, the BF16 band and every configuration's statistics and gap, written into `section`."""
+    curves = [{s for s, _ in e["val"]} for r in section["runs"].values() for e in r.values() if e["val"]]
+    step = max(set.intersection(*curves), default=None) if curves else None
+    stats = {n: config_stats(r, step) for n, r in section["runs"].items()}
+    base = stats.get("bf16")
+    band = None
+    if base and base["final_std"] is not None:
+        band = [base["final_min"] - base["final_std"], base["final_max"] + base["final_std"]]
+    for st in stats.values():
+        ok = base and base["final_mean"] and st["final_mean"] is not None
+        st["gap_rel_mean"] = (st["final_mean"] - base["final_mean"]) / base["final_mean"] if ok else None
+        st["gap_rel_mean_best"] = (st["best_mean"] - base["best_mean"]) / base["best_mean"] if ok else None
+        inside = band is not None and st["final_mean"] is not None and band[0] <= st["final_mean"] <= band[1]
+        st["within_bf16_spread"] = None if band is None or st["final_mean"] is None else inside
+        st["outside_bf16_spread_rel"] = (None if st["within_bf16_spread"] is None else 0.0 if inside else
+                                         min(abs(st["final_mean"] - b) for b in band) / base["final_mean"])
+    section.update(steps_compared=step, bf16_band=band, summary=stats)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The JSON: merged with what --out already holds
+# ---------------------------------------------------------------------------------------------------------
+def section_recipe(rec: argparse.Namespace, tokens, smoke: bool) -> dict:
+    return {"model": f"llama-{rec.model_size}", "data": tokens.source.split(" (cache")[0],
+         "train_tokens": len(tokens.train), "val_tokens": len(tokens.val), "vocab_size": tokens.vocab_size,
+         "seq_len": rec.seq_len, "micro_batch": rec.micro_batch, "tokens_per_step": rec.seq_len * rec.micro_batch,
+         "steps": rec.steps, "epochs": rec.steps * rec.seq_len * rec.micro_batch / len(tokens.train),
+         "lr": rec.lr, "warmup_steps": rec.warmup_steps, "eval_every": rec.eval_every,
+         "eval_batches": rec.eval_batches, "smoke": smoke}
+
+
+def load_existing(path: Path, key: str, recipe: dict) -> dict:
+    """The JSON in --out (or a fresh one); exits with one line when its `key` section ran another recipe."""
+    res = json.loads(path.read_text()) if path.exists() else {"calls": []}
+    old = res.get(key)
+    if old and old["recipe"] != recipe:
+        diff = sorted(k for k in set(old["recipe"]) | set(recipe) if old["recipe"].get(k) != recipe.get(k))
+        sys.exit(f"{path}: its '{key}' section ran another recipe ({', '.join(diff)} differ); use another --out "
+                 f"or move the file away")
+    res.setdefault(key, {"recipe": recipe, "runs": {}})
+    return res
+
+
+def merge(section: dict, done: dict[tuple[str, int], dict], call: int) -> None:
+    """New results replace the old ones of the same pair, except a run with no curve never replaces one with."""
+    for (name, seed), run in done.items():
+        new, old = entry(run, call), section["runs"].get(name, {}).get(str(seed))
+        if old and old["val"] and not new["val"]:
+            print(f"{name} seed {seed}: this run failed ({new['detail']}); keeping call {old['call']}'s result")
+            continue
+        section["runs"].setdefault(name, {})[str(seed)] = new
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Chart and table
+# ---------------------------------------------------------------------------------------------------------
+def plot(res: dict, path: Path, keys: list[str]) -> None:
+    """Per section: the validation curves (seeds thin, mean thick) and each seed's final loss with BF16's band."""
+    import plot_utils
+
+    plt = plot_utils._plt()
+    fig, axes = plt.subplots(len(keys), 2, figsize=(14, 4.8 * len(keys)), squeeze=False,
+                             gridspec_kw={"width_ratios": [2, 1]})
+    for (ax, ax2), key in zip(axes, keys):
+        sec = res[key]
+        for i, (name, runs) in enumerate(sec["runs"].items()):
+            c = plot_utils.COLORS.get(name, f"C{i + 3}")
+            curves = [e["val"] for e in runs.values() if e["val"]]
+            for v in curves:
+                ax.plot([s for s, _ in v], [x for _, x in v], lw=0.7, alpha=0.5, color=c)
+            common = sorted(set.intersection(*[{s for s, _ in v} for v in curves])) if curves else []
+            mean = [statistics.mean(dict(v)[s] for v in curves) for s in common]
+            ax.plot(common, mean, lw=2.2, color=c, label=f"{CONFIGS[name][0]} (mean of {len(curves)})")
+            st = sec["summary"][name]
+            ax2.scatter([i] * len(st["final"]), st["final"], color=c, s=14)
+            if st["final_std"] is not None:
+                ax2.errorbar(i, st["final_mean"], yerr=st["final_std"], fmt="_", color=c, capsize=6, ms=16)
+        if sec.get("bf16_band"):
+            ax2.axhspan(*sec["bf16_band"], color="gray", alpha=0.15, label="BF16 [min, max] +- 1 std")
+            ax2.legend(fontsize=8)
+        rc = sec["recipe"]
+        ax.set(xlabel="step", ylabel="validation loss", title=f"{key}: {rc['model']}, seq {rc['seq_len']} x "
+               f"{rc['micro_batch']}, {rc['data']}"[:100])
+        finals = [x for st in sec["summary"].values() for x in st["final"]]
+        if finals:
+            ax.set_ylim(min(finals) * 0.97, min(finals) * 1.5)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        names = list(sec["runs"])
+        ax2.set(xlim=(-0.5, len(names) - 0.5), xticks=range(len(names)), xticklabels=[n.replace("_", "\n", 1) for n in names],
+                ylabel=f"val loss at step {sec['steps_compared']}", title="each seed, mean +- std")
+        ax2.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def table(res: dict, keys: list[str]) -> str:
+    f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+    lines = []
+    for key in keys:
+        sec = res[key]
+        lines += [f"{key}: {sec['recipe']['data']}, seq {sec['recipe']['seq_len']}, compared at step "
+                  f"{sec['steps_compared']}", f"{'config':<18} {'seeds':>5} {'final mean +- std':>20} "
+                  f"{'best mean +- std':>20} {'gap':>8}  within BF16 spread"]
+        for name, st in sec["summary"].items():
+            lines.append(f"{name:<18} {len(st['seeds']):>5} {f(st['final_mean'], '.4f'):>11} +- "
+                         f"{f(st['final_std'], '.4f'):<6} {f(st['best_mean'], '.4f'):>11} +- "
+                         f"{f(st['best_std'], '.4f'):<6} {f(st['gap_rel_mean'], '+.2%'):>8}  "
+                         f"{st['within_bf16_spread']} ({', '.join(st['statuses'])})")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    t0 = time.time()
+    args, rec, names, seeds = parse_args(argv)
+    key = "long_data" if args.long else "default"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    sys.path.insert(0, str(ROOT / "examples"))
+    import data as data_lib
+
+    tokens = data_lib.load(rec.data, rec.seq_len, vocab_size=rec.vocab_size, max_bytes=rec.data_bytes)
+    print(f"data: {tokens.source}: {len(tokens.train):,} train / {len(tokens.val):,} val tokens "
+          f"({time.time() - t0:.0f} s)", flush=True)
+    path = out / "seed_spread.json"
+    res = load_existing(path, key, section_recipe(rec, tokens, args.smoke))
+    at_once = min(args.max_parallel, len(names) * len(seeds))
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // at_once)))   # the cores shared
+    rec.deadline = t0 + args.time_budget - STOP_MARGIN_S
+    pairs = [(n, s) for s in seeds for n in names]          # seed-major: a short budget still covers every config
+    done = run_pairs(rec, pairs, out, args.max_parallel, kill_at=t0 + args.time_budget - KILL_MARGIN_S)
+    import torch  # noqa: F401  (device_name)
+
+    res["calls"].append({"section": key, "configs": names, "seeds": seeds, "command": command(), "date": now(),
+                         "device": device_name(), "versions": versions(), "max_parallel": args.max_parallel,
+                         "omp_num_threads": os.environ["OMP_NUM_THREADS"], "time_budget_s": args.time_budget,
+                         "wall_s": time.time() - t0})
+    merge(res[key], done, len(res["calls"]) - 1)
+    keys = [k for k in ("default", "long_data") if k in res]
+    for k in keys:
+        summarize(res[k])
+    res.update({k: res["calls"][-1][k] for k in ("device", "versions", "command", "date")})
+    res["note"] = ("per section: each (config, seed) run's validation curve; summary compares them all at "
+                   "steps_compared; std is the sample std (n - 1); within_bf16_spread: the config's final mean "
+                   "lies in [min, max] of BF16's seeds widened by one BF16 std each side; long_data keeps the "
+                   "default recipe's tokens per step (seq 1024 x micro-batch 8 = 512 x 16)")
+    path.write_text(json.dumps(res, indent=1))
+    try:
+        plot(res, out / "seed_spread.png", keys)
+    except ImportError as e:
+        print(f"warning: no plot ({e})", file=sys.stderr)
+    print(table(res, keys) + f"\n-> {path}", flush=True)
+    return 0 if done and all(r.get("status") == "ok" for r in done.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
