@@ -3,9 +3,10 @@
 Linears that read the same input (q/k/v, gate/up) are fused into one GEMM over their concatenated
 weights, quantized per tensor with one shared scale. A cached copy is valid until the next optimizer
 step (any torch optimizer, counted by a global step hook) and while every weight keeps its storage and
-autograd version (load_state_dict, manual edits). Under ZeRO-3 (parameters with `ds_id`) nothing is
-cached. Each layout is made when first needed: the row-major copy by the forward, the transposed one
-(the grad-input GEMM's operand) by the backward, so the first micro-batch's forward holds only one copy."""
+autograd version (load_state_dict, manual edits). Nothing is cached for partitioned parameters
+(ZeRO-3: `sharding.ShardingHooks.is_partitioned`). Each layout is made when first needed: the row-major
+copy by the forward, the transposed one (the grad-input GEMM's operand) by the backward, so the first
+micro-batch's forward holds only one copy."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -16,6 +17,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..formats import FP8Format
 from ..kernels import quant as ops
+from .sharding import sharding
 
 
 _optimizer_steps = 0
@@ -85,7 +87,7 @@ class WeightGroup:
         if transposed not in self._codes:
             codes, self._scale = self._quantize(transposed, self._scale)
             # ZeRO-3 gathers a parameter for each use and frees it after: an FP8 copy must not outlive that
-            if not self.cache or any(hasattr(w, "ds_id") for w in self.weights):
+            if not self.cache or any(sharding().is_partitioned(w) for w in self.weights):
                 return codes, self._scale
             self._codes[transposed] = codes
         return self._codes[transposed], self._scale

@@ -2,8 +2,9 @@
 
 DeepSpeed builds an optimizer it does not know by `getattr(torch.optim, name)(params, **params_cfg)`
 and lets ZeRO run any class listed in `ZERO_SUPPORTED_OPTIMIZERS`. We put a validating factory named
-CoatAdamW on `torch.optim` and CoatAdamW on that list, and hook DeepSpeedEngine (engine.py: the "coat"
-section, partition layouts), which covers deepspeed.initialize, the launcher, HF Trainer and accelerate alike.
+CoatAdamW on `torch.optim` and CoatAdamW on that list, hook DeepSpeedEngine (engine.py: the "coat"
+section, partition layouts) and tell the FP8 layers what ZeRO-3 does (sharding.py); that covers
+deepspeed.initialize, the launcher, HF Trainer and accelerate alike.
 """
 from __future__ import annotations
 
@@ -51,5 +52,7 @@ def register() -> None:
     if CoatAdamW not in zero_utils.ZERO_SUPPORTED_OPTIMIZERS:
         zero_utils.ZERO_SUPPORTED_OPTIMIZERS.append(CoatAdamW)
     from .engine import hook
+    from .sharding import register as register_sharding
 
     hook(DeepSpeedEngine)
+    register_sharding()  # what ZeRO-3 and the engine mean to the FP8 layers and the swap

@@ -11,6 +11,7 @@ from typing import Any
 
 from torch import nn
 
+from ..activation.sharding import sharding
 from . import policies as _builtin_policies  # noqa: F401  (registers llama, mistral, qwen2)
 from .registry import InjectionPolicy, get_policy
 
@@ -53,17 +54,11 @@ def policy_for(model: nn.Module) -> InjectionPolicy:
 
 
 def _refuse_wrapped(model: nn.Module, what: str) -> None:
-    """ZeRO-3 decides which parameters to gather per module when deepspeed.initialize installs its hooks
-    (a leaf layer's children get none), so swapping afterwards would run layers on unfetched parameters.
-    Its registration marks every module (`ds_recompute_parameters`; `ds_grads_remaining` from the first
-    forward on); a model built under zero.Init has partitioned parameters but no such marks yet."""
-    if type(model).__name__ == "DeepSpeedEngine":
-        raise ValueError(f"coat_ds.{what} got a DeepSpeedEngine; the FP8 layers go into the model before "
-                         "deepspeed.initialize (a \"coat\": {\"activation\": ...} config section does it there)")
-    if any(hasattr(m, "ds_recompute_parameters") or hasattr(m, "ds_grads_remaining") for m in model.modules()):
-        raise ValueError(f"coat_ds.{what}: this model already carries DeepSpeed ZeRO-3 hooks (an engine wrapped it); "
-                         "the FP8 layers go in before deepspeed.initialize (to save, use the engine: state_dict keys "
-                         "are the stock ones)")
+    """The FP8 layers go into the model before a framework wraps it or hooks its modules (activation.sharding)."""
+    hooks = sharding()
+    why = hooks.wrapper_refusal(model, what) or hooks.hooked_refusal(model, what)
+    if why:
+        raise ValueError(why)
 
 
 def _serves(have: Any, want: Any) -> bool:
@@ -107,12 +102,12 @@ def _move_attached_state(src: nn.Module, dst: nn.Module) -> None:
         setattr(src, table, type(moved)())
 
 
-def _drop_stale_zero3_weights(layer: nn.Module, args: Any) -> None:
-    """Forward pre-hook: under ZeRO-3 a weight is re-gathered into whatever buffer is free and the
+def _drop_stale_sharded_weights(layer: nn.Module, args: Any) -> None:
+    """Forward pre-hook: a partitioned weight (ZeRO-3) is re-gathered into whatever buffer is free and the
     optimizer updates its partition through `.data`, so neither data_ptr nor _version tells a new step
     from an old one: a cached FP8 weight or scale would outlive its step. Clear the layer's cache once
     per forward."""
-    if hasattr(layer.self_attn.q_proj.weight, "ds_id"):
+    if sharding().is_partitioned(layer.self_attn.q_proj.weight):
         layer.clear_weight_cache()
 
 
@@ -159,10 +154,10 @@ def inject(model: nn.Module, config: Any = None) -> nn.Module:
     _install_output_capture(model)
     for name, layer, new in built:
         _move_attached_state(layer, new)
-        # ZeRO-3: gather all of the layer's parameters when it is entered, since the FP8 Functions read
-        # the children's weights directly instead of calling the children (DeepSpeed's own mechanism).
-        new._z3_leaf = True
-        new.register_forward_pre_hook(_drop_stale_zero3_weights)
+        # ZeRO-3: gather all of the layer's parameters when it is entered (the FP8 Functions read the
+        # children's weights directly instead of calling the children).
+        sharding().mark_leaf(new)
+        new.register_forward_pre_hook(_drop_stale_sharded_weights)
         _set_submodule(model, name, new)
     object.__setattr__(model, INJECTED_ATTR, policy.model_type)
     return model
@@ -175,8 +170,9 @@ def apply(model: nn.Module, config: Any, gradient_accumulation_steps: int) -> in
     earlier engine: HF Trainer may build one for evaluation first), then decides cache_weights
     "when_accumulating" by `gradient_accumulation_steps`. `enabled: false` leaves the model as it is and
     refuses one that already runs FP8 layers (the section and the model disagree)."""
-    if type(model).__name__ == "DeepSpeedEngine":
-        _refuse_wrapped(model, "inject")
+    why = sharding().wrapper_refusal(model, "inject")  # a hooked model may still be served as it is
+    if why:
+        raise ValueError(why)
     cfg = _as_config(config)
     coat_cls = _decoder_layer()
     layers = [m for m in model.modules() if isinstance(m, coat_cls)]
@@ -202,7 +198,7 @@ def revert(model: nn.Module) -> nn.Module:
     for name, layer in targets:
         # found by identity rather than by a stored handle, so deepcopy / pickle of the model cannot confuse it
         for key, hook in list(layer._forward_pre_hooks.items()):
-            if hook is _drop_stale_zero3_weights:
+            if hook is _drop_stale_sharded_weights:
                 del layer._forward_pre_hooks[key]
         original = layer.to_hf()
         _move_attached_state(layer, original)
