@@ -1,4 +1,11 @@
 """The FP8 weight cache follows optimizer steps, also when weights are written behind autograd's back."""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
 import torch
 
 from coat_ds.activation.weight_cache import WeightGroup
@@ -33,3 +40,49 @@ def test_in_place_autograd_update_invalidates_without_a_step():
     with torch.no_grad():
         lin.weight.mul_(2)  # load_state_dict and manual edits bump the version
     assert group.operand(transposed=False)[0] is not codes
+
+
+ENGINE_JOB = """
+import json, torch, deepspeed, coat_ds
+from transformers import LlamaConfig, LlamaForCausalLM
+
+torch.manual_seed(0)
+model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=2))
+config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "bf16": {"enabled": True},
+          "zero_optimization": {"stage": 2}, "optimizer": {"type": "CoatAdamW", "params": {"lr": 1e-2}},
+          "coat": {"activation": {"cache_weights": True}}}
+engine, *_ = deepspeed.initialize(model=model, config=config)
+group = engine.module.model.layers[0]._qkv
+x = torch.randint(0, 64, (2, 8))
+fresh, reused = [], []
+for step in range(2):
+    for micro in range(2):
+        codes = group.operand(False)[0] if group._codes else None   # what this micro-batch's forward reads
+        if codes is not None:
+            fresh.append(torch.equal(codes.view(torch.uint8), group._quantize(False, None)[0].view(torch.uint8)))
+        engine.backward(engine(input_ids=x, labels=x).loss)
+        if micro:
+            reused.append(group._codes.get(False) is codes)   # the second micro-batch read the first one's copy
+        engine.step()
+print("RESULT " + json.dumps({"fresh": fresh, "reused": reused}))
+"""
+
+
+def test_engine_step_invalidates_the_cache_under_zero2_coat_adamw(tmp_path):
+    """ZeRO-2 writes the updated bf16 weights through .data and CoatAdamW's ZeRO step calls no torch
+    optimizer's step: the engine's own step (coat_ds/deepspeed/engine.py) is what tells the cache."""
+    pytest.importorskip("deepspeed")
+    script = tmp_path / "job.py"
+    script.write_text(ENGINE_JOB)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
+               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = json.loads(lines[-1][len("RESULT "):])
+    assert out["fresh"] == [True] * 3 and out["reused"] == [True, True], out

@@ -1,9 +1,9 @@
 """FP8 copies of a layer's weights, made once per optimizer step and reused across micro-batches.
 
 Linears that read the same input (q/k/v, gate/up) are fused into one GEMM over their concatenated
-weights, quantized per tensor with one shared scale. A cached copy is valid until the next optimizer
-step (any torch optimizer, counted by a global step hook) and while every weight keeps its storage and
-autograd version (load_state_dict, manual edits). Nothing is cached for partitioned parameters
+weights, quantized per tensor with one shared scale. A cached copy is valid for one value of a step
+counter (`new_step`) and while every weight keeps its storage and autograd version (a torch optimizer's
+in-place update, load_state_dict, manual edits). Nothing is cached for partitioned parameters
 (ZeRO-3: `sharding.ShardingHooks.is_partitioned`). Each layout is made when first needed: the row-major
 copy by the forward, the transposed one (the grad-input GEMM's operand) by the backward, so the first
 micro-batch's forward holds only one copy."""
@@ -20,18 +20,27 @@ from ..kernels import quant as ops
 from .sharding import sharding
 
 
-_optimizer_steps = 0
+_steps = 0
+_follows_torch_optimizers = False
 
 
-def _count_optimizer_step(*_) -> None:
-    global _optimizer_steps
-    _optimizer_steps += 1
+def new_step() -> None:
+    """Every FP8 weight cached so far is stale: weights were updated where no autograd version shows it.
+
+    DeepSpeed writes the updated weights through `.data` (ZeRO-1/2 copy the partitions into the bf16
+    weights) and CoatAdamW's ZeRO step calls no torch optimizer's `step`: coat_ds.deepspeed calls this
+    after every engine step (engine.py). PyTorch's fused Adam/AdamW update in place without bumping
+    `_version` either, so once a cache is kept, every torch optimizer's step calls it too."""
+    global _steps
+    _steps += 1
 
 
-# Any torch optimizer's step (DeepSpeed's ZeRO optimizers call their base optimizer's) invalidates every
-# cache. The autograd version alone is not enough: DeepSpeed writes updated weights through `.data`
-# (ZeRO-1/2 copy the fp32 partition into the bf16 flat buffer), which bumps no version counter.
-register_optimizer_step_post_hook(_count_optimizer_step)
+def _follow_torch_optimizers() -> None:
+    """Count every torch optimizer's step (PyTorch's process-wide hook, installed once, where a cache is kept)."""
+    global _follows_torch_optimizers
+    if not _follows_torch_optimizers:
+        register_optimizer_step_post_hook(lambda *_: new_step())
+        _follows_torch_optimizers = True
 
 
 class WeightGroup:
@@ -74,7 +83,7 @@ class WeightGroup:
         return b[0] if len(b) == 1 else torch.cat(b)
 
     def _state_key(self) -> tuple:
-        return (_optimizer_steps,) + tuple((w.data_ptr(), w._version, w.dtype, w.shape) for w in self.weights)
+        return (_steps,) + tuple((w.data_ptr(), w._version, w.dtype, w.shape) for w in self.weights)
 
     def operand(self, transposed: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """(FP8 codes, fp32 scale): [N, K] for the forward, [K, N] (transposed) for the grad-input GEMM."""
@@ -89,6 +98,7 @@ class WeightGroup:
             # ZeRO-3 gathers a parameter for each use and frees it after: an FP8 copy must not outlive that
             if not self.cache or any(sharding().is_partitioned(w) for w in self.weights):
                 return codes, self._scale
+            _follow_torch_optimizers()
             self._codes[transposed] = codes
         return self._codes[transposed], self._scale
 

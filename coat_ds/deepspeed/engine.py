@@ -1,7 +1,7 @@
 """What coat_ds does inside `DeepSpeedEngine.__init__`: the one place every route to DeepSpeed passes.
 
 `deepspeed.initialize` (a user's own script, the launcher), HF Trainer and accelerate all build a
-DeepSpeedEngine from a config; `import coat_ds` wraps two of its steps (hook()):
+DeepSpeedEngine from a config; `import coat_ds` wraps three of its steps (hook()):
 
 - `_configure_distributed_model(model)`, the first step that has both the config and the module, and
   runs before ZeRO builds its optimizer and before ZeRO-3 installs its module hooks: the config's
@@ -10,11 +10,15 @@ DeepSpeedEngine from a config; `import coat_ds` wraps two of its steps (hook()):
   engine's own gradient_accumulation_steps (which DeepSpeed derives where the config leaves it out);
 - `_configure_optimizer`: a CoatAdamW *instance* may run under ZeRO-Offload (it has its own CPU kernel;
   DeepSpeed's `zero_force_ds_cpu_optimizer` check targets slow torch optimizers), and partition layouts
-  are bound and checkpoint hooks installed as soon as ZeRO has built its flat partitions.
+  are bound and checkpoint hooks installed as soon as ZeRO has built its flat partitions;
+- `_take_model_step`, the engine's optimizer step (every route's `engine.step()` at a gradient-accumulation
+  boundary): the FP8 weight caches are keyed on a step counter that it advances, since DeepSpeed writes
+  the updated weights where no autograd version shows it.
 """
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Any
 
 import torch
@@ -75,10 +79,18 @@ def _bind_partitions(engine, *_: Any) -> None:
         install(engine)
 
 
+def _new_weight_step(engine, *_: Any) -> None:
+    # No FP8 weight cache exists unless its module was imported (a stock model never imports it).
+    weight_cache = sys.modules.get(f"{__package__.rpartition('.')[0]}.activation.weight_cache")
+    if weight_cache is not None:
+        weight_cache.new_step()
+
+
 def hook(engine_cls) -> None:
-    """Idempotent; registry.register() calls it with DeepSpeedEngine."""
+    """Idempotent; optimizer_type.register() calls it with DeepSpeedEngine."""
     _wrap(engine_cls, "_configure_distributed_model", before=apply_section)
     _wrap(engine_cls, "_configure_optimizer", before=_client_coat_adamw_offload, after=_bind_partitions)
+    _wrap(engine_cls, "_take_model_step", after=_new_weight_step)
 
 
 def initialize(model: torch.nn.Module, config: Any = None, optimizer: Any = None, **kw: Any):
