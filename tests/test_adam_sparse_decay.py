@@ -6,7 +6,7 @@ updates (a 125M pretraining run blew up after ~850 steps, when rarely seen embed
 import pytest
 import torch
 
-from coat_ds import ops
+from coat_ds import kernels as ops
 from coat_ds.formats import E4M3, get_format
 
 

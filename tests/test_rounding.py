@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from coat_ds import ops
+from coat_ds import kernels as ops
 from coat_ds.formats import E4M3, E5M2, quantize, round_bf16, sr_bits, stream_key
 from coat_ds.formats import rounding
 from coat_ds.optim import adamw_step_reference
