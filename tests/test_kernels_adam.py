@@ -347,7 +347,7 @@ def test_adam_step_stochastic_rounding_ignores_partitioning(request, device, sim
 @pytest.mark.gpu
 def test_adamw_step_with_a_device_grad_scale_does_not_sync():
     """The glue hands a device tensor (DeepSpeed's 1 / combined scale): reading it must not stall the host."""
-    from coat_ds import ops
+    from coat_ds import kernels as ops
 
     params, grads, ms, vs, keys = _master_case("cuda", (4099, 1000), 128, torch.bfloat16, "bf16_sr", seed=15)
     scale = torch.tensor([0.5], device="cuda")
@@ -366,7 +366,7 @@ def test_adamw_step_with_a_device_grad_scale_does_not_sync():
 
 
 def test_adamw_step_rejects_bad_inputs():
-    from coat_ds import ops
+    from coat_ds import kernels as ops
 
     p, m = torch.zeros(4), (torch.zeros(4, dtype=torch.float8_e4m3fn), torch.zeros(1), torch.ones(1))
     kw = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1, v_format=E4M3, group_size=32,
