@@ -59,6 +59,8 @@ MODELS = {
                      intermediate_size=8640, vocab_size=32000),
     "llama2-7b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
                       intermediate_size=11008, vocab_size=32000),
+    "llama2-13b": dict(hidden_size=5120, num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=40,
+                       intermediate_size=13824, vocab_size=32000),
 }
 
 # The configurations, as shipped in ds_configs/. A file not there yet is derived from zero2_coat.json.

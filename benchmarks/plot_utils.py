@@ -115,6 +115,35 @@ def plot_convergence(res: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def plot_offload(res: dict, path: Path) -> None:
+    """offload.json: host bytes per parameter by category (measured; predicted where a row did not run), per model."""
+    plt = _plt()
+    models = list(dict.fromkeys(r["model"] for r in res["rows"]))
+    fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4.8), squeeze=False)
+    cats = ["master", "optimizer_states", "master_grads", "bf16_staging", "grad_staging", "accumulated_grads"]
+    for ax, model in zip(axes[0], models):
+        rows = [r for r in res["rows"] if r["model"] == model]
+        for i, r in enumerate(rows):
+            acc, bottom = (r.get("host_accounting") or {}).get("categories"), 0.0
+            if acc is None:   # not run: the predicted steady bytes per parameter, hatched
+                v = ((r.get("prediction") or {}).get("per_param") or {}).get("steady_bytes") or 0.0
+                ax.bar(i, v, color="none", edgecolor="gray", hatch="//", width=0.6)
+                ax.text(i, v, f"not run\n{r.get('why_not', '')[:28]}", ha="center", va="bottom", fontsize=7)
+                continue
+            for j, c in enumerate(cats):
+                v = acc[c]["per_param"]
+                ax.bar(i, v, bottom=bottom, color=f"C{j}", width=0.6, label=c if i == 0 else None)
+                bottom += v
+            ax.text(i, bottom, f"RSS {r['host_rss_gb']:.1f} GiB\npeak {r['host_rss_peak_gb']:.1f}", ha="center",
+                    va="bottom", fontsize=8)
+        ax.set(xticks=range(len(rows)), xticklabels=[r["config"] for r in rows], ylabel="host bytes / parameter",
+               title=f"{model}: ZeRO-2 Offload host memory")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def markdown(res: dict) -> str:
     """The README rows of one result file."""
     f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731

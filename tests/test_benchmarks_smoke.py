@@ -271,3 +271,43 @@ def test_seed_spread_smoke_statistics_recompute_from_each_seed_and_merge_keeps_w
     seed_spread.summarize(sec)
     assert sec["runs"]["bf16"]["0"]["call"] == 0 and sec["runs"]["bf16"]["1"]["val"] == new["val"]
     assert sec["summary"]["bf16"]["final"] == [st["bf16"]["final"][0], 0.5]
+
+
+def test_offload_smoke_rows_account_for_every_host_byte(tmp_path):
+    """benchmarks/offload.py --smoke (ZeRO-2 Offload on DeepSpeed's CPU accelerator): each row's host tensors add
+    up by category, per parameter, to the bytes of the layout DeepSpeed and the bf16 master keep, and to the
+    prediction the benchmark skips rows by."""
+    import offload
+
+    env = dict(os.environ, COAT_DISABLE_OPS="1", PYTHONUNBUFFERED="1")
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "offload.py"), "--smoke", "--configs",
+           "coat_full,coat_full_bf16sr", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads((tmp_path / "offload.json").read_text())
+    assert {"device", "versions", "command", "date"} <= res.keys()
+    rows = {r["config"]: r for r in res["rows"]}
+    assert set(rows) == {"coat_full", "coat_full_bf16sr"}
+    master_b = {"coat_full": 4, "coat_full_bf16sr": 2}   # fp32 master and gradient, or bf16 ones
+    for name, r in rows.items():
+        assert r["fits"] and r["model"] == "tiny" and r["micro_batch"] == 2 and r["tokens_per_s"] > 0
+        assert r["host_rss_peak_gb"] >= r["host_rss_stages_gb"]["engine_built"] > 0 and r["host_rss_gb"] > 0
+        acc, n = r["host_accounting"], r["params"]
+        cats = acc["categories"]
+        for c in cats.values():
+            assert c["per_param"] == pytest.approx(c["bytes"] / n)
+        assert acc["host_total_bytes"] == sum(c["bytes"] for k, c in cats.items() if k != "other")
+        assert r["host_optimizer_bytes_per_param"] == pytest.approx((cats["master"]["bytes"] +
+                                                                     cats["optimizer_states"]["bytes"]) / n)
+        # padding to DeepSpeed's alignment and per-parameter FP8 groups: a few percent at this size
+        assert cats["master"]["per_param"] == pytest.approx(master_b[name], rel=0.02)
+        assert cats["master_grads"]["per_param"] == pytest.approx(master_b[name], rel=0.02)
+        assert 2.125 <= cats["optimizer_states"]["per_param"] <= 2.25
+        # bf16_sr: DeepSpeed's bf16 staging buffer *is* the master, nothing beside it
+        assert cats["bf16_staging"]["per_param"] == (pytest.approx(2, rel=0.02) if name == "coat_full" else 0)
+        groups, largest = offload.model_numels("tiny")
+        pred = offload.predict_host(groups, largest, name, pinned=False, pow2=False, base=0)
+        assert acc["host_total_bytes"] == pytest.approx(pred["steady_bytes"], rel=0.03)
+    assert (tmp_path / "offload.png").stat().st_size > 10_000
