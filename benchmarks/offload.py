@@ -70,6 +70,9 @@ def predict_host(group_numels: list[int], largest_param: int, config: str, pinne
     temp = pin(2 * largest_param)
     transient = 4 * max(group_numels) if pinned else 0
     setup_peak = base + fp32 + bf16 + temp + transient + fp32
+    if config == "coat_full_bf16sr":   # master.py pins the bf16 gradient while the fp32 pair is still referenced
+        bf16_grad = bf16 + (2 * max(group_numels) if pinned else 0)
+        setup_peak = max(setup_peak, base + fp32 + bf16 + temp + fp32 + bf16_grad)
     states = int(STATE_B[config] * n)
     held = (bf16 + bf16 + temp) if config == "coat_full_bf16sr" else (fp32 + bf16 + fp32 + temp)
     steady = base + held + states
@@ -341,8 +344,24 @@ def one_row(args: argparse.Namespace, model: str, config: str, avail: int, left:
 def merge(path: Path, rows: list[dict], meta: dict) -> dict:
     """offload.json with these rows replacing earlier ones of the same (model, config)."""
     old = json.loads(path.read_text()) if path.exists() else {}
-    keep = [r for r in old.get("rows", []) if (r["model"], r["config"]) not in {(x["model"], x["config"]) for x in rows}]
+    new = {(r["model"], r["config"]) for r in rows}
+    keep = [r for r in old.get("rows", []) if (r["model"], r["config"]) not in new]
     return {**meta, "rows": keep + rows, "invocations": old.get("invocations", []) + [meta]}
+
+
+def merge_files(paths: list[Path], out: Path) -> int:
+    """offload.json files of separate invocations (one GPU command each) -> one, later rows winning."""
+    res: dict = {}
+    for path in paths:
+        part = json.loads(path.read_text())
+        invocations = part.pop("invocations", [])
+        merged = merge(out / "offload.json", part["rows"], {k: v for k, v in part.items() if k != "rows"})
+        merged["invocations"] = merged["invocations"][:-1] + invocations
+        (out / "offload.json").write_text(json.dumps(merged, indent=1))
+        res = merged
+    e2e.write_results(res, out, "offload")
+    print(table(res["rows"]))
+    return 0
 
 
 def table(rows: list[dict]) -> str:
@@ -372,6 +391,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--smoke", action="store_true", help="tiny model, seq 32, CPU is fine")
     p.add_argument("--out", default=str(e2e.ROOT / "benchmarks" / "results"))
+    p.add_argument("--merge", nargs="+", metavar="JSON", help="no runs: merge these offload.json files into --out")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--budget-s", type=float, default=1e9, help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
@@ -396,6 +416,8 @@ def main(argv: list[str] | None = None) -> int:
         args.models, args.seq_len, args.steps, args.warmup = ["tiny"], 32, 2, 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.merge:
+        return merge_files([Path(m) for m in args.merge], out)
     args.t0, avail, rows = time.time(), host_available(), []
     for model in args.models:
         for config in args.configs:
