@@ -341,9 +341,12 @@ def one_row(args: argparse.Namespace, model: str, config: str, avail: int, left:
     return {**row, **plan}
 
 
-def merge(path: Path, rows: list[dict], meta: dict) -> dict:
-    """offload.json with these rows replacing earlier ones of the same (model, config)."""
-    old = json.loads(path.read_text()) if path.exists() else {}
+def read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def merge(old: dict, rows: list[dict], meta: dict) -> dict:
+    """An offload.json (`old`) with these rows replacing its rows of the same (model, config)."""
     new = {(r["model"], r["config"]) for r in rows}
     keep = [r for r in old.get("rows", []) if (r["model"], r["config"]) not in new]
     return {**meta, "rows": keep + rows, "invocations": old.get("invocations", []) + [meta]}
@@ -351,14 +354,12 @@ def merge(path: Path, rows: list[dict], meta: dict) -> dict:
 
 def merge_files(paths: list[Path], out: Path) -> int:
     """offload.json files of separate invocations (one GPU command each) -> one, later rows winning."""
-    res: dict = {}
+    res = read_json(out / "offload.json")
     for path in paths:
-        part = json.loads(path.read_text())
+        part = read_json(path)
         invocations = part.pop("invocations", [])
-        merged = merge(out / "offload.json", part["rows"], {k: v for k, v in part.items() if k != "rows"})
-        merged["invocations"] = merged["invocations"][:-1] + invocations
-        (out / "offload.json").write_text(json.dumps(merged, indent=1))
-        res = merged
+        res = merge(res, part.pop("rows"), part)
+        res["invocations"] = res["invocations"][:-1] + invocations
     e2e.write_results(res, out, "offload")
     print(table(res["rows"]))
     return 0
@@ -418,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if args.merge:
         return merge_files([Path(m) for m in args.merge], out)
-    args.t0, avail, rows = time.time(), host_available(), []
+    args.t0, avail, rows, before = time.time(), host_available(), [], read_json(out / "offload.json")
     for model in args.models:
         for config in args.configs:
             row = one_row(args, model, config, avail, args.time_budget - (time.time() - args.t0))
@@ -426,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"== {model} / {config}: skipped, time budget spent", flush=True)
                 continue
             rows.append(row)
-            res = merge(out / "offload.json", rows, meta(args, rows, avail))
+            res = merge(before, rows, meta(args, rows, avail))
             e2e.write_results(res, out, "offload")
     if not rows:
         return 1
