@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from coat_ds import ops  # noqa: E402
+from coat_ds import kernels as ops  # noqa: E402
 from coat_ds.formats import E4M3, get_format, n_groups  # noqa: E402
 from coat_ds.optim import CoatAdamW  # noqa: E402
 
