@@ -15,6 +15,7 @@ import re
 import typing
 from typing import Any, Mapping
 
+from .checkpoint_files import CheckpointError, torch_load
 from .config import SECTION, CoatSection, coat_section
 from .master import config_refusal
 from .optimizer_type import NAME, validate_params
@@ -129,8 +130,6 @@ def check_tag(tag_dir: str) -> None:
 
     Every `*.pt` file is unpickled with its tensors memory-mapped, not read (cheap at any size), which
     catches truncated and missing files; the engine's load still checks contents (checkpoint.py)."""
-    from .checkpoint import CheckpointError
-
     if not os.path.isdir(tag_dir):
         raise CheckpointError(f"checkpoint missing: {tag_dir}")
     model = next((os.path.join(tag_dir, n) for n in ("mp_rank_00_model_states.pt",
@@ -138,7 +137,7 @@ def check_tag(tag_dir: str) -> None:
                   if os.path.isfile(os.path.join(tag_dir, n))), None)
     if model is None:
         raise CheckpointError(f"checkpoint file missing: {tag_dir}/mp_rank_00_model_states.pt")
-    states = _open(model)
+    states = torch_load(model, mmap=True)
     world = int(states.get("dp_world_size", 1)) if isinstance(states, dict) else 1
     files = sorted(glob.glob(os.path.join(tag_dir, "*.pt")))
     for family in sorted({_RANKED.sub("zero_pp_rank_{}_", os.path.basename(f)) for f in files}):
@@ -148,25 +147,11 @@ def check_tag(tag_dir: str) -> None:
                 raise CheckpointError(f"checkpoint file missing: {path}")
     for path in files:
         if path != model:
-            _open(path)
-
-
-def _open(path: str) -> Any:
-    import torch
-
-    from .checkpoint import CheckpointError
-
-    try:
-        return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
-    except Exception as exc:  # noqa: BLE001 - any unreadable file is refused the same way
-        raise CheckpointError(f"checkpoint file unreadable (truncated or corrupt): {path} "
-                              f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+            torch_load(path, mmap=True)
 
 
 def intact_tags(ckpt_dir: str, exclude: str | None = None) -> list[str]:
     """Tags in `ckpt_dir` whose files check_tag accepts, newest (highest step number) first."""
-    from .checkpoint import CheckpointError
-
     tags = sorted((d for d in os.listdir(ckpt_dir) if os.path.isdir(os.path.join(ckpt_dir, d))
                    and not d.endswith(".tmp") and d != exclude), key=_natural, reverse=True)
     good = []

@@ -5,6 +5,7 @@ partition layout (`coat_layouts`: which piece of which parameter each flat tenso
 groups are per parameter (layout.py), a checkpoint re-partitions exactly: pieces are cut out of the
 parameters and re-assembled, codes, scales and exponents unchanged. Only a different `group_size`
 re-groups (dequantize with the old groups, quantize with the new: one extra FP8 rounding of m and v).
+Reading saved files and the per-parameter form are checkpoint_files.py's (universal.py shares them).
 
 `engine.load_checkpoint` of a CoatAdamW engine is wrapped (install()):
   1. every file of the tag is opened and checked on every rank before anything is loaded; a missing,
@@ -15,28 +16,22 @@ re-groups (dequantize with the old groups, quantize with the new: one extra FP8 
 """
 from __future__ import annotations
 
-import glob
+import dataclasses
 import os
 import types
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from .. import kernels
-from ..formats import E4M3, get_format, n_groups
+from ..formats import Fp8Moment
 from ..optim import CoatAdamW
+from ..optim.coat_adamw import FP8_STATE_KEYS, FP32_STATE_KEYS, MOMENTS, fp8_moments, fp32_zeros
 from .bind import partitions
-
-LAYOUTS = "coat_layouts"
-FP8_KEYS = ("step", "exp_avg_q", "exp_avg_scale", "exp_avg_expo", "exp_avg_sq_q", "exp_avg_sq_scale",
-            "exp_avg_sq_expo")
-FP32_KEYS = ("step", "exp_avg", "exp_avg_sq")
-_META = ("exp_avg_scale", "exp_avg_expo", "exp_avg_sq_scale", "exp_avg_sq_expo")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint this engine must not load; raised before anything is loaded."""
+from .checkpoint_files import (LAYOUTS, CheckpointError, ParamState, base_and_flats, canonical, torch_load,
+                               zero_files)
+from .layout import meta_offsets
+from .universal import read as read_universal
 
 
 # ------------------------------------------------------------------ optimizer hooks (torch's own API)
@@ -66,7 +61,7 @@ def check_state(sd: dict, where: str) -> None:
         if "group_size" not in g or "fp8_state" not in g:
             raise CheckpointError(f"{where}: written by another optimizer (param group keys {sorted(g)}); "
                                   "CoatAdamW's groups carry group_size, v_format, expansion, fp8_state")
-        want = FP8_KEYS if g["fp8_state"] else FP32_KEYS
+        want = FP8_STATE_KEYS if g["fp8_state"] else FP32_STATE_KEYS
         if sorted(st) != sorted(want):
             raise CheckpointError(f"{where}: written by another optimizer or truncated (state keys {sorted(st)}); "
                                   f"CoatAdamW with fp8_state={g['fp8_state']} expects {sorted(want)}")
@@ -94,12 +89,9 @@ def _load_post(opt: CoatAdamW) -> None:
     for g in opt.param_groups:
         for p in g["params"]:
             st = opt.state.get(p)
-            if not st or "exp_avg_q" not in st:
-                continue
-            st["exp_avg_q"] = st["exp_avg_q"].to(E4M3.dtype)
-            st["exp_avg_sq_q"] = st["exp_avg_sq_q"].to(get_format(g["v_format"]).dtype)
-            for k in _META:
-                st[k] = st[k].to(torch.float32)
+            if st and g["fp8_state"]:
+                for prefix, moment in zip(MOMENTS, fp8_moments(st, g)):
+                    st.update(moment.to_state(prefix))
 
 
 def install(engine) -> None:
@@ -134,37 +126,6 @@ def _tag(load_dir: str, tag: str | None, latest_name: str = "latest") -> str | N
         return f.read().strip()
 
 
-def _torch_load(path: str) -> Any:
-    if not os.path.isfile(path):
-        raise CheckpointError(f"checkpoint file missing: {path}")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as exc:  # noqa: BLE001 - any unreadable file is refused the same way
-        raise CheckpointError(f"checkpoint file unreadable (truncated or corrupt): {path} "
-                              f"({type(exc).__name__}: {exc})") from None
-
-
-def zero_files(ckpt_dir: str, world: int) -> list[str]:
-    """The ZeRO optimizer files of data-parallel ranks 0..world-1 (bf16_ prefixed or not)."""
-    for prefix in ("bf16_", ""):
-        names = [os.path.join(ckpt_dir, f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt") for r in range(world)]
-        if os.path.isfile(names[0]):
-            return names
-    found = sorted(glob.glob(os.path.join(ckpt_dir, "*zero_pp_rank_*_optim_states.pt")))
-    raise CheckpointError(f"{ckpt_dir}: expected ZeRO optimizer files for {world} ranks "
-                          f"(zero_pp_rank_<r>_mp_rank_00_optim_states.pt), found {[os.path.basename(f) for f in found]}")
-
-
-def _base_and_flats(osd: dict, where: str) -> tuple[dict, list]:
-    if not isinstance(osd, dict):
-        raise CheckpointError(f"{where}: no optimizer state in this file")
-    if "base_optimizer_state" in osd:
-        return osd["base_optimizer_state"], osd["single_partition_of_fp32_groups"]
-    if "fp32_flat_groups" in osd:
-        return osd["optimizer_state_dict"], osd["fp32_flat_groups"]
-    raise CheckpointError(f"{where}: unknown ZeRO optimizer state layout (keys {sorted(osd)})")
-
-
 def _agree(err: str | None) -> None:
     """Raise the same CheckpointError on every rank if any rank found a problem."""
     errs = [err]
@@ -185,7 +146,7 @@ def _read(engine, load_dir: str, tag: str) -> tuple[int, list[dict] | None]:
     model_file = os.path.join(ckpt_dir, "mp_rank_00_model_states.pt")
     if not os.path.isfile(model_file):  # ZeRO-3 writes one model file per rank
         model_file = os.path.join(ckpt_dir, "zero_pp_rank_0_mp_rank_00_model_states.pt")
-    sd = _torch_load(model_file)
+    sd = torch_load(model_file)
     world = int(sd.get("dp_world_size", 1))
     if not engine.zero_optimization():
         opt_sd = sd.get("optimizer")
@@ -202,8 +163,8 @@ def _read(engine, load_dir: str, tag: str) -> tuple[int, list[dict] | None]:
 
 
 def _checked(path: str) -> dict:
-    z = _torch_load(path)
-    base, _ = _base_and_flats(z.get("optimizer_state_dict"), path)
+    z = torch_load(path)
+    base, _ = base_and_flats(z.get("optimizer_state_dict"), path)
     check_state(base, path)
     if LAYOUTS not in base:
         raise CheckpointError(f"{path}: no partition layouts; it was not saved by a coat_ds CoatAdamW engine")
@@ -245,12 +206,10 @@ def load(engine, original, load_dir: str, tag: str | None = None, **kw):
 def _load_universal(engine, original, load_dir: str, tag: str | None, load_opt: bool, kw: dict):
     """DeepSpeed loads fp32 masters and steps from the universal folder; the FP8 states come from
     the coat_states.bin files that coat_ds.deepspeed.universal wrote beside them."""
-    from .universal import read
-
     canon, err = None, None
     if load_opt and tag is not None:
         try:
-            canon = read(os.path.join(load_dir, tag))
+            canon = read_universal(os.path.join(load_dir, tag))
         except CheckpointError as exc:
             err = str(exc)
         _agree(err)
@@ -276,7 +235,7 @@ def _engine_state(engine, load_dir: str, tag: str, load_lr: bool) -> tuple[str, 
     """What DeepSpeed's _load_checkpoint restores besides weights and optimizer, from saved rank 0's model file."""
     ckpt_dir = os.path.join(load_dir, tag)
     path = os.path.join(ckpt_dir, "zero_pp_rank_0_mp_rank_00_model_states.pt")
-    sd = _torch_load(path)
+    sd = torch_load(path)
     if load_lr and engine.lr_scheduler is not None and sd.get("lr_scheduler") is not None:
         engine.lr_scheduler.load_state_dict(sd["lr_scheduler"])
     engine.global_steps = sd["global_steps"]
@@ -291,7 +250,7 @@ def _engine_state(engine, load_dir: str, tag: str, load_lr: bool) -> tuple[str, 
 
 
 def _group_sizes(zsds: list[dict]) -> list[int]:
-    base, _ = _base_and_flats(zsds[0], "rank 0")
+    base, _ = base_and_flats(zsds[0], "rank 0")
     return [g["group_size"] for g in base["param_groups"]]
 
 
@@ -299,104 +258,45 @@ def _current_sizes(engine) -> list[int]:
     return [g["group_size"] for g in engine.basic_optimizer.param_groups]
 
 
-def canonical(zsds: list[dict]) -> dict[str, dict]:
-    """Per parameter name: fp32 master, and either FP8 codes + per-group metadata or fp32 moments, plus step."""
-    canon: dict[str, dict] = {}
-    for r, osd in enumerate(zsds):
-        base, flats = _base_and_flats(osd, f"rank {r}")
-        groups = {i: g for g in base["param_groups"] for i in g["params"]}
-        for i, st in base["state"].items():
-            info = base[LAYOUTS].get(i)
-            if info is None:
-                raise CheckpointError(f"rank {r}: state {i} has no partition layout")
-            g, flat = groups[i], flats[info["flat_index"]].reshape(-1).float()
-            size, fp8 = g["group_size"], g["fp8_state"]
-            meta = 0
-            for name, pnumel, pstart, fstart, n in info["layout"]:
-                c = canon.get(name)
-                if c is None:
-                    c = canon[name] = _empty(pnumel, size, fp8, g["v_format"])
-                c["master"][pstart:pstart + n] = flat[fstart:fstart + n]
-                c["step"] = st["step"].clone()
-                if fp8:
-                    c["exp_avg_q"][pstart:pstart + n] = st["exp_avg_q"].reshape(-1).to(E4M3.dtype).view(torch.uint8)[fstart:fstart + n]
-                    vdt = get_format(g["v_format"]).dtype
-                    c["exp_avg_sq_q"][pstart:pstart + n] = st["exp_avg_sq_q"].reshape(-1).to(vdt).view(torch.uint8)[fstart:fstart + n]
-                    g0, g1 = pstart // size, (pstart + n - 1) // size + 1
-                    for k in _META:
-                        c[k][g0:g1] = st[k][meta:meta + g1 - g0].float()
-                    meta += g1 - g0
-                else:
-                    for k in ("exp_avg", "exp_avg_sq"):
-                        c[k][pstart:pstart + n] = st[k].reshape(-1)[fstart:fstart + n].float()
-                c["filled"] += n
-    for name, c in canon.items():
-        if c["filled"] != c["master"].numel():
-            raise CheckpointError(f"parameter {name}: saved ranks cover {c['filled']} of {c['master'].numel()} values")
-    return canon
-
-
-def _empty(numel: int, size: int, fp8: bool, v_format: str) -> dict:
-    c = {"master": torch.zeros(numel), "group_size": size, "fp8": fp8, "v_format": v_format, "filled": 0}
-    if fp8:
-        c["exp_avg_q"] = torch.zeros(numel, dtype=torch.uint8)
-        c["exp_avg_sq_q"] = torch.zeros(numel, dtype=torch.uint8)
-        for k in _META:
-            c[k] = torch.zeros(n_groups(numel, size))
-    else:
-        c["exp_avg"], c["exp_avg_sq"] = torch.zeros(numel), torch.zeros(numel)
-    return c
-
-
-def regroup(c: dict, size: int, expansion: bool) -> dict:
-    """The states of one parameter re-quantized with groups of `size` (adds one FP8 rounding of m and v)."""
-    if not c["fp8"] or c["group_size"] == size:
+def regroup(c: ParamState, size: int, expansion: bool) -> ParamState:
+    """The state of one parameter re-quantized with groups of `size` (adds one FP8 rounding of m and v)."""
+    if not c.fp8 or c.group_size == size:
         return c
-    out = dict(c, group_size=size)
-    for name, fmt in (("exp_avg", E4M3), ("exp_avg_sq", get_format(c["v_format"]))):
-        x = kernels.dequantize(c[f"{name}_q"].view(fmt.dtype), c[f"{name}_scale"], c[f"{name}_expo"], c["group_size"])
-        q, s, e = kernels.quantize(x, fmt, size, expansion)
-        out[f"{name}_q"], out[f"{name}_scale"], out[f"{name}_expo"] = q.view(torch.uint8), s, e
-    return out
+    m, v = (Fp8Moment(*kernels.quantize(kernels.dequantize(*x.tensors, x.group_size), x.fmt, size, expansion),
+                      size, x.fmt) for x in (c.m, c.v))
+    return dataclasses.replace(c, m=m, v=v, group_size=size)
+
+
+def _restore_partition(flat: torch.Tensor, layout, group: dict, canon: dict[str, ParamState]) -> dict:
+    """The optimizer state of one flat partition from the per-parameter form (its masters written in place)."""
+    if group["fp8_state"]:
+        st = layout.init_state(flat, group)
+        moments = fp8_moments(st, group)
+    else:
+        st = fp32_zeros(flat)
+        moments = tuple(st[k] for k in MOMENTS)
+    for seg, meta in zip(layout.segments, meta_offsets(layout.segments, layout.group_size)):
+        if seg.name not in canon:
+            raise CheckpointError(f"parameter {seg.name} is not in the checkpoint")
+        c = regroup(canon[seg.name], group["group_size"], group["expansion"])
+        if c.master.numel() != seg.param_numel:
+            raise CheckpointError(f"parameter {seg.name}: {c.master.numel()} values in the checkpoint, "
+                                  f"{seg.param_numel} in the model")
+        c.scatter(seg, meta, flat, moments)
+        st["step"] = c.step.clone()
+    return st
 
 
 @torch.no_grad()
-def restore(engine, canon: dict[str, dict], zsd0: dict) -> None:
+def restore(engine, canon: dict[str, ParamState], zsd0: dict | None) -> None:
     """Write masters, model weights and optimizer states of this rank from the per-parameter form."""
     opt = engine.basic_optimizer
-    found = partitions(engine)
-    for k, (flat, segments, _) in enumerate(found):
-        layout = opt.partition_of(flat)
-        group = _group_for(opt, engine, k)
-        size = group["group_size"]
-        st = layout.init_state(flat, group) if group["fp8_state"] else {
-            "step": torch.zeros((), dtype=torch.float32), "exp_avg": torch.zeros_like(flat),
-            "exp_avg_sq": torch.zeros_like(flat)}
-        vdt = get_format(group["v_format"]).dtype
-        for seg, meta in zip(layout.segments, layout.meta_offsets):
-            if seg.name not in canon:
-                raise CheckpointError(f"parameter {seg.name} is not in the checkpoint")
-            c = regroup(canon[seg.name], size, group["expansion"])
-            if c["master"].numel() != seg.param_numel:
-                raise CheckpointError(f"parameter {seg.name}: {c['master'].numel()} values in the checkpoint, "
-                                      f"{seg.param_numel} in the model")
-            a, n, f = seg.param_start, seg.numel, seg.flat_start
-            flat.view(-1)[f:f + n] = c["master"][a:a + n].to(flat.device)
-            st["step"] = c["step"].clone()
-            if group["fp8_state"]:
-                st["exp_avg_q"].view(-1)[f:f + n] = c["exp_avg_q"][a:a + n].view(E4M3.dtype).to(flat.device)
-                st["exp_avg_sq_q"].view(-1)[f:f + n] = c["exp_avg_sq_q"][a:a + n].view(vdt).to(flat.device)
-                g0, g1 = a // size, (a + n - 1) // size + 1
-                for key in _META:
-                    st[key][meta:meta + g1 - g0] = c[key][g0:g1].to(flat.device)
-            else:
-                for key in ("exp_avg", "exp_avg_sq"):
-                    st[key].view(-1)[f:f + n] = c[key][a:a + n].to(flat.device)
-        opt.state[flat] = st
+    for k, (flat, _, _) in enumerate(partitions(engine)):
+        opt.state[flat] = _restore_partition(flat, opt.partition_of(flat), _group_for(opt, engine, k), canon)
     _restore_lp(engine, canon)
     if zsd0 is None:  # universal load: DeepSpeed restored loss scale and hyperparameters
         return
-    base0, _ = _base_and_flats(zsd0, "rank 0")
+    base0, _ = base_and_flats(zsd0, "rank 0")
     if len(base0["param_groups"]) == len(opt.param_groups):  # hyperparameters, as DeepSpeed's own load does
         for cur, saved in zip(opt.param_groups, base0["param_groups"]):
             cur.update({k: v for k, v in saved.items() if k not in ("params", "group_size")})
@@ -413,7 +313,7 @@ def _group_for(opt: CoatAdamW, engine, k: int) -> dict:
     return opt.param_groups[gi]
 
 
-def _restore_lp(engine, canon: dict[str, dict]) -> None:
+def _restore_lp(engine, canon: dict[str, ParamState]) -> None:
     """Model (low-precision) weights from the restored fp32 masters."""
     zo = engine.optimizer
     names = {p: n for n, p in engine.module.named_parameters()}
@@ -425,9 +325,9 @@ def _restore_lp(engine, canon: dict[str, dict]) -> None:
                 start = rank * part
                 n = max(0, min(part, p.ds_numel - start))
                 if n:
-                    p.ds_tensor.data.view(-1)[:n] = canon[names[p]]["master"][start:start + n].to(p.ds_tensor.dtype)
+                    p.ds_tensor.data.view(-1)[:n] = canon[names[p]].master[start:start + n].to(p.ds_tensor.dtype)
         return
     for p, name in names.items():
-        if name in canon and p.numel() == canon[name]["master"].numel():
-            p.data.copy_(canon[name]["master"].view_as(p).to(p.dtype))
+        if name in canon and p.numel() == canon[name].master.numel():
+            p.data.copy_(canon[name].master.view_as(p).to(p.dtype))
 

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import bisect
 import zlib
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 import torch
 import torch.distributed as dist
 
 from .. import kernels
-from ..formats import get_format, n_groups
+from ..formats import Fp8Moment, get_format
+from ..optim.coat_adamw import fp8_moments, fp8_zeros
 
 Key = tuple  # (parameter name, group index)
 SR_SEED = 0  # stochastic rounding's bits are keyed by (SR_SEED, step, parameter, position): see formats.rounding
@@ -75,6 +76,19 @@ class Segment:
         """Whether this piece holds all of group j."""
         return j * g >= self.param_start and min((j + 1) * g, self.param_numel) <= self.param_start + self.numel
 
+    def piece(self, moment: Fp8Moment, meta: int) -> Fp8Moment:
+        """This piece of the parameter in a partition's moment whose metadata holds the piece's groups from `meta`."""
+        return moment.piece(self.flat_start, self.numel, meta, self.param_start % moment.group_size)
+
+
+def meta_offsets(segments: list[Segment], g: int) -> list[int]:
+    """Where each segment's groups start in its partition's metadata (segments in flat order)."""
+    out, meta = [], 0
+    for s in segments:
+        out.append(meta)
+        meta += len(s.groups(g))
+    return out
+
 
 def local_cut_keys(segments: list[Segment], g: int) -> list[Key]:
     return [(s.name, j) for s in segments for j in s.groups(g) if not s.covers(j, g)]
@@ -120,17 +134,10 @@ class ShardLayout:
         self.n_meta = meta
         self.sr_keys = body_keys + cut_keys
 
-    @property
-    def meta_offsets(self) -> list[int]:
-        out, meta = [], 0
-        for s in self.segments:
-            out.append(meta)
-            meta += len(s.groups(self.group_size))
-        return out
-
     def record(self) -> list[tuple]:
-        """Plain-data description saved with the optimizer state (checkpoints re-partition from it)."""
-        return [(s.name, s.param_numel, s.param_start, s.flat_start, s.numel) for s in self.segments]
+        """Plain-data description saved with the optimizer state (checkpoints re-partition from it):
+        each segment's fields as a tuple, `Segment(*t)` reads one back."""
+        return [astuple(s) for s in self.segments]
 
     # ---------------------------------------------------------------- the step
     def _exchange(self, p: torch.Tensor, grads: "FlatPieces", mq: torch.Tensor, vq: torch.Tensor,
@@ -157,20 +164,18 @@ class ShardLayout:
             rows = buf[:-1].view(n_cut, 4, g)
         return rows, bool(buf[-1] > 0)
 
-    def _body_views(self, flat, mq, vq, ms, me, vs, ve) -> tuple[list, list, list]:
+    def _body_views(self, flat: torch.Tensor, m_all: Fp8Moment, v_all: Fp8Moment) -> tuple[list, list, list]:
         """Per-parameter views of the partition and its states, made once while their storage stays.
 
         A ZeRO partition holds hundreds of parameters: narrowing each of them afresh every step cost
         more than the fused kernel itself (2.2 ms of host time per step for 200 parameters)."""
-        key = tuple(t.data_ptr() for t in (flat, mq, vq, ms, me, vs, ve))
+        key = tuple(t.data_ptr() for t in (flat, *m_all.tensors, *v_all.tensors))
         if getattr(self, "_views_key", None) != key:
-            g = self.group_size
             params, m, v = [], [], []
-            for start, n, meta in self.bodies:
-                k = n_groups(n, g)
+            for start, n, meta in self.bodies:  # whole groups: pieces that start at a group's start
                 params.append(flat.narrow(0, start, n))
-                m.append((mq.narrow(0, start, n), ms.narrow(0, meta, k), me.narrow(0, meta, k)))
-                v.append((vq.narrow(0, start, n), vs.narrow(0, meta, k), ve.narrow(0, meta, k)))
+                m.append(m_all.piece(start, n, meta, 0).tensors)
+                v.append(v_all.piece(start, n, meta, 0).tensors)
             self._views_key, self._views = key, (params, m, v)
         params, m, v = self._views
         return list(params), list(m), list(v)
@@ -189,14 +194,12 @@ class ShardLayout:
             raise ValueError(f"CoatAdamW: group_size changed from {self.group_size} to {g} after DeepSpeed "
                              "partitioned the optimizer; allowed: the value the engine was built with")
         grads = grad if isinstance(grad, FlatPieces) else FlatPieces([grad])
-        st = opt.state[p]
-        flat = p.view(-1)
-        mq, vq = st["exp_avg_q"].view(-1), st["exp_avg_sq_q"].view(-1)
-        ms, me, vs, ve = st["exp_avg_scale"], st["exp_avg_expo"], st["exp_avg_sq_scale"], st["exp_avg_sq_expo"]
+        m_all, v_all = fp8_moments(opt.state[p], group)
+        flat, mq, vq = p.view(-1), m_all.codes.view(-1), v_all.codes.view(-1)
         rows, bad = self._exchange(flat, grads, mq, vq, check=not finite)
         if bad:
             return False
-        params, m, v = self._body_views(flat, mq, vq, ms, me, vs, ve)
+        params, m, v = self._body_views(flat, m_all, v_all)
         # the gradient is a fresh tensor each step under ZeRO: views kept past the step would keep it alive
         grad_list = [grads.narrow(start, n) for start, n, _ in self.bodies]
         in_kernel = lp_out is not None and lp_out.dtype == torch.bfloat16 and flat.dtype == torch.float32
@@ -209,8 +212,8 @@ class ShardLayout:
             whole.append((pc, mc, vc))
             params.append(pc)
             grad_list.append(gc)
-            m.append((mc, ms.narrow(0, meta, 1), me.narrow(0, meta, 1)))
-            v.append((vc, vs.narrow(0, meta, 1), ve.narrow(0, meta, 1)))
+            m.append((mc, m_all.scale.narrow(0, meta, 1), m_all.expo.narrow(0, meta, 1)))
+            v.append((vc, v_all.scale.narrow(0, meta, 1), v_all.expo.narrow(0, meta, 1)))
             if in_kernel:
                 outs.append(torch.empty(g, dtype=torch.bfloat16, device=flat.device))
         beta1, beta2 = group["betas"]
@@ -230,13 +233,6 @@ class ShardLayout:
         return True
 
     def init_state(self, p: torch.Tensor, group: dict) -> dict:
-        fmt_v = get_format(group["v_format"])
-        n = self.n_meta
-        return {"step": torch.zeros((), dtype=torch.float32),
-                "exp_avg_q": torch.zeros(p.shape, dtype=torch.float8_e4m3fn, device=p.device),
-                "exp_avg_scale": torch.zeros(n, dtype=torch.float32, device=p.device),
-                "exp_avg_expo": torch.ones(n, dtype=torch.float32, device=p.device),
-                "exp_avg_sq_q": torch.zeros(p.shape, dtype=fmt_v.dtype, device=p.device),
-                "exp_avg_sq_scale": torch.zeros(n, dtype=torch.float32, device=p.device),
-                "exp_avg_sq_expo": torch.ones(n, dtype=torch.float32, device=p.device)}
+        """A fresh state of the flat partition p: codes per value, metadata per group each piece touches."""
+        return fp8_zeros(p.shape, group, p.device, self.n_meta)
 

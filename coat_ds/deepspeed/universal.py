@@ -19,7 +19,7 @@ import shutil
 
 import torch
 
-from .checkpoint import CheckpointError, _torch_load, canonical, zero_files
+from .checkpoint_files import CheckpointError, ParamState, canonical, torch_load, zero_files
 
 STATES = "coat_states.bin"
 _SHARDED = ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups")
@@ -34,9 +34,9 @@ def _model_files(src: str) -> list[str]:
 
 def convert(src: str, dst: str) -> int:
     """Convert the checkpoint folder `src` (…/TAG) into a universal one at `dst`; returns the parameter count."""
-    model = _torch_load(_model_files(src)[0])
+    model = torch_load(_model_files(src)[0])
     world = int(model.get("dp_world_size", 1))
-    zsds = [_torch_load(p)["optimizer_state_dict"] for p in zero_files(src, world)]
+    zsds = [torch_load(p)["optimizer_state_dict"] for p in zero_files(src, world)]
     canon = canonical(zsds)
     shapes = {}
     for group in model.get("param_shapes") or []:
@@ -45,10 +45,10 @@ def convert(src: str, dst: str) -> int:
     for name, c in canon.items():
         folder = os.path.join(dst, "zero", name)
         os.makedirs(folder, exist_ok=True)
-        shape = tuple(shapes.get(name, c["master"].shape))
-        torch.save({"param": c["master"].view(shape)}, os.path.join(folder, "fp32.pt"))
-        torch.save(c["step"], os.path.join(folder, "step.pt"))
-        torch.save({k: v for k, v in c.items() if k not in ("master", "filled")}, os.path.join(folder, STATES))
+        shape = tuple(shapes.get(name, c.master.shape))
+        torch.save({"param": c.master.view(shape)}, os.path.join(folder, "fp32.pt"))
+        torch.save(c.step, os.path.join(folder, "step.pt"))
+        torch.save(c.to_file(), os.path.join(folder, STATES))
     osd = zsds[0]
     if "base_optimizer_state" in osd:
         common = {k: v for k, v in osd.items() if k not in _SHARDED}
@@ -68,18 +68,15 @@ def convert(src: str, dst: str) -> int:
     return len(canon)
 
 
-def read(folder: str) -> dict[str, dict]:
-    """The per-parameter form (as checkpoint.canonical returns it) of a universal folder written by convert()."""
+def read(folder: str) -> dict[str, ParamState]:
+    """The per-parameter form (as checkpoint_files.canonical returns it) of a universal folder written by convert()."""
     canon = {}
     zero = os.path.join(folder, "zero")
     for name in sorted(os.listdir(zero)):
         states = os.path.join(zero, name, STATES)
         if not os.path.isfile(states):
             continue
-        c = _torch_load(states)
-        c["master"] = _torch_load(os.path.join(zero, name, "fp32.pt"))["param"].reshape(-1).float()
-        c["filled"] = c["master"].numel()
-        canon[name] = c
+        canon[name] = ParamState.from_file(torch_load(states), torch_load(os.path.join(zero, name, "fp32.pt"))["param"])
     if not canon:
         raise CheckpointError(f"{folder}: no {STATES} files; convert with python -m coat_ds.deepspeed.universal")
     return canon

@@ -8,9 +8,39 @@ from typing import Any, Callable, Iterable, Protocol
 import torch
 
 from .. import kernels
-from ..formats import E4M3, FORMATS, GROUP_SIZES, FP8Format, get_format, n_groups
+from ..formats import E4M3, FORMATS, GROUP_SIZES, Fp8Moment, FP8Format, get_format, state_keys
 
-_STATE_KEYS = ("exp_avg_q", "exp_avg_scale", "exp_avg_expo", "exp_avg_sq_q", "exp_avg_sq_scale", "exp_avg_sq_expo")
+# A param's state keys (those of its checkpoints): m and v under these prefixes, as Fp8Moments in an
+# fp8_state group, as fp32 tensors (torch.optim.AdamW's layout) in an fp8_state=False group.
+MOMENTS = ("exp_avg", "exp_avg_sq")
+FP8_STATE_KEYS = ("step",) + tuple(k for prefix in MOMENTS for k in state_keys(prefix))
+FP32_STATE_KEYS = ("step",) + MOMENTS
+
+
+def moment_formats(group: dict) -> tuple[FP8Format, FP8Format]:
+    """FP8 formats of (m, v) in a param group: m is always E4M3 (it beats E5M2 for m in COAT's study)."""
+    return E4M3, get_format(group["v_format"])
+
+
+def fp8_moments(state: dict, group: dict) -> tuple[Fp8Moment, Fp8Moment]:
+    """(m, v) of a param's state in `group`, dtypes repaired (Fp8Moment.from_state): the state's own tensors
+    where their dtypes are right, so the step writes the state."""
+    return tuple(Fp8Moment.from_state(state, prefix, fmt, group["group_size"])
+                 for prefix, fmt in zip(MOMENTS, moment_formats(group)))
+
+
+def fp8_zeros(shape: torch.Size, group: dict, device: torch.device, groups: int | None = None) -> dict:
+    """A fresh state (step 0, zero moments) of a tensor of `shape` in `group`; `groups`: see Fp8Moment.zeros."""
+    state = {"step": torch.zeros((), dtype=torch.float32)}
+    for prefix, fmt in zip(MOMENTS, moment_formats(group)):
+        state.update(Fp8Moment.zeros(shape, fmt, group["group_size"], device, groups).to_state(prefix))
+    return state
+
+
+def fp32_zeros(p: torch.Tensor) -> dict:
+    """A fresh state of p in an fp8_state=False group: torch.optim.AdamW's."""
+    return {"step": torch.zeros((), dtype=torch.float32),
+            **{k: torch.zeros_like(p, memory_format=torch.preserve_format) for k in MOMENTS}}
 
 
 def _num(v: Any) -> bool:
@@ -132,16 +162,7 @@ class CoatAdamW(torch.optim.Optimizer):
         if not state and partition is not None and group["fp8_state"]:
             state.update(partition.init_state(p, group))
         if not state:
-            state["step"] = torch.zeros((), dtype=torch.float32)
-            if group["fp8_state"]:
-                n = n_groups(p.numel(), group["group_size"])
-                for name, fmt in (("exp_avg", E4M3), ("exp_avg_sq", get_format(group["v_format"]))):
-                    state[f"{name}_q"] = torch.zeros(p.shape, dtype=fmt.dtype, device=p.device)
-                    state[f"{name}_scale"] = torch.zeros(n, dtype=torch.float32, device=p.device)
-                    state[f"{name}_expo"] = torch.ones(n, dtype=torch.float32, device=p.device)
-            else:
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state.update(fp8_zeros(p.shape, group, p.device) if group["fp8_state"] else fp32_zeros(p))
         return state
 
     def _nonfinite(self) -> str | None:
@@ -204,7 +225,7 @@ class CoatAdamW(torch.optim.Optimizer):
         optimizer (or with fp8_state flipped) is refused before anything changes."""
         saved_groups = state_dict["param_groups"]
         for gi, saved in enumerate(saved_groups):
-            want = ("step",) + (_STATE_KEYS if saved.get("fp8_state", False) else ("exp_avg", "exp_avg_sq"))
+            want = FP8_STATE_KEYS if saved.get("fp8_state", False) else FP32_STATE_KEYS
             for pid in saved["params"]:
                 st = state_dict["state"].get(pid)
                 missing = [k for k in want if st is not None and k not in st]
@@ -231,13 +252,12 @@ class CoatAdamW(torch.optim.Optimizer):
         if not params:
             return
         beta1, beta2 = group["betas"]
-        states = [self.state[p] for p in params]
+        moments = [fp8_moments(self.state[p], group) for p in params]
         # the kernels update fp32 contiguous masters (what ZeRO hands over); others go through an fp32 copy
         masters = [p if p.dtype == torch.float32 and p.is_contiguous() else p.detach().float().contiguous()
                    for p in params]
         kernels.adamw_step(masters, [p.grad.contiguous() for p in params],
-                       [(s["exp_avg_q"], s["exp_avg_scale"], s["exp_avg_expo"]) for s in states],
-                       [(s["exp_avg_sq_q"], s["exp_avg_sq_scale"], s["exp_avg_sq_expo"]) for s in states],
+                       [m.tensors for m, _ in moments], [v.tensors for _, v in moments],
                        lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
                        weight_decay=group["weight_decay"], step=step, v_format=get_format(group["v_format"]),
                        group_size=group["group_size"], expansion=group["expansion"])

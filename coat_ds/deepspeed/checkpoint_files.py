@@ -1,0 +1,155 @@
+"""What a saved CoatAdamW checkpoint holds, read back: its files, and each parameter's state made whole.
+
+Both loaders build on this (checkpoint.py: a regular tag, re-partitioned; universal.py: DeepSpeed's
+universal layout) and the up-front check (check.py) refuses files with its CheckpointError. A rank's
+optimizer state holds, per flat partition, pieces of many parameters (its recorded layout says which);
+`canonical` gathers the pieces of every rank into one ParamState per parameter, and a loader cuts that
+to its own partitions (the inverse, ParamState.scatter).
+"""
+from __future__ import annotations
+
+import glob
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..formats import Fp8Moment
+from ..optim.coat_adamw import MOMENTS, fp8_moments, moment_formats
+from .layout import Segment, meta_offsets
+
+LAYOUTS = "coat_layouts"  # key of the base-optimizer state dict: per state index, its partition's layout
+
+
+class CheckpointError(ValueError):
+    """A checkpoint this engine must not load; raised before anything is loaded."""
+
+
+def torch_load(path: str, mmap: bool = False) -> Any:
+    """torch.load to the CPU (`mmap`: tensors mapped, not read); a missing or unreadable file is a CheckpointError."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint file missing: {path}")
+    try:
+        return torch.load(path, map_location="cpu", mmap=mmap, weights_only=False)
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is refused the same way
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise CheckpointError(f"checkpoint file unreadable (truncated or corrupt): {path} "
+                              f"({type(exc).__name__}: {first})") from None
+
+
+def zero_files(ckpt_dir: str, world: int) -> list[str]:
+    """The ZeRO optimizer files of data-parallel ranks 0..world-1 (bf16_ prefixed or not)."""
+    for prefix in ("bf16_", ""):
+        names = [os.path.join(ckpt_dir, f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt") for r in range(world)]
+        if os.path.isfile(names[0]):
+            return names
+    found = sorted(glob.glob(os.path.join(ckpt_dir, "*zero_pp_rank_*_optim_states.pt")))
+    raise CheckpointError(f"{ckpt_dir}: expected ZeRO optimizer files for {world} ranks "
+                          f"(zero_pp_rank_<r>_mp_rank_00_optim_states.pt), found {[os.path.basename(f) for f in found]}")
+
+
+def base_and_flats(osd: dict, where: str) -> tuple[dict, list]:
+    """(CoatAdamW's state dict, the flat fp32 partitions) of one rank's ZeRO optimizer state."""
+    if not isinstance(osd, dict):
+        raise CheckpointError(f"{where}: no optimizer state in this file")
+    if "base_optimizer_state" in osd:
+        return osd["base_optimizer_state"], osd["single_partition_of_fp32_groups"]
+    if "fp32_flat_groups" in osd:
+        return osd["optimizer_state_dict"], osd["fp32_flat_groups"]
+    raise CheckpointError(f"{where}: unknown ZeRO optimizer state layout (keys {sorted(osd)})")
+
+
+@dataclass
+class ParamState:
+    """One parameter's optimizer state, whole: fp32 master, step, and (m, v) as Fp8Moments or, for an
+    fp8_state=False group, fp32 tensors (all flat)."""
+    master: torch.Tensor
+    step: torch.Tensor
+    m: Fp8Moment | torch.Tensor
+    v: Fp8Moment | torch.Tensor
+    group_size: int
+    v_format: str
+    filled: int = 0  # values written so far (gathering checks that the saved ranks cover the parameter)
+
+    @property
+    def fp8(self) -> bool:
+        return isinstance(self.m, Fp8Moment)
+
+    @classmethod
+    def empty(cls, numel: int, group: dict) -> "ParamState":
+        """Zeros, for a parameter of `numel` values in param group `group`."""
+        if group["fp8_state"]:
+            m, v = (Fp8Moment.zeros(numel, fmt, group["group_size"]) for fmt in moment_formats(group))
+        else:
+            m, v = torch.zeros(numel), torch.zeros(numel)
+        return cls(torch.zeros(numel), torch.zeros(()), m, v, group["group_size"], group["v_format"])
+
+    def gather(self, seg: Segment, meta: int, flat: torch.Tensor, step: torch.Tensor, moments: tuple) -> None:
+        """Take the piece `seg` from a partition: its fp32 master `flat` and its (m, v), whose metadata holds
+        the piece's groups from `meta`."""
+        a, n, f = seg.param_start, seg.numel, seg.flat_start
+        self.master[a:a + n] = flat.reshape(-1)[f:f + n].float()
+        self.step = step.clone()
+        for whole, part in zip((self.m, self.v), moments):
+            if self.fp8:
+                whole.slice(a, a + n).copy_(seg.piece(part, meta))
+            else:
+                whole[a:a + n] = part.reshape(-1)[f:f + n].float()
+        self.filled += n
+
+    def scatter(self, seg: Segment, meta: int, flat: torch.Tensor, moments: tuple) -> None:
+        """The inverse of gather: write the piece `seg` into a partition (to its device), the step aside."""
+        a, n, f = seg.param_start, seg.numel, seg.flat_start
+        flat.view(-1)[f:f + n] = self.master[a:a + n].to(flat.device)
+        for whole, part in zip((self.m, self.v), moments):
+            if self.fp8:
+                seg.piece(part, meta).copy_(whole.slice(a, a + n))
+            else:
+                part.view(-1)[f:f + n] = whole[a:a + n].to(part.device)
+
+    def to_file(self) -> dict:
+        """Plain data (the moments under CoatAdamW's state keys), the master aside: universal.py's file."""
+        sd = {"step": self.step, "group_size": self.group_size, "fp8": self.fp8, "v_format": self.v_format}
+        if self.fp8:
+            for prefix, moment in zip(MOMENTS, (self.m, self.v)):
+                sd.update(moment.to_state(prefix))
+        else:
+            sd.update(zip(MOMENTS, (self.m, self.v)))
+        return sd
+
+    @classmethod
+    def from_file(cls, sd: dict, master: torch.Tensor) -> "ParamState":
+        """The inverse of to_file (also of the files coat_ds wrote with uint8 codes)."""
+        if sd["fp8"]:
+            m, v = fp8_moments(sd, sd)  # the file carries group_size and v_format as a param group does
+        else:
+            m, v = (sd[k].float() for k in MOMENTS)
+        master = master.reshape(-1).float()
+        return cls(master, sd["step"], m, v, sd["group_size"], sd["v_format"], master.numel())
+
+
+def _gather_rank(canon: dict[str, ParamState], base: dict, flats: list, r: int) -> None:
+    groups = {i: g for g in base["param_groups"] for i in g["params"]}
+    for i, st in base["state"].items():
+        info = base[LAYOUTS].get(i)
+        if info is None:
+            raise CheckpointError(f"rank {r}: state {i} has no partition layout")
+        group, flat = groups[i], flats[info["flat_index"]]
+        moments = fp8_moments(st, group) if group["fp8_state"] else tuple(st[k] for k in MOMENTS)
+        segments = [Segment(*rec) for rec in info["layout"]]
+        for seg, meta in zip(segments, meta_offsets(segments, group["group_size"])):
+            if seg.name not in canon:
+                canon[seg.name] = ParamState.empty(seg.param_numel, group)
+            canon[seg.name].gather(seg, meta, flat, st["step"], moments)
+
+
+def canonical(zsds: list[dict]) -> dict[str, ParamState]:
+    """Per parameter name, its whole state, from the ZeRO optimizer states of all saved ranks."""
+    canon: dict[str, ParamState] = {}
+    for r, osd in enumerate(zsds):
+        _gather_rank(canon, *base_and_flats(osd, f"rank {r}"), r)
+    for name, c in canon.items():
+        if c.filled != c.master.numel():
+            raise CheckpointError(f"parameter {name}: saved ranks cover {c.filled} of {c.master.numel()} values")
+    return canon

@@ -1,0 +1,76 @@
+"""The per-parameter form of a checkpoint without DeepSpeed: two ranks' partitions cut through FP8 groups are
+gathered back into whole parameters exactly, and the universal file form round-trips (test_deepspeed.py runs the
+same code through real engines)."""
+from dataclasses import astuple
+
+import pytest
+import torch
+
+from coat_ds.deepspeed.checkpoint_files import LAYOUTS, CheckpointError, ParamState, canonical
+from coat_ds.deepspeed.layout import Segment, meta_offsets
+from coat_ds.formats import Fp8Moment, get_format, quantize
+from coat_ds.optim.coat_adamw import fp8_moments, fp8_zeros
+
+G = 32
+GROUP = {"params": [0], "group_size": G, "v_format": "e5m2", "fp8_state": True, "expansion": True}
+# two parameters (300 and 70 values) over two ranks: the cut at 185 falls inside a group of "a"
+RANKS = [[Segment("a", 300, 0, 0, 185)], [Segment("a", 300, 185, 0, 115), Segment("b", 70, 0, 115, 70)]]
+
+
+def _param_state(numel: int, seed: int) -> ParamState:
+    torch.manual_seed(seed)
+    m, v = (Fp8Moment(*quantize(x, fmt, G), G, get_format(fmt))
+            for x, fmt in ((torch.randn(numel), "e4m3"), (torch.rand(numel) * 1e-4, "e5m2")))
+    return ParamState(torch.randn(numel), torch.tensor(7.0), m, v, G, "e5m2", numel)
+
+
+def _whole() -> dict[str, ParamState]:
+    return {"a": _param_state(300, 0), "b": _param_state(70, 1)}
+
+
+def _rank_dicts(whole: dict[str, ParamState]) -> list[dict]:
+    """What each rank's ZeRO-1/2 optimizer file holds, cut from `whole` with ParamState.scatter."""
+    out = []
+    for segments in RANKS:
+        numel = sum(s.numel for s in segments)
+        flat = torch.zeros(numel)
+        st = fp8_zeros(flat.shape, GROUP, flat.device, sum(len(s.groups(G)) for s in segments))
+        for seg, meta in zip(segments, meta_offsets(segments, G)):
+            whole[seg.name].scatter(seg, meta, flat, fp8_moments(st, GROUP))
+            st["step"] = whole[seg.name].step.clone()
+        base = {"state": {0: st}, "param_groups": [GROUP],
+                LAYOUTS: {0: {"layout": [astuple(s) for s in segments], "flat_index": 0}}}
+        out.append({"base_optimizer_state": base, "single_partition_of_fp32_groups": [flat]})
+    return out
+
+
+def test_partitions_gather_back_to_whole_parameters():
+    whole = _whole()
+    canon = canonical(_rank_dicts(whole))
+    assert sorted(canon) == ["a", "b"]
+    for name, c in canon.items():
+        w = whole[name]
+        assert c.filled == c.master.numel() and torch.equal(c.master, w.master) and c.step == 7
+        for got, want in ((c.m, w.m), (c.v, w.v)):
+            assert got.fmt == want.fmt and got.codes.dtype == want.fmt.dtype
+            assert torch.equal(got.codes.view(torch.uint8), want.codes.view(torch.uint8))
+            assert torch.equal(got.scale, want.scale) and torch.equal(got.expo, want.expo)
+            assert torch.equal(got.dequantize(), want.dequantize())
+
+
+def test_missing_rank_is_refused():
+    with pytest.raises(CheckpointError, match="parameter a: saved ranks cover 115 of 300 values"):
+        canonical(_rank_dicts(_whole())[1:])
+
+
+@pytest.mark.parametrize("as_bits", [False, True])
+def test_file_form_round_trips(as_bits):
+    c = _param_state(300, 2)
+    sd = c.to_file()
+    assert {"exp_avg_q", "exp_avg_scale", "exp_avg_expo", "exp_avg_sq_q", "group_size", "fp8", "v_format"} <= set(sd)
+    if as_bits:  # files written before Fp8Moment held uint8 codes
+        sd = dict(sd, exp_avg_q=sd["exp_avg_q"].view(torch.uint8), exp_avg_sq_q=sd["exp_avg_sq_q"].view(torch.uint8))
+    back = ParamState.from_file(sd, c.master.view(10, 30))
+    assert back.filled == 300 and torch.equal(back.master, c.master)
+    for got, want in ((back.m, c.m), (back.v, c.v)):
+        assert got.codes.dtype == want.fmt.dtype and torch.equal(got.dequantize(), want.dequantize())
