@@ -12,6 +12,7 @@ floating state to the parameter's dtype; tools store codes as uint8).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,7 @@ from .group_quant import dequantize as _dequantize, n_groups
 SUFFIXES = ("_q", "_scale", "_expo")  # codes, scale, exponent
 
 
+@functools.cache  # read on every step
 def state_keys(prefix: str) -> tuple[str, str, str]:
     """The state-dict keys of a moment stored under `prefix` (e.g. exp_avg_q, exp_avg_scale, exp_avg_expo)."""
     return tuple(prefix + s for s in SUFFIXES)
@@ -78,10 +80,6 @@ class Fp8Moment:
         self.expo.copy_(src.expo)
         return self
 
-    def to(self, device: torch.device | str) -> "Fp8Moment":
-        return Fp8Moment(self.codes.to(device), self.scale.to(device), self.expo.to(device), self.group_size,
-                         self.fmt, self.offset)
-
     def dequantize(self) -> torch.Tensor:
         """fp32 values, the codes' shape (the reference math)."""
         pad = self.offset if self.numel else 0  # align the codes with their groups
@@ -98,9 +96,12 @@ class Fp8Moment:
         """The moment stored under `prefix` in `state`, dtypes repaired: codes back to `fmt` (from uint8 bits
         or from the values a cast widened them to), scale and exponent to fp32. No copy when already right."""
         fmt = get_format(fmt)
-        codes, scale, expo = (state[k] for k in state_keys(prefix))
+        q, s, e = state_keys(prefix)
+        codes, scale, expo = state[q], state[s], state[e]
         if codes.dtype == torch.uint8:
             codes = codes.view(fmt.dtype)
         elif codes.dtype != fmt.dtype:
             codes = codes.to(fmt.dtype)
-        return cls(codes, scale.float(), expo.float(), group_size, fmt)
+        if scale.dtype != torch.float32 or expo.dtype != torch.float32:
+            scale, expo = scale.float(), expo.float()
+        return cls(codes, scale, expo, group_size, fmt)

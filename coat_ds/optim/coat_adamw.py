@@ -25,8 +25,8 @@ def moment_formats(group: dict) -> tuple[FP8Format, FP8Format]:
 def fp8_moments(state: dict, group: dict) -> tuple[Fp8Moment, Fp8Moment]:
     """(m, v) of a param's state in `group`, dtypes repaired (Fp8Moment.from_state): the state's own tensors
     where their dtypes are right, so the step writes the state."""
-    return tuple(Fp8Moment.from_state(state, prefix, fmt, group["group_size"])
-                 for prefix, fmt in zip(MOMENTS, moment_formats(group)))
+    (m, v), (m_fmt, v_fmt), size = MOMENTS, moment_formats(group), group["group_size"]
+    return Fp8Moment.from_state(state, m, m_fmt, size), Fp8Moment.from_state(state, v, v_fmt, size)
 
 
 def fp8_zeros(shape: torch.Size, group: dict, device: torch.device, groups: int | None = None) -> dict:
