@@ -54,7 +54,7 @@ config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
           "coat": {"activation": {"cache_weights": True}}}
 engine, *_ = deepspeed.initialize(model=model, config=config)
 group = engine.module.model.layers[0]._qkv
-x = torch.randint(0, 64, (2, 8))
+x = torch.randint(0, 64, (2, 8)).to(engine.device)
 fresh, reused = [], []
 for step in range(2):
     for micro in range(2):
