@@ -44,8 +44,7 @@ class Worker:
         import torch
         import deepspeed
 
-        import data as data_lib     # examples/data.py
-        import train as train_lib   # examples/train.py
+        from coat_ds.recipes import causal_lm as train_lib, data as data_lib
 
         self.args, self.lm_loss = args, train_lib.lm_loss
         self.wlog = WarningLog()
@@ -347,8 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         smoke_recipe(args)
     names = check_args(p, args, ("seq_len", "micro_batch", "steps", "log_every", "eval_every", "eval_batches"))
 
-    sys.path.insert(0, str(ROOT / "examples"))
-    import data as data_lib
+    from coat_ds.recipes import data as data_lib
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -43,7 +43,6 @@ from pathlib import Path
 
 _T0 = time.time()   # process start: a worker's time budget counts its imports and engine set-up too
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "examples"))       # examples/train.py, examples/data.py
 sys.path.insert(0, str(ROOT))                    # coat_ds from a checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -327,7 +326,7 @@ class Worker:
         import deepspeed.comm as dist
         from deepspeed.accelerator import get_accelerator
 
-        import train as train_lib   # examples/train.py: engine initialisation (coat_ds.deepspeed glue) and the loss
+        from coat_ds.recipes import causal_lm as train_lib   # engine initialisation (coat_ds.deepspeed glue) and the loss
 
         self.args, self.train_lib, self.dist = args, train_lib, dist
         self.wlog = WarningLog()

@@ -277,8 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     key = "long_data" if args.long else "default"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    sys.path.insert(0, str(ROOT / "examples"))
-    import data as data_lib
+    from coat_ds.recipes import data as data_lib
 
     tokens = data_lib.load(rec.data, rec.seq_len, vocab_size=rec.vocab_size, max_bytes=rec.data_bytes)
     print(f"data: {tokens.source}: {len(tokens.train):,} train / {len(tokens.val):,} val tokens "

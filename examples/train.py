@@ -6,7 +6,7 @@
     python examples/train.py --deepspeed ds_configs/zero2_coat.json --steps 20     # one process, no launcher
 
 Everything about the optimizer, ZeRO stage, precision and FP8 activations comes from the JSON config; this
-script brings the model, the data and the loop. Defaults run offline on any machine (DeepSpeed's CPU
+script brings the loop, on the model and data builders of coat_ds.recipes (which the benchmarks share). Defaults run offline on any machine (DeepSpeed's CPU
 accelerator when there is no GPU): a small Llama built from a config, trained on the running interpreter's
 standard library sources. See docs/train.md for every flag and config key.
 
@@ -22,31 +22,21 @@ import math
 import os
 import shutil
 import signal
-import socket
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))                 # examples/data.py
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))          # coat_ds from a checkout
 
-import data as data_lib  # noqa: E402
+from coat_ds.recipes import data as data_lib  # noqa: E402
+from coat_ds.recipes.causal_lm import MODEL_SIZES, build_model, initialize, lm_loss, set_single_process_env  # noqa: E402
+from coat_ds.recipes.cli import check_ds_config, read_ds_config, refuse  # noqa: E402
 
 # ------------------------------------------------------------------------------------------------------------
 # Configuration: defaults live here; every one of them is a flag.
 # ------------------------------------------------------------------------------------------------------------
-MODEL_SIZES = {  # Llama shapes; parameter counts are for the default 8192-token vocabulary
-    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-                 intermediate_size=192),                                                      # ~1.2M
-    "small": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
-                  intermediate_size=704),                                                     # ~7.4M
-    "125m": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=12,
-                 intermediate_size=3072),                                                     # ~126M
-    "1b": dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=16, num_key_value_heads=4,
-               intermediate_size=5632),                                                       # ~1.0B
-}
 DEFAULTS = dict(
     deepspeed="ds_configs/zero2_coat.json",
     model=None, model_size="small", data=None, data_dtype="uint16", vocab_size=data_lib.DEFAULT_VOCAB,
@@ -96,39 +86,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def refuse(message: str) -> NoReturn:
-    """`error: <message>` once, from rank 0, and exit 2. For bad input found before torch.distributed is up,
-    so the launcher's RANK says which process speaks; every rank finds the same fault and exits."""
-    if os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")) == "0":
-        print(f"error: {message}", file=sys.stderr, flush=True)
-    raise SystemExit(2)
-
-
-def read_ds_config(path: str) -> dict:
-    """The JSON object in `path`, else refuse()."""
-    if not Path(path).is_file():
-        refuse(f"--deepspeed {path}: no such file (ready configs: ds_configs/*.json)")
-    try:
-        cfg = json.loads(Path(path).read_text())
-    except json.JSONDecodeError as e:
-        refuse(f"--deepspeed {path}: not valid JSON ({e})")
-    if not isinstance(cfg, dict):
-        refuse(f"--deepspeed {path}: the top level must be a JSON object")
-    return cfg
-
-
-def check_ds_config(cfg: dict, hf_auto: bool = False) -> dict:
-    """`cfg` if DeepSpeed and coat_ds will accept it (coat_ds.deepspeed.check_config), else refuse() with the
-    key and what is allowed. `hf_auto`: "auto" values are HF Trainer's to fill."""
-    from coat_ds.deepspeed.check import check_config
-
-    try:
-        check_config(cfg, hf_auto=hf_auto)
-    except ValueError as e:
-        refuse(str(e))
-    return cfg
-
-
 def load_ds_config(args: argparse.Namespace) -> dict:
     """Read the JSON config, apply the command-line overrides ("auto" values are filled from flags), check it."""
     cfg = read_ds_config(args.deepspeed)
@@ -145,48 +102,6 @@ def load_ds_config(args: argparse.Namespace) -> dict:
     if isinstance(sched.get("warmup_num_steps"), int) and sched.get("total_num_steps", 0) <= sched["warmup_num_steps"]:
         sched["warmup_num_steps"] = max(1, sched["total_num_steps"] // 10)  # short runs: warm up for 10%
     return check_ds_config(cfg)
-
-
-# ------------------------------------------------------------------------------------------------------------
-# Model
-# ------------------------------------------------------------------------------------------------------------
-def build_model(args: argparse.Namespace, vocab_size: int, seq_len: int):
-    """An HF model to fine-tune (--model), or a freshly initialised Llama of --model-size (no download)."""
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(args.seed)
-    if args.model:
-        return AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-    vocab = (vocab_size + 63) // 64 * 64   # tensor-core and FP8-friendly width
-    cfg = LlamaConfig(vocab_size=vocab, max_position_embeddings=max(seq_len, 2048), tie_word_embeddings=False,
-                      rms_norm_eps=1e-5, **MODEL_SIZES[args.model_size])
-    return LlamaForCausalLM(cfg)
-
-
-def param_groups(model) -> list[dict]:
-    """Weight decay on matrices only (norm weights and biases are not decayed), the usual LM recipe."""
-    decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() < 2]
-    return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-def initialize(model, ds_config: dict):
-    """Plain deepspeed.initialize: after `import coat_ds` the engine applies the "coat" section (FP8 layers) and
-    knows "CoatAdamW"."""
-    import coat_ds  # noqa: F401
-    import deepspeed
-
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model), config=ds_config)
-    return engine
-
-
-def lm_loss(engine, x, y):
-    """Next-token cross-entropy in fp32 over the model's logits."""
-    import torch.nn.functional as F
-
-    logits = engine(input_ids=x.to(engine.device)).logits
-    return F.cross_entropy(logits.flatten(0, 1).float(), y.to(engine.device).flatten())
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -322,17 +237,6 @@ def print_summary(s: dict) -> None:
 # ------------------------------------------------------------------------------------------------------------
 # The job
 # ------------------------------------------------------------------------------------------------------------
-def set_single_process_env() -> None:
-    """`python examples/train.py` without a launcher: a world of one on this host."""
-    if "RANK" in os.environ or "OMPI_COMM_WORLD_RANK" in os.environ:
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-
-
 def load_inputs(args: argparse.Namespace):
     """Data and model, on the host: bad inputs fail here, before any device memory is touched."""
     try:

@@ -12,11 +12,10 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
-pytestmark = pytest.mark.slow
+from coat_ds.recipes.causal_lm import MODEL_SIZES
 
-from train import MODEL_SIZES  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
 
 # the default model and data, shrunk for CI: tiny Llama, 64-token samples, 2 samples per rank
 SMALL = ["--model-size", "tiny", "--seq-len", "64", "--micro-batch", "2", "--lr", "3e-3", "--eval-batches", "2"]

@@ -1,4 +1,4 @@
-"""examples/data.py and examples/train.py's input checks: every source format, deterministic batches, and a
+"""coat_ds.recipes.data and examples/train.py's input checks: every source format, deterministic batches, and a
 clear error (before DeepSpeed or any device memory) for every bad input we handle."""
 import json
 import sys
@@ -7,11 +7,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from coat_ds.recipes import data
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
-
-import data  # noqa: E402
-import train  # noqa: E402
+import train  # noqa: E402  (the script under test)
 
 TEXT = "\n".join(f"def function_{i}(x):\n    return x * {i} + {i * i}  # line {i}" for i in range(400))
 

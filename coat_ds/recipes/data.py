@@ -1,4 +1,4 @@
-"""Training data for examples/train.py and examples/hf_trainer.py.
+"""Training data for examples/train.py, examples/hf_trainer.py and the training benchmarks.
 
 Default corpus: the source files of the running interpreter's standard library (on every machine with
 Python, no network), split into train/validation by file and tokenized with a byte-level BPE trained on the

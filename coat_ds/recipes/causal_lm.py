@@ -1,0 +1,73 @@
+"""A Llama causal LM on DeepSpeed, as examples/ and benchmarks/ build it: model shapes, the engine, the loss.
+
+`build_model` makes a fresh Llama of a named shape (no download) or loads an HF model; `initialize` is plain
+deepspeed.initialize after `import coat_ds` (the engine applies the "coat" section and knows "CoatAdamW")
+with weight decay on matrices only; `lm_loss` is next-token cross-entropy in fp32."""
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+MODEL_SIZES = {  # Llama shapes; parameter counts are for the default 8192-token vocabulary
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                 intermediate_size=192),                                                      # ~1.2M
+    "small": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+                  intermediate_size=704),                                                     # ~7.4M
+    "125m": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=12,
+                 intermediate_size=3072),                                                     # ~126M
+    "1b": dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=16, num_key_value_heads=4,
+               intermediate_size=5632),                                                       # ~1.0B
+}
+
+
+def build_model(spec: Any, vocab_size: int, seq_len: int):
+    """An HF model to fine-tune (`spec.model`: name or path), or a freshly initialised Llama of
+    `spec.model_size` (no download); `spec.seed` seeds the initialisation. `spec`: the parsed flags of
+    examples/train.py or any object with those three attributes."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(spec.seed)
+    if spec.model:
+        return AutoModelForCausalLM.from_pretrained(spec.model, dtype=torch.float32)
+    vocab = (vocab_size + 63) // 64 * 64   # tensor-core and FP8-friendly width
+    cfg = LlamaConfig(vocab_size=vocab, max_position_embeddings=max(seq_len, 2048), tie_word_embeddings=False,
+                      rms_norm_eps=1e-5, **MODEL_SIZES[spec.model_size])
+    return LlamaForCausalLM(cfg)
+
+
+def param_groups(model) -> list[dict]:
+    """Weight decay on matrices only (norm weights and biases are not decayed), the usual LM recipe."""
+    decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() < 2]
+    return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def initialize(model, ds_config: dict):
+    """Plain deepspeed.initialize: after `import coat_ds` the engine applies the "coat" section (FP8 layers) and
+    knows "CoatAdamW"."""
+    import coat_ds  # noqa: F401
+    import deepspeed
+
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model), config=ds_config)
+    return engine
+
+
+def lm_loss(engine, x, y):
+    """Next-token cross-entropy in fp32 over the model's logits."""
+    import torch.nn.functional as F
+
+    logits = engine(input_ids=x.to(engine.device)).logits
+    return F.cross_entropy(logits.flatten(0, 1).float(), y.to(engine.device).flatten())
+
+
+def set_single_process_env() -> None:
+    """A script started without a launcher (`python examples/train.py`): a world of one on this host."""
+    if "RANK" in os.environ or "OMPI_COMM_WORLD_RANK" in os.environ:
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
