@@ -4,8 +4,8 @@
     python benchmarks/convergence.py --steps 2000 --parallel --out /tmp/conv     # one GPU, ~125M, 5 runs
     python benchmarks/convergence.py --smoke --out /tmp/conv_smoke                # CPU, tiny, < 60 s
 
-All runs start from the same weights (examples/train.py's build_model with one seed) and read the
-same batches in the same order (examples/data.py's Batches: the sample at an index depends only on the
+All runs start from the same weights (coat_ds.recipes.causal_lm's build_model with one seed) and read the
+same batches in the same order (coat_ds.recipes.data's Batches: the sample at an index depends only on the
 seed), on the default corpus (the interpreter's standard library, BPE-tokenized; built once by this
 process before the runs start). Each run is its own process, so `--parallel` can put all of them on one
 GPU at once: a 125M model leaves an H100 mostly idle, and the losses do not depend on the neighbours.
@@ -233,7 +233,7 @@ def wait(proc: subprocess.Popen, deadline: float) -> int:
 def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from {list(CONFIGS)}")
-    p.add_argument("--model-size", default="125m", help="a size from examples/train.py's MODEL_SIZES")
+    p.add_argument("--model-size", default="125m", help="a size from coat_ds.recipes.causal_lm's MODEL_SIZES")
     p.add_argument("--data", help="as examples/train.py --data (default: the standard-library corpus)")
     p.add_argument("--data-bytes", type=int, help="a --data text folder: use files up to this many bytes in all")
     p.add_argument("--vocab-size", type=int, default=8192)

@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))                    # coat_ds from a checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-# Llama shapes by name. llama-1b is examples/train.py's "1b" (TinyLlama's shape); llama-3b is OpenLLaMA-3B's.
+# Llama shapes by name. llama-1b is coat_ds.recipes.causal_lm's "1b" (TinyLlama's shape); llama-3b is OpenLLaMA-3B's.
 MODELS = {
     "tiny": dict(hidden_size=256, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
                  intermediate_size=512, vocab_size=512),   # wide enough that the decoder layer's activations dominate

@@ -7,7 +7,7 @@ parameters and re-assembled, codes, scales and exponents unchanged. Only a diffe
 re-groups (dequantize with the old groups, quantize with the new: one extra FP8 rounding of m and v).
 Reading saved files and the per-parameter form are checkpoint_files.py's (universal.py shares them).
 
-`engine.load_checkpoint` of a CoatAdamW engine is wrapped (install()):
+`engine.load_checkpoint` of a CoatAdamW engine runs load() (engine.py wraps DeepSpeedEngine.load_checkpoint):
   1. every file of the tag is opened and checked on every rank before anything is loaded; a missing,
      truncated or foreign file (another optimizer) raises ValueError on all ranks, nothing half-loaded;
   2. same data-parallel world size: DeepSpeed's own load (bit-exact resume);
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import types
 
 import torch
 import torch.distributed as dist
@@ -95,7 +94,7 @@ def _load_post(opt: CoatAdamW) -> None:
 
 
 def install(engine) -> None:
-    """Hooks on the CoatAdamW of `engine` and a checking, re-partitioning engine.load_checkpoint."""
+    """State-dict hooks on the CoatAdamW of `engine` (layouts in, canonical FP8 moments out)."""
     opt = engine.basic_optimizer
     opt._coat_flat_index = {id(flat): k for k, (flat, _, _) in enumerate(partitions(engine))}
     if not getattr(opt, "_coat_hooks", False):
@@ -103,16 +102,6 @@ def install(engine) -> None:
         opt.register_load_state_dict_pre_hook(_load_pre)
         opt.register_load_state_dict_post_hook(_load_post)
         opt._coat_hooks = True
-    if not getattr(engine, "_coat_load_wrapped", False):
-        original = engine.load_checkpoint
-
-        def load_checkpoint(self, load_dir, tag=None, *args, **kw):
-            kw.update(zip(("load_module_strict", "load_optimizer_states", "load_lr_scheduler_states",
-                           "load_module_only", "custom_load_fn"), args))
-            return load(self, original, load_dir, tag, **kw)
-
-        engine.load_checkpoint = types.MethodType(load_checkpoint, engine)
-        engine._coat_load_wrapped = True
 
 
 # ------------------------------------------------------------------ files

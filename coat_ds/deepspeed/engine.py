@@ -1,7 +1,7 @@
 """What coat_ds does inside `DeepSpeedEngine.__init__`: the one place every route to DeepSpeed passes.
 
 `deepspeed.initialize` (a user's own script, the launcher), HF Trainer and accelerate all build a
-DeepSpeedEngine from a config; `import coat_ds` wraps three of its steps (hook()):
+DeepSpeedEngine from a config; `import coat_ds` wraps four of its methods (hook()):
 
 - `_configure_distributed_model(model)`, the first step that has both the config and the module, and
   runs before ZeRO builds its optimizer and before ZeRO-3 installs its module hooks: the config's
@@ -13,7 +13,9 @@ DeepSpeedEngine from a config; `import coat_ds` wraps three of its steps (hook()
   are bound and checkpoint hooks installed as soon as ZeRO has built its flat partitions;
 - `_take_model_step`, the engine's optimizer step (every route's `engine.step()` at a gradient-accumulation
   boundary): the FP8 weight caches are keyed on a step counter that it advances, since DeepSpeed writes
-  the updated weights where no autograd version shows it.
+  the updated weights where no autograd version shows it;
+- `load_checkpoint`: a CoatAdamW engine checks every file of the tag first and re-partitions to another
+  world size (checkpoint.py).
 """
 from __future__ import annotations
 
@@ -52,7 +54,9 @@ def _client_coat_adamw_offload(engine, client_optimizer: Any, *_: Any) -> None:
         engine._config.zero_force_ds_cpu_optimizer = False
 
 
-def _wrap(engine_cls, name: str, before=None, after=None) -> None:
+def _wrap(engine_cls, name: str, before=None, after=None, around=None) -> None:
+    """engine_cls.name calls before(self, ...), then around(self, bound original, ...) or the original, then
+    after(self, ...)."""
     original = getattr(engine_cls, name)
     if getattr(original, "_coat_wrapped", False):
         return
@@ -61,7 +65,10 @@ def _wrap(engine_cls, name: str, before=None, after=None) -> None:
     def wrapped(self, *args, **kw):
         if before is not None:
             before(self, *args, **kw)
-        out = original(self, *args, **kw)
+        if around is not None:
+            out = around(self, functools.partial(original, self), *args, **kw)
+        else:
+            out = original(self, *args, **kw)
         if after is not None:
             after(self, *args, **kw)
         return out
@@ -79,6 +86,20 @@ def _bind_partitions(engine, *_: Any) -> None:
         install(engine)
 
 
+_LOAD_ARGS = ("tag", "load_module_strict", "load_optimizer_states", "load_lr_scheduler_states", "load_module_only",
+              "custom_load_fn")
+
+
+def _load_checkpoint(engine, original, load_dir: str, *args: Any, **kw: Any):
+    """A CoatAdamW engine's checkpoints are checked before loading and re-partition (checkpoint.load)."""
+    if not isinstance(getattr(engine, "basic_optimizer", None), CoatAdamW):
+        return original(load_dir, *args, **kw)
+    from .checkpoint import load
+
+    kw.update(zip(_LOAD_ARGS, args))
+    return load(engine, original, load_dir, **kw)
+
+
 def _new_weight_step(engine, *_: Any) -> None:
     # No FP8 weight cache exists unless its module was imported (a stock model never imports it).
     weight_cache = sys.modules.get(f"{__package__.rpartition('.')[0]}.activation.weight_cache")
@@ -91,6 +112,7 @@ def hook(engine_cls) -> None:
     _wrap(engine_cls, "_configure_distributed_model", before=apply_section)
     _wrap(engine_cls, "_configure_optimizer", before=_client_coat_adamw_offload, after=_bind_partitions)
     _wrap(engine_cls, "_take_model_step", after=_new_weight_step)
+    _wrap(engine_cls, "load_checkpoint", around=_load_checkpoint)
 
 
 def initialize(model: torch.nn.Module, config: Any = None, optimizer: Any = None, **kw: Any):
