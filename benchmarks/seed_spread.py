@@ -3,13 +3,17 @@ is one benchmarks/convergence.py worker (the seed sets the initial weights and t
 --max-parallel of them at once on one GPU, on convergence.py's default recipe (125M Llama, seq 512,
 micro-batch 16, 2000 steps, the standard-library corpus, tokenized once here before the runs).
 
-One H100, 600 s per command: two calls merge into one seed_spread.json (a later run of a pair replaces it),
-and a third adds the `long_data` section (seq 1024 x micro-batch 8, the same tokens per step, on a larger
-corpus: the transformers package's own source, files up to --data-bytes):
+One H100, 600 s per command: the runs share the GPU, which saturates near 165k tokens/s together (measured:
+six runs at once reached steps 1660-1770 of 2000 in 550 s), so four runs fit one command (~410 s of
+training). Calls merge into one seed_spread.json (a later run of a pair replaces it); a last one adds the
+`long_data` section (seq 1024 x micro-batch 8, the same tokens per step, on a larger corpus: the
+transformers package's own source, files up to --data-bytes). Write --out outside $OUT and bring back
+seed_spread.json/png plus a tarball of the rest: a device call returns at most 8 files.
 
-    python benchmarks/seed_spread.py --configs bf16,coat_full --seeds 0,1,2 --time-budget 555 --out OUT
-    python benchmarks/seed_spread.py --configs coat_opt,coat_full_bf16sr --seeds 0,1,2 --time-budget 555 --out OUT
-    python benchmarks/seed_spread.py --long --seeds 0,1,2 --time-budget 555 --out OUT
+    python benchmarks/seed_spread.py --configs bf16,coat_full --seeds 0,1 --time-budget 555 --out OUT
+    python benchmarks/seed_spread.py --configs coat_opt,coat_full_bf16sr --seeds 0,1 --time-budget 555 --out OUT
+    python benchmarks/seed_spread.py --configs bf16,coat_opt,coat_full,coat_full_bf16sr --seeds 2 --time-budget 555 --out OUT
+    python benchmarks/seed_spread.py --long --seeds 0 --time-budget 555 --out OUT
     python benchmarks/seed_spread.py --smoke --out /tmp/seeds                       # CPU, tiny, < 60 s
 
 Workers still running at the deadline stop themselves (evaluate, save) and are killed shortly after; every
@@ -44,7 +48,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, argparse.Nam
     p.add_argument("--configs", help=f"comma-separated, from {list(CONFIGS)} (default {DEFAULT_CONFIGS}; "
                                      f"with --long {LONG_CONFIGS})")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated integers")
-    p.add_argument("--max-parallel", type=int, default=6, help="workers at once on the one device")
+    p.add_argument("--max-parallel", type=int, default=4, help="workers at once on the one device")
     p.add_argument("--time-budget", type=float, default=3600.0, help="seconds for the whole command")
     p.add_argument("--steps", type=int, help="default: convergence.py's 2000 (the smoke's 4)")
     p.add_argument("--long", action="store_true", help="seq 1024 x micro-batch 8 on --data: the long_data section")
