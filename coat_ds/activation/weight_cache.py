@@ -16,7 +16,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..formats import FP8Format
-from ..kernels import quant as ops
+from ..kernels import quant
 from .sharding import sharding
 
 
@@ -87,7 +87,7 @@ class WeightGroup:
 
     def operand(self, transposed: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """(FP8 codes, fp32 scale): [N, K] for the forward, [K, N] (transposed) for the grad-input GEMM."""
-        if ops.tracing(self.linears[0].weight):  # a traced graph quantizes in place of a cache lookup
+        if quant.tracing(self.linears[0].weight):  # a traced graph quantizes in place of a cache lookup
             return self._quantize(transposed, None)
         key = self._state_key()
         if key != self._key:
@@ -105,14 +105,14 @@ class WeightGroup:
     def _quantize(self, transposed: bool, scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         ws = [x.detach() for x in self.weights]
         if scale is None:  # per-row maxima of each weight, then one scale for the fused operand
-            amax = ops.row_amax(ws[0]) if len(ws) == 1 else torch.cat([ops.row_amax(w) for w in ws])
-            scale = ops.tensor_scale(amax, self.fmt)
+            amax = quant.row_amax(ws[0]) if len(ws) == 1 else torch.cat([quant.row_amax(w) for w in ws])
+            scale = quant.tensor_scale(amax, self.fmt)
         if len(ws) > 1:
-            fused = ops.quant_weights(ws, scale, self.fmt, transposed)  # each weight into its slice
+            fused = quant.quant_weights(ws, scale, self.fmt, transposed)  # each weight into its slice
             if fused is not None:
                 return fused, scale
         w = ws[0] if len(ws) == 1 else torch.cat(ws)
-        q, qt = ops.quant_tensor(w, scale, self.fmt, rowmajor=not transposed, transposed=transposed)
+        q, qt = quant.quant_tensor(w, scale, self.fmt, rowmajor=not transposed, transposed=transposed)
         return (qt if transposed else q), scale
 
     def clear(self) -> None:
