@@ -2,7 +2,7 @@
 
 The engine applies the same rules much later (CoatAdamW's params when DeepSpeed builds the optimizer, the
 "coat" section when it wraps the model, ZeRO's section when it builds ZeRO), on every rank, as a traceback.
-check_config runs them first, each rule from its owner: registry.validate_params, config.coat_section and
+check_config runs them first, each rule from its owner: optimizer_type.validate_params, config.coat_section and
 DeepSpeed's own ZeRO config model; plus the combinations DeepSpeed or coat_ds refuse only once running.
 check_tag tells whether a saved checkpoint tag is complete without reading its tensors.
 """

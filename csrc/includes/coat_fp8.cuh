@@ -124,7 +124,7 @@ __device__ __forceinline__ float pow2_of_byte(uint8_t b) { return exp2i((int)b -
 
 // p of the smallest power of two 2^p that maps amax into the format: with amax = m 2^e (frexp) and the
 // format's largest value kMaxFrac 2^kMaxExp, p = e - kMaxExp + (m > kMaxFrac); -kPow2Bias for 0 or NaN
-// (coat_ds/activation/reference.py's pow2_exponent).
+// (coat_ds/kernels/quant_reference.py's pow2_exponent).
 template <bool E5M2>
 __device__ __forceinline__ int pow2_exponent(float amax) {
     using L = Fp8Layout<E5M2>;

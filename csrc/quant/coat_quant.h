@@ -1,4 +1,4 @@
-// Launchers of the FP8 activation kernels (coat_ds/activation/reference.py is the source of truth).
+// Launchers of the FP8 activation kernels (coat_ds/kernels/quant_reference.py is the source of truth).
 // Raw pointers and a stream only: this header is shared by the CUDA file and the torch binding.
 #pragma once
 

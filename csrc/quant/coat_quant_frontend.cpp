@@ -1,5 +1,5 @@
 // Torch bindings of the FP8 activation kernels (coat_quant.h). Python allocates every output
-// (coat_ds/activation/ops.py); these functions check shapes and hand raw pointers to the launchers.
+// (coat_ds/kernels/quant.py); these functions check shapes and hand raw pointers to the launchers.
 #include <ATen/cuda/CUDAContext.h>
 #include <torch/extension.h>
 

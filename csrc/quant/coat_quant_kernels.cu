@@ -1,4 +1,4 @@
-// FP8 activation kernels of COAT's precision flow. Mirrors coat_ds/activation/reference.py exactly:
+// FP8 activation kernels of COAT's precision flow. Mirrors coat_ds/kernels/quant_reference.py exactly:
 // power-of-two scales (frexp), saturating round-to-nearest-even casts, the same fp32 order of operations.
 //
 // Row kernels (one block per row, a thread owns whole 1 x 16 groups, so a group's maximum never leaves
