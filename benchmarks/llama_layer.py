@@ -29,7 +29,8 @@ SHAPES = {
     "llama2-7b": dict(hidden_size=4096, intermediate_size=11008, num_attention_heads=32, num_key_value_heads=32),
     "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8),
 }
-VARIANTS = ["bf16_eager", "bf16_compiled", "torchao_fp8_compiled", "coat_linear", "coat_full", "coat_full_compiled"]
+VARIANTS = ["bf16_eager", "bf16_compiled", "torchao_fp8_compiled", "coat_linear", "coat_full", "coat_full_compiled",
+            "coat_full_attn_fp8"]
 N_LAYERS, BATCH, SEQ = 4, 4, 2048
 DEV = "cuda"
 
@@ -70,7 +71,8 @@ def make_variant(name: str, layers):
     if name.startswith("coat"):
         from coat_ds.hf import CoatDecoderLayer
 
-        layers = [CoatDecoderLayer(l, {"mode": "linear" if name == "coat_linear" else "full"}) for l in layers]
+        cfg = {"mode": "linear" if name == "coat_linear" else "full", "attention_fp8": name.endswith("attn_fp8")}
+        layers = [CoatDecoderLayer(l, cfg) for l in layers]
     if name.startswith("torchao"):
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 

@@ -23,7 +23,9 @@ class ActivationConfig:
     plain-PyTorch path. `cache_weights` keeps each FP8 weight (and its transpose) until the weight
     changes, so gradient-accumulation micro-batches quantize it once per optimizer step; it costs 2 bytes per
     parameter for the whole step (12 GiB at 7B), so "when_accumulating" turns it on only where DeepSpeed's
-    gradient_accumulation_steps > 1 (`resolve`); with one micro-batch per step there is nothing to reuse."""
+    gradient_accumulation_steps > 1 (`resolve`); with one micro-batch per step there is nothing to reuse.
+    `attention_fp8` (opt-in) saves attention's q, k, v in E4M3 instead of the backend's bf16 tensors and
+    recomputes attention in backward from them (`activation/attention.py`)."""
 
     enabled: bool = True
     mode: str = "full"
@@ -31,6 +33,7 @@ class ActivationConfig:
     bwd_format: str = "e5m2"
     group_size: int = 16
     cache_weights: bool | str = "when_accumulating"
+    attention_fp8: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):
@@ -45,6 +48,8 @@ class ActivationConfig:
         if not isinstance(self.cache_weights, bool) and self.cache_weights != CACHE_WHEN_ACCUMULATING:
             raise ValueError(f"activation.cache_weights={self.cache_weights!r} is invalid; allowed: true, false, "
                              f"{CACHE_WHEN_ACCUMULATING!r} (not 'auto': HF Trainer rejects 'auto' values it does not fill)")
+        if not isinstance(self.attention_fp8, bool):
+            raise ValueError(f"activation.attention_fp8={self.attention_fp8!r} must be true or false")
 
     @property
     def cache_enabled(self) -> bool:

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..activation.attention import Fp8AttentionFn
 from ..activation.config import ActivationConfig
 from ..kernels import quant as ops
 from ..activation.functions import LinearFn, MlpFn, NormLinearFn, RopeFn
@@ -25,6 +26,7 @@ except ImportError:  # pragma: no cover - older transformers
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
 _SILU = ("silu", "swish")
+_FP8_ATTN_BACKENDS = (None, "eager", "sdpa")
 
 
 def _as_config(config: ActivationConfig | dict | None) -> ActivationConfig:
@@ -107,8 +109,15 @@ class CoatDecoderLayer(_Base):
         return f"mode={c.mode}, fwd={c.fwd_format}, bwd={c.bwd_format}, group_size={c.group_size}"
 
     # ---------------------------------------------------------------- forward
+    def _fp8_attention(self, q: torch.Tensor, impl: str | None, past_key_values: Any, dropout: float) -> bool:
+        """attention_fp8 applies to training steps of the sdpa/eager backends without a KV cache or dropout
+        (its backward recomputes the call, which dropout would not repeat); eager only, not traced graphs."""
+        return (self.coat_config.attention_fp8 and impl in _FP8_ATTN_BACKENDS and past_key_values is None
+                and dropout == 0.0 and self.training and q.requires_grad and not ops.tracing(q))
+
     def _attention(self, qkv: torch.Tensor, input_shape, position_embeddings, attention_mask, past_key_values,
-                   **kwargs: Any) -> torch.Tensor:
+                   **kwargs: Any) -> tuple[torch.Tensor, bool]:
+        """(attention output [tokens, heads * head_dim], whether attention saved that output for backward)."""
         attn = self.self_attn
         hd = attn.head_dim
         cos, sin = position_embeddings
@@ -138,9 +147,15 @@ class CoatDecoderLayer(_Base):
         if sliding is not None:
             kwargs.setdefault("sliding_window", sliding)
         kwargs = {**kwargs, **self.attention_kwargs}
-        out, _ = fn(attn, q, k, v, attention_mask, dropout=0.0 if not self.training else attn.attention_dropout,
-                    scaling=attn.scaling, **kwargs)
-        return out.reshape(-1, out.shape[-2] * out.shape[-1])
+        dropout = 0.0 if not self.training else attn.attention_dropout
+
+        def call(q, k, v, mask):
+            return fn(attn, q, k, v, mask, dropout=dropout, scaling=attn.scaling, **kwargs)[0]
+
+        fp8 = self._fp8_attention(q, impl, past_key_values, dropout)
+        out = Fp8AttentionFn.apply(q, k, v, attention_mask, call, self.coat_config.fwd) if fp8 else call(
+            q, k, v, attention_mask)
+        return out.reshape(-1, out.shape[-2] * out.shape[-1]), not fp8
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.LongTensor | None = None, past_key_values: Any = None,
@@ -160,9 +175,10 @@ class CoatDecoderLayer(_Base):
             qkv = NormLinearFn.apply(x, ln1.weight, ln1.variance_epsilon, cfg, self._qkv, *self._qkv.params())
         else:
             qkv = LinearFn.apply(ln1(x), None, cfg, self._qkv, True, *self._qkv.params())
-        o = self._attention(qkv, input_shape, position_embeddings, attention_mask, past_key_values, **kwargs)
+        o, o_saved = self._attention(qkv, input_shape, position_embeddings, attention_mask, past_key_values,
+                                     **kwargs)
         # full: o is attention's own saved output, so o_proj keeps a reference to it instead of an FP8 copy
-        h = LinearFn.apply(o, x, cfg, self._o, not full, *self._o.params())
+        h = LinearFn.apply(o, x, cfg, self._o, not (full and o_saved), *self._o.params())
         if full:
             out = MlpFn.apply(h, ln2.weight, ln2.variance_epsilon, cfg, self._gu, self._down,
                               *self._gu.params(), *self._down.params())
