@@ -59,10 +59,11 @@ def predict_host(group_numels: list[int], largest_param: int, config: str, pinne
                  base: int = BASE_RSS) -> dict:
     """Host bytes (RSS) at DeepSpeed's engine set-up (its peak) and in steady training, per config.
 
-    Set-up, every config: per param group an fp32 master partition, a bf16 staging buffer and an fp32 gradient
-    partition, each pinned through an unpinned copy of the same size (the transient), and a bf16 gradient
-    buffer of the largest parameter. bf16_sr then frees the fp32 pair: the staging buffer becomes the master
-    and a bf16 gradient partition replaces the fp32 one (master.py)."""
+    Set-up: per param group a master partition, a bf16 staging buffer and a gradient partition, each pinned
+    through an unpinned copy of the same size (the transient), and a bf16 gradient buffer of the largest
+    parameter. Master and gradient are fp32, except with bf16_sr: ZeRO builds them in bf16 from the start
+    (DeepSpeed's bf16_master_weights_and_grads, set by coat_ds's engine hook), and the master then also
+    serves as the staging buffer, whose own block is freed (master.py)."""
     pin = (lambda b: pinned_size(b, pow2)) if pinned else (lambda b: b)
     n = sum(group_numels)
     fp32 = sum(pin(4 * k) for k in group_numels)
@@ -70,9 +71,8 @@ def predict_host(group_numels: list[int], largest_param: int, config: str, pinne
     temp = pin(2 * largest_param)
     transient = 4 * max(group_numels) if pinned else 0
     setup_peak = base + fp32 + bf16 + temp + transient + fp32
-    if config == "coat_full_bf16sr":   # master.py pins the bf16 gradient while the fp32 pair is still referenced
-        bf16_grad = bf16 + (2 * max(group_numels) if pinned else 0)
-        setup_peak = max(setup_peak, base + fp32 + bf16 + temp + fp32 + bf16_grad)
+    if config == "coat_full_bf16sr":
+        setup_peak = base + 3 * bf16 + temp + transient // 2
     states = int(STATE_B[config] * n)
     held = (bf16 + bf16 + temp) if config == "coat_full_bf16sr" else (fp32 + bf16 + fp32 + temp)
     steady = base + held + states

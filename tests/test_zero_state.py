@@ -70,6 +70,15 @@ def test_bf16_sr_trains_resumes_and_keeps_no_fp32_partition(runs):
         assert out["fp32_partition_sized"] == [], f"{task}: the optimizer keeps {out['fp32_partition_sized']}"
 
 
+def test_bf16_sr_offload_never_builds_an_fp32_host_master(runs):
+    """Under ZeRO-Offload ZeRO builds the host master and gradient in bf16 from the start (DeepSpeed's
+    bf16_master_weights_and_grads): deepspeed.initialize allocates no fp32 tensor at all. On the device
+    the fp32 master is still built, then dropped: the probe sees it there."""
+    assert _task(runs, "w2", "master:2:bf16_sr:offload")["setup_fp32_alloc"] == 0
+    on_device = _task(runs, "w2", "master:2:bf16_sr")
+    assert on_device["setup_fp32_alloc"] >= on_device["partition"]
+
+
 def test_bf16_sr_is_world_size_invariant(runs):
     """The random bits are keyed by position in the parameter: 1 and 2 ranks give identical losses, and a
     1-rank checkpoint re-partitioned to 2 ranks (or converted to the universal form) continues exactly."""
@@ -103,4 +112,7 @@ def test_bf16_master_refused_where_it_cannot_run(runs):
     assert "coat.master_weights='bf16_sr' needs DeepSpeed's ZeRO-1/2/3 optimizer" in out["bf16_optimizer"]
     assert "BF16_Optimizer (ZeRO stage 1)" in out["bf16_optimizer"]
     assert "needs a bf16 model" in out["fp32_model"]
+    assert out["ds_bf16_master"] == ("bf16.bf16_master_weights_and_grads=true with CoatAdamW needs coat.master_weights "
+                                     "'bf16_sr' or 'bf16_rn' (CoatAdamW's step writes the bf16 master); this config "
+                                     "has 'fp32'")
     assert "coat.master_weights='bf16' is invalid; allowed: ['fp32', 'bf16_sr', 'bf16_rn']" == out["bad_value"]

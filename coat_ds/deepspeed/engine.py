@@ -9,13 +9,20 @@ DeepSpeedEngine from a config; `import coat_ds` wraps four of its methods (hook(
   and flattens the model that will run) and cache_weights "when_accumulating" is decided from the
   engine's own gradient_accumulation_steps (which DeepSpeed derives where the config leaves it out);
 - `_configure_optimizer`: a CoatAdamW *instance* may run under ZeRO-Offload (it has its own CPU kernel;
-  DeepSpeed's `zero_force_ds_cpu_optimizer` check targets slow torch optimizers), and partition layouts
-  are bound and checkpoint hooks installed as soon as ZeRO has built its flat partitions;
+  DeepSpeed's `zero_force_ds_cpu_optimizer` check targets slow torch optimizers); with a bf16 master
+  (`coat.master_weights`) under ZeRO-1/2 Offload, DeepSpeed's `bf16_master_weights_and_grads` is set so
+  that ZeRO builds its host master and gradient in bf16 from the start (an fp32 pair first would take
+  8 B/param more host memory at set-up, 16 once pinned); partition layouts are bound and checkpoint
+  hooks installed as soon as ZeRO has built its flat partitions;
 - `_take_model_step`, the engine's optimizer step (every route's `engine.step()` at a gradient-accumulation
   boundary): the FP8 weight caches are keyed on a step counter that it advances, since DeepSpeed writes
   the updated weights where no autograd version shows it;
 - `load_checkpoint`: a CoatAdamW engine checks every file of the tag first and re-partitions to another
   world size (checkpoint.py).
+
+and one of ZeRO-1/2's: `DeepSpeedZeroOptimizer._configure_master_weights`, whose offload validator accepts
+only DeepSpeedCPUAdam for a bf16 master; CoatAdamW's CPU step reads bf16 gradients and writes a bf16
+master too (with stochastic rounding), so for a CoatAdamW under Offload that validator is left out.
 """
 from __future__ import annotations
 
@@ -52,6 +59,35 @@ def _client_coat_adamw_offload(engine, client_optimizer: Any, *_: Any) -> None:
     """A CoatAdamW instance passes DeepSpeed's Offload check (unless the config itself sets the key)."""
     if isinstance(client_optimizer, CoatAdamW) and "zero_force_ds_cpu_optimizer" not in engine._config._param_dict:
         engine._config.zero_force_ds_cpu_optimizer = False
+
+
+def _will_run_coat_adamw(engine, client_optimizer: Any) -> bool:
+    from .optimizer_type import NAME
+
+    if client_optimizer is None:
+        return engine._config.optimizer_name == NAME
+    return isinstance(client_optimizer, CoatAdamW)  # a callable's optimizer is not known yet: master.py swaps later
+
+
+def _bf16_host_master(engine, client_optimizer: Any, *_: Any) -> None:
+    """A bf16 master of a CoatAdamW under ZeRO-1/2 Offload: ZeRO builds it (and the host gradient) in bf16."""
+    from .master import bf16_host_master
+
+    if _will_run_coat_adamw(engine, client_optimizer) and bf16_host_master(engine):
+        engine._config.bfloat16_config.bf16_master_weights_and_grads = True
+
+
+def _configure_optimizer_before(engine, client_optimizer: Any, *args: Any) -> None:
+    _client_coat_adamw_offload(engine, client_optimizer)
+    _bf16_host_master(engine, client_optimizer)
+
+
+def _coat_master_weights(zo, original, **kw: Any):
+    """DeepSpeedZeroOptimizer._configure_master_weights: its offload check wants DeepSpeedCPUAdam for a bf16
+    master; a CoatAdamW under Offload keeps one too (master.py)."""
+    if isinstance(zo.optimizer, CoatAdamW) and zo.cpu_offload:
+        kw["bf16_offload_validator"] = None
+    return original(**kw)
 
 
 def _wrap(engine_cls, name: str, before=None, after=None, around=None) -> None:
@@ -110,9 +146,12 @@ def _new_weight_step(engine, *_: Any) -> None:
 def hook(engine_cls) -> None:
     """Idempotent; optimizer_type.register() calls it with DeepSpeedEngine."""
     _wrap(engine_cls, "_configure_distributed_model", before=apply_section)
-    _wrap(engine_cls, "_configure_optimizer", before=_client_coat_adamw_offload, after=_bind_partitions)
+    _wrap(engine_cls, "_configure_optimizer", before=_configure_optimizer_before, after=_bind_partitions)
     _wrap(engine_cls, "_take_model_step", after=_new_weight_step)
     _wrap(engine_cls, "load_checkpoint", around=_load_checkpoint)
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    _wrap(DeepSpeedZeroOptimizer, "_configure_master_weights", around=_coat_master_weights)
 
 
 def initialize(model: torch.nn.Module, config: Any = None, optimizer: Any = None, **kw: Any):

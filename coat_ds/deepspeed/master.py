@@ -9,9 +9,10 @@
 
 With a bf16 master, ZeRO-1/2/3 on the device use the bf16 model partition itself as the master: the
 step updates it in place and DeepSpeed's fp32 partition is freed (master and model copy: 2 B/param
-instead of 6). Under ZeRO-1/2 Offload the master lives on the host in bf16 (DeepSpeed's pinned bf16
-staging buffer becomes the master, its fp32 partition is freed, and the host gradient buffer is bf16
-as with DeepSpeed's own `bf16_master_weights_and_grads`). ZeRO-3 with Offload or NVMe, stage 0 and
+instead of 6). Under ZeRO-1/2 Offload the master lives on the host in bf16: the engine hook turns on
+DeepSpeed's own `bf16_master_weights_and_grads`, so ZeRO builds its host master and gradient in bf16
+from the start (no fp32 pair at set-up), and the master also serves as DeepSpeed's bf16 staging buffer
+(2 B/param less; the step copies the master to the device itself). ZeRO-3 with Offload or NVMe, stage 0 and
 DeepSpeed's BF16_Optimizer (what ZeRO-1 runs for a bf16 model with `"data_types": {"grad_accum_dtype":
 "fp32"}`) keep an fp32 master.
 """
@@ -70,6 +71,18 @@ def config_refusal(cfg: Mapping, hf_auto: bool = False) -> str | None:
     return None
 
 
+def bf16_host_master(engine) -> bool:
+    """Whether ZeRO-1/2 is to build the host master and gradient of this CoatAdamW engine in bf16 (DeepSpeed's
+    bf16_master_weights_and_grads): a bf16 coat.master_weights under Offload. A ValueError where the config
+    asks DeepSpeed for that mode itself with an fp32 coat master."""
+    offload = engine.bfloat16_enabled() and engine.zero_cpu_offload() and engine.zero_optimization_stage() in (1, 2)
+    value = master_weights(engine)
+    if value == "fp32" and offload and engine.bf16_master_weights_and_gradients():
+        raise ValueError(f"bf16.bf16_master_weights_and_grads=true with CoatAdamW needs {KEY} 'bf16_sr' or "
+                         "'bf16_rn' (CoatAdamW's step writes the bf16 master); this config has 'fp32'")
+    return offload and value != "fp32"
+
+
 def _refuse(engine, value: str) -> str | None:
     """Why this engine cannot keep a bf16 master, or None."""
     zo = engine.optimizer
@@ -94,8 +107,9 @@ def masters(zo) -> list:
 
 @torch.no_grad()
 def use_bf16_master(engine) -> None:
-    """Make ZeRO's master partitions bf16 (the model partition itself on the device; the pinned bf16
-    staging buffer under ZeRO-1/2 Offload) and free DeepSpeed's fp32 ones. Call before anything has stepped."""
+    """Make ZeRO's master partitions bf16 (the model partition itself on the device; under ZeRO-1/2 Offload
+    the host one ZeRO built in bf16, or its pinned bf16 staging buffer where it built an fp32 one) and free
+    what they replace. Call before anything has stepped."""
     value = master_weights(engine)
     reason = _refuse(engine, value)
     if reason is not None:
@@ -129,6 +143,9 @@ def _zero12_bf16_master(zo, opt) -> None:
     from deepspeed import comm as dist
     from deepspeed.accelerator import get_accelerator
 
+    if zo.cpu_offload and zo.master_weights_and_grads_dtype == torch.bfloat16:  # built in bf16 (bf16_host_master)
+        zo.param_buffer_of_bit16_for_cpu_offload_groups[:] = zo.single_partition_of_fp32_groups
+        return
     for i, old in enumerate(zo.single_partition_of_fp32_groups):
         if zo.cpu_offload:
             new = zo.param_buffer_of_bit16_for_cpu_offload_groups[i]

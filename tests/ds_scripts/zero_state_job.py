@@ -8,7 +8,8 @@ TASK (stage 1-3; dtype bf16 = bf16 gradients, bf16acc = fp32 gradient accumulati
                      step allocates (numel) against the partition size
   master:S:M[:offload][:bf16grads]  50 steps with coat.master_weights M (bf16_sr | bf16_rn), fp32 gradient
                      accumulation (bf16grads: bf16); saves DIR/m<world>_s<S>_<M>[_<flags>] at step 30, resumes;
-                     the dtypes and sizes of the tensors the optimizer keeps
+                     the dtypes and sizes of the tensors the optimizer keeps, the largest fp32 tensor
+                     deepspeed.initialize allocates (numel)
   cross:S:A:B        load DIR/m<world>_s<S>_<A> (A = fp32 saves one first) into an engine with
                      master_weights B: its master right after loading against the file's, 20 more steps
   resume:S:M:W       load DIR/m<W>_s<S>_<M> (saved at world size W: re-partitioned when it differs), train on
@@ -17,6 +18,7 @@ TASK (stage 1-3; dtype bf16 = bf16 gradients, bf16acc = fp32 gradient accumulati
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -44,11 +46,13 @@ def config(stage: int, dtype: str, world: int, **coat) -> dict:
     return cfg
 
 
-def build(cfg: dict, deepspeed_step: bool = False):
+def build(cfg: dict, deepspeed_step: bool = False, probe: TorchDispatchMode | None = None):
+    """The engine of cfg; `probe`, if given, watches deepspeed.initialize (the model is built outside it)."""
     zero_step.ENABLED = not deepspeed_step
     try:
         model = common.model()
-        engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
+        with probe or contextlib.nullcontext():
+            engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
     finally:
         zero_step.ENABLED = True
     return engine
@@ -60,11 +64,12 @@ def train_dtype(dtype: str) -> str:
 
 class LargestAlloc(TorchDispatchMode):
     """The largest fp32 tensor (numel) with fresh storage that any op creates while active (views and
-    in-place results share their input's storage): DeepSpeed's fp32 gradient partition shows up here."""
+    in-place results share their input's storage): DeepSpeed's fp32 gradient partition shows up here.
+    `total`: the numel of all of them together."""
 
     def __init__(self):
         super().__init__()
-        self.numel = 0
+        self.numel = self.total = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -73,6 +78,7 @@ class LargestAlloc(TorchDispatchMode):
         for t in torch.utils._pytree.tree_leaves(out):
             if torch.is_tensor(t) and t.dtype == torch.float32 and t.untyped_storage().data_ptr() not in inputs:
                 self.numel = max(self.numel, t.numel())
+                self.total += t.numel()
         return out
 
 
@@ -153,7 +159,8 @@ def task_master(args, world, stage, master, rest):
     cfg = config(stage, "bf16" if "bf16grads" in rest else "bf16acc", world, master_weights=master)
     if offload:
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
-    engine = build(cfg)
+    setup = LargestAlloc()
+    engine = build(cfg, probe=setup)
     n = partition_numel(engine)
     losses = common.train(engine, range(SAVE_AT), "bf16")
     path = os.path.join(args.ckpt, "_".join([f"m{world}_s{stage}_{master}", *rest]))
@@ -165,6 +172,7 @@ def task_master(args, world, stage, master, rest):
            "fp32_partition_sized": [k for k in kept if k[1] == "torch.float32" and k[2] >= n
                                     and "grad_partitions_flat_buffer" not in k[0]],
            "master_dtypes": sorted({str(f.dtype) for f in masters(engine.optimizer)}),
+           "setup_fp32_alloc": setup.numel, "setup_fp32_total": setup.total,
            "skipped": engine.skipped_steps}
     del engine
     engine = build(cfg)
@@ -230,7 +238,10 @@ def task_universal(args, world, stage, master, rest):
 def task_refuse(args, world, stage, dtype, rest):
     zero3_offload = config(3, "bf16acc", world, master_weights="bf16_sr")
     zero3_offload["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
-    cases = {"zero3_offload": zero3_offload,
+    ds_bf16_master = config(2, "bf16acc", world)  # DeepSpeed's own bf16 host master, with an fp32 coat master
+    ds_bf16_master["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    ds_bf16_master["bf16"]["bf16_master_weights_and_grads"] = True
+    cases = {"zero3_offload": zero3_offload, "ds_bf16_master": ds_bf16_master,
              "bf16_optimizer": config(1, "bf16acc", world, master_weights="bf16_sr"),
              "fp32_model": config(2, "fp32", world, master_weights="bf16_sr"),
              "bad_value": config(2, "bf16acc", world, master_weights="bf16")}
