@@ -46,14 +46,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))                    # coat_ds from a checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-# Llama shapes by name. llama-1b is coat_ds.recipes.causal_lm's "1b" (TinyLlama's shape); llama-3b is OpenLLaMA-3B's.
+from coat_ds.recipes.causal_lm import MODEL_SIZES  # noqa: E402  (the main job's shapes)
+
+# Llama shapes by name: the main job's 125m and 1b (TinyLlama's shape), OpenLLaMA-3B's, Llama-2's 7B and 13B.
 MODELS = {
     "tiny": dict(hidden_size=256, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
                  intermediate_size=512, vocab_size=512),   # wide enough that the decoder layer's activations dominate
-    "llama-125m": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=12,
-                       intermediate_size=3072, vocab_size=32000),
-    "llama-1b": dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=16, num_key_value_heads=4,
-                     intermediate_size=5632, vocab_size=32000),
+    "llama-125m": dict(MODEL_SIZES["125m"], vocab_size=32000),
+    "llama-1b": dict(MODEL_SIZES["1b"], vocab_size=32000),
     "llama-3b": dict(hidden_size=3200, num_hidden_layers=26, num_attention_heads=32, num_key_value_heads=32,
                      intermediate_size=8640, vocab_size=32000),
     "llama2-7b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,

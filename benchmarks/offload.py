@@ -81,13 +81,14 @@ def predict_host(group_numels: list[int], largest_param: int, config: str, pinne
 
 
 def model_numels(model: str) -> tuple[list[int], int]:
-    """(numel of each train.py param group, largest parameter) from the model built on the meta device."""
+    """(numel of each of the main job's param groups, largest parameter) from the model built on the meta device."""
     import torch
 
+    from coat_ds.recipes.causal_lm import param_groups
+
     net = e2e.build_llama(model, "meta", torch.bfloat16, seed=0)
-    decay = sum(p.numel() for p in net.parameters() if p.dim() >= 2)
-    no_decay = sum(p.numel() for p in net.parameters() if p.dim() < 2)
-    return [decay, no_decay], max(p.numel() for p in net.parameters())
+    numels = [sum(p.numel() for p in g["params"]) for g in param_groups(net)]
+    return numels, max(p.numel() for p in net.parameters())
 
 
 def kib_field(path: str, key: str) -> int:

@@ -14,7 +14,7 @@ from torch import nn
 
 from ..activation.attention import Fp8AttentionFn
 from ..activation.config import ActivationConfig
-from ..kernels import quant as ops
+from ..kernels import quant
 from ..activation.functions import LinearFn, MlpFn, NormLinearFn, RopeFn
 from ..activation.weight_cache import WeightGroup
 
@@ -113,7 +113,7 @@ class CoatDecoderLayer(_Base):
         """attention_fp8 applies to training steps of the sdpa/eager backends without a KV cache or dropout
         (its backward recomputes the call, which dropout would not repeat); eager only, not traced graphs."""
         return (self.coat_config.attention_fp8 and impl in _FP8_ATTN_BACKENDS and past_key_values is None
-                and dropout == 0.0 and self.training and q.requires_grad and not ops.tracing(q))
+                and dropout == 0.0 and self.training and q.requires_grad and not quant.tracing(q))
 
     def _attention(self, qkv: torch.Tensor, input_shape, position_embeddings, attention_mask, past_key_values,
                    **kwargs: Any) -> tuple[torch.Tensor, bool]:
@@ -123,7 +123,7 @@ class CoatDecoderLayer(_Base):
         cos, sin = position_embeddings
         batch, seq = input_shape[0], qkv.shape[0] // input_shape[0]
         nh, nkv = (n // hd for n in self._qkv.out_features[:2])
-        if (ops.rope_available(qkv, cos, hd) and cos.shape[0] in (1, batch) and cos.shape[1] == seq
+        if (quant.rope_available(qkv, cos, hd) and cos.shape[0] in (1, batch) and cos.shape[1] == seq
                 and sin.shape == cos.shape and len(input_shape) == 2):
             q, k, v = RopeFn.apply(qkv, cos, sin, batch, nh, nkv, hd)
         else:
