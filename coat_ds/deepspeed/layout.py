@@ -218,10 +218,11 @@ class ShardLayout:
                 outs.append(torch.empty(g, dtype=torch.bfloat16, device=flat.device))
         beta1, beta2 = group["betas"]
         sr = self.stochastic and flat.dtype == torch.bfloat16
-        kernels.adamw_step(params, grad_list, m, v, lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                       weight_decay=group["weight_decay"], step=step, v_format=get_format(group["v_format"]),
-                       group_size=g, expansion=group["expansion"], bf16_out=outs, grad_scale=grad_scale,
-                       sr_keys=self.sr_keys if sr else None, sr_seed=SR_SEED)
+        kernels.adamw_step(params, grad_list, m, v, lr=float(group["lr"]), beta1=beta1, beta2=beta2,
+                           eps=group["eps"], weight_decay=group["weight_decay"], step=step,
+                           v_format=get_format(group["v_format"]), group_size=g, expansion=group["expansion"],
+                           bf16_out=outs, grad_scale=grad_scale, sr_keys=self.sr_keys if sr else None,
+                           sr_seed=SR_SEED)
         for (_, _, start, pos, n), (pc, mc, vc) in zip(self.cuts, whole):
             flat[start:start + n] = pc[pos:pos + n]
             mq[start:start + n] = mc[pos:pos + n]

@@ -257,10 +257,10 @@ class CoatAdamW(torch.optim.Optimizer):
         masters = [p if p.dtype == torch.float32 and p.is_contiguous() else p.detach().float().contiguous()
                    for p in params]
         kernels.adamw_step(masters, [p.grad.contiguous() for p in params],
-                       [m.tensors for m, _ in moments], [v.tensors for _, v in moments],
-                       lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                       weight_decay=group["weight_decay"], step=step, v_format=get_format(group["v_format"]),
-                       group_size=group["group_size"], expansion=group["expansion"])
+                           [m.tensors for m, _ in moments], [v.tensors for _, v in moments],
+                           lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                           weight_decay=group["weight_decay"], step=step, v_format=get_format(group["v_format"]),
+                           group_size=group["group_size"], expansion=group["expansion"])
         for p, master in zip(params, masters):
             if master is not p:
                 p.copy_(master)
