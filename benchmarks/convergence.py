@@ -296,8 +296,6 @@ def collect(name: str, rc: int, result: Path, log: Path) -> dict:
 
 def headline(args: argparse.Namespace, runs: dict[str, dict], tokens, t0: float) -> dict:
     """convergence.json: the validation losses compared at the last step every run evaluated, and the runs."""
-    import torch  # noqa: F401  (versions() and device_name())
-
     # compare at the last step every run evaluated (all of them, unless the time budget stopped one early)
     val_steps = [{st for st, _ in r.get("val", [])} for r in runs.values()]
     common = max(set.intersection(*val_steps), default=None) if val_steps else None

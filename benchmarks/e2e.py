@@ -794,8 +794,6 @@ def run_config(args: argparse.Namespace, name: str, result: Path, share: float, 
 
 def headline(args: argparse.Namespace, rows: list[dict], t0: float) -> dict:
     """e2e.json: the ratios between configurations, the rows, and how they were measured."""
-    import torch  # noqa: F401  (versions() and device_name() need it; imported late to keep workers separate)
-
     by = {r["name"]: r for r in rows}
     peak = lambda n: (by.get(n) or {}).get("equal_batch") and by[n]["equal_batch"]["peak_alloc_gb"]  # noqa: E731
     tps = lambda n: (by.get(n) or {}).get("max_batch") and by[n]["max_batch"]["tokens_per_s"]  # noqa: E731

@@ -293,8 +293,6 @@ def main(argv: list[str] | None = None) -> int:
     rec.deadline = t0 + args.time_budget - STOP_MARGIN_S
     pairs = [(n, s) for s in seeds for n in names]          # seed-major: a short budget still covers every config
     done = run_pairs(rec, pairs, out, args.max_parallel, kill_at=t0 + args.time_budget - KILL_MARGIN_S)
-    import torch  # noqa: F401  (device_name)
-
     res["calls"].append({"section": key, "configs": names, "seeds": seeds, "command": command(), "date": now(),
                          "device": device_name(), "versions": versions(), "max_parallel": args.max_parallel,
                          "omp_num_threads": os.environ["OMP_NUM_THREADS"], "time_budget_s": args.time_budget,
