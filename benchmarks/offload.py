@@ -369,13 +369,20 @@ def merge_files(paths: list[Path], out: Path) -> int:
     return 0
 
 
+def pinned(row: dict) -> bool | None:
+    """Whether a row's host buffers were (or were predicted) pinned: rows of several invocations mix both."""
+    offload = ((row.get("ds_config") or {}).get("zero_optimization") or {}).get("offload_optimizer")
+    return offload["pin_memory"] if offload else (row.get("prediction") or {}).get("pinned")
+
+
 def table(rows: list[dict]) -> str:
     f = lambda v, d=2: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
-    lines = [f"{'model':10} {'config':17} {'fits':5} {'mb':>3} {'opt B/p':>8} {'host B/p':>8} {'rss GiB':>8} "
+    lines = [f"{'model':10} {'config':17} {'pin':5} {'fits':5} {'mb':>3} {'opt B/p':>8} {'host B/p':>8} {'rss GiB':>8} "
              f"{'peak GiB':>8} {'gpu GiB':>8} {'tok/s':>8}  why not"]
     for r in rows:
         acc = r.get("host_accounting") or {}
-        lines.append(f"{r['model']:10} {r['config']:17} {str(r['fits']):5} {r.get('micro_batch') or '-':>3} "
+        lines.append(f"{r['model']:10} {r['config']:17} {str(pinned(r)):5} {str(r['fits']):5} "
+                     f"{r.get('micro_batch') or '-':>3} "
                      f"{f(r.get('host_optimizer_bytes_per_param')):>8} {f(acc.get('host_total_bytes_per_param')):>8} "
                      f"{f(r.get('host_rss_gb')):>8} {f(r.get('host_rss_peak_gb')):>8} {f(r.get('gpu_peak_gb')):>8} "
                      f"{f(r.get('tokens_per_s'), 0):>8}  {r.get('why_not') or ''}")

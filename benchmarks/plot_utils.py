@@ -122,7 +122,9 @@ def plot_offload(res: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4.8), squeeze=False)
     cats = ["master", "optimizer_states", "master_grads", "bf16_staging", "grad_staging", "accumulated_grads"]
     for ax, model in zip(axes[0], models):
-        rows = [r for r in res["rows"] if r["model"] == model]
+        order = ["bf16", "coat_full", "coat_full_bf16sr"]
+        rows = sorted((r for r in res["rows"] if r["model"] == model),
+                      key=lambda r: order.index(r["config"]) if r["config"] in order else len(order))
         for i, r in enumerate(rows):
             acc, bottom = (r.get("host_accounting") or {}).get("categories"), 0.0
             if acc is None:   # not run: the predicted steady bytes per parameter, hatched
@@ -132,13 +134,18 @@ def plot_offload(res: dict, path: Path) -> None:
                 continue
             for j, c in enumerate(cats):
                 v = acc[c]["per_param"]
-                ax.bar(i, v, bottom=bottom, color=f"C{j}", width=0.6, label=c if i == 0 else None)
+                ax.bar(i, v, bottom=bottom, color=f"C{j}", width=0.6, label=c)
                 bottom += v
-            ax.text(i, bottom, f"RSS {r['host_rss_gb']:.1f} GiB\npeak {r['host_rss_peak_gb']:.1f}", ha="center",
-                    va="bottom", fontsize=8)
+            pin = ((r.get("ds_config") or {}).get("zero_optimization") or {}).get("offload_optimizer", {})
+            ax.text(i, bottom, f"RSS {r['host_rss_gb']:.1f} GiB\npeak {r['host_rss_peak_gb']:.1f}\n"
+                    f"{'pinned' if pin.get('pin_memory') else 'unpinned'}, {r['tokens_per_s']:,.0f} tok/s",
+                    ha="center", va="bottom", fontsize=7)
         ax.set(xticks=range(len(rows)), xticklabels=[r["config"] for r in rows], ylabel="host bytes / parameter",
                title=f"{model}: ZeRO-2 Offload host memory")
-        ax.legend(fontsize=7)
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.25)   # room for the labels above the tallest bar
+        handles, labels = ax.get_legend_handles_labels()
+        first = dict(zip(labels[::-1], handles[::-1]))   # one entry per category
+        ax.legend([first[c] for c in cats if c in first], [c for c in cats if c in first], fontsize=7, loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
