@@ -69,9 +69,11 @@ CONFIGS = {
     "coat_full": ("coat_ds full", "ds_configs/zero2_coat.json"),
     "coat_full_bf16sr": ("coat_ds full, bf16 master (stochastic rounding)", "ds_configs/zero2_coat.json"),
     "coat_full_bf16rn": ("coat_ds full, bf16 master (round to nearest: ablation)", "ds_configs/zero2_coat.json"),
+    "coat_full_attn_fp8": ("coat_ds full, attention saved in FP8", "ds_configs/zero2_coat.json"),
 }
-# what a configuration adds to its file's "coat" section
-COAT_OVERRIDES = {"coat_full_bf16sr": {"master_weights": "bf16_sr"}, "coat_full_bf16rn": {"master_weights": "bf16_rn"}}
+# what a configuration adds to its file's "coat" section (merged key by key into nested sections)
+COAT_OVERRIDES = {"coat_full_bf16sr": {"master_weights": "bf16_sr"}, "coat_full_bf16rn": {"master_weights": "bf16_rn"},
+                  "coat_full_attn_fp8": {"activation": {"attention_fp8": True}}}
 E2E_CONFIGS = "bf16,coat_opt,coat_full,coat_full_bf16sr"   # e2e.py's default (round to nearest is for convergence)
 TARGETS = {"memory_reduction": 1.54, "speedup_at_max_batch": 1.43}   # COAT's paper, Llama-2-7B
 GIB = 2 ** 30
@@ -80,6 +82,15 @@ GIB = 2 ** 30
 # ---------------------------------------------------------------------------------------------------------
 # Shared with convergence.py: configs, model, run metadata
 # ---------------------------------------------------------------------------------------------------------
+def merge_into(section: dict, extra: dict) -> None:
+    """`extra`'s keys into `section`, recursing into sub-sections both have."""
+    for k, v in extra.items():
+        if isinstance(v, dict) and isinstance(section.get(k), dict):
+            merge_into(section[k], v)
+        else:
+            section[k] = v
+
+
 def ds_config(name: str, *, micro_batch: int, zero_stage: int | None = None, on_cpu: bool = False,
               lr: float | None = None, total_steps: int | None = None, warmup_steps: int | None = None,
               grad_accum_dtype: str | None = None) -> dict:
@@ -101,7 +112,7 @@ def ds_config(name: str, *, micro_batch: int, zero_stage: int | None = None, on_
         elif name == "coat_opt":
             cfg.pop("coat", None)
     if name in COAT_OVERRIDES:
-        cfg.setdefault("coat", {}).update(COAT_OVERRIDES[name])
+        merge_into(cfg.setdefault("coat", {}), COAT_OVERRIDES[name])
     cfg.pop("train_batch_size", None)
     cfg["train_micro_batch_size_per_gpu"] = micro_batch
     cfg["gradient_accumulation_steps"] = 1
