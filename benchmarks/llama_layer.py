@@ -9,6 +9,7 @@ variants are timed with the cache emptied every iteration (first micro-batch) an
 with it kept (later micro-batches).
 
     python benchmarks/llama_layer.py --out benchmarks/results/llama_layer.json [--shapes 7b 8b] [--variants ...]
+    python benchmarks/llama_layer.py --account [--variants ...]   # CPU: what each layer keeps, tensor by tensor
 """
 from __future__ import annotations
 
@@ -190,6 +191,34 @@ def profile(shape, base, x, cos, sin, path):
         f.write("\n")
 
 
+def account(shapes, variants, seq: int = 64):
+    """CPU, full-size shapes, a short sequence: each tensor autograd keeps for one layer's backward, in
+    B/token/hidden (shape-proportional, so these are the GPU run's figures; its `act_bytes_per_token_hidden`
+    adds the stack's bf16 output spread over its layers, 2 / N_LAYERS, and the allocator's rounding)."""
+    global DEV, BATCH, SEQ, N_LAYERS
+    DEV, BATCH, SEQ, N_LAYERS = "cpu", 1, seq, 1
+    rows = []
+    for shape in shapes:
+        cfg, base, x, cos, sin = build_base(shape)
+        for name in (v for v in variants if not v.endswith("compiled")):
+            stack, saved = make_variant(name, base), []
+            skip = {t.untyped_storage().data_ptr() for t in (*stack.parameters(), cos, sin)}
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+                out = stack(x.detach().requires_grad_(), cos, sin)
+            kept = {t.untyped_storage().data_ptr(): t for t in saved if t.untyped_storage().data_ptr() not in skip}
+            per = BATCH * SEQ * cfg.hidden_size
+            tensors = sorted(((str(t.dtype).replace("torch.", ""), list(t.shape), t.untyped_storage().nbytes() / per)
+                              for t in kept.values()), key=lambda r: -r[2])
+            total = sum(r[2] for r in tensors)
+            rows.append(dict(shape=shape, variant=name, kept_per_layer=total, with_stack_output=total + 2 / 4,
+                             tensors=tensors))
+            print(f"{shape} {name}: {total:.3f} B/token/hidden kept per layer (+0.5 stack output = {total + 0.5:.3f})")
+            for dtype, shp, b in tensors:
+                print(f"    {b:7.4f}  {dtype:14s} {shp}")
+            del out, saved, kept, stack
+    return rows
+
+
 def versions():
     out = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version()}
     for mod in ("transformers", "torchao", "deepspeed"):
@@ -234,7 +263,13 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--profile", default="")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU: checks the script only")
+    ap.add_argument("--account", action="store_true", help="CPU, full shapes: the kept tensors of each variant")
     args = ap.parse_args()
+    if args.account:
+        rows = account(args.shapes, args.variants)
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+        return
     if args.dry_run:
         dry_run()
     meta = dict(device=torch.cuda.get_device_name(), versions=versions(), command=" ".join(sys.argv),

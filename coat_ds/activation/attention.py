@@ -1,60 +1,103 @@
-"""Attention whose saved q, k, v are FP8 (`activation.attention_fp8`).
+"""Attention + o_proj whose only saved activations are FP8 q, k, v (`activation.attention_fp8`).
 
 The stock backends save bf16 q, k, v and the output (SDPA) or even the [b, h, s, s] probabilities (eager)
-for their backward: 8 B/token/hidden at 7B with MHA. `Fp8AttentionFn` runs the stock attention call in
-its forward on the bf16 inputs (the forward output is bit-identical to the stock one), keeps only q, k, v in
-E4M3, and in backward dequantizes them to bf16, runs the same call again under autograd and takes its
-gradients (`torch.autograd.grad`). So the backward is the stock one, at FP8-rounded q, k, v; the output is
-not saved (o_proj then keeps its own FP8 copy of it), and any mask, window or backend the call uses is
-recomputed exactly. It costs one more attention forward per backward (FlashAttention's own backward
-recomputes the probabilities too; the forward is ~1/3 of attention's fwd+bwd FLOPs).
+for their backward: 8 B/token/hidden at 7B with MHA. `Fp8AttentionFn` covers attention, o_proj and the
+residual add. Its forward runs the stock attention call on the bf16 inputs (the output is bit-identical to
+the stock one) and o_proj's FP8 GEMM, and keeps only q, k, v in E4M3. Its backward dequantizes them to
+bf16 and runs the same call again under autograd: the recomputed output o' is o_proj's weight-gradient
+operand, then `torch.autograd.grad` gives attention's gradients. So neither attention nor o_proj keeps
+the output (1 B/token/hidden at 7B as o_proj's FP8 copy); the backward is the stock one at FP8-rounded
+q, k, v (o' differs from o by what that rounding moves, below o's own E4M3 rounding for the GEMM); any
+mask, window or backend the call uses is recomputed exactly. It costs one more attention forward per
+backward (FlashAttention's own backward recomputes the probabilities too; the forward is ~1/3 of
+attention's fwd+bwd FLOPs).
 
-Scales: one power-of-two scale per token per head (a 1 x head_dim group, `quant_reference.group_quant`),
-stored as one uint8 exponent: 1/head_dim B per value (0.008 at head_dim 128). Per-(batch, head) scales
-would cost nothing, but one outlier token (attention-sink keys, large-norm queries) would then push every
-other token of its head down by its binades into E4M3's subnormals; a per-token group keeps each token's
-3 mantissa bits, for the price of one byte per 128 values."""
+Scales: one power-of-two scale per 1 x group_size group (16 by default) of each head's head_dim values,
+stored as one uint8 exponent (1/16 B per value): what the fused quantizer (`kernels.quant.group_quant`)
+does. A group never spans two tokens or heads, so one outlier token (attention-sink keys, large-norm
+queries) costs the others nothing."""
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
 from torch.autograd import Function
 
 from ..formats import FP8Format
+from ..kernels import quant
 from ..kernels import quant_reference as R
+from .config import ActivationConfig
+from .functions import linear_backward, quant_operand, residual_add
+from .gemm import fp8_mm
+from .weight_cache import WeightGroup
 
 AttentionCall = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+_ROW = 8192  # row width of the quantizer's 2-D view: a whole kernel block of 1 x 16 groups per row
 
 
-def quant_heads(t: torch.Tensor, fmt: FP8Format) -> tuple[torch.Tensor, torch.Tensor]:
-    """(FP8 codes [N, head_dim], uint8 exponents [N, 1]) of a [..., head_dim] tensor: one scale per row."""
-    d = t.shape[-1]
-    return R.group_quant(t.reshape(-1, d), fmt, d)
+def quant_heads(t: torch.Tensor, fmt: FP8Format, group_size: int) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    """(FP8 codes, uint8 group exponents, layout for `dequant_heads`) of a [..., head_dim] tensor, quantized
+    in its own memory order (HF's and the RoPE kernel's q, k, v are [b, h, s, d] views of [b, s, h, d]
+    or [b, h, s, d] memory: no copy), head_dim a multiple of group_size."""
+    R.check_groups(t.shape[-1], group_size)
+    order = sorted(range(t.dim()), key=lambda i: -t.stride(i))
+    dense = t.permute(order).contiguous()  # a view, unless t is not dense
+    rows = math.gcd(dense.numel(), _ROW)  # a power of two, a multiple of group_size: groups never span rows
+    codes, sexp = quant.group_quant(dense.view(-1, rows), fmt, group_size)
+    return codes, sexp, (dense.shape, order, t.dtype)
 
 
-def dequant_heads(codes: torch.Tensor, sexp: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    return R.group_dequant(codes, sexp, codes.shape[-1]).to(dtype).view(shape)
+def dequant_heads(codes: torch.Tensor, sexp: torch.Tensor, layout: tuple) -> torch.Tensor:
+    """The tensor `quant_heads` saw, FP8-rounded, with its shape and strides. bf16 / fp32 results are
+    computed in that dtype (an FP8 code times a power of two is exact there, so equal to
+    `R.group_dequant`'s fp32 values cast, without the fp32 round trip); other dtypes go through fp32."""
+    shape, order, dtype = layout
+    m, n = codes.shape
+    g = n // sexp.shape[1]
+    if dtype in (torch.bfloat16, torch.float32):
+        scale = torch.ldexp(torch.ones_like(sexp, dtype=torch.float32), sexp.to(torch.int32) - R.EXP_BIAS).to(dtype)
+        out = codes.to(dtype).view(m, -1, g) * scale[..., None]
+    else:
+        out = R.group_dequant(codes, sexp, g).to(dtype)
+    inverse = sorted(range(len(order)), key=order.__getitem__)
+    return out.view(shape).permute(inverse)
 
 
 class Fp8AttentionFn(Function):
-    """out = call(q, k, v, mask), saving q, k, v as FP8 codes + per-token-per-head exponents (and the mask,
-    the model's shared tensor, by reference). Backward recomputes the call from the dequantized inputs."""
+    """h = o_proj(call(q, k, v, mask)) + residual, saving q, k, v as FP8 codes + group exponents (and the
+    mask, the model's shared tensor, by reference). Backward recomputes the call from the dequantized
+    inputs, for o_proj's weight gradient and for attention's gradients."""
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                call: AttentionCall, fmt: FP8Format) -> torch.Tensor:
+                residual: torch.Tensor, call: AttentionCall, cfg: ActivationConfig, group: WeightGroup,
+                *params: torch.Tensor) -> torch.Tensor:
         out = call(q, k, v, mask)
-        saved = [c for t in (q, k, v) for c in quant_heads(t, fmt)]
-        ctx.save_for_backward(*saved, mask)
-        ctx.call, ctx.meta = call, [(t.shape, t.dtype) for t in (q, k, v)]
-        return out
+        o = out.reshape(-1, out.shape[-2] * out.shape[-1])
+        oq, _, o_s = quant_operand(o, cfg.fwd)
+        dtype = o.dtype
+        del out, o
+        wq, ws = group.operand(transposed=False)
+        h = residual_add(fp8_mm(oq, o_s, wq, ws, dtype, group.bias_cat()), residual)
+        del oq
+        saved = [quant_heads(t, cfg.fwd, cfg.group_size) for t in (q, k, v)]
+        ctx.save_for_backward(*[c for codes, sexp, _ in saved for c in (codes, sexp)], mask)
+        ctx.call, ctx.cfg, ctx.group, ctx.layouts = call, cfg, group, [layout for *_, layout in saved]
+        return h
 
     @staticmethod
-    def backward(ctx, dout: torch.Tensor):
+    def backward(ctx, dh: torch.Tensor):
         *saved, mask = ctx.saved_tensors
-        inputs = [dequant_heads(saved[2 * i], saved[2 * i + 1], *ctx.meta[i]).requires_grad_() for i in range(3)]
+        cfg = ctx.cfg
+        inputs = [dequant_heads(saved[2 * i], saved[2 * i + 1], ctx.layouts[i]).requires_grad_() for i in range(3)]
+        del saved
         with torch.enable_grad():
             out = ctx.call(*inputs, mask)
-            dq, dk, dv = torch.autograd.grad(out, inputs, dout)
-        return dq, dk, dv, None, None, None
+        _, ot, o_s = quant_operand(out.detach().reshape(-1, out.shape[-2] * out.shape[-1]), cfg.fwd,
+                                   rowmajor=False, transposed=True)
+        dh = dh.contiguous()
+        do, pgrads = linear_backward(dh, ctx.group, ot, o_s, cfg.bwd)
+        del ot
+        dq, dk, dv = torch.autograd.grad(out, inputs, do.view(out.shape))
+        return dq, dk, dv, None, dh, None, None, None, *pgrads

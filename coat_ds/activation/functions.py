@@ -36,7 +36,7 @@ def quant_operand(x: torch.Tensor, fmt: FP8Format, rowmajor: bool = True, transp
     return q, qt, scale
 
 
-def _linear_backward(dout: torch.Tensor, group: WeightGroup, xt: torch.Tensor, xs: torch.Tensor,
+def linear_backward(dout: torch.Tensor, group: WeightGroup, xt: torch.Tensor, xs: torch.Tensor,
                      bwd: FP8Format, need_dx: bool = True):
     """(dx, per-param grads) of out = x W^T (+ b), given the FP8 transposed input xt [K, M] and its scale."""
     dq, dqt, ds = quant_operand(dout, bwd, rowmajor=need_dx, transposed=True)
@@ -76,7 +76,7 @@ class NormLinearFn(Function):
         cfg, group = ctx.cfg, ctx.group
         _, yt = quant.rmsnorm_rebuild(xq, xs, rstd, norm_w, ys, cfg.fwd, cfg.group_size, rowmajor=False,
                                     transposed=True)
-        dy, pgrads = _linear_backward(dout.contiguous(), group, yt, ys, cfg.bwd)
+        dy, pgrads = linear_backward(dout.contiguous(), group, yt, ys, cfg.bwd)
         dx, dnw = quant.rmsnorm_backward(dy, xq, xs, rstd, norm_w, cfg.group_size)
         return dx, dnw.to(norm_w.dtype), None, None, None, *pgrads
 
@@ -104,7 +104,7 @@ class MlpFn(Function):
         cfg, g = ctx.cfg, ctx.cfg.group_size
         dout = dout.contiguous()
         _, at = quant.silu_mul_rebuild(q, s, a_s, cfg.fwd, g, rowmajor=False, transposed=True)
-        da, down_grads = _linear_backward(dout, ctx.down, at, a_s, cfg.bwd)
+        da, down_grads = linear_backward(dout, ctx.down, at, a_s, cfg.bwd)
         del at
         dgu, amax = quant.silu_mul_backward(da, q, s, g)
         del da
@@ -159,5 +159,5 @@ class LinearFn(Function):
         cfg = ctx.cfg
         xt = saved if ctx.save_fp8 else quant.quant_tensor(saved, xs, cfg.fwd, rowmajor=False, transposed=True)[1]
         dout = dout.contiguous()
-        dx, pgrads = _linear_backward(dout, ctx.group, xt, xs, cfg.bwd)
+        dx, pgrads = linear_backward(dout, ctx.group, xt, xs, cfg.bwd)
         return dx, (dout if ctx.has_res else None), None, None, None, *pgrads

@@ -115,26 +115,26 @@ class CoatDecoderLayer(_Base):
         return (self.coat_config.attention_fp8 and impl in _FP8_ATTN_BACKENDS and past_key_values is None
                 and dropout == 0.0 and self.training and q.requires_grad and not quant.tracing(q))
 
-    def _attention(self, qkv: torch.Tensor, input_shape, position_embeddings, attention_mask, past_key_values,
-                   **kwargs: Any) -> tuple[torch.Tensor, bool]:
-        """(attention output [tokens, heads * head_dim], whether attention saved that output for backward)."""
-        attn = self.self_attn
-        hd = attn.head_dim
+    def _heads(self, qkv: torch.Tensor, input_shape, position_embeddings) -> tuple[torch.Tensor, ...]:
+        """q, k, v [b, h, s, d] of the fused q/k/v output, RoPE applied."""
+        hd = self.self_attn.head_dim
         cos, sin = position_embeddings
         batch, seq = input_shape[0], qkv.shape[0] // input_shape[0]
         nh, nkv = (n // hd for n in self._qkv.out_features[:2])
         if (quant.rope_available(qkv, cos, hd) and cos.shape[0] in (1, batch) and cos.shape[1] == seq
                 and sin.shape == cos.shape and len(input_shape) == 2):
-            q, k, v = RopeFn.apply(qkv, cos, sin, batch, nh, nkv, hd)
-        else:
-            q, k, v = qkv.split(self._qkv.out_features, dim=-1)
-            # attention saves v as it gets it; a view would keep the whole fused q/k/v output alive
-            v = v.contiguous()
-            shape = (*input_shape, -1, hd)
-            q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
-            q, k = self._rope(q, k, cos, sin)
-        if past_key_values is not None:
-            k, v = past_key_values.update(k, v, attn.layer_idx)
+            return RopeFn.apply(qkv, cos, sin, batch, nh, nkv, hd)
+        q, k, v = qkv.split(self._qkv.out_features, dim=-1)
+        # attention saves v as it gets it; a view would keep the whole fused q/k/v output alive
+        v = v.contiguous()
+        shape = (*input_shape, -1, hd)
+        q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
+        q, k = self._rope(q, k, cos, sin)
+        return q, k, v
+
+    def _attention_call(self, dropout: float, **kwargs: Any):
+        """call(q, k, v, mask) -> [b, s, h, d]: HF's attention function for this layer's backend and options."""
+        attn = self.self_attn
         impl = attn.config._attn_implementation
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
         if hasattr(ALL_ATTENTION_FUNCTIONS, "get_interface"):
@@ -147,15 +147,26 @@ class CoatDecoderLayer(_Base):
         if sliding is not None:
             kwargs.setdefault("sliding_window", sliding)
         kwargs = {**kwargs, **self.attention_kwargs}
-        dropout = 0.0 if not self.training else attn.attention_dropout
 
         def call(q, k, v, mask):
             return fn(attn, q, k, v, mask, dropout=dropout, scaling=attn.scaling, **kwargs)[0]
+        return call
 
-        fp8 = self._fp8_attention(q, impl, past_key_values, dropout)
-        out = Fp8AttentionFn.apply(q, k, v, attention_mask, call, self.coat_config.fwd) if fp8 else call(
-            q, k, v, attention_mask)
-        return out.reshape(-1, out.shape[-2] * out.shape[-1]), not fp8
+    def _attention(self, qkv: torch.Tensor, residual: torch.Tensor, input_shape, position_embeddings,
+                   attention_mask, past_key_values, **kwargs: Any) -> torch.Tensor:
+        """residual + o_proj(attention(q, k, v)), [tokens, hidden]."""
+        attn, cfg = self.self_attn, self.coat_config
+        q, k, v = self._heads(qkv, input_shape, position_embeddings)
+        if past_key_values is not None:
+            k, v = past_key_values.update(k, v, attn.layer_idx)
+        dropout = 0.0 if not self.training else attn.attention_dropout
+        call = self._attention_call(dropout, **kwargs)
+        if self._fp8_attention(q, attn.config._attn_implementation, past_key_values, dropout):
+            return Fp8AttentionFn.apply(q, k, v, attention_mask, residual, call, cfg, self._o, *self._o.params())
+        out = call(q, k, v, attention_mask)
+        o = out.reshape(-1, out.shape[-2] * out.shape[-1])
+        # full: o is attention's own saved output, so o_proj keeps a reference to it instead of an FP8 copy
+        return LinearFn.apply(o, residual, cfg, self._o, cfg.mode != "full", *self._o.params())
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.LongTensor | None = None, past_key_values: Any = None,
@@ -175,10 +186,7 @@ class CoatDecoderLayer(_Base):
             qkv = NormLinearFn.apply(x, ln1.weight, ln1.variance_epsilon, cfg, self._qkv, *self._qkv.params())
         else:
             qkv = LinearFn.apply(ln1(x), None, cfg, self._qkv, True, *self._qkv.params())
-        o, o_saved = self._attention(qkv, input_shape, position_embeddings, attention_mask, past_key_values,
-                                     **kwargs)
-        # full: o is attention's own saved output, so o_proj keeps a reference to it instead of an FP8 copy
-        h = LinearFn.apply(o, x, cfg, self._o, not (full and o_saved), *self._o.params())
+        h = self._attention(qkv, x, input_shape, position_embeddings, attention_mask, past_key_values, **kwargs)
         if full:
             out = MlpFn.apply(h, ln2.weight, ln2.variance_epsilon, cfg, self._gu, self._down,
                               *self._gu.params(), *self._down.params())

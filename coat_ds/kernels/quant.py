@@ -218,6 +218,15 @@ def _(gu, fmt, group_size):
             gu.new_empty(m, dtype=_F32))
 
 
+def group_quant(x: Tensor, fmt: FP8Format, group_size: int) -> tuple[Tensor, Tensor]:
+    """`R.group_quant` of a 2-D tensor. On CUDA it is silu_mul_quant's kernel: for any [M, 2I] input its codes
+    and exponents are exactly this (its third output, the row maxima of silu(g) u, is dropped)."""
+    if _kernels(x, group_size=group_size) is None or x.dtype != torch.bfloat16 or x.shape[1] % (2 * group_size):
+        return R.group_quant(x, get_format(fmt), group_size)
+    q, s, _ = silu_mul_quant(x, fmt, group_size)
+    return q, s
+
+
 @KernelOp
 def silu_mul_rebuild(q: Tensor, s: Tensor, scale: Tensor, fmt: str, group_size: int, rowmajor: bool = True,
                      transposed: bool = False) -> tuple[Tensor, Tensor]:
