@@ -28,12 +28,12 @@ def _cos(a, b):
     return torch.nn.functional.cosine_similarity(a.float().flatten(), b.float().flatten(), 0).item()
 
 
-def _stack(attn="sdpa", **coat):
+def _stack(attn="sdpa", device="cpu", **coat):
     torch.manual_seed(0)
     cfg = LlamaConfig(hidden_size=H, intermediate_size=352, num_attention_heads=NH, num_key_value_heads=NKV,
                       head_dim=HD)
     cfg._attn_implementation = attn
-    layers = [LlamaDecoderLayer(cfg, i).to(torch.bfloat16) for i in range(LAYERS)]
+    layers = [LlamaDecoderLayer(cfg, i).to(device, torch.bfloat16) for i in range(LAYERS)]
     with torch.no_grad():
         for p in (p for l in layers for p in l.parameters()):
             p.normal_(0, 0.05) if p.dim() > 1 else p.uniform_(0.5, 1.5)
@@ -42,16 +42,17 @@ def _stack(attn="sdpa", **coat):
 
 def _run(cfg, stack, saved=None):
     """(output, input grad, parameter grads by name) of one fwd+bwd; `saved` collects what autograd keeps."""
-    x = torch.randn(B, S, H, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16).requires_grad_()
-    pos = torch.arange(S)[None].expand(B, S)
-    pe = LlamaRotaryEmbedding(cfg)(x, pos)
-    mask = None if cfg._attn_implementation == "sdpa" else torch.full((S, S), -torch.inf).triu(1)[None, None]
+    dev = next(stack.parameters()).device
+    x = torch.randn(B, S, H, generator=torch.Generator().manual_seed(7)).to(dev, torch.bfloat16).requires_grad_()
+    pos = torch.arange(S, device=dev)[None].expand(B, S)
+    pe = LlamaRotaryEmbedding(cfg).to(dev)(x, pos)
+    mask = None if cfg._attn_implementation == "sdpa" else torch.full((S, S), -torch.inf, device=dev).triu(1)[None, None]
     pack = (lambda t: saved.append(t) or t) if saved is not None else (lambda t: t)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         y = x
         for layer in stack:
             y = layer(y, attention_mask=mask, position_ids=pos, position_embeddings=pe)
-    y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(y.dtype))
+    y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(dev, y.dtype))
     return y, x.grad, {n: p.grad for n, p in stack.named_parameters()}, pe
 
 
@@ -102,14 +103,14 @@ def test_quant_heads_round_trip(bshd):
     assert ((back - t).abs() <= 2.0 ** -4 * t.abs() + 2.0 ** -9 * gmax).all()
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
-def test_dequant_heads_equals_reference(dtype):
+@pytest.mark.parametrize("dtype,device", [(torch.bfloat16, "cpu"), (torch.float32, "cpu"), (torch.float16, "cpu"),
+                                          pytest.param(torch.bfloat16, "cuda", marks=pytest.mark.gpu)])
+def test_dequant_heads_equals_reference(dtype, device):
     """dequant_heads computes in bf16/fp32 directly: bit-identical to the reference's fp32 values cast, over
     every exponent byte (0 .. 254) and every E4M3 code."""
-    codes = torch.arange(256, dtype=torch.uint8).view(E4M3.dtype).repeat(255)
-    codes = torch.where(codes.float().isnan(), torch.zeros_like(codes.float()), codes.float()).to(E4M3.dtype)
-    codes = codes.view(-1, 256)
-    sexp = torch.arange(255, dtype=torch.uint8).repeat_interleave(16).view(-1, 16)
+    codes = torch.arange(256, dtype=torch.uint8).view(E4M3.dtype).float().nan_to_num(0.0).to(E4M3.dtype)
+    codes = codes.repeat(255).view(-1, 256).to(device)
+    sexp = torch.arange(255, dtype=torch.uint8).repeat_interleave(16).view(-1, 16).to(device)
     layout = (torch.Size([codes.numel()]), [0], dtype)
     got = dequant_heads(codes, sexp, layout)
     ref = R.group_dequant(codes, sexp, 16).to(dtype).flatten()
@@ -169,9 +170,12 @@ def test_function_saves_fp8_and_matches_stock():
         assert torch.isfinite(a).all() and _cos(a, b) > 0.99, _cos(a, b)
 
 
-@pytest.mark.parametrize("attn,mode", [("sdpa", "full"), ("eager", "full"), ("sdpa", "linear")])
-def test_stack_gradients_close(attn, mode):
-    cfg, off = _stack(attn, mode=mode)
+@pytest.mark.parametrize("attn,mode,device", [("sdpa", "full", "cpu"), ("eager", "full", "cpu"), ("sdpa", "linear", "cpu"),
+                                              pytest.param("sdpa", "full", "cuda", marks=pytest.mark.gpu),
+                                              pytest.param("eager", "full", "cuda", marks=pytest.mark.gpu)])
+def test_stack_gradients_close(attn, mode, device):
+    """On CUDA: the fused RoPE ([b, s, h, d] memory), the group quantizer kernel, the FP8 GEMMs."""
+    cfg, off = _stack(attn, device, mode=mode)
     on = copy.deepcopy(off)
     for layer in on:
         layer.coat_config = ActivationConfig(mode=mode, attention_fp8=True)

@@ -57,7 +57,7 @@ def dequant_heads(codes: torch.Tensor, sexp: torch.Tensor, layout: tuple) -> tor
     g = n // sexp.shape[1]
     if dtype in (torch.bfloat16, torch.float32):
         scale = torch.ldexp(torch.ones_like(sexp, dtype=torch.float32), sexp.to(torch.int32) - R.EXP_BIAS).to(dtype)
-        out = codes.to(dtype).view(m, -1, g) * scale[..., None]
+        out = codes.to(dtype).view(m, -1, g).mul_(scale[..., None])
     else:
         out = R.group_dequant(codes, sexp, g).to(dtype)
     inverse = sorted(range(len(order)), key=order.__getitem__)
