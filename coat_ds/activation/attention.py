@@ -7,15 +7,16 @@ the stock one) and o_proj's FP8 GEMM, and keeps only q, k, v in E4M3. Its backwa
 bf16 and runs the same call again under autograd: the recomputed output o' is o_proj's weight-gradient
 operand, then `torch.autograd.grad` gives attention's gradients. So neither attention nor o_proj keeps
 the output (1 B/token/hidden at 7B as o_proj's FP8 copy); the backward is the stock one at FP8-rounded
-q, k, v (o' differs from o by what that rounding moves, below o's own E4M3 rounding for the GEMM); any
-mask, window or backend the call uses is recomputed exactly. It costs one more attention forward per
-backward (FlashAttention's own backward recomputes the probabilities too; the forward is ~1/3 of
-attention's fwd+bwd FLOPs).
+q, k, v (o' differs from o by what that rounding moves, of the order of o's own E4M3 rounding for the
+GEMM); any mask, window or backend the call uses is recomputed exactly. It costs one more attention
+forward per backward (FlashAttention's own backward recomputes the probabilities too; the forward is
+~1/3 of attention's fwd+bwd FLOPs).
 
 Scales: one power-of-two scale per 1 x group_size group (16 by default) of each head's head_dim values,
-stored as one uint8 exponent (1/16 B per value): what the fused quantizer (`kernels.quant.group_quant`)
-does. A group never spans two tokens or heads, so one outlier token (attention-sink keys, large-norm
-queries) costs the others nothing."""
+stored as one uint8 exponent (1/16 B per value), as the fused quantizer (`kernels.quant.group_quant`)
+makes them; per-token-per-head scales (1/128 B) would save 0.16 B/token/hidden at 7B but need a kernel
+of their own. A group never spans two tokens or heads, so one outlier token (attention-sink keys,
+large-norm queries) costs the others nothing."""
 from __future__ import annotations
 
 import math
