@@ -6,7 +6,8 @@ of its input is counted the way it is in a real model. Activation memory per lay
 emptied before that forward (the first micro-batch of a step); the cache's own size is reported beside it.
 Time: forward + backward of the stack / 4, median over CUDA-event-timed iterations after warm-up; coat
 variants are timed with the cache emptied every iteration (first micro-batch) and, as `fwd_bwd_ms_cached`,
-with it kept (later micro-batches).
+with it kept (later micro-batches). Gradient quality: cosine to bf16_eager's of the stack's input gradient and
+of the first layer's q_proj, o_proj and down_proj weight gradients (`grad_cos_vs_bf16`).
 
     python benchmarks/llama_layer.py --out benchmarks/results/llama_layer.json [--shapes 7b 8b] [--variants ...]
     python benchmarks/llama_layer.py --account [--variants ...]   # CPU: what each layer keeps, tensor by tensor
@@ -100,15 +101,20 @@ def cache_bytes(stack):
     return sum(l.weight_cache_bytes() for l in coat_layers(stack))
 
 
-def step(stack, x, cos, sin, grad):
+def step(stack, x, cos, sin, grad, keep=()):
+    """The input gradient (and fp32 copies of the gradients of the parameters named in `keep`)."""
     xi = x.detach().requires_grad_()
     out = stack(xi, cos, sin)
     out.backward(grad)
+    grads = {n.replace("._orig_mod", ""): p.grad.float() for n, p in stack.named_parameters()
+             if n.replace("._orig_mod", "") in keep}
     stack.zero_grad(set_to_none=True)
-    return xi.grad
+    return (xi.grad, grads) if keep else xi.grad
 
 
-REF_GRAD = {}  # shape -> the stack's input gradient under bf16_eager: a sanity check of every variant
+REF_GRAD = {}  # shape -> the stack's gradients under bf16_eager: the gradient quality of every variant
+# the first layer's (its gradients went through all 4 layers' backward): q_proj and o_proj around attention
+GRAD_PARAMS = ("layers.0.self_attn.q_proj.weight", "layers.0.self_attn.o_proj.weight", "layers.0.mlp.down_proj.weight")
 
 
 def measure(name, shape, cfg, base, x, cos, sin, iters, warmup):
@@ -150,12 +156,15 @@ def measure(name, shape, cfg, base, x, cos, sin, iters, warmup):
         return statistics.median(times)
 
     clear_cache(stack)
-    dx = step(stack, x, cos, sin, grad).float()
+    dx, grads = step(stack, x, cos, sin, grad, keep=GRAD_PARAMS)
+    grads["input"] = dx.float()
     if name == "bf16_eager":
-        REF_GRAD[shape] = dx
-    ref = REF_GRAD.get(shape)
-    dx_cos = torch.nn.functional.cosine_similarity(dx.flatten(), ref.flatten(), 0).item() if ref is not None else None
-    del dx
+        REF_GRAD[shape] = grads
+    ref = REF_GRAD.get(shape, {})
+    grad_cos = {k.split(".")[-2] if "." in k else k: torch.nn.functional.cosine_similarity(
+        g.flatten(), ref[k].flatten(), 0).item() for k, g in grads.items() if k in ref}
+    dx_cos = grad_cos.get("input")
+    del dx, grads
     ms = timed(keep_cache=False)
     ms_cached = timed(keep_cache=True) if name.startswith("coat") else ms
     tokens = BATCH * SEQ
@@ -165,6 +174,7 @@ def measure(name, shape, cfg, base, x, cos, sin, iters, warmup):
                act_bytes_excl_cache=int(act - cache_fwd / N_LAYERS),
                act_bytes_per_token_hidden_excl_cache=(act - cache_fwd / N_LAYERS) / tokens / cfg.hidden_size,
                fwd_bwd_ms=ms, fwd_bwd_ms_cached=ms_cached, warmup_s=warm_s, dx_cos_vs_bf16_eager=dx_cos,
+               grad_cos_vs_bf16=grad_cos,
                peak_mem_bytes=torch.cuda.max_memory_allocated())
     del stack
     torch.cuda.empty_cache()
