@@ -139,15 +139,19 @@ def test_group_quant_kernel_vs_reference(shape):
 
 
 def test_function_saves_fp8_and_matches_stock():
-    """Fp8AttentionFn = SDPA + o_proj + residual: forward bit-identical to the stock call then LinearFn; it
-    keeps FP8 q, k, v + exponents and nothing else of its own; gradients close to the stock flow's."""
+    """Fp8AttentionFn = SDPA + o_proj + residual: forward bit-identical to the stock call then LinearFn (the
+    call runs as in the stock flow, autograd on); it keeps FP8 q, k, v + exponents and nothing else of its
+    own (the forward call's graph is dropped unseen); gradients close to the stock flow's."""
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(B, NH, S, HD, generator=g).to(torch.bfloat16).requires_grad_() for _ in range(3))
     res = torch.randn(B * S, H, generator=g).to(torch.bfloat16).requires_grad_()
     o_proj = torch.nn.Linear(NH * HD, H, bias=False).to(torch.bfloat16)
     cfg, group = ActivationConfig(), WeightGroup([o_proj], E4M3, False)
 
+    modes = []
+
     def call(q, k, v, mask):
+        modes.append(torch.is_grad_enabled() and q.requires_grad)  # SDPA's backend choice depends on it
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
 
     saved = []
@@ -165,7 +169,7 @@ def test_function_saves_fp8_and_matches_stock():
     dh = torch.randn(h.shape, generator=g).to(h.dtype)
     h.backward(dh)
     ref.backward(dh)
-    assert torch.equal(res.grad, ref_in[3].grad)
+    assert torch.equal(res.grad, ref_in[3].grad) and modes == [True] * 3  # forward, stock, recompute
     for a, b in zip((q.grad, k.grad, v.grad, o_proj.weight.grad), (*(t.grad for t in ref_in[:3]), ref_w.grad)):
         assert torch.isfinite(a).all() and _cos(a, b) > 0.99, _cos(a, b)
 

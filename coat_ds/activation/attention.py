@@ -65,6 +65,15 @@ def dequant_heads(codes: torch.Tensor, sexp: torch.Tensor, layout: tuple) -> tor
     return out.view(shape).permute(inverse)
 
 
+def _stock_forward(call: AttentionCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   mask: torch.Tensor | None) -> torch.Tensor:
+    """call(q, k, v, mask) as the stock flow runs it: autograd on, inputs requiring grad (SDPA picks its
+    backend and kernel by both; autograd is off in a Function's forward). The graph it records is dropped at
+    once; identity saved-tensor hooks keep outer ones (offloading, checkpointing) from seeing it."""
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        return call(*[t.detach().requires_grad_(t.requires_grad) for t in (q, k, v)], mask).detach()
+
+
 class Fp8AttentionFn(Function):
     """h = o_proj(call(q, k, v, mask)) + residual, saving q, k, v as FP8 codes + group exponents (and the
     mask, the model's shared tensor, by reference). Backward recomputes the call from the dequantized
@@ -74,7 +83,7 @@ class Fp8AttentionFn(Function):
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                 residual: torch.Tensor, call: AttentionCall, cfg: ActivationConfig, group: WeightGroup,
                 *params: torch.Tensor) -> torch.Tensor:
-        out = call(q, k, v, mask)
+        out = _stock_forward(call, q, k, v, mask)
         o = out.reshape(-1, out.shape[-2] * out.shape[-1])
         oq, _, o_s = quant_operand(o, cfg.fwd)
         dtype = o.dtype
