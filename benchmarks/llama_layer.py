@@ -181,11 +181,11 @@ def measure(name, shape, cfg, base, x, cos, sin, iters, warmup):
     return row
 
 
-def profile(shape, base, x, cos, sin, path):
-    """Top CUDA kernels of one coat_full forward+backward (cache emptied), for the write-up."""
+def profile(shape, base, x, cos, sin, path, variant="coat_full"):
+    """Top CUDA kernels of one forward+backward of a variant (cache emptied), for the write-up."""
     from torch.profiler import ProfilerActivity, profile as prof
 
-    stack = make_variant("coat_full", base)
+    stack = make_variant(variant, base)
     grad = torch.randn_like(x) * 1e-3
     for _ in range(2):
         clear_cache(stack)
@@ -196,7 +196,7 @@ def profile(shape, base, x, cos, sin, path):
         step(stack, x, cos, sin, grad)
         torch.cuda.synchronize()
     with open(path, "a") as f:
-        f.write(f"== {shape} coat_full, 4 layers, one fwd+bwd\n")
+        f.write(f"== {shape} {variant}, 4 layers, one fwd+bwd\n")
         f.write(p.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
         f.write("\n")
 
@@ -271,7 +271,8 @@ def main():
     ap.add_argument("--variants", nargs="+", default=VARIANTS)
     ap.add_argument("--iters", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--profile", default="")
+    ap.add_argument("--profile", default="", help="a text file: the top CUDA kernels of --profile-variants")
+    ap.add_argument("--profile-variants", nargs="+", default=["coat_full"])
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU: checks the script only")
     ap.add_argument("--account", action="store_true", help="CPU, full shapes: the kept tensors of each variant")
     args = ap.parse_args()
@@ -302,7 +303,8 @@ def main():
                 json.dump(rows, f, indent=1)
         if args.profile:
             try:
-                profile(shape, base, x, cos, sin, args.profile)
+                for variant in args.profile_variants:
+                    profile(shape, base, x, cos, sin, args.profile, variant)
             except Exception:  # noqa: BLE001
                 traceback.print_exc()
         del base
