@@ -34,7 +34,7 @@ from .gemm import fp8_mm
 from .weight_cache import WeightGroup
 
 AttentionCall = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
-_ROW = 8192  # row width of the quantizer's 2-D view: a whole kernel block of 1 x 16 groups per row
+_ROW = 8192  # row width of the quantizer's 2-D view: each of the kernel's 256 threads a row takes two groups
 
 
 def quant_heads(t: torch.Tensor, fmt: FP8Format, group_size: int) -> tuple[torch.Tensor, torch.Tensor, tuple]:
