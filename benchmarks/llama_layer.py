@@ -117,6 +117,18 @@ REF_GRAD = {}  # shape -> the stack's gradients under bf16_eager: the gradient q
 GRAD_PARAMS = ("layers.0.self_attn.q_proj.weight", "layers.0.self_attn.o_proj.weight", "layers.0.mlp.down_proj.weight")
 
 
+def grad_quality(name, shape, stack, x, cos, sin, grad) -> dict:
+    """Cosine of the input gradient and of GRAD_PARAMS' gradients to bf16_eager's (which runs first)."""
+    clear_cache(stack)
+    dx, grads = step(stack, x, cos, sin, grad, keep=GRAD_PARAMS)
+    grads["input"] = dx.float()
+    if name == "bf16_eager":
+        REF_GRAD[shape] = grads
+    ref = REF_GRAD.get(shape, {})
+    return {k.split(".")[-2] if "." in k else k: torch.nn.functional.cosine_similarity(
+        g.flatten(), ref[k].flatten(), 0).item() for k, g in grads.items() if k in ref}
+
+
 def measure(name, shape, cfg, base, x, cos, sin, iters, warmup):
     stack = make_variant(name, base)
     grad = torch.randn(x.shape, device=x.device, generator=torch.Generator(x.device).manual_seed(5)).to(x.dtype)
@@ -155,16 +167,8 @@ def measure(name, shape, cfg, base, x, cos, sin, iters, warmup):
             times.append(a.elapsed_time(b) / N_LAYERS)
         return statistics.median(times)
 
-    clear_cache(stack)
-    dx, grads = step(stack, x, cos, sin, grad, keep=GRAD_PARAMS)
-    grads["input"] = dx.float()
-    if name == "bf16_eager":
-        REF_GRAD[shape] = grads
-    ref = REF_GRAD.get(shape, {})
-    grad_cos = {k.split(".")[-2] if "." in k else k: torch.nn.functional.cosine_similarity(
-        g.flatten(), ref[k].flatten(), 0).item() for k, g in grads.items() if k in ref}
+    grad_cos = grad_quality(name, shape, stack, x, cos, sin, grad)
     dx_cos = grad_cos.get("input")
-    del dx, grads
     ms = timed(keep_cache=False)
     ms_cached = timed(keep_cache=True) if name.startswith("coat") else ms
     tokens = BATCH * SEQ
