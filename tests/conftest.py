@@ -1,3 +1,4 @@
+import glob
 import os
 
 import pytest
@@ -15,3 +16,32 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+SHM_BUFFERS = "/dev/shm/deepspeed_allreduce_buffer_*"
+_SHM_AT_START = set(glob.glob(SHM_BUFFERS))   # another job's buffers: never touched
+
+
+@pytest.fixture(autouse=True)
+def _remove_leaked_shm_buffers():
+    """DeepSpeed's CPU accelerator leaves a 69 MB shared-memory allreduce buffer in /dev/shm for every rank
+    of a `deepspeed` launch; /dev/shm is RAM, and a day of test runs filled a 24 GiB machine until 2-rank
+    launches failed. After each test, the buffers made since this session started (by its launches, which
+    are subprocesses that have exited, module fixtures' included) and mapped by no live process are removed."""
+    yield
+    leaked = set(glob.glob(SHM_BUFFERS)) - _SHM_AT_START
+    if not leaked:
+        return
+    mapped = ""
+    for maps in glob.glob("/proc/[0-9]*/maps"):
+        try:
+            with open(maps) as fh:
+                mapped += fh.read()
+        except OSError:   # a process that ended meanwhile, or not ours to read
+            pass
+    for path in leaked:
+        if path not in mapped:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
