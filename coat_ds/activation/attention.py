@@ -57,7 +57,7 @@ def dequant_heads(codes: torch.Tensor, sexp: torch.Tensor, layout: tuple) -> tor
     m, n = codes.shape
     g = n // sexp.shape[1]
     if dtype in (torch.bfloat16, torch.float32):
-        scale = torch.ldexp(torch.ones_like(sexp, dtype=torch.float32), sexp.to(torch.int32) - R.EXP_BIAS).to(dtype)
+        scale = R.group_scales(sexp).to(dtype)
         out = codes.to(dtype).view(m, -1, g).mul_(scale[..., None])
     else:
         out = R.group_dequant(codes, sexp, g).to(dtype)

@@ -37,7 +37,7 @@ def quant_operand(x: torch.Tensor, fmt: FP8Format, rowmajor: bool = True, transp
 
 
 def linear_backward(dout: torch.Tensor, group: WeightGroup, xt: torch.Tensor, xs: torch.Tensor,
-                     bwd: FP8Format, need_dx: bool = True):
+                    bwd: FP8Format, need_dx: bool = True):
     """(dx, per-param grads) of out = x W^T (+ b), given the FP8 transposed input xt [K, M] and its scale."""
     dq, dqt, ds = quant_operand(dout, bwd, rowmajor=need_dx, transposed=True)
     dx = None
