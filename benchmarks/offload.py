@@ -349,11 +349,20 @@ def read_json(path: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
+def _row_order(row: dict) -> tuple[int, int]:
+    """MODELS x CONFIGS order; a model outside MODELS (the smoke's tiny) last."""
+    models, configs = list(MODELS), list(CONFIGS)
+    return (models.index(row["model"]) if row["model"] in models else len(models), configs.index(row["config"]))
+
+
 def merge(old: dict, rows: list[dict], meta: dict) -> dict:
-    """An offload.json (`old`) with these rows replacing its rows of the same (model, config)."""
+    """An offload.json (`old`) with these rows replacing its rows of the same (model, config), in MODELS x
+    CONFIGS order, each saying whether it was pinned (rows of several invocations mix both)."""
     new = {(r["model"], r["config"]) for r in rows}
-    keep = [r for r in old.get("rows", []) if (r["model"], r["config"]) not in new]
-    return {**meta, "rows": keep + rows, "invocations": old.get("invocations", []) + [meta]}
+    merged = sorted([r for r in old.get("rows", []) if (r["model"], r["config"]) not in new] + rows, key=_row_order)
+    for r in merged:
+        r["pinned"] = pinned(r)
+    return {**meta, "rows": merged, "invocations": old.get("invocations", []) + [meta]}
 
 
 def merge_files(paths: list[Path], out: Path) -> int:
@@ -370,7 +379,7 @@ def merge_files(paths: list[Path], out: Path) -> int:
 
 
 def pinned(row: dict) -> bool | None:
-    """Whether a row's host buffers were (or were predicted) pinned: rows of several invocations mix both."""
+    """Whether a row's host buffers were (or were predicted) pinned."""
     offload = ((row.get("ds_config") or {}).get("zero_optimization") or {}).get("offload_optimizer")
     return offload["pin_memory"] if offload else (row.get("prediction") or {}).get("pinned")
 
@@ -381,7 +390,7 @@ def table(rows: list[dict]) -> str:
              f"{'peak GiB':>8} {'gpu GiB':>8} {'tok/s':>8}  why not"]
     for r in rows:
         acc = r.get("host_accounting") or {}
-        lines.append(f"{r['model']:10} {r['config']:17} {str(pinned(r)):5} {str(r['fits']):5} "
+        lines.append(f"{r['model']:10} {r['config']:17} {str(r['pinned']):5} {str(r['fits']):5} "
                      f"{r.get('micro_batch') or '-':>3} "
                      f"{f(r.get('host_optimizer_bytes_per_param')):>8} {f(acc.get('host_total_bytes_per_param')):>8} "
                      f"{f(r.get('host_rss_gb')):>8} {f(r.get('host_rss_peak_gb')):>8} {f(r.get('gpu_peak_gb')):>8} "

@@ -122,9 +122,7 @@ def plot_offload(res: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4.8), squeeze=False)
     cats = ["master", "optimizer_states", "master_grads", "bf16_staging", "grad_staging", "accumulated_grads"]
     for ax, model in zip(axes[0], models):
-        order = ["bf16", "coat_full", "coat_full_bf16sr"]
-        rows = sorted((r for r in res["rows"] if r["model"] == model),
-                      key=lambda r: order.index(r["config"]) if r["config"] in order else len(order))
+        rows = [r for r in res["rows"] if r["model"] == model]
         for i, r in enumerate(rows):
             acc, bottom = (r.get("host_accounting") or {}).get("categories"), 0.0
             if acc is None:   # not run: the predicted steady bytes per parameter, hatched
@@ -136,9 +134,8 @@ def plot_offload(res: dict, path: Path) -> None:
                 v = acc[c]["per_param"]
                 ax.bar(i, v, bottom=bottom, color=f"C{j}", width=0.6, label=c)
                 bottom += v
-            pin = ((r.get("ds_config") or {}).get("zero_optimization") or {}).get("offload_optimizer", {})
             ax.text(i, bottom, f"RSS {r['host_rss_gb']:.1f} GiB\npeak {r['host_rss_peak_gb']:.1f}\n"
-                    f"{'pinned' if pin.get('pin_memory') else 'unpinned'}, {r['tokens_per_s']:,.0f} tok/s",
+                    f"{'pinned' if r.get('pinned') else 'unpinned'}, {r['tokens_per_s']:,.0f} tok/s",
                     ha="center", va="bottom", fontsize=7)
         ax.set(xticks=range(len(rows)), xticklabels=[r["config"] for r in rows], ylabel="host bytes / parameter",
                title=f"{model}: ZeRO-2 Offload host memory")
