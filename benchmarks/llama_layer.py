@@ -210,6 +210,7 @@ def account(shapes, variants, seq: int = 64):
     B/token/hidden (shape-proportional, so these are the GPU run's figures; its `act_bytes_per_token_hidden`
     adds the stack's bf16 output spread over its layers, 2 / N_LAYERS, and the allocator's rounding)."""
     global DEV, BATCH, SEQ, N_LAYERS
+    stack_output = 2 / N_LAYERS   # the GPU stack's bf16 output, per layer
     DEV, BATCH, SEQ, N_LAYERS = "cpu", 1, seq, 1
     rows = []
     for shape in shapes:
@@ -224,9 +225,10 @@ def account(shapes, variants, seq: int = 64):
             tensors = sorted(((str(t.dtype).replace("torch.", ""), list(t.shape), t.untyped_storage().nbytes() / per)
                               for t in kept.values()), key=lambda r: -r[2])
             total = sum(r[2] for r in tensors)
-            rows.append(dict(shape=shape, variant=name, kept_per_layer=total, with_stack_output=total + 2 / 4,
+            rows.append(dict(shape=shape, variant=name, kept_per_layer=total, with_stack_output=total + stack_output,
                              tensors=tensors))
-            print(f"{shape} {name}: {total:.3f} B/token/hidden kept per layer (+0.5 stack output = {total + 0.5:.3f})")
+            print(f"{shape} {name}: {total:.3f} B/token/hidden kept per layer (+{stack_output} stack output = "
+                  f"{total + stack_output:.3f})")
             for dtype, shp, b in tensors:
                 print(f"    {b:7.4f}  {dtype:14s} {shp}")
             del out, saved, kept, stack
