@@ -35,10 +35,10 @@ MODELS = ("llama-1b", "llama2-7b", "llama2-13b")
 MICRO_BATCH = {"tiny": 2, "llama-1b": 8, "llama2-7b": 4, "llama2-13b": 2}
 BASE_RSS = 5 * GIB    # a CUDA worker's RSS before any training state (torch, CUDA context, transformers, DeepSpeed)
 EST_S = {"tiny": 40, "llama-1b": 120, "llama2-7b": 330, "llama2-13b": 520}   # a row's wall time, set-up included
-# host bytes per parameter of the optimizer states: fp32 m and v; FP8 m and v + fp32 (scale, exponent) per 128
 # a row runs only if its predicted peak is under this share of MemAvailable: at 0.95 the 7B rows (predicted
 # 110-114 GiB of ~123) took the node down; the prediction's base RSS and the page cache are not exact
 HOST_MARGIN = 0.85
+# host bytes per parameter of the optimizer states: fp32 m and v; FP8 m and v + fp32 (scale, exponent) per 128
 STATE_B = {"bf16": 8.0, "coat_full": 2 + 16 / 128, "coat_full_bf16sr": 2 + 16 / 128}
 
 
