@@ -15,12 +15,15 @@ of the first layer's q_proj, o_proj and down_proj weight gradients (`grad_cos_vs
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
 import datetime
 import json
+import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 
@@ -185,8 +188,45 @@ def measure(name, shape, cfg, base, x, cos, sin, iters, warmup):
     return row
 
 
+def gpu_gaps(trace: dict, top: int = 8) -> str:
+    """Where the GPU idles inside a profiled step (chrome trace): the device events' span, busy and idle
+    time, and the longest gaps with the kernels on either side (a gap is a launch the host had not made yet,
+    or a synchronisation)."""
+    dev = sorted(((e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in trace["traceEvents"]
+                  if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda t: t[0])
+    if not dev:
+        return "no device events\n"
+    gaps, end = [], dev[0][1]
+    for (_, e0, n0), (s1, e1, n1) in zip(dev, dev[1:]):
+        if s1 > end:
+            gaps.append((s1 - end, n0[:50], n1[:50]))
+        end = max(end, e1)
+    span, idle = dev[-1][1] - dev[0][0], sum(g for g, *_ in gaps)
+    lines = [f"GPU span {span / 1e3:.2f} ms, busy {(span - idle) / 1e3:.2f}, idle {idle / 1e3:.2f} in {len(gaps)} gaps"]
+    lines += [f"  {g:8.1f} us  after {a}  before {b}" for g, a, b in sorted(gaps, reverse=True)[:top]]
+    return "\n".join(lines) + "\n"
+
+
+def syncs_of(fn) -> dict:
+    """The synchronising calls fn makes, by Python line (CUDA's sync debug mode)."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+            torch.cuda.synchronize()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    found = collections.Counter(f"{os.path.basename(w.filename)}:{w.lineno}" for w in caught
+                                if "synchroniz" in str(w.message))
+    return dict(found)
+
+
 def profile(shape, base, x, cos, sin, path, variant="coat_full"):
-    """Top CUDA kernels of one forward+backward of a variant (cache emptied), for the write-up."""
+    """Top CUDA kernels of one forward+backward of a variant (cache emptied), the GPU's idle gaps and the
+    host syncs, for the write-up."""
     from torch.profiler import ProfilerActivity, profile as prof
 
     stack = make_variant(variant, base)
@@ -196,13 +236,19 @@ def profile(shape, base, x, cos, sin, path, variant="coat_full"):
         step(stack, x, cos, sin, grad)
     torch.cuda.synchronize()
     clear_cache(stack)
-    with prof(activities=[ProfilerActivity.CUDA]) as p:
+    syncs = syncs_of(lambda: step(stack, x, cos, sin, grad))
+    clear_cache(stack)
+    with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
         step(stack, x, cos, sin, grad)
         torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as d:
+        p.export_chrome_trace(os.path.join(d, "trace.json"))
+        with open(os.path.join(d, "trace.json")) as f:
+            gaps = gpu_gaps(json.load(f))
     with open(path, "a") as f:
         f.write(f"== {shape} {variant}, 4 layers, one fwd+bwd\n")
-        f.write(p.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
-        f.write("\n")
+        f.write(p.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70))
+        f.write(f"\n{gaps}host syncs: {syncs or 'none'}\n\n")
 
 
 def account(shapes, variants, seq: int = 64):

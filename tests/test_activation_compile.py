@@ -189,7 +189,8 @@ def test_fakes_match_implementations():
              (quant.rmsnorm_rebuild, (xq, xs, rstd, w, s, "e5m2", 16, True, True)),
              (quant.rmsnorm_backward, (x, xq, xs, rstd, w, 16, x)), (quant.rmsnorm_backward, (x, xq, xs, rstd, w, 16)),
              (quant.silu_mul_quant, (x, "e4m3", 16)), (quant.silu_mul_rebuild, (q, qs, s, "e4m3", 16, False, True)),
-             (quant.silu_mul_backward, (x[:, :32], q, qs, 16)), (gemm.fp8_mm, (xq, s, xq, s, torch.bfloat16, None))]
+             (quant.silu_mul_backward, (x[:, :32], q, qs, 16)), (quant.group_dequant, (q, qs, 16, torch.bfloat16)),
+             (gemm.fp8_mm, (xq, s, xq, s, torch.bfloat16, None))]
     assert {k for k, _ in cases} == set(KERNEL_OPS.values()) - {quant.rope_qkv, quant.rope_qkv_backward}
     for kop, args in cases:
         torch.library.opcheck(kop.op, args, test_utils="test_faketensor")

@@ -140,6 +140,23 @@ def test_group_quant_kernel_vs_reference(shape):
         assert torch.equal(kq.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(ks, rs)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_group_dequant_kernel_vs_reference(fmt):
+    """CUDA: the bf16 dequantizer equals the reference's fp32 values cast, for every code (NaN codes
+    included: both NaN) and every exponent byte, and on fresh random codes of an odd group count."""
+    codes = torch.arange(256, dtype=torch.uint8).repeat(255).view(-1, 256).cuda()
+    sexp = torch.arange(255, dtype=torch.uint8).repeat_interleave(16).view(-1, 16).cuda()
+    g = torch.Generator(device="cuda").manual_seed(1)
+    rand = torch.randint(0, 256, (37, 48), dtype=torch.uint8, generator=g, device="cuda")
+    rexp = torch.randint(100, 160, (37, 3), dtype=torch.uint8, generator=g, device="cuda")
+    for c, e in ((codes, sexp), (rand, rexp)):
+        c = c.view(fmt.dtype)
+        got, ref = quant.group_dequant(c, e, 16, torch.bfloat16), R.group_dequant(c, e, 16).bfloat16()
+        assert got.dtype == torch.bfloat16 and got.shape == ref.shape
+        assert torch.equal(got.isnan(), ref.isnan()) and torch.equal(got.nan_to_num(0), ref.nan_to_num(0))
+
+
 def test_function_saves_fp8_and_matches_stock():
     """Fp8AttentionFn = SDPA + o_proj + residual: forward bit-identical to the stock call then LinearFn (the
     call runs as in the stock flow, autograd on); it keeps FP8 q, k, v + exponents and nothing else of its

@@ -311,3 +311,15 @@ def test_offload_smoke_rows_account_for_every_host_byte(tmp_path):
         pred = offload.predict_host(groups, largest, name, pinned=False, pow2=False, base=0)
         assert acc["host_total_bytes"] == pytest.approx(pred["steady_bytes"], rel=0.03)
     assert (tmp_path / "offload.png").stat().st_size > 10_000
+
+
+def test_llama_layer_gpu_gaps_of_a_trace():
+    """llama_layer's idle-time read-out: overlapping device events count once, gaps between them are idle."""
+    from llama_layer import gpu_gaps
+
+    ev = [("kernel", 0, 10, "a"), ("kernel", 5, 10, "b"), ("gpu_memset", 40, 5, "c"), ("cpu_op", 0, 100, "x"),
+          ("kernel", 50, 10, "d")]
+    text = gpu_gaps({"traceEvents": [{"cat": c, "ts": t, "dur": d, "name": n} for c, t, d, n in ev]})
+    head, first, second = text.splitlines()
+    assert head == "GPU span 0.06 ms, busy 0.03, idle 0.03 in 2 gaps"
+    assert first.split()[:4] == ["25.0", "us", "after", "b"] and second.split()[0] == "5.0"

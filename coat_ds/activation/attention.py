@@ -50,17 +50,9 @@ def quant_heads(t: torch.Tensor, fmt: FP8Format, group_size: int) -> tuple[torch
 
 
 def dequant_heads(codes: torch.Tensor, sexp: torch.Tensor, layout: tuple) -> torch.Tensor:
-    """The tensor `quant_heads` saw, FP8-rounded, with its shape and strides. bf16 / fp32 results are
-    computed in that dtype (an FP8 code times a power of two is exact there, so equal to
-    `R.group_dequant`'s fp32 values cast, without the fp32 round trip); other dtypes go through fp32."""
+    """The tensor `quant_heads` saw, FP8-rounded, with its shape and strides (one kernel for bf16)."""
     shape, order, dtype = layout
-    m, n = codes.shape
-    g = n // sexp.shape[1]
-    if dtype in (torch.bfloat16, torch.float32):
-        scale = R.group_scales(sexp).to(dtype)
-        out = codes.to(dtype).view(m, -1, g).mul_(scale[..., None])
-    else:
-        out = R.group_dequant(codes, sexp, g).to(dtype)
+    out = quant.group_dequant(codes, sexp, codes.shape[1] // sexp.shape[1], dtype)
     inverse = sorted(range(len(order)), key=order.__getitem__)
     return out.view(shape).permute(inverse)
 

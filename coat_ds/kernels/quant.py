@@ -228,6 +228,22 @@ def group_quant(x: Tensor, fmt: FP8Format, group_size: int) -> tuple[Tensor, Ten
 
 
 @KernelOp
+def group_dequant(codes: Tensor, sexp: Tensor, group_size: int, dtype: torch.dtype) -> Tensor:
+    """`R.group_dequant` in `dtype`: one kernel for bf16 (a code times a power of two is exact there)."""
+    op = _kernels(codes, sexp, group_size=group_size, dtypes=(torch.float8_e4m3fn, torch.float8_e5m2))
+    if op is None or dtype != torch.bfloat16:
+        return R.group_dequant(codes, sexp, group_size).to(dtype)
+    out = torch.empty(codes.shape, dtype=dtype, device=codes.device)
+    op.group_dequant(_u8(codes).contiguous(), sexp.contiguous(), out, codes.dtype == torch.float8_e5m2)
+    return out
+
+
+@group_dequant.register_fake
+def _(codes, sexp, group_size, dtype):
+    return codes.new_empty(codes.shape, dtype=dtype)
+
+
+@KernelOp
 def silu_mul_rebuild(q: Tensor, s: Tensor, scale: Tensor, fmt: str, group_size: int, rowmajor: bool = True,
                      transposed: bool = False) -> tuple[Tensor, Tensor]:
     f = get_format(fmt)

@@ -32,6 +32,9 @@ void rmsnorm_backward(const void* dy, const uint8_t* xq, const uint8_t* xs, cons
 void silu_mul_quant(const void* gu, uint8_t* q, uint8_t* sc, float* amax, int64_t m, int64_t i, bool e5m2,
                     cudaStream_t s);
 
+// Group dequantisation: out bf16 [n] = fp8(q) 2^(s - bias), one uint8 exponent s per 16 codes; n % 16 == 0
+void group_dequant(const uint8_t* q, const uint8_t* sc, void* out, int64_t n, bool e5m2, cudaStream_t s);
+
 // SiLU*mul pass 2: a = silu(g) u as per-tensor FP8, [m, i] and/or [i, m]
 void silu_mul_rebuild(const uint8_t* q, const uint8_t* sc, const float* scale, uint8_t* out, uint8_t* out_t,
                       int64_t m, int64_t i, bool in_e5m2, bool out_e5m2, cudaStream_t s);

@@ -72,6 +72,15 @@ void silu_mul_quant(torch::Tensor gu, torch::Tensor q, torch::Tensor s, torch::T
                                gu.size(0), gu.size(1) / 2, e5m2, stream());
 }
 
+void group_dequant(torch::Tensor q, torch::Tensor s, torch::Tensor out, bool e5m2) {
+    check(q, "q", at::kByte);
+    check(s, "s", at::kByte);
+    check(out, "out", at::kBFloat16);
+    TORCH_CHECK(q.numel() % 16 == 0 && s.numel() * 16 == q.numel() && out.numel() == q.numel(),
+                "q must hold 16 codes per exponent in s, and out as many values as q");
+    coat_quant::group_dequant(q.data_ptr<uint8_t>(), s.data_ptr<uint8_t>(), out.data_ptr(), q.numel(), e5m2, stream());
+}
+
 void silu_mul_rebuild(torch::Tensor q, torch::Tensor s, torch::Tensor scale, torch::Tensor out, torch::Tensor out_t,
                       bool in_e5m2, bool out_e5m2) {
     check(q, "q", at::kByte);
@@ -120,6 +129,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("rmsnorm_rebuild", &rmsnorm_rebuild, "RMSNorm output as a per-tensor FP8 operand");
     m.def("rmsnorm_backward", &rmsnorm_backward, "RMSNorm backward from the saved FP8 input");
     m.def("silu_mul_quant", &silu_mul_quant, "SiLU*mul pass 1: FP8 gate/up, output row maxima");
+    m.def("group_dequant", &group_dequant, "bf16 of FP8 codes with one power-of-two exponent per 16");
     m.def("silu_mul_rebuild", &silu_mul_rebuild, "silu(g) u as a per-tensor FP8 operand");
     m.def("silu_mul_backward", &silu_mul_backward, "SiLU*mul backward from the saved FP8 gate/up");
     m.def("tensor_scale", &tensor_scale, "per-tensor power-of-two scale from row maxima");

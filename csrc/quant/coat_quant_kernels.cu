@@ -227,6 +227,20 @@ __global__ void silu_mul_quant_k(const bf16* gu, uint8_t* q, uint8_t* sc, float*
     if (threadIdx.x == 0) amax[row] = am;
 }
 
+// One thread per 16-value group, grid-stride: a code times a power of two is exact in bf16 (fp32's exponent range).
+template <bool E5M2>
+__global__ void group_dequant_k(const uint8_t* q, const uint8_t* sc, bf16* out, int64_t groups) {
+    for (int64_t g = blockIdx.x * (int64_t)kThreads + threadIdx.x; g < groups; g += (int64_t)gridDim.x * kThreads) {
+        alignas(16) uint8_t c[G];
+        alignas(16) bf16 v[G];
+        load_codes(q + g * G, c);
+        const float scale = pow2_of_byte(sc[g]);
+#pragma unroll
+        for (int j = 0; j < G; ++j) v[j] = __float2bfloat16_rn(fp8_to_f32<E5M2>(c[j]) * scale);
+        store16(out + g * G, v);
+    }
+}
+
 template <bool IN_E5M2>
 __global__ void silu_mul_backward_k(const bf16* da, const uint8_t* q, const uint8_t* sc, bf16* dgu, float* amax,
                                     int64_t i) {
@@ -436,6 +450,18 @@ void silu_mul_quant(const void* gu, uint8_t* q, uint8_t* sc, float* amax, int64_
         silu_mul_quant_k<true><<<(unsigned)m, kThreads, 0, s>>>(g, q, sc, amax, i);
     else
         silu_mul_quant_k<false><<<(unsigned)m, kThreads, 0, s>>>(g, q, sc, amax, i);
+}
+
+void group_dequant(const uint8_t* q, const uint8_t* sc, void* out, int64_t n, bool e5m2, cudaStream_t s) {
+    const int64_t groups = n / G;
+    if (groups == 0) return;
+    const int64_t want = (groups + kThreads - 1) / kThreads, cap = 16LL * num_sms();
+    const unsigned grid = (unsigned)(want < cap ? want : cap);
+    auto o = static_cast<bf16*>(out);
+    if (e5m2)
+        group_dequant_k<true><<<grid, kThreads, 0, s>>>(q, sc, o, groups);
+    else
+        group_dequant_k<false><<<grid, kThreads, 0, s>>>(q, sc, o, groups);
 }
 
 void silu_mul_rebuild(const uint8_t* q, const uint8_t* sc, const float* scale, uint8_t* out, uint8_t* out_t,
