@@ -39,7 +39,7 @@ for c in configs.split():
                "step_time_s": [round(r["step_time_s"], 4) for r in train], "loss": [round(r["loss"], 4) for r in train]}
 bf16, coat = (runs.get(c, {}).get("tokens_per_s") for c in ("zero2_bf16", "zero2_coat"))
 out = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"cpu ({os.cpu_count()} cores)",
-       "date": date, "command": f"SIZE={size} SEQ={seq} MB={mb} STEPS={steps} bash benchmarks/train_throughput.sh",
+       "date": date, "command": f"CONFIGS=\"{configs}\" SIZE={size} SEQ={seq} MB={mb} STEPS={steps} bash benchmarks/train_throughput.sh",
        "versions": {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
                     "deepspeed": deepspeed.__version__, "transformers": transformers.__version__,
                     "coat_ds_commit": os.environ.get("COAT_GIT_COMMIT") or os.environ.get("COAT_COMMIT")},
