@@ -35,7 +35,7 @@ SHAPES = {
     "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8),
 }
 VARIANTS = ["bf16_eager", "bf16_compiled", "torchao_fp8_compiled", "coat_linear", "coat_full", "coat_full_compiled",
-            "coat_full_attn_fp8"]
+            "coat_full_attn_fp8", "coat_full_attn_fp8_compiled"]
 N_LAYERS, BATCH, SEQ = 4, 4, 2048
 DEV = "cuda"
 
@@ -76,7 +76,7 @@ def make_variant(name: str, layers):
     if name.startswith("coat"):
         from coat_ds.hf import CoatDecoderLayer
 
-        cfg = {"mode": "linear" if name == "coat_linear" else "full", "attention_fp8": name.endswith("attn_fp8")}
+        cfg = {"mode": "linear" if name == "coat_linear" else "full", "attention_fp8": "attn_fp8" in name}
         layers = [CoatDecoderLayer(l, cfg) for l in layers]
     if name.startswith("torchao"):
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training

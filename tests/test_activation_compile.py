@@ -91,13 +91,14 @@ def _in_place_ops_in_function_forwards(gm: torch.fx.GraphModule) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("mode", ["full", "linear"])
-def test_compiled_grads_equal_eager(mode, eager_impl_calls):
+@pytest.mark.parametrize("options", [{"mode": "full"}, {"mode": "linear"}, {"mode": "full", "attention_fp8": True}],
+                         ids=["full", "linear", "full-attention_fp8"])
+def test_compiled_grads_equal_eager(options, eager_impl_calls):
     """torch.compile (fullgraph, AOTAutograd without inductor): output and every gradient bit-identical to
     eager (same ops, same order; NaN never equal); no eager implementation runs while tracing; no Function
     forward mutates in place (the torch < 2.13 zero-gradient trigger)."""
     cfg, ref = _layer()
-    eager_layer = CoatDecoderLayer(copy.deepcopy(ref), {"mode": mode})
+    eager_layer = CoatDecoderLayer(copy.deepcopy(ref), options)
     x = torch.randn(2, 32, 128, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     want = _run(eager_layer, eager_layer, cfg, x)
     assert not any(traced for _, traced in eager_impl_calls)
@@ -110,7 +111,7 @@ def test_compiled_grads_equal_eager(mode, eager_impl_calls):
         return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
 
     torch._dynamo.reset()
-    layer = CoatDecoderLayer(copy.deepcopy(ref), {"mode": mode})
+    layer = CoatDecoderLayer(copy.deepcopy(ref), options)
     got = _run(torch.compile(layer, backend=backend, fullgraph=True), layer, cfg, x)
     assert len(graphs) == 1
     assert _in_place_ops_in_function_forwards(graphs[0]) == []
@@ -122,15 +123,16 @@ def test_compiled_grads_equal_eager(mode, eager_impl_calls):
         assert torch.equal(got[name], want[name]), (name, (got[name].float() - want[name].float()).abs().max())
 
 
-def test_inductor_grads_match_eager():
+@pytest.mark.parametrize("options", [{}, {"attention_fp8": True}], ids=["full", "full-attention_fp8"])
+def test_inductor_grads_match_eager(options):
     """Default backend (inductor, CPU): it fuses the bf16 element-wise math around the custom ops, so
     results move by bf16 roundings: cosine >= 0.998 for every tensor, none all-zero, all finite."""
     cfg, ref = _layer()
-    eager_layer = CoatDecoderLayer(copy.deepcopy(ref))
+    eager_layer = CoatDecoderLayer(copy.deepcopy(ref), options)
     x = torch.randn(2, 32, 128, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     want = _run(eager_layer, eager_layer, cfg, x)
     torch._dynamo.reset()
-    layer = CoatDecoderLayer(copy.deepcopy(ref))
+    layer = CoatDecoderLayer(copy.deepcopy(ref), options)
     got = _run(torch.compile(layer, fullgraph=True), layer, cfg, x)
     for name in want:
         a, b = got[name].float(), want[name].float()

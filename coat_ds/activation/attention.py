@@ -4,8 +4,9 @@ The stock backends save bf16 q, k, v and the output (SDPA) or even the [b, h, s,
 for their backward: 8 B/token/hidden at 7B with MHA. `Fp8AttentionFn` covers attention, o_proj and the
 residual add. Its forward runs the stock attention call on the bf16 inputs (the output is bit-identical to
 the stock one) and o_proj's FP8 GEMM, and keeps only q, k, v in E4M3. Its backward dequantizes them to
-bf16 and runs the same call again under autograd: the recomputed output o' is o_proj's weight-gradient
-operand, then `torch.autograd.grad` gives attention's gradients. So neither attention nor o_proj keeps
+bf16 and runs the same call again under `torch.func.vjp` (Dynamo traces it, where `torch.autograd.grad`
+breaks the graph: the same Function compiles): the recomputed output o' is o_proj's weight-gradient
+operand, then the vjp gives attention's gradients. So neither attention nor o_proj keeps
 the output (1 B/token/hidden at 7B as o_proj's FP8 copy); the backward is the stock one at FP8-rounded
 q, k, v (o' differs from o by what that rounding moves, of the order of o's own E4M3 rounding for the
 GEMM); any mask, window or backend the call uses is recomputed exactly. It costs one more attention
@@ -73,6 +74,8 @@ def _stock_forward(call: AttentionCall, q: torch.Tensor, k: torch.Tensor, v: tor
     v, output and logsumexp, and nothing keeps them. (Identity hooks kept them: SDPA saves its own output, and
     a saved output packed as a Python object makes a cycle with its grad_fn that the garbage collector does
     not see; the H100 run measured 19.6 B/token/hidden instead of 11.5.)"""
+    if quant.tracing(q):  # a traced forward keeps no autograd graph, and the tracers do not take hooks
+        return call(q, k, v, mask)
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_drop, _never):
         return call(*[t.detach().requires_grad_(t.requires_grad) for t in (q, k, v)], mask).detach()
 
@@ -101,16 +104,15 @@ class Fp8AttentionFn(Function):
 
     @staticmethod
     def backward(ctx, dh: torch.Tensor):
-        *saved, mask = ctx.saved_tensors
+        qc, qe, kc, ke, vc, ve, mask = ctx.saved_tensors
         cfg = ctx.cfg
-        inputs = [dequant_heads(saved[2 * i], saved[2 * i + 1], ctx.layouts[i]).requires_grad_() for i in range(3)]
-        del saved
-        with torch.enable_grad():
-            out = ctx.call(*inputs, mask)
-        _, ot, o_s = quant_operand(out.detach().reshape(-1, out.shape[-2] * out.shape[-1]), cfg.fwd,
+        inputs = [dequant_heads(c, e, layout) for c, e, layout in zip((qc, kc, vc), (qe, ke, ve), ctx.layouts)]
+        del qc, qe, kc, ke, vc, ve
+        out, attention_vjp = torch.func.vjp(lambda q, k, v: ctx.call(q, k, v, mask), *inputs)
+        _, ot, o_s = quant_operand(out.reshape(-1, out.shape[-2] * out.shape[-1]), cfg.fwd,
                                    rowmajor=False, transposed=True)
         dh = dh.contiguous()
         do, pgrads = linear_backward(dh, ctx.group, ot, o_s, cfg.bwd)
         del ot
-        dq, dk, dv = torch.autograd.grad(out, inputs, do.view(out.shape))
+        dq, dk, dv = attention_vjp(do.view(out.shape))
         return dq, dk, dv, None, dh, None, None, None, *pgrads

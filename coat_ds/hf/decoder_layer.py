@@ -111,9 +111,9 @@ class CoatDecoderLayer(_Base):
     # ---------------------------------------------------------------- forward
     def _fp8_attention(self, q: torch.Tensor, impl: str | None, past_key_values: Any, dropout: float) -> bool:
         """attention_fp8 applies to training steps of the sdpa/eager backends without a KV cache or dropout
-        (its backward recomputes the call, which dropout would not repeat); eager only, not traced graphs."""
+        (its backward recomputes the call, which dropout would not repeat); eager and traced (torch.compile)."""
         return (self.coat_config.attention_fp8 and impl in _FP8_ATTN_BACKENDS and past_key_values is None
-                and dropout == 0.0 and self.training and q.requires_grad and not quant.tracing(q))
+                and dropout == 0.0 and self.training and q.requires_grad)
 
     def _heads(self, qkv: torch.Tensor, input_shape, position_embeddings) -> tuple[torch.Tensor, ...]:
         """q, k, v [b, h, s, d] of the fused q/k/v output, RoPE applied."""
