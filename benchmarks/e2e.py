@@ -162,7 +162,7 @@ def build_llama(model: str, device, dtype, seed: int, vocab_size: int | None = N
     return net
 
 
-def _git_commit() -> str | None:
+def git_commit() -> str | None:
     """COAT_GIT_COMMIT where set (a GPU node's copy of the tree may carry stale git metadata), else git's."""
     if os.environ.get("COAT_GIT_COMMIT"):
         return os.environ["COAT_GIT_COMMIT"]
@@ -183,7 +183,7 @@ def versions() -> dict:
     import torch
 
     v = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-         "coat_ds_commit": _git_commit()}
+         "coat_ds_commit": git_commit()}
     for mod in ("deepspeed", "transformers", "coat_ds"):
         try:
             v[mod] = __import__(mod).__version__

@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from coat_ds import kernels as ops  # noqa: E402
 from coat_ds.formats import E4M3, get_format, n_groups  # noqa: E402
 from coat_ds.optim import CoatAdamW  # noqa: E402
+from e2e import git_commit  # noqa: E402  (COAT_GIT_COMMIT, else git's)
 
 HP = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -352,12 +353,7 @@ def versions() -> dict:
             out[mod] = __import__(mod).__version__
         except Exception:  # noqa: BLE001
             out[mod] = None
-    try:  # a checkout without .git (a copied tree) can pass it in COAT_DS_COMMIT
-        out["coat_ds_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                               text=True, cwd=os.path.dirname(__file__)).stdout.strip() or None
-    except OSError:
-        out["coat_ds_commit"] = None
-    out["coat_ds_commit"] = out["coat_ds_commit"] or os.environ.get("COAT_DS_COMMIT")
+    out["coat_ds_commit"] = git_commit()
     return out
 
 

@@ -42,7 +42,7 @@ out = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else
        "date": date, "command": f"CONFIGS=\"{configs}\" SIZE={size} SEQ={seq} MB={mb} STEPS={steps} bash benchmarks/train_throughput.sh",
        "versions": {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
                     "deepspeed": deepspeed.__version__, "transformers": transformers.__version__,
-                    "coat_ds_commit": os.environ.get("COAT_GIT_COMMIT") or os.environ.get("COAT_COMMIT")},
+                    "coat_ds_commit": os.environ.get("COAT_GIT_COMMIT")},
        "tokens_per_s": "median over steps after the first 3; each step = data + fwd + bwd + optimizer + loss all-reduce",
        "coat_over_bf16_tokens_per_s": coat / bf16 if bf16 and coat else None, "runs": runs}
 json.dump(out, open(os.path.join(os.environ.get("OUT", "."), "train_throughput.json"), "w"), indent=1)
