@@ -4,9 +4,9 @@ The stock backends save bf16 q, k, v and the output (SDPA) or even the [b, h, s,
 for their backward: 8 B/token/hidden at 7B with MHA. `Fp8AttentionFn` covers attention, o_proj and the
 residual add. Its forward runs the stock attention call on the bf16 inputs (the output is bit-identical to
 the stock one) and o_proj's FP8 GEMM, and keeps only q, k, v in E4M3. Its backward dequantizes them to
-bf16 and runs the same call again under `torch.func.vjp` (Dynamo traces it, where `torch.autograd.grad`
-breaks the graph: the same Function compiles): the recomputed output o' is o_proj's weight-gradient
-operand, then the vjp gives attention's gradients. So neither attention nor o_proj keeps
+bf16 and runs the same call again under autograd (under `torch.func.vjp` in a traced graph, which Dynamo
+traces where it cannot trace `torch.autograd.grad`: the same Function compiles): the recomputed output o'
+is o_proj's weight-gradient operand, then its vector-Jacobian product gives attention's gradients. So neither attention nor o_proj keeps
 the output (1 B/token/hidden at 7B as o_proj's FP8 copy); the backward is the stock one at FP8-rounded
 q, k, v (o' differs from o by what that rounding moves, of the order of o's own E4M3 rounding for the
 GEMM); any mask, window or backend the call uses is recomputed exactly. It costs one more attention
@@ -80,6 +80,18 @@ def _stock_forward(call: AttentionCall, q: torch.Tensor, k: torch.Tensor, v: tor
         return call(*[t.detach().requires_grad_(t.requires_grad) for t in (q, k, v)], mask).detach()
 
 
+def _recompute(call: AttentionCall, inputs: list[torch.Tensor], mask: torch.Tensor | None):
+    """(call(*inputs, mask), its vector-Jacobian product): under `torch.func.vjp` where a graph is traced
+    (Dynamo cannot trace `torch.autograd.grad`), under autograd elsewhere (`torch.func` refuses to run while
+    saved-tensor hooks are active, as activation offloading and checkpointing keep them)."""
+    if quant.tracing(inputs[0]):
+        return torch.func.vjp(lambda q, k, v: call(q, k, v, mask), *inputs)
+    inputs = [t.requires_grad_() for t in inputs]
+    with torch.enable_grad():
+        out = call(*inputs, mask)
+    return out.detach(), lambda do: torch.autograd.grad(out, inputs, do)
+
+
 class Fp8AttentionFn(Function):
     """h = o_proj(call(q, k, v, mask)) + residual, saving q, k, v as FP8 codes + group exponents (and the
     mask, the model's shared tensor, by reference). Backward recomputes the call from the dequantized
@@ -108,7 +120,7 @@ class Fp8AttentionFn(Function):
         cfg = ctx.cfg
         inputs = [dequant_heads(c, e, layout) for c, e, layout in zip((qc, kc, vc), (qe, ke, ve), ctx.layouts)]
         del qc, qe, kc, ke, vc, ve
-        out, attention_vjp = torch.func.vjp(lambda q, k, v: ctx.call(q, k, v, mask), *inputs)
+        out, attention_vjp = _recompute(ctx.call, inputs, mask)
         _, ot, o_s = quant_operand(out.reshape(-1, out.shape[-2] * out.shape[-1]), cfg.fwd,
                                    rowmajor=False, transposed=True)
         dh = dh.contiguous()

@@ -103,7 +103,9 @@ class WeightGroup:
         return self._codes[transposed], self._scale
 
     def _quantize(self, transposed: bool, scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        ws = [x.detach() for x in self.weights]
+        # a traced graph takes the parameters themselves: its partitioner saves a graph input for free, but
+        # counts a detached view of one as an activation, and then keeps the smaller FP8 copy across the step
+        ws = self.weights if quant.tracing(self.weights[0]) else [w.detach() for w in self.weights]
         if scale is None:  # per-row maxima of each weight, then one scale for the fused operand
             amax = quant.row_amax(ws[0]) if len(ws) == 1 else torch.cat([quant.row_amax(w) for w in ws])
             scale = quant.tensor_scale(amax, self.fmt)
@@ -111,9 +113,14 @@ class WeightGroup:
             fused = quant.quant_weights(ws, scale, self.fmt, transposed)  # each weight into its slice
             if fused is not None:
                 return fused, scale
-        w = ws[0] if len(ws) == 1 else torch.cat(ws)
-        q, qt = quant.quant_tensor(w, scale, self.fmt, rowmajor=not transposed, transposed=transposed)
-        return (qt if transposed else q), scale
+        # elsewhere (traced graphs, the CPU) each weight is quantized on its own and the codes concatenated: a
+        # bf16 concatenation is one graph node shared by forward and backward, which the partitioner would
+        # rather replace by the backward's FP8 transposed copy (1 B/param), kept across the step
+        codes = [quant.quant_tensor(w, scale, self.fmt, rowmajor=not transposed, transposed=transposed)[transposed]
+                 for w in ws]
+        if len(codes) == 1:
+            return codes[0], scale
+        return torch.cat([c.view(torch.uint8) for c in codes], dim=int(transposed)).view(self.fmt.dtype), scale
 
     def clear(self) -> None:
         self._key, self._scale, self._codes = None, None, {}
