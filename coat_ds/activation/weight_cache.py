@@ -116,11 +116,14 @@ class WeightGroup:
         # elsewhere (traced graphs, the CPU) each weight is quantized on its own and the codes concatenated: a
         # bf16 concatenation is one graph node shared by forward and backward, which the partitioner would
         # rather replace by the backward's FP8 transposed copy (1 B/param), kept across the step
-        codes = [quant.quant_tensor(w, scale, self.fmt, rowmajor=not transposed, transposed=transposed)[transposed]
-                 for w in ws]
+        codes = [self._quant_one(w, scale, transposed) for w in ws]
         if len(codes) == 1:
             return codes[0], scale
         return torch.cat([c.view(torch.uint8) for c in codes], dim=int(transposed)).view(self.fmt.dtype), scale
+
+    def _quant_one(self, w: torch.Tensor, scale: torch.Tensor, transposed: bool) -> torch.Tensor:
+        q, qt = quant.quant_tensor(w, scale, self.fmt, rowmajor=not transposed, transposed=transposed)
+        return qt if transposed else q  # (q, qt)[transposed] breaks Dynamo's graph: it indexes by int only
 
     def clear(self) -> None:
         self._key, self._scale, self._codes = None, None, {}
