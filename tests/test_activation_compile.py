@@ -31,8 +31,9 @@ from coat_ds.formats import E4M3, E5M2  # noqa: E402
 
 @pytest.fixture
 def eager_impl_calls(monkeypatch):
-    """(name, traced) of every call of an eager implementation; traced: a python dispatch mode is active or
-    an argument is a tensor subclass (fake/functional), i.e. the call happens while a graph is traced."""
+    """(name, traced) of every call of an eager implementation (and of the kernels' applicability check);
+    traced: a python dispatch mode is active or an argument is a tensor subclass (fake/functional), i.e.
+    the call happens while a graph is traced."""
     calls = collections.Counter()
     assert {gemm.fp8_mm, quant.row_amax, quant.rope_qkv_backward} <= set(KERNEL_OPS.values())
     for name, kop in KERNEL_OPS.items():
@@ -43,6 +44,12 @@ def eager_impl_calls(monkeypatch):
             calls[(_n, traced)] += 1
             return _f(*args, **kwargs)
         monkeypatch.setattr(kop, "impl", wrapped)
+    kernels = quant._kernels
+
+    def kernels_check(*tensors, **kwargs):  # reads data pointers: a graph break on CUDA tensors under Dynamo
+        calls[("_kernels", quant.tracing(tensors[0]))] += 1
+        return kernels(*tensors, **kwargs)
+    monkeypatch.setattr(quant, "_kernels", kernels_check)
     return calls
 
 
@@ -210,7 +217,7 @@ def test_eager_path_skips_the_dispatcher(eager_impl_calls):
     assert not quant.tracing(torch.ones(2)) and not quant.tracing()
     x = torch.randn(32, 64).bfloat16()
     quant.row_amax(x)
-    assert eager_impl_calls == {("row_amax", False): 1}
+    assert eager_impl_calls == {("row_amax", False): 1, ("_kernels", False): 1}
 
 
 def test_fakes_match_implementations():

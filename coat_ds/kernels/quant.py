@@ -220,11 +220,14 @@ def _(gu, fmt, group_size):
 
 def group_quant(x: Tensor, fmt: FP8Format, group_size: int) -> tuple[Tensor, Tensor]:
     """`R.group_quant` of a 2-D tensor. On CUDA it is silu_mul_quant's kernel: for any [M, 2I] input its codes
-    and exponents are exactly this (its third output, the row maxima of silu(g) u, is dropped)."""
-    if _kernels(x, group_size=group_size) is None or x.dtype != torch.bfloat16 or x.shape[1] % (2 * group_size):
-        return R.group_quant(x, get_format(fmt), group_size)
-    q, s, _ = silu_mul_quant(x, fmt, group_size)
-    return q, s
+    and exponents are exactly this (its third output, the row maxima of silu(g) u, is dropped). A traced graph
+    takes that op where its shape allows (the op's kernel-or-reference choice is made when it runs: a tracer's
+    tensors have no addresses to check)."""
+    fits = x.dtype == torch.bfloat16 and group_size == KERNEL_GROUP and x.shape[1] % (2 * group_size) == 0
+    if fits and (tracing(x) or _kernels(x, group_size=group_size) is not None):
+        q, s, _ = silu_mul_quant(x, fmt, group_size)
+        return q, s
+    return R.group_quant(x, get_format(fmt), group_size)
 
 
 @KernelOp
