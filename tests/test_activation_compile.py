@@ -65,12 +65,16 @@ def _layer(seed=0):
     return cfg, layer
 
 
-def _run(fn, layer, cfg, x):
+def _forward(fn, cfg, x):
+    """(input leaf, output) of a layer's forward on a copy of x."""
     b, s, _ = x.shape
     pos = torch.arange(s)[None].expand(b, s)
-    pe = LlamaRotaryEmbedding(cfg)(x, pos)
     xi = x.detach().clone().requires_grad_()
-    y = fn(xi, attention_mask=None, position_ids=pos, position_embeddings=pe)
+    return xi, fn(xi, attention_mask=None, position_ids=pos, position_embeddings=LlamaRotaryEmbedding(cfg)(x, pos))
+
+
+def _run(fn, layer, cfg, x):
+    xi, y = _forward(fn, cfg, x)
     y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(y.dtype))
     out = {"out": y.detach(), "dx": xi.grad} | {n: p.grad for n, p in layer.named_parameters()}
     layer.zero_grad(set_to_none=True)
@@ -130,15 +134,12 @@ def test_compiled_grads_equal_eager(options, eager_impl_calls):
         assert torch.equal(got[name], want[name]), (name, (got[name].float() - want[name].float()).abs().max())
 
 
-def _saved_bytes(fn, layer, cfg, x) -> tuple[int, set]:
+def _saved_bytes(fn, cfg, x) -> tuple[int, set]:
     """Bytes (distinct storages) and shapes of what one forward saves for backward, 0-d tensors (the 4-byte
     per-tensor scales, which a graph may save as copies of its own) left out."""
-    b, s, _ = x.shape
-    pos = torch.arange(s)[None].expand(b, s)
-    pe = LlamaRotaryEmbedding(cfg)(x, pos)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        fn(x.detach().clone().requires_grad_(), attention_mask=None, position_ids=pos, position_embeddings=pe)
+        _forward(fn, cfg, x)
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved if t.dim()}
     return sum(storages.values()), {tuple(t.shape) for t in saved}
 
@@ -155,11 +156,11 @@ def test_compiled_layer_saves_what_eager_saves():
     weights |= {(k, n) for n, k in weights} | {(128, 384), (384, 128), (128, 704), (704, 128)}  # fused q/k/v, gate/up
     for options, extra in (({"mode": "full", "attention_fp8": True}, 0), ({"mode": "full"}, 96 * 128)):
         layer = CoatDecoderLayer(copy.deepcopy(ref), options)
-        eager, _ = _saved_bytes(layer, layer, cfg, x)
+        eager, _ = _saved_bytes(layer, cfg, x)
         torch._dynamo.reset()
         compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
         _run(compiled, layer, cfg, x)  # compiles, outside hooks: torch.func (attention_fp8's traced vjp) refuses them
-        got, shapes = _saved_bytes(compiled, layer, cfg, x)
+        got, shapes = _saved_bytes(compiled, cfg, x)
         assert not shapes & weights, (options, shapes & weights)
         assert got == eager + extra, (options, got, eager)
 

@@ -6,10 +6,10 @@ residual add. Its forward runs the stock attention call on the bf16 inputs (the 
 the stock one) and o_proj's FP8 GEMM, and keeps only q, k, v in E4M3. Its backward dequantizes them to
 bf16 and runs the same call again under autograd (under `torch.func.vjp` in a traced graph, which Dynamo
 traces where it cannot trace `torch.autograd.grad`: the same Function compiles): the recomputed output o'
-is o_proj's weight-gradient operand, then its vector-Jacobian product gives attention's gradients. So neither attention nor o_proj keeps
-the output (1 B/token/hidden at 7B as o_proj's FP8 copy); the backward is the stock one at FP8-rounded
-q, k, v (o' differs from o by what that rounding moves, of the order of o's own E4M3 rounding for the
-GEMM); any mask, window or backend the call uses is recomputed exactly. It costs one more attention
+is o_proj's weight-gradient operand, then its vector-Jacobian product gives attention's gradients. So
+neither attention nor o_proj keeps the output (1 B/token/hidden at 7B as o_proj's FP8 copy); the
+backward is the stock one at FP8-rounded q, k, v (o' differs from o by what that rounding moves, of the
+order of o's own E4M3 rounding for the GEMM); any mask, window or backend the call uses is recomputed exactly. It costs one more attention
 forward per backward (FlashAttention's own backward recomputes the probabilities too; the forward is
 ~1/3 of attention's fwd+bwd FLOPs).
 
