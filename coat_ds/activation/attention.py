@@ -9,9 +9,9 @@ traces where it cannot trace `torch.autograd.grad`: the same Function compiles):
 is o_proj's weight-gradient operand, then its vector-Jacobian product gives attention's gradients. So
 neither attention nor o_proj keeps the output (1 B/token/hidden at 7B as o_proj's FP8 copy); the
 backward is the stock one at FP8-rounded q, k, v (o' differs from o by what that rounding moves, of the
-order of o's own E4M3 rounding for the GEMM); any mask, window or backend the call uses is recomputed exactly. It costs one more attention
-forward per backward (FlashAttention's own backward recomputes the probabilities too; the forward is
-~1/3 of attention's fwd+bwd FLOPs).
+order of o's own E4M3 rounding for the GEMM); any mask, window or backend the call uses is recomputed
+exactly. It costs one more attention forward per backward (FlashAttention's own backward recomputes the
+probabilities too; the forward is ~1/3 of attention's fwd+bwd FLOPs).
 
 Scales: one power-of-two scale per 1 x group_size group (16 by default) of each head's head_dim values,
 stored as one uint8 exponent (1/16 B per value), as the fused quantizer (`kernels.quant.group_quant`)
