@@ -11,7 +11,8 @@ at a time and are freed in between. Peers take grads and master in fp32 only, so
 CoatAdamW alone.
 
     python benchmarks/optimizer_step.py                   # -> benchmarks/results/optimizer_step.json
-    python benchmarks/optimizer_step.py --device cpu      # CPU op vs DeepSpeedCPUAdam, 1e7 values
+    python benchmarks/optimizer_step.py --device cpu      # CPU op vs DeepSpeedCPUAdam, 1e7 values, and the
+                                                          # op's quantize / dequantize of both moments alone
                                                           # (the file's `machines` keeps one headline per CPU)
     python benchmarks/optimizer_step.py --smoke           # tiny sizes on CPU, seconds; prints the JSON
 """
@@ -147,6 +148,33 @@ def coat_kernel(p: torch.Tensor, g: torch.Tensor, group_size: int = 128, v_forma
     return step, sum(t.numel() * t.element_size() for t in (*m, *v))
 
 
+def moment_passes(numel: int, group_size: int = 128) -> dict:
+    """The CPU op's quantize and dequantize of both moments (preallocated outputs), timed beside the step: what
+    re-encoding alone costs bounds the step from below, whatever the fusion saves in memory traffic."""
+    from coat_ds.kernels.loader import load_op
+
+    op = load_op("CPUCoatAdamBuilder")
+    if op is None:
+        return {}
+    ng = n_groups(numel, group_size)
+    m = torch.randn(numel) * 1e-3 * torch.exp(torch.randn(numel))  # Adam-like spread over several decades
+    xs = (m, (torch.randn(numel) * 1e-3) ** 2 * torch.exp(torch.randn(numel)))
+    codes = [torch.empty(numel, dtype=torch.uint8) for _ in xs]
+    scales = [(torch.empty(ng), torch.empty(ng)) for _ in xs]
+    outs = [torch.empty(numel) for _ in xs]
+
+    def encode():
+        for x, c, (d, k) in zip(xs, codes, scales):
+            op.quantize(x, c, d, k, group_size, False, True)
+
+    def decode():
+        for c, (d, k), o in zip(codes, scales, outs):
+            op.dequantize(c, d, k, o, group_size, False)
+
+    encode()
+    return {"coat_encode": encode, "coat_decode": decode}
+
+
 def make_optimizer(name: str, p: torch.nn.Parameter) -> torch.optim.Optimizer:
     if name == "coat_step":
         return CoatAdamW([p], **HP)
@@ -225,6 +253,23 @@ def bench_size(numel: int, device: str, peers: list[str], warmup: int, runs: int
     return rows
 
 
+def paired(times: dict, a: str, b: str) -> float:
+    """Median of the per-round ratios a / b: a load change between rounds (a shared host) falls on both sides."""
+    return round(statistics.median(x / y for x, y in zip(times[a], times[b])), 2)
+
+
+def peer_fields(name: str, times: dict, moved: int, state_per_param: float) -> dict:
+    """A CPU peer's row fields from the interleaved timings (ms lists per contender)."""
+    pms = statistics.median(times[name])
+    fields = {f"{name}_ms": round(pms, 4), f"{name}_min_ms": round(min(times[name]), 4),
+              f"{name}_gbps": round(moved / (pms * 1e6), 1), f"{name}_state_bytes_per_param": round(state_per_param, 4),
+              f"speedup_vs_{name}": round(pms / statistics.median(times["coat"]), 2),
+              f"speedup_vs_{name}_paired": paired(times, name, "coat")}
+    if "coat_encode" in times:  # > 1: re-encoding the moments alone outlasts the peer's whole step
+        fields[f"encode_over_{name}_paired"] = paired(times, "coat_encode", name)
+    return fields
+
+
 def bench_size_cpu(numel: int, peers: list[str], warmup: int, runs: int, copy_bw: float) -> list[dict]:
     """CPU rows: every contender is built first, then the timed steps are interleaved (coat kernel, then each
     peer, repeated), so a shared host's changing load falls on all of them alike. Median and min per
@@ -237,6 +282,8 @@ def bench_size_cpu(numel: int, peers: list[str], warmup: int, runs: int, copy_bw
         row = case_row("cpu", numel, grad_dtype, master, copy_bw)
         step, sbytes = coat_kernel(pm, g)
         fns = {"coat": step}
+        if grad_dtype == torch.float32 and master == "float32":
+            fns.update(moment_passes(numel))
         opts = {}
         for name in peers:
             if grad_dtype != torch.float32 or master != "float32":
@@ -261,16 +308,11 @@ def bench_size_cpu(numel: int, peers: list[str], warmup: int, runs: int, copy_bw
         ms = statistics.median(times["coat"])
         row.update(coat_fields(ms, moved_bytes(pm, g, sbytes), numel, sbytes, copy_bw),
                    coat_min_ms=round(min(times["coat"]), 4))
+        for name in ("coat_encode", "coat_decode"):
+            if name in times:
+                row[f"{name}_ms"] = round(statistics.median(times[name]), 4)
         for name, opt in opts.items():
-            pms = statistics.median(times[name])
-            sb = state_bytes(opt)
-            row.update({f"{name}_ms": round(pms, 4), f"{name}_min_ms": round(min(times[name]), 4),
-                        f"{name}_gbps": round(moved_bytes(p.data, g, sb) / (pms * 1e6), 1),
-                        f"{name}_state_bytes_per_param": round(sb / numel, 4),
-                        f"speedup_vs_{name}": round(pms / ms, 2),
-                        # per-round ratios: a load change between rounds (a shared host) falls on both sides
-                        f"speedup_vs_{name}_paired": round(statistics.median(
-                            a / b for a, b in zip(times[name], times["coat"])), 2)})
+            row.update(peer_fields(name, times, moved_bytes(p.data, g, state_bytes(opt)), state_bytes(opt) / numel))
         p.grad = None
         del step, fns, opts, pm
         free("cpu")
@@ -318,7 +360,9 @@ def machine_row(result: dict) -> dict:
             "threads": host.get("threads"), "simd": host.get("simd"), "kernels": host.get("coat_cpu_kernels"),
             "numel": row["numel"], "cpu_adam_ms": row.get("cpu_adam_ms"), "coat_ms": row["coat_ms"],
             "speedup_vs_cpu_adam": row.get("speedup_vs_cpu_adam"),
-            "speedup_vs_cpu_adam_paired": row.get("speedup_vs_cpu_adam_paired"), "date": result["date"],
+            "speedup_vs_cpu_adam_paired": row.get("speedup_vs_cpu_adam_paired"),
+            "coat_encode_ms": row.get("coat_encode_ms"), "coat_decode_ms": row.get("coat_decode_ms"),
+            "encode_over_cpu_adam_paired": row.get("encode_over_cpu_adam_paired"), "date": result["date"],
             "command": result["command"], "coat_ds_commit": result["versions"].get("coat_ds_commit")}
 
 
