@@ -312,7 +312,8 @@ def bench_size_cpu(numel: int, peers: list[str], warmup: int, runs: int, copy_bw
             if name in times:
                 row[f"{name}_ms"] = round(statistics.median(times[name]), 4)
         for name, opt in opts.items():
-            row.update(peer_fields(name, times, moved_bytes(p.data, g, state_bytes(opt)), state_bytes(opt) / numel))
+            sb = state_bytes(opt)
+            row.update(peer_fields(name, times, moved_bytes(p.data, g, sb), sb / numel))
         p.grad = None
         del step, fns, opts, pm
         free("cpu")
