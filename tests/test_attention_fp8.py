@@ -105,14 +105,22 @@ def test_quant_heads_round_trip(bshd):
     assert ((back - t).abs() <= 2.0 ** -4 * t.abs() + 2.0 ** -9 * gmax).all()
 
 
+def _every_code_and_exponent(device) -> tuple[torch.Tensor, torch.Tensor]:
+    """uint8 codes [255, 256] (every code in each row) and group exponents [255, 16]: row r's 16 groups all
+    take exponent byte r, so every (code, exponent byte 0 .. 254) pair occurs."""
+    codes = torch.arange(256, dtype=torch.uint8).repeat(255).view(-1, 256)
+    sexp = torch.arange(255, dtype=torch.uint8).repeat_interleave(16).view(-1, 16)
+    return codes.to(device), sexp.to(device)
+
+
 @pytest.mark.parametrize("dtype,device", [(torch.bfloat16, "cpu"), (torch.float32, "cpu"), (torch.float16, "cpu"),
                                           pytest.param(torch.bfloat16, "cuda", marks=pytest.mark.gpu)])
 def test_dequant_heads_equals_reference(dtype, device):
-    """dequant_heads computes in bf16/fp32 directly: bit-identical to the reference's fp32 values cast, over
-    every exponent byte (0 .. 254) and every E4M3 code."""
-    codes = torch.arange(256, dtype=torch.uint8).view(E4M3.dtype).float().nan_to_num(0.0).to(E4M3.dtype)
-    codes = codes.repeat(255).view(-1, 256).to(device)
-    sexp = torch.arange(255, dtype=torch.uint8).repeat_interleave(16).view(-1, 16).to(device)
+    """dequant_heads (quant.group_dequant: one kernel for bf16 on CUDA, the reference elsewhere) is
+    bit-identical to the reference's fp32 values cast, over every exponent byte (0 .. 254) and every E4M3
+    code (NaN codes zeroed, so that equality can hold)."""
+    codes, sexp = _every_code_and_exponent(device)
+    codes = codes.view(E4M3.dtype).float().nan_to_num(0.0).to(E4M3.dtype)
     layout = (torch.Size([codes.numel()]), [0], dtype)
     got = dequant_heads(codes, sexp, layout)
     ref = R.group_dequant(codes, sexp, 16).to(dtype).flatten()
@@ -145,8 +153,7 @@ def test_group_quant_kernel_vs_reference(shape):
 def test_group_dequant_kernel_vs_reference(fmt):
     """CUDA: the bf16 dequantizer equals the reference's fp32 values cast, for every code (NaN codes
     included: both NaN) and every exponent byte, and on fresh random codes of an odd group count."""
-    codes = torch.arange(256, dtype=torch.uint8).repeat(255).view(-1, 256).cuda()
-    sexp = torch.arange(255, dtype=torch.uint8).repeat_interleave(16).view(-1, 16).cuda()
+    codes, sexp = _every_code_and_exponent("cuda")
     g = torch.Generator(device="cuda").manual_seed(1)
     rand = torch.randint(0, 256, (37, 48), dtype=torch.uint8, generator=g, device="cuda")
     rexp = torch.randint(100, 160, (37, 3), dtype=torch.uint8, generator=g, device="cuda")

@@ -52,14 +52,9 @@ def group_quant(x: torch.Tensor, fmt: FP8Format, group_size: int) -> tuple[torch
     return codes, (p + EXP_BIAS).to(torch.uint8)
 
 
-def group_scales(sexp: torch.Tensor) -> torch.Tensor:
-    """fp32 scales 2^(e - EXP_BIAS) of uint8 biased group exponents."""
-    return _exp2i(sexp.to(torch.int32) - EXP_BIAS)
-
-
 def group_dequant(codes: torch.Tensor, sexp: torch.Tensor, group_size: int) -> torch.Tensor:
     m, n = codes.shape
-    s = group_scales(sexp)
+    s = _exp2i(sexp.to(torch.int32) - EXP_BIAS)
     return (codes.float().reshape(m, n // group_size, group_size) * s[..., None]).reshape(m, n)
 
 
