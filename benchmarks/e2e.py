@@ -70,10 +70,12 @@ CONFIGS = {
     "coat_full_bf16sr": ("coat_ds full, bf16 master (stochastic rounding)", "ds_configs/zero2_coat.json"),
     "coat_full_bf16rn": ("coat_ds full, bf16 master (round to nearest: ablation)", "ds_configs/zero2_coat.json"),
     "coat_full_attn_fp8": ("coat_ds full, attention saved in FP8", "ds_configs/zero2_coat.json"),
+    "coat_full_bf16sr_attn_fp8": ("coat_ds full, bf16 master, attention saved in FP8", "ds_configs/zero2_coat.json"),
 }
 # what a configuration adds to its file's "coat" section (merged key by key into nested sections)
 COAT_OVERRIDES = {"coat_full_bf16sr": {"master_weights": "bf16_sr"}, "coat_full_bf16rn": {"master_weights": "bf16_rn"},
-                  "coat_full_attn_fp8": {"activation": {"attention_fp8": True}}}
+                  "coat_full_attn_fp8": {"activation": {"attention_fp8": True}},
+                  "coat_full_bf16sr_attn_fp8": {"master_weights": "bf16_sr", "activation": {"attention_fp8": True}}}
 E2E_CONFIGS = "bf16,coat_opt,coat_full,coat_full_bf16sr"   # e2e.py's default (round to nearest is for convergence)
 TARGETS = {"memory_reduction": 1.54, "speedup_at_max_batch": 1.43}   # COAT's paper, Llama-2-7B
 GIB = 2 ** 30
