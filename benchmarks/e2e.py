@@ -836,6 +836,12 @@ def headline(args: argparse.Namespace, rows: list[dict], t0: float) -> dict:
         "memory_reduction_bf16sr": ratio(peak("bf16"), peak("coat_full_bf16sr")),
         "speedup_at_max_batch_bf16sr": ratio(tps("coat_full_bf16sr"), tps("bf16")),
         "max_micro_batch": {r["name"]: r.get("max_micro_batch") for r in rows},
+        # a whole model's forward, through the engine: all it keeps for backward per token, hidden unit and layer
+        "forward_kept_b_per_token_hidden_layer": {
+            r["name"]: r["breakdown"]["alloc_forward_delta_gb"] * GIB / (
+                r["breakdown"]["at_micro_batch"] * args.seq_len * MODELS[args.model]["hidden_size"]
+                * MODELS[args.model]["num_hidden_layers"])
+            for r in rows if r["breakdown"] and r["breakdown"].get("alloc_forward_delta_gb") is not None},
         "speedup_at_equal_batch": ratio(tps_eq("coat_full"), tps_eq("bf16")),
         "targets": TARGETS, "fit_rule": f"peak reserved <= {args.mem_fraction} x device memory",
         "configs": rows, "versions": versions(), "command": command(), "date": now(),
