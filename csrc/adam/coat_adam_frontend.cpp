@@ -91,12 +91,12 @@ void adam_step(const std::vector<torch::Tensor>& params, const std::vector<torch
                const std::vector<torch::Tensor>& m_q, const std::vector<torch::Tensor>& m_scale,
                const std::vector<torch::Tensor>& m_expo, const std::vector<torch::Tensor>& v_q,
                const std::vector<torch::Tensor>& v_scale, const std::vector<torch::Tensor>& v_expo,
-               const std::vector<torch::Tensor>& bf16_out, double lr, double beta1, double beta2, double eps,
+               const std::vector<torch::Tensor>& bf16_out, const std::vector<torch::Tensor>& remainders, double lr, double beta1, double beta2, double eps,
                double weight_decay, int64_t step, int64_t group_size, bool v_e5m2, bool expansion,
                const std::optional<torch::Tensor>& grad_scale_t, double grad_scale,
                const std::vector<int64_t>& sr_keys, int64_t sr_seed) {
     const auto refs = coat_ops::check_adam_args(params, grads, m_q, m_scale, m_expo, v_q, v_scale, v_expo, bf16_out,
-                                                sr_keys, group_size, /*cuda=*/true);
+                                                remainders, sr_keys, group_size, /*cuda=*/true);
     if (refs.empty()) return;
     coat_ops::check_grad_scale(grad_scale_t, params);
     // a tensor scale stays on the device (the kernel reads it: no host sync); a float travels in the coefs
