@@ -27,12 +27,12 @@ class TableCache {
     const coat::AdamTensor* get(const std::vector<coat::AdamTensor>& host, int64_t group_size,
                                      const torch::Device& device, cudaStream_t stream) {
         std::vector<int64_t> key;
-        key.reserve(host.size() * 12 + 2);
+        key.reserve(host.size() * 13 + 2);
         key.push_back(group_size);
         key.push_back(device.index());
         for (const auto& t : host) {
             const void* ptrs[] = {t.param, t.grad, t.m_codes, t.m_scale, t.m_expo, t.v_codes, t.v_scale, t.v_expo,
-                                  t.bf16_out};
+                                  t.bf16_out, t.remainder};
             for (const void* p : ptrs) key.push_back(reinterpret_cast<int64_t>(p));
             key.push_back(t.numel);
             key.push_back(t.sr_stream);
