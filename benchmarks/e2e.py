@@ -69,11 +69,13 @@ CONFIGS = {
     "coat_full": ("coat_ds full", "ds_configs/zero2_coat.json"),
     "coat_full_bf16sr": ("coat_ds full, bf16 master (stochastic rounding)", "ds_configs/zero2_coat.json"),
     "coat_full_bf16rn": ("coat_ds full, bf16 master (round to nearest: ablation)", "ds_configs/zero2_coat.json"),
+    "coat_full_rem": ("coat_ds full, exact fp32 master as bf16 weights + int16 remainders", "ds_configs/zero2_coat.json"),
     "coat_full_attn_fp8": ("coat_ds full, attention saved in FP8", "ds_configs/zero2_coat.json"),
     "coat_full_bf16sr_attn_fp8": ("coat_ds full, bf16 master, attention saved in FP8", "ds_configs/zero2_coat.json"),
 }
 # what a configuration adds to its file's "coat" section (merged key by key into nested sections)
 COAT_OVERRIDES = {"coat_full_bf16sr": {"master_weights": "bf16_sr"}, "coat_full_bf16rn": {"master_weights": "bf16_rn"},
+                  "coat_full_rem": {"master_weights": "fp32_remainder"},
                   "coat_full_attn_fp8": {"activation": {"attention_fp8": True}},
                   "coat_full_bf16sr_attn_fp8": {"master_weights": "bf16_sr", "activation": {"attention_fp8": True}}}
 E2E_CONFIGS = "bf16,coat_opt,coat_full,coat_full_bf16sr"   # e2e.py's default (round to nearest is for convergence)
@@ -424,6 +426,9 @@ class Worker:
         weights = counter.add(p for p in engine.module.parameters())
         base = base_optimizer(engine)
         master = counter.add(p for g in base.param_groups for p in g["params"])
+        # coat.master_weights 'fp32_remainder': the masters' low halves, kept by the partition layouts
+        layouts = [getattr(base, "partition_of", lambda p: None)(p) for g in base.param_groups for p in g["params"]]
+        master += counter.add(lay.remainder for lay in layouts if getattr(lay, "remainder", None) is not None)
         opt_state = counter.add(t for st in base.state.values() for t in _tensors(st))
         param_keys = set(counter.seen)
         saved: dict[int, int] = {}

@@ -30,6 +30,7 @@ from deepspeed.runtime.zero.stage_1_and_2 import (INITIAL_MICRO_STEP_ID, OPTIMIZ
                                                   OPTIMIZER_STEP_TIMER, OPTIMIZER_TIMERS, all_gather_dp_groups)
 from deepspeed.checkpoint.constants import FP32_FLAT_GROUPS, SINGLE_PARTITION_OF_FP32_GROUPS
 
+from ..formats.remainder import check_finite
 from .layout import FlatPieces
 
 ENABLED = True  # False: DeepSpeed's own step for fp32 masters (what the tests compare with)
@@ -39,6 +40,7 @@ class Zero12Step:
     """Mixed into DeepSpeedZeroOptimizer (ZeRO-1/2) of a CoatAdamW engine; see the module docstring."""
 
     _coat_bf16_master = False  # master.py sets it when the master partitions are bf16
+    _coat_remainder = False  # ... and when they are the high halves of fp32 masters (layouts keep the remainders)
 
     def step(self, closure=None):
         if self.torch_autocast_gradscaler or self.zenflow or (self.cpu_offload and not self._coat_bf16_master):
@@ -150,14 +152,23 @@ class Zero12Step:
     def state_dict(self):
         sd = super().state_dict()
         if self._coat_bf16_master and not self.cpu_offload:  # views of the model's flat buffer: save just them
-            sd[SINGLE_PARTITION_OF_FP32_GROUPS] = [t.clone() for t in sd[SINGLE_PARTITION_OF_FP32_GROUPS]]
+            sd[SINGLE_PARTITION_OF_FP32_GROUPS] = _saved_masters(self, sd[SINGLE_PARTITION_OF_FP32_GROUPS],
+                                                                  self.single_partition_of_fp32_groups)
         return sd
+
+    def _load_legacy_checkpoint(self, state_dict_list, load_optimizer_states=True, load_from_fp32_weights=False):
+        super()._load_legacy_checkpoint(state_dict_list, load_optimizer_states, load_from_fp32_weights)
+        if self._coat_remainder:  # DeepSpeed copied the saved fp32 masters into bf16: split them exactly instead
+            rank = dist.get_rank(group=self.dp_process_group)
+            saved = state_dict_list[rank][SINGLE_PARTITION_OF_FP32_GROUPS] if load_from_fp32_weights else None
+            _load_remainders(self, self.single_partition_of_fp32_groups, saved)
 
 
 class Zero3Step:
     """Mixed into DeepSpeedZeroOptimizer_Stage3 of a CoatAdamW engine: the per-sub-group hooks of its step."""
 
     _coat_bf16_master = False  # master.py sets it when the master partitions are the bf16 model partitions
+    _coat_remainder = False  # ... and when they are the high halves of fp32 masters (layouts keep the remainders)
 
     def _coat_group(self, i: int) -> dict | None:
         """The param group of sub-group i if this step takes it over (bound FP8 group, on the device)."""
@@ -206,8 +217,43 @@ class Zero3Step:
     def _rigid_state_dict(self):
         sd = super()._rigid_state_dict()
         if self._coat_bf16_master:  # views of the model's flat buffer: save just them
-            sd[FP32_FLAT_GROUPS] = [t.clone() for t in sd[FP32_FLAT_GROUPS]]
+            sd[FP32_FLAT_GROUPS] = _saved_masters(self, sd[FP32_FLAT_GROUPS], self.fp32_partitioned_groups_flat)
         return sd
+
+    def _rigid_load_state_dict(self, state_dict, load_optimizer_states=True):
+        super()._rigid_load_state_dict(state_dict, load_optimizer_states)
+        if self._coat_remainder:
+            _load_remainders(self, self.fp32_partitioned_groups_flat, state_dict[FP32_FLAT_GROUPS])
+
+
+def _saved_masters(zo, saved: list, flats: list) -> list:
+    """What a checkpoint holds for bf16 master partitions `flats` (DeepSpeed's `saved`: views of them, padding
+    cut off): copies, or for remainder masters the fp32 masters themselves (what an fp32-master run saves)."""
+    if not zo._coat_remainder:
+        return [t.clone() for t in saved]
+    out = []
+    for t, flat in zip(saved, flats):
+        layout = zo.optimizer.partition_of(flat)
+        full = flat.float() if layout is None else layout.master(flat)
+        out.append(full.reshape(-1)[:t.numel()].clone())
+    return out
+
+
+@torch.no_grad()
+def _load_remainders(zo, flats: list, saved: list | None) -> None:
+    """After DeepSpeed's load into bf16 master partitions: the saved masters split into high halves and
+    remainders (fp32 files: exact; bf16 ones, as bf16_sr writes: remainder 0); saved None: loaded from the
+    bf16 weights, remainder 0."""
+    for i, flat in enumerate(flats):
+        layout = zo.optimizer.partition_of(flat)
+        if layout is None:
+            continue
+        if saved is None:
+            layout.remainder.zero_()
+            continue
+        values = saved[i].reshape(-1)[:flat.numel()].float()
+        check_finite(values, "checkpoint master")
+        layout.write_master(flat, 0, values)
 
 
 @functools.lru_cache(maxsize=None)
