@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shutil
 import signal
 import sys
@@ -108,24 +107,23 @@ def load_ds_config(args: argparse.Namespace) -> dict:
 # Checkpoints
 # ------------------------------------------------------------------------------------------------------------
 def save_checkpoint(engine, ckpt_dir: Path, step: int, client_state: dict, keep_last: int) -> Path:
-    """Write to a temporary tag, then rename it and atomically point `latest` at it."""
+    """Write to a temporary tag, then rename it and atomically point `latest` at it (save_atomically); a failed
+    save (a full disk, say) ends the job with one line that says why, exit code 1, `latest` untouched."""
     import deepspeed.comm as dist
+    from coat_ds.deepspeed.save import CheckpointSaveError, save_atomically, writer
 
-    tag = f"step{step:07d}"
-    engine.save_checkpoint(str(ckpt_dir), tag=f"{tag}.tmp", client_state=client_state, save_latest=False)
-    owner = engine.local_rank == 0 if engine.use_node_local_storage() else engine.global_rank == 0
-    if owner:
-        final = ckpt_dir / tag
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(ckpt_dir / f"{tag}.tmp", final)
-        (ckpt_dir / "latest.tmp").write_text(tag)
-        os.replace(ckpt_dir / "latest.tmp", ckpt_dir / "latest")
+    try:
+        path = Path(save_atomically(engine, str(ckpt_dir), f"step{step:07d}", client_state))
+    except CheckpointSaveError as e:
+        if engine.global_rank == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+    if writer(engine):
         old = sorted(d for d in ckpt_dir.glob("step*") if d.is_dir() and not d.name.endswith(".tmp"))
         for d in old[:-keep_last]:
             shutil.rmtree(d, ignore_errors=True)
     dist.barrier()
-    return ckpt_dir / tag
+    return path
 
 
 def resume_tag(args: argparse.Namespace, ckpt_dir: Path) -> str | None:
