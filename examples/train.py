@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shutil
 import signal
 import sys
@@ -68,6 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-batch", type=int, help="override train_micro_batch_size_per_gpu")
     p.add_argument("--grad-accum", type=int, help="override gradient_accumulation_steps")
     p.add_argument("--lr", type=float, help="override optimizer.params.lr")
+    p.add_argument("--plan", action="store_true", help="print what each GPU will hold and the largest micro-batch "
+                                                        "(python -m coat_ds.plan), then exit without training")
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)  # from the launcher
     p.set_defaults(**DEFAULTS)
     args = p.parse_args(argv)
@@ -426,9 +429,32 @@ def run_info(run: Run, ds_config: dict, n_params: int, tokens, **rest) -> dict:
                 seq_len=args.seq_len, tokens_per_step=run.tokens_per_step, steps=args.steps, **rest)
 
 
+def print_plan(args: argparse.Namespace, ds_config: dict) -> None:
+    """--plan: coat_ds.plan's table for this job (model, config, seq, micro-batch, world size), on rank 0."""
+    import torch
+    from coat_ds.plan import GPUS, GIB, PlanError, report
+
+    world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    on_gpu = torch.cuda.is_available()
+    memory = torch.cuda.get_device_properties(0).total_memory if on_gpu else GPUS["h100"] * GIB
+    vocab = None if args.model else (args.vocab_size + 63) // 64 * 64   # what build_model rounds it to
+    try:
+        table = report(args.model or args.model_size, ds_config, args.deepspeed, args.seq_len,
+                       str(ds_config["train_micro_batch_size_per_gpu"]), gpus_per_node=local,
+                       nodes=max(1, world // local), memory=memory, vocab=vocab)
+    except PlanError as e:
+        refuse(str(e))
+    if os.environ.get("RANK", "0") == "0":
+        print(table + ("" if on_gpu else "\n(no GPU here: planned for an H100; python -m coat_ds.plan --gpu-memory "
+                                          "for another)"), flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     ds_config = load_ds_config(args)
+    if args.plan:
+        print_plan(args, ds_config)
+        return 0
     save_dir = Path(args.save_dir)
     tag = resume_tag(args, save_dir / "checkpoints")  # None: a fresh run
     if args.export and Path(args.export).is_file():
