@@ -24,6 +24,7 @@ ADAM_STATE_BYTES = 8.0                   # fp32 exp_avg + exp_avg_sq
 # coat.master_weights -> device bytes per partition value beyond the bf16 model copy (master.py says why)
 MASTER_BYTES = {"fp32": 4, "bf16_sr": 0, "bf16_rn": 0, "fp32_remainder": 2}
 DEFAULT_BUCKET = 500_000_000             # DeepSpeed's reduce_bucket_size / allgather_bucket_size default
+DEFAULT_SUB_GROUP = 1_000_000_000        # ZeRO-3's sub_group_size default
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ class ZeroJob:
     param_bytes: int         # 2 (bf16/fp16) or 4 (fp32 training)
     grad_bytes: int          # bytes per gradient-partition value
     reduce_bucket: int       # values in the gradient bucket (contiguous gradients)
+    sub_group: int = DEFAULT_SUB_GROUP   # ZeRO-3 steps its partition in sub-groups of this many values
     coat_step: bool = True   # CoatAdamW's own ZeRO step (False: DeepSpeed's flatten + fp32 copy, as before it)
 
     @property
@@ -58,7 +60,13 @@ def zero_job(cfg: Mapping[str, Any], world: int, state_bytes: float, master: str
                    state_bytes=ADAM_STATE_BYTES if not coat or fp32_states else state_bytes,
                    master=master if coat else "fp32", param_bytes=2 if mixed else 4,
                    grad_bytes=4 if grad_dtype == "fp32" or not mixed else 2,
-                   reduce_bucket=int(zero.get("reduce_bucket_size", DEFAULT_BUCKET)))
+                   reduce_bucket=_int(zero.get("reduce_bucket_size"), DEFAULT_BUCKET),
+                   sub_group=_int(zero.get("sub_group_size"), DEFAULT_SUB_GROUP))
+
+
+def _int(value: Any, default: int) -> int:
+    """A size from the config; HF's "auto" (or nothing) is DeepSpeed's default."""
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else default
 
 
 def model_states(job: ZeroJob, n: int, layer_params: int, largest: int) -> dict[str, float]:
@@ -85,8 +93,10 @@ def step_transient(job: ZeroJob, n: int, largest: int) -> float:
     if job.offload:
         return 0.0
     part = n / job.world if job.stage >= 1 else n
-    if job.coat and job.coat_step and job.stage in (1, 2):
+    if job.coat and job.coat_step and job.stage >= 1:
         return 8.0 * min(largest, part)            # one parameter's fp32 gradient and update at a time
     if job.stage in (1, 2) and job.grad_bytes == 2:
         return 6.0 * part                           # the flat bf16 partition and its fp32 copy
+    if job.stage == 3:
+        return 4.0 * min(job.sub_group, part)       # each sub-group's gradient in fp32
     return 0.0
