@@ -47,19 +47,16 @@ sys.path.insert(0, str(ROOT))                    # coat_ds from a checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from coat_ds.recipes.causal_lm import MODEL_SIZES  # noqa: E402  (the main job's shapes)
+from coat_ds.recipes.shapes import SHAPES  # noqa: E402  (public shapes: TinyLlama's, Llama-2's, Llama-3.1's)
 
-# Llama shapes by name: the main job's 125m and 1b (TinyLlama's shape), OpenLLaMA-3B's, Llama-2's 7B and 13B.
+# Llama shapes by name: the main job's 125m, OpenLLaMA-3B's, and the public ones of coat_ds.recipes.shapes.
 MODELS = {
     "tiny": dict(hidden_size=256, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
                  intermediate_size=512, vocab_size=512),   # wide enough that the decoder layer's activations dominate
     "llama-125m": dict(MODEL_SIZES["125m"], vocab_size=32000),
-    "llama-1b": dict(MODEL_SIZES["1b"], vocab_size=32000),
     "llama-3b": dict(hidden_size=3200, num_hidden_layers=26, num_attention_heads=32, num_key_value_heads=32,
                      intermediate_size=8640, vocab_size=32000),
-    "llama2-7b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
-                      intermediate_size=11008, vocab_size=32000),
-    "llama2-13b": dict(hidden_size=5120, num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=40,
-                       intermediate_size=13824, vocab_size=32000),
+    **SHAPES,
 }
 
 # The configurations, as shipped in ds_configs/. A file not there yet is derived from zero2_coat.json.
