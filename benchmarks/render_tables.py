@@ -198,6 +198,61 @@ def optimizer_step(res: Path):
                     for r in sorted(rows, key=lambda r: -r["numel"])]
 
 
+MODELS = {"llama-1b": "Llama 1.1B", "llama2-7b": "Llama-2-7B", "llama2-13b": "Llama-2-13B"}
+
+
+@table
+def offload(res: Path):
+    """docs/deepspeed.md: ZeRO-2 Offload on one H100 node (benchmarks/offload.py); rows predicted not to fit say so."""
+    header = ["model, micro-batch", "configuration", "pinned", "host optimizer B/param (master + states)",
+              "host RSS steady / peak GiB", "GPU peak GB", "tokens/s"]
+    runs = load(res, "offload.json")["rows"]
+    micro = {r["model"]: r["micro_batch"] for r in runs if "micro_batch" in r}
+    rows, last = [], None
+    for r in runs:
+        where = f"{MODELS.get(r['model'], r['model'])}, {micro.get(r['model'], '-')}" if r["model"] != last else ""
+        last = r["model"]
+        if not r["fits"]:
+            why = r["why_not"].split(": peak ")[-1].split(" GiB")[0]
+            rows.append([where, r["label"], "no", "-", f"not run: predicted {why} GiB peak", "-", "-"])
+            continue
+        rows.append([where, r["label"], "yes" if r["pinned"] else "no", num(r["host_optimizer_bytes_per_param"], 2),
+                     f"{num(r['host_rss_gb'])} / {num(r['host_rss_peak_gb'])}", num(r["gpu_peak_gb"]),
+                     num(r["tokens_per_s"], 0)])
+    return header, rows
+
+
+@table
+def offload_host_cpu(res: Path):
+    """docs/deepspeed.md: host memory of the optimizer states under Offload, one CPU rank (bench_zero2.py)."""
+    run = load(res, "offload_host_memory_cpu.json")
+    header = ["optimizer", "state tensors on the host", "host RSS growth over the first step",
+              f"training step ({run['device']})"]
+    rows = []
+    for name, label in (("CoatAdamW", "CoatAdamW (CPU kernel)"), ("DeepSpeedCPUAdam", "DeepSpeedCPUAdam")):
+        r = run[name]
+        rows.append([label, f"{num(r['state_bytes_per_rank'] / 1e6)} MB = {r['state_bytes_per_param_per_rank']:g} B/param",
+                     f"{num(r['host_rss_growth_first_step_bytes'] / 1e6)} MB", f"{num(r['step_ms_median'])} ms"])
+    return header, rows
+
+
+@table
+def train_throughput(res: Path):
+    """docs/train.md: the main job on one H100, BF16 against coat (benchmarks/train_throughput.sh)."""
+    runs = load(res, "train_throughput.json")["runs"]
+    base = runs["zero2_bf16"]
+    header = ["config", "tokens/s (median step)", "peak GPU memory", "train loss at the last step", "val loss"]
+    rows = []
+    for name, what in (("zero2_bf16", "BF16, FusedAdam"), ("zero2_coat", "CoatAdamW + FP8 activations")):
+        r = runs[name]
+        ratio = "" if r is base else (f" ({r['tokens_per_s'] / base['tokens_per_s']:.2f}x)",
+                                      f" ({r['peak_mem_gb'] / base['peak_mem_gb']:.2f}x)")
+        rows.append([f"`{name}.json` ({what})", num(r["tokens_per_s"], 0) + (ratio[0] if ratio else ""),
+                     f"{r['peak_mem_gb']:.2f} GiB" + (ratio[1] if ratio else ""), f"{r['last_loss']:.2f}",
+                     f"{r['last_val_loss']:.2f}"])
+    return header, rows
+
+
 # ------------------------------------------------------------------------------------------ regions
 def regions(text: str) -> list[tuple[str, str]]:
     """(name, current body) of every marked region of a Markdown text."""
