@@ -2,11 +2,13 @@
 
     deepspeed examples/hf_trainer.py --deepspeed ds_configs/zero2_coat.json --steps 100
     deepspeed examples/hf_trainer.py --deepspeed ds_configs/hf/zero2_coat.json     # HF "auto" values
+    deepspeed examples/hf_trainer.py --deepspeed ds_configs/hf/zero2_lowest_memory.json   # a preset (docs/presets.md)
     deepspeed --num_gpus 8 examples/hf_trainer.py --deepspeed ds_configs/zero3_coat.json --model-size 125m
 
 The JSON is the single source of truth: the Trainer's arguments (batch size, accumulation, lr, betas, eps,
 weight decay, clipping, bf16, warmup) are read from it, so HF's consistency check between TrainingArguments
-and the DeepSpeed config always passes. DeepSpeed builds the optimizer named in the config ("CoatAdamW"),
+and the DeepSpeed config always passes; a JSON without a scheduler (ds_configs/hf/) trains at a constant lr, as
+DeepSpeed does without one. DeepSpeed builds the optimizer named in the config ("CoatAdamW"),
 and DeepSpeed's engine applies the `"coat": {"activation": ...}` section (FP8 layers) when the Trainer builds it.
 """
 from __future__ import annotations
