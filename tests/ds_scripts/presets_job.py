@@ -75,7 +75,7 @@ def task_hf(tmp: str) -> dict:
     data = [{"input_ids": x, "labels": x} for x in ids]
     out = {}
     for path in sorted((ROOT / "ds_configs" / "hf").glob("*.json")):
-        bf16 = json.loads(path.read_text()).get("coat", {}).get("master_weights", "fp32").startswith("bf16")
+        bf16 = json.loads(path.read_text()).get("coat", {}).get("master_weights", "fp32") != "fp32"
         args = TrainingArguments(output_dir=os.path.join(tmp, path.stem), deepspeed=str(path), max_steps=HF_STEPS,
                                  per_device_train_batch_size=2, logging_steps=1, report_to="none",
                                  save_strategy="no", disable_tqdm=True, bf16=bf16,
