@@ -37,24 +37,26 @@ import e2e  # noqa: E402  (the plain-loop harness, model shapes, run metadata)
 
 ROOT = e2e.ROOT
 HF_CONFIG = "ds_configs/hf/zero2_coat.json"
-PRESETS = {  # name: (label, what it adds to or removes from HF_CONFIG)
-    "bf16": ("BF16 + FusedAdam", None),
-    "coat": ("coat full (shipped)", {}),
-    "coat_lowmem": ("coat full, bf16_sr master + attention_fp8", {"master_weights": "bf16_sr",
-                                                                  "activation": {"attention_fp8": True}}),
+PRESETS = {  # name: (label, its own HF config file if shipped, else what it adds to or removes from HF_CONFIG)
+    "bf16": ("BF16 + FusedAdam", None, None),
+    "coat": ("coat full (shipped)", None, {}),
+    "coat_lowmem": ("coat full, bf16_sr master + attention_fp8", "ds_configs/hf/zero2_lowest_memory.json",
+                    {"master_weights": "bf16_sr", "activation": {"attention_fp8": True}}),
 }
 TUNINGS = {  # name: (DeepSpeed config overrides, TrainingArguments overrides)
     "shipped": ({}, {}),
     "tuned": ({"zero_optimization": {"reduce_bucket_size": 50_000_000}},
               {"logging_nan_inf_filter": False, "accelerator_config": {"non_blocking": True}}),
 }
-PLANS = {  # what one GPU command runs (estimated wall time on one H100 with warm JIT caches in the comment)
-    "1b": ["trainer:bf16:llama-1b:4:shipped", "trainer:coat:llama-1b:4:shipped", "trainer:bf16:llama-1b:4:tuned",
-           "trainer:coat:llama-1b:4:tuned", "plain:bf16:llama-1b:4:tuned", "plain:coat:llama-1b:4:tuned"],  # ~4 min
-    "big": ["trainer:bf16:llama-1b:12:tuned", "plain:bf16:llama-1b:12:tuned", "trainer:coat:llama-1b:28:tuned",
-            "plain:coat:llama-1b:28:tuned", "trainer:coat_lowmem:llama2-7b:4:tuned"],                   # ~4.5 min
-    "smoke": ["trainer:bf16:tiny:1:shipped", "trainer:coat:tiny:1:shipped", "trainer:coat:tiny:1:tuned",
-              "plain:coat:tiny:1:tuned"],
+PLANS = {  # runs in order of priority (the time budget skips the last ones); ":profile" adds the probe's two steps
+    "1b": ["trainer:coat:llama-1b:4:shipped:profile", "trainer:bf16:llama-1b:4:shipped",
+           "trainer:coat:llama-1b:4:tuned:profile", "trainer:bf16:llama-1b:4:tuned",
+           "plain:coat:llama-1b:4:tuned:profile", "plain:bf16:llama-1b:4:tuned"],             # ~4 min on one H100
+    "big": ["trainer:coat_lowmem:llama2-7b:4:tuned", "trainer:coat:llama-1b:28:tuned", "plain:coat:llama-1b:28:tuned",
+            "trainer:bf16:llama-1b:12:tuned", "plain:bf16:llama-1b:12:tuned",
+            "plain:coat_lowmem:llama2-7b:4:tuned"],                                             # ~5.5 min
+    "smoke": ["trainer:bf16:tiny:1:shipped", "trainer:coat:tiny:1:shipped:profile", "trainer:coat:tiny:1:tuned",
+              "plain:coat:tiny:1:tuned:profile"],
 }
 TARGETS = {"trainer_over_plain_coat": 0.9, "coat_over_bf16_trainer_mb4": 1.3}
 GIB = 2 ** 30
@@ -64,24 +66,29 @@ GIB = 2 ** 30
 # What one run trains: the DeepSpeed config and the TrainingArguments
 # ---------------------------------------------------------------------------------------------------------
 def parse_run(spec: str) -> dict:
-    """path:preset:model:micro_batch:tuning -> a dict; ValueError naming the bad field and the allowed values."""
+    """path:preset:model:micro_batch:tuning[:profile] -> a dict; ValueError naming the bad field and the allowed
+    values."""
     parts = spec.split(":")
-    if len(parts) != 5:
-        raise ValueError(f"--runs {spec!r}: expected path:preset:model:micro_batch:tuning")
-    path, preset, model, mb, tuning = parts
+    if len(parts) not in (5, 6) or parts[5:] not in ([], ["profile"]):
+        raise ValueError(f"--runs {spec!r}: expected path:preset:model:micro_batch:tuning[:profile]")
+    path, preset, model, mb, tuning = parts[:5]
     for key, val, allowed in (("path", path, ("trainer", "plain")), ("preset", preset, tuple(PRESETS)),
                               ("model", model, tuple(e2e.MODELS)), ("tuning", tuning, tuple(TUNINGS))):
         if val not in allowed:
             raise ValueError(f"--runs {spec!r}: {key} {val!r} is unknown; allowed: {list(allowed)}")
     if not mb.isdigit() or int(mb) < 1:
         raise ValueError(f"--runs {spec!r}: micro_batch {mb!r} is invalid; allowed: an integer >= 1")
-    return {"path": path, "preset": preset, "model": model, "micro_batch": int(mb), "tuning": tuning, "spec": spec}
+    return {"path": path, "preset": preset, "model": model, "micro_batch": int(mb), "tuning": tuning,
+            "profiled": len(parts) == 6, "spec": spec}
 
 
 def hf_ds_config(preset: str, tuning: str, on_cpu: bool) -> dict:
     """The HF-style config ("auto" values) of a preset under a tuning."""
-    cfg = json.loads((ROOT / HF_CONFIG).read_text())
-    extra = PRESETS[preset][1]
+    _, own, extra = PRESETS[preset]
+    if own is not None and (ROOT / own).is_file():
+        cfg, extra = json.loads((ROOT / own).read_text()), {}
+    else:
+        cfg = json.loads((ROOT / HF_CONFIG).read_text())
     if extra is None:   # BF16 baseline: the same settings with AdamW (FusedAdam on GPUs) and stock layers
         cfg.pop("coat", None)
         cfg["optimizer"] = {"type": "AdamW", "params": {k: "auto" for k in ("lr", "betas", "eps", "weight_decay")}}
@@ -155,10 +162,19 @@ class StepClock:
                 "tokens_per_s_mean": tokens_per_step / mean, "step_times_s": intervals}
 
 
+def python_top(stats, n: int = 40) -> list[dict]:
+    """The Python functions of one step with the most cumulative time (cProfile, which slows Python ~2x: read
+    the ranking, not the milliseconds), a function per file:line; the profiler's own frames left out."""
+    rows = sorted(((ct, nc, tt, f"{Path(fn).parent.name}/{Path(fn).name}:{ln} {name}")
+                   for (fn, ln, name), (_, nc, tt, ct, _) in stats.stats.items()
+                   if "hf_trainer.py" not in fn and "cProfile" not in fn and fn != "~"), reverse=True)
+    return [{"function": f, "calls": nc, "cum_ms": ct * 1e3, "self_ms": tt * 1e3} for ct, nc, tt, f in rows[:n]]
+
+
 class Probe:
     """Two windows of one step each, from one step's end to the next: the device syncs made in the first (CUDA's
-    sync debug mode, by Python line) and a torch.profiler trace of the second (top kernels, top host calls,
-    GPU idle gaps)."""
+    sync debug mode, by Python line) and its Python functions (cProfile), and a torch.profiler trace of the
+    second (top kernels, top host calls, GPU idle gaps)."""
 
     def __init__(self, first: int, on_cuda: bool, sync, top: int = 15) -> None:
         self.first, self.on_cuda, self.sync, self.top = first, on_cuda, sync, top
@@ -168,12 +184,21 @@ class Probe:
     def step_end(self, k: int) -> None:
         import torch
 
-        if k == self.first and self.on_cuda:
-            self._warn = warnings.catch_warnings(record=True)
-            self._caught = self._warn.__enter__()
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
+        if k == self.first:
+            import cProfile
+
+            if self.on_cuda:
+                self._warn = warnings.catch_warnings(record=True)
+                self._caught = self._warn.__enter__()
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+            self._cprof = cProfile.Profile()
+            self._cprof.enable()
         elif k == self.first + 1:
+            import pstats
+
+            self._cprof.disable()
+            self.result["python_top"] = python_top(pstats.Stats(self._cprof))
             if self._caught is not None:
                 torch.cuda.set_sync_debug_mode("default")
                 self._warn.__exit__(None, None, None)
@@ -266,9 +291,9 @@ def trainer_worker(run: dict, args: argparse.Namespace) -> dict:
     if on_cuda:
         torch.cuda.set_device(device_of(True))
     sync, reset_peak = _sync_and_peak(on_cuda)
-    total = args.warmup + args.steps + (2 if args.profile else 0)
+    total = args.warmup + args.steps + (2 if run["profiled"] else 0)
     clock = StepClock(args.warmup, args.steps, sync, reset_peak)
-    probe = Probe(args.warmup + args.steps, on_cuda, sync) if args.profile else None
+    probe = Probe(args.warmup + args.steps, on_cuda, sync) if run["profiled"] else None
 
     class Measure(TrainerCallback):
         def on_step_end(self, targs, state, control, **kw):
@@ -293,7 +318,7 @@ def plain_worker(run: dict, args: argparse.Namespace) -> dict:
     import torch
 
     on_cuda = torch.cuda.is_available()
-    total = args.warmup + args.steps + (2 if args.profile else 0)
+    total = args.warmup + args.steps + (2 if run["profiled"] else 0)
 
     class Plain(e2e.Worker):
         def setup_engine(self):
@@ -313,7 +338,7 @@ def plain_worker(run: dict, args: argparse.Namespace) -> dict:
     w = Plain(argparse.Namespace(result=args.result, seed=1234, seq_len=args.seq_len))
     sync, reset_peak = _sync_and_peak(on_cuda)
     clock = StepClock(args.warmup, args.steps, sync, reset_peak)
-    probe = Probe(args.warmup + args.steps, on_cuda, sync) if args.profile else None
+    probe = Probe(args.warmup + args.steps, on_cuda, sync) if run["profiled"] else None
     x, y = w.rung_inputs(run["micro_batch"])
     for k in range(1, total + 1):
         loss = w.one_step(x, y)
@@ -334,7 +359,7 @@ def worker(args: argparse.Namespace) -> int:
         rec = (trainer_worker if run["path"] == "trainer" else plain_worker)(run, args)
     except torch.OutOfMemoryError as e:
         rec = {"oom": str(e).splitlines()[0], "needed_gb": e2e.oom_needed_gb(str(e).splitlines()[0])}
-    rec.update(run, wall_s=time.time() - t0)
+    rec.update(run, wall_s=time.time() - t0, config=hf_ds_config(run["preset"], run["tuning"], not torch.cuda.is_available()))
     Path(args.result).write_text(json.dumps(rec))
     return 0
 
@@ -346,8 +371,6 @@ def launch(spec: str, args: argparse.Namespace, result: Path, timeout: float) ->
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--run", spec, "--result", str(result),
            "--seq-len", str(args.seq_len), "--warmup", str(args.warmup), "--steps", str(args.steps),
            "--mem-fraction", str(args.mem_fraction), "--scratch", str(result.parent / "trainer_out")]
-    if args.profile:
-        cmd.append("--profile")
     env = dict(os.environ)
     env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
@@ -436,7 +459,6 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--warmup", type=int, default=5, help="untimed steps (coat's first steps tune GEMMs)")
     p.add_argument("--steps", type=int, default=8, help="timed steps")
-    p.add_argument("--profile", action="store_true", help="per run, one step's syncs and one step's profile")
     p.add_argument("--mem-fraction", type=float, default=0.95, help="'fits': peak reserved <= this x device memory")
     p.add_argument("--time-budget", type=float, default=520.0, help="seconds for all runs; later runs are skipped")
     p.add_argument("--merge", action="store_true", help="keep the rows of an existing hf_trainer.json not rerun now")
