@@ -359,7 +359,8 @@ def worker(args: argparse.Namespace) -> int:
         rec = (trainer_worker if run["path"] == "trainer" else plain_worker)(run, args)
     except torch.OutOfMemoryError as e:
         rec = {"oom": str(e).splitlines()[0], "needed_gb": e2e.oom_needed_gb(str(e).splitlines()[0])}
-    rec.update(run, wall_s=time.time() - t0, config=hf_ds_config(run["preset"], run["tuning"], not torch.cuda.is_available()))
+    cfg = hf_ds_config(run["preset"], run["tuning"], not torch.cuda.is_available())
+    rec.update(run, wall_s=time.time() - t0, config=cfg)
     Path(args.result).write_text(json.dumps(rec))
     return 0
 
@@ -398,7 +399,7 @@ def ratio(a, b):
 
 
 def summarize(rows: list[dict]) -> dict:
-    """Trainer over plain for each run both paths ran, and coat over BF16 under the Trainer per (model, batch, tuning)."""
+    """Trainer over plain for each run both paths ran; coat over BF16 per (path, model, batch, tuning)."""
     tps = {(r["path"], r["preset"], r["model"], r["micro_batch"], r["tuning"]): r.get("tokens_per_s") for r in rows}
     trainer_over_plain, coat_over_bf16 = {}, {}
     for (path, preset, model, mb, tuning), v in tps.items():

@@ -213,7 +213,8 @@ def test_hf_trainer_smoke_compares_the_trainer_with_the_plain_loop_on_the_config
         assert prof["syncs"] == {} and prof["host_top"] and prof["step_wall_ms"] > 0   # CPU: no device syncs
         step = "training_step" if r["path"] == "trainer" else "one_step"   # the probe's window holds one step
         assert [f["calls"] for f in prof["python_top"] if f["function"].endswith(" " + step)] == [1]
-    assert set(res["trainer_over_plain"]) == {"coat:tiny:1:tuned"} and res["trainer_over_plain"]["coat:tiny:1:tuned"] > 0
+    assert set(res["trainer_over_plain"]) == {"coat:tiny:1:tuned"}
+    assert res["trainer_over_plain"]["coat:tiny:1:tuned"] > 0
     assert set(res["coat_over_bf16"]) == {"trainer:tiny:1:shipped"}
     assert (tmp / "hf_trainer" / "hf_trainer.png").stat().st_size > 10_000
 
@@ -223,7 +224,8 @@ def test_hf_trainer_runs_are_checked_before_any_process_starts():
 
     assert parse_run("trainer:coat:llama-1b:4:tuned")["micro_batch"] == 4
     assert parse_run("plain:coat:llama-1b:4:tuned:profile")["profiled"] is True
-    for bad, key in (("trainer:coat:llama-1b:4", "path:preset"), ("plain:coat:llama-1b:4:tuned:trace", "path:preset"), ("train:coat:llama-1b:4:tuned", "path 'train'"),
+    for bad, key in (("trainer:coat:llama-1b:4", "path:preset"), ("plain:coat:llama-1b:4:tuned:trace", "path:preset"),
+                     ("train:coat:llama-1b:4:tuned", "path 'train'"),
                      ("plain:fp8:llama-1b:4:tuned", "preset 'fp8'"), ("plain:coat:llama-1b:0:tuned", "micro_batch"),
                      ("plain:coat:llama-1b:4:fast", "tuning 'fast'")):
         with pytest.raises(ValueError, match=key):
