@@ -354,13 +354,13 @@ def worker(args: argparse.Namespace) -> int:
     import torch
 
     run = parse_run(args.run)
-    t0 = time.time()
+    t0, wlog = time.time(), e2e.WarningLog()
     try:
         rec = (trainer_worker if run["path"] == "trainer" else plain_worker)(run, args)
     except torch.OutOfMemoryError as e:
         rec = {"oom": str(e).splitlines()[0], "needed_gb": e2e.oom_needed_gb(str(e).splitlines()[0])}
     cfg = hf_ds_config(run["preset"], run["tuning"], not torch.cuda.is_available())
-    rec.update(run, wall_s=time.time() - t0, config=cfg)
+    rec.update(run, wall_s=time.time() - t0, config=cfg, coat_warnings=wlog.messages)
     Path(args.result).write_text(json.dumps(rec))
     return 0
 
@@ -442,15 +442,17 @@ def plot(res: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def prebuild() -> None:
-    """JIT-build the CUDA ops side by side before any timed run (a bare node has none built)."""
-    snippets = ["from deepspeed.ops.op_builder import FusedAdamBuilder; FusedAdamBuilder().load()",
-                "from coat_ds.kernels.loader import load_op; assert load_op('CoatAdamBuilder')",
-                "from coat_ds.kernels.loader import load_op; assert load_op('CoatQuantBuilder')"]
-    procs = [subprocess.Popen([sys.executable, "-c", s], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-             for s in snippets]
-    for p in procs:
-        p.wait()
+def prebuild() -> dict:
+    """JIT-build the CUDA ops side by side before any timed run (a bare node has none built); their exit codes
+    and seconds (a failed build leaves the runs on the slow reference path: coat_warnings say so too)."""
+    snippets = {"FusedAdam": "from deepspeed.ops.op_builder import FusedAdamBuilder; FusedAdamBuilder().load()",
+                "CoatAdam": "from coat_ds.kernels.loader import load_op; assert load_op('CoatAdamBuilder')",
+                "CoatQuant": "from coat_ds.kernels.loader import load_op; assert load_op('CoatQuantBuilder')"}
+    t0 = time.time()
+    procs = {k: subprocess.Popen([sys.executable, "-c", s], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 text=True) for k, s in snippets.items()}
+    out = {k: {"rc": p.wait(), "tail": p.stdout.read()[-500:]} for k, p in procs.items()}
+    return {"seconds": time.time() - t0, **{k: v if v["rc"] else {"rc": 0} for k, v in out.items()}}
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
@@ -498,8 +500,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     import torch
-    if torch.cuda.is_available():
-        prebuild()
+    built = prebuild() if torch.cuda.is_available() else None
+    print(f"prebuild: {built}", flush=True)
     rows = []
     for i, spec in enumerate(specs):
         left = args.time_budget - (time.time() - t0)
@@ -519,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
            "timed_steps": args.steps, "hf_config": HF_CONFIG, "tunings": TUNINGS,
            "presets": {k: v[0] for k, v in PRESETS.items()}, "runs": rows, **summarize(rows), "targets": TARGETS}
     res.update(targets_met=targets_met(res), versions=e2e.versions(), command=e2e.command(), date=e2e.now(),
-               wall_s=time.time() - t0, smoke=args.smoke)
+               wall_s=time.time() - t0, smoke=args.smoke, prebuild=built)
     path.write_text(json.dumps(res, indent=1))
     try:
         plot(res, out / "hf_trainer.png")
