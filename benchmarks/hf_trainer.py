@@ -1,20 +1,22 @@
 """HF Trainer against a plain deepspeed.initialize loop on the same DeepSpeed config: tokens/s, memory, and
-where the Trainer's extra time goes (device syncs by Python line, top host calls, GPU idle gaps of one step).
+where the Trainer's extra time goes (device syncs by Python line, Python functions, top host calls and GPU
+idle gaps of one step).
 
-    python benchmarks/hf_trainer.py --plan 1b  --out benchmarks/results   # one H100: 1.1B at micro-batch 4
-    python benchmarks/hf_trainer.py --plan big --out benchmarks/results   # largest micro-batches and 7B
-    python benchmarks/hf_trainer.py --smoke --out /tmp/hf                  # CPU, tiny: checks the script only
+    python benchmarks/hf_trainer.py --out benchmarks/results          # one H100, < 9 min: the plan "all"
+    python benchmarks/hf_trainer.py --runs trainer:coat:llama-1b:4:one_gpu:profile --out /tmp/hf
+    python benchmarks/hf_trainer.py --smoke --out /tmp/hf              # CPU, tiny: checks the script only
 
-A run is path:preset:model:micro_batch:tuning, each in its own process (a DeepSpeed engine never gives its
-memory back). Presets are the shipped HF config ds_configs/hf/zero2_coat.json ("coat"), the same with
-AdamW and no "coat" section ("bf16"), and the lowest-memory one ("coat_lowmem": bf16 master with stochastic
-rounding, attention saved in FP8). Tunings: "shipped" (the config and TrainingArguments as a user gets them)
-and "tuned" (docs/deepspeed.md, "HF Trainer speed": a concrete reduce_bucket_size instead of HF's
-hidden_size^2 for "auto", no per-step NaN check of the loss, non-blocking input copies). The plain loop
-(benchmarks/e2e.py's harness) runs the config exactly as HF Trainer fills it (HF's own
-HfTrainerDeepSpeedConfig), on the model as the Trainer runs it (use_cache off). Step time: the median
-interval between consecutive steps after the warm-up (Trainer: its on_step_end callback), and the mean
-over the timed steps with a device sync at both ends. Random tokens.
+A run is path:preset:model:micro_batch:tuning[:profile], each in its own process (a DeepSpeed engine never
+gives its memory back); the plan lists them in order of priority and --time-budget skips what does not fit.
+Presets: the shipped HF config ds_configs/hf/zero2_coat.json ("coat"), the same with AdamW and no "coat"
+section ("bf16"), the lowest-memory one ("coat_lowmem": bf16 master with stochastic rounding, attention
+saved in FP8). Tunings (docs/deepspeed.md, "HF Trainer speed"): "shipped" (config and TrainingArguments as a
+user gets them: HF fills reduce_bucket_size "auto" with hidden_size^2), "tuned" (reduce_bucket_size 5e7, no
+per-step NaN check of the loss, non-blocking input copies) and "one_gpu" (tuned, and overlap_comm off).
+The plain loop (benchmarks/e2e.py's harness) runs the config exactly as HF Trainer fills it (HF's own
+HfTrainerDeepSpeedConfig), on the model as the Trainer runs it (use_cache off, one param group). Step time:
+the median interval between consecutive step ends after the warm-up (Trainer: an on_step_end callback),
+beside the mean over the timed steps between two device syncs. Random tokens.
 
 Output: hf_trainer.json (device, versions, command, date, one row per run, the ratios the targets name)
 and hf_trainer.png.
@@ -43,20 +45,24 @@ PRESETS = {  # name: (label, its own HF config file if shipped, else what it add
     "coat_lowmem": ("coat full, bf16_sr master + attention_fp8", "ds_configs/hf/zero2_lowest_memory.json",
                     {"master_weights": "bf16_sr", "activation": {"attention_fp8": True}}),
 }
+_HF_ARGS = {"logging_nan_inf_filter": False, "accelerator_config": {"non_blocking": True}}
 TUNINGS = {  # name: (DeepSpeed config overrides, TrainingArguments overrides)
     "shipped": ({}, {}),
-    "tuned": ({"zero_optimization": {"reduce_bucket_size": 50_000_000}},
-              {"logging_nan_inf_filter": False, "accelerator_config": {"non_blocking": True}}),
+    # any world size: fewer ZeRO reduction buckets (DeepSpeed syncs the device once per bucket with overlap_comm)
+    "tuned": ({"zero_optimization": {"reduce_bucket_size": 50_000_000}}, _HF_ARGS),
+    # one GPU: nothing to overlap, so no reduction stream and no device sync per bucket at all
+    "one_gpu": ({"zero_optimization": {"reduce_bucket_size": 50_000_000, "overlap_comm": False}}, _HF_ARGS),
 }
+_1B4, _BIG = "llama-1b:4", [("coat", "llama-1b:28"), ("bf16", "llama-1b:12")]
 PLANS = {  # runs in order of priority (the time budget skips the last ones); ":profile" adds the probe's two steps
-    "1b": ["trainer:coat:llama-1b:4:shipped:profile", "trainer:bf16:llama-1b:4:shipped",
-           "trainer:coat:llama-1b:4:tuned:profile", "trainer:bf16:llama-1b:4:tuned",
-           "plain:coat:llama-1b:4:tuned:profile", "plain:bf16:llama-1b:4:tuned"],             # ~4 min on one H100
-    "big": ["trainer:coat_lowmem:llama2-7b:4:tuned", "trainer:coat:llama-1b:28:tuned", "plain:coat:llama-1b:28:tuned",
-            "trainer:bf16:llama-1b:12:tuned", "plain:bf16:llama-1b:12:tuned",
-            "plain:coat_lowmem:llama2-7b:4:tuned"],                                             # ~5.5 min
-    "smoke": ["trainer:bf16:tiny:1:shipped", "trainer:coat:tiny:1:shipped:profile", "trainer:coat:tiny:1:tuned",
-              "plain:coat:tiny:1:tuned:profile"],
+    "all": [f"trainer:coat:{_1B4}:shipped:profile", f"trainer:coat:{_1B4}:one_gpu:profile",
+            f"plain:coat:{_1B4}:one_gpu:profile", f"trainer:bf16:{_1B4}:one_gpu", f"trainer:bf16:{_1B4}:shipped",
+            "trainer:coat_lowmem:llama2-7b:4:one_gpu", f"trainer:coat:{_1B4}:tuned", f"plain:coat:{_1B4}:tuned",
+            f"plain:bf16:{_1B4}:one_gpu"]
+    + [f"{path}:{preset}:{mb}:one_gpu" for preset, mb in _BIG for path in ("trainer", "plain")]
+    + ["plain:coat_lowmem:llama2-7b:4:one_gpu"],
+    "smoke": ["trainer:bf16:tiny:1:shipped", "trainer:coat:tiny:1:shipped:profile", "trainer:coat:tiny:1:one_gpu",
+              "plain:coat:tiny:1:one_gpu:profile"],
 }
 TARGETS = {"trainer_over_plain_coat": 0.9, "coat_over_bf16_trainer_mb4": 1.3}
 GIB = 2 ** 30
@@ -171,6 +177,33 @@ def python_top(stats, n: int = 40) -> list[dict]:
     return [{"function": f, "calls": nc, "cum_ms": ct * 1e3, "self_ms": tt * 1e3} for ct, nc, tt, f in rows[:n]]
 
 
+class count_synchronize:
+    """Counts torch.cuda.synchronize calls by the first caller outside torch and DeepSpeed's accelerator until
+    stop() (CUDA's sync debug mode does not report an explicit device sync; DeepSpeed's ZeRO-1/2 makes one per
+    gradient bucket under overlap_comm)."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self.sites: dict[str, int] = {}
+        self._orig = torch.cuda.synchronize
+
+        def counted(*a, **kw):
+            f = sys._getframe(1)
+            while f is not None and ("/torch/" in f.f_code.co_filename or "/accelerator/" in f.f_code.co_filename):
+                f = f.f_back
+            where = "?" if f is None else f"{Path(f.f_code.co_filename).name}:{f.f_lineno}"
+            self.sites[where] = self.sites.get(where, 0) + 1
+            return self._orig(*a, **kw)
+        torch.cuda.synchronize = counted
+
+    def stop(self) -> dict[str, int]:
+        import torch
+
+        torch.cuda.synchronize = self._orig
+        return dict(sorted(self.sites.items(), key=lambda kv: -kv[1]))
+
+
 class Probe:
     """Two windows of one step each, from one step's end to the next: the device syncs made in the first (CUDA's
     sync debug mode, by Python line) and its Python functions (cProfile), and a torch.profiler trace of the
@@ -192,6 +225,7 @@ class Probe:
                 self._caught = self._warn.__enter__()
                 warnings.simplefilter("always")
                 torch.cuda.set_sync_debug_mode("warn")
+            self._sync_sites = count_synchronize() if self.on_cuda else None
             self._cprof = cProfile.Profile()
             self._cprof.enable()
         elif k == self.first + 1:
@@ -199,6 +233,8 @@ class Probe:
 
             self._cprof.disable()
             self.result["python_top"] = python_top(pstats.Stats(self._cprof))
+            if self._sync_sites is not None:
+                self.result["device_synchronize"] = self._sync_sites.stop()
             if self._caught is not None:
                 torch.cuda.set_sync_debug_mode("default")
                 self._warn.__exit__(None, None, None)
@@ -413,8 +449,8 @@ def summarize(rows: list[dict]) -> dict:
 
 def targets_met(summary: dict) -> dict:
     """The issue's targets, where this run measured them (None: not measured here)."""
-    top = summary["trainer_over_plain"].get("coat:llama-1b:4:tuned")
-    cob = summary["coat_over_bf16"].get("trainer:llama-1b:4:tuned")
+    top = summary["trainer_over_plain"].get("coat:llama-1b:4:one_gpu")
+    cob = summary["coat_over_bf16"].get("trainer:llama-1b:4:one_gpu")
     return {"trainer_over_plain_coat_1b_mb4": None if top is None else top >= TARGETS["trainer_over_plain_coat"],
             "coat_over_bf16_trainer_1b_mb4": None if cob is None else cob >= TARGETS["coat_over_bf16_trainer_mb4"]}
 
@@ -457,7 +493,7 @@ def prebuild() -> dict:
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--plan", nargs="+", default=["1b"], choices=[k for k in PLANS if k != "smoke"])
+    p.add_argument("--plan", default="all", choices=[k for k in PLANS if k != "smoke"])
     p.add_argument("--runs", nargs="+", help="path:preset:model:micro_batch:tuning ... (instead of --plan)")
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--warmup", type=int, default=5, help="untimed steps (coat's first steps tune GEMMs)")
@@ -482,7 +518,7 @@ def specs_of(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
         args.seq_len, args.warmup, args.steps = 32, 1, 2
         specs = args.runs or PLANS["smoke"]
     else:
-        specs = args.runs or [s for plan in args.plan for s in PLANS[plan]]
+        specs = args.runs or PLANS[args.plan]
     for s in specs:
         try:
             parse_run(s)

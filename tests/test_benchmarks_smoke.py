@@ -198,12 +198,13 @@ def test_hf_trainer_smoke_compares_the_trainer_with_the_plain_loop_on_the_config
     hidden = 256                                                    # e2e.MODELS["tiny"]
     by = {r["spec"]: r for r in res["runs"]}
     assert set(by) == {"trainer:bf16:tiny:1:shipped", "trainer:coat:tiny:1:shipped:profile",
-                       "trainer:coat:tiny:1:tuned", "plain:coat:tiny:1:tuned:profile"}
+                       "trainer:coat:tiny:1:one_gpu", "plain:coat:tiny:1:one_gpu:profile"}
     for spec, r in by.items():
         assert "error" not in r and r["tokens_per_s"] > 0 and math.isfinite(r["loss"]), (spec, r.get("error"))
         assert len(r["step_times_s"]) == res["timed_steps"] and r["param_groups"] == 1
-        tuned = r["tuning"] == "tuned"
-        assert r["zero_optimization"]["reduce_bucket_size"] == (50_000_000 if tuned else hidden * hidden), spec
+        shipped = r["tuning"] == "shipped"
+        assert r["zero_optimization"]["reduce_bucket_size"] == (hidden * hidden if shipped else 50_000_000), spec
+        assert r["zero_optimization"]["overlap_comm"] is shipped, spec
         assert r["optimizer"] == ("CoatAdamW" if r["preset"] == "coat" else "AdamW")
         assert r["fp8_layers"] == (1 if r["preset"] == "coat" else 0)
         prof = r["profile"]
@@ -213,8 +214,8 @@ def test_hf_trainer_smoke_compares_the_trainer_with_the_plain_loop_on_the_config
         assert prof["syncs"] == {} and prof["host_top"] and prof["step_wall_ms"] > 0   # CPU: no device syncs
         step = "training_step" if r["path"] == "trainer" else "one_step"   # the probe's window holds one step
         assert [f["calls"] for f in prof["python_top"] if f["function"].endswith(" " + step)] == [1]
-    assert set(res["trainer_over_plain"]) == {"coat:tiny:1:tuned"}
-    assert res["trainer_over_plain"]["coat:tiny:1:tuned"] > 0
+    assert set(res["trainer_over_plain"]) == {"coat:tiny:1:one_gpu"}
+    assert res["trainer_over_plain"]["coat:tiny:1:one_gpu"] > 0
     assert set(res["coat_over_bf16"]) == {"trainer:tiny:1:shipped"}
     assert (tmp / "hf_trainer" / "hf_trainer.png").stat().st_size > 10_000
 
@@ -230,6 +231,28 @@ def test_hf_trainer_runs_are_checked_before_any_process_starts():
                      ("plain:coat:llama-1b:4:fast", "tuning 'fast'")):
         with pytest.raises(ValueError, match=key):
             parse_run(bad)
+
+
+def test_hf_trainer_counts_device_synchronize_by_the_caller_outside_torch(monkeypatch):
+    """The probe's count of explicit device syncs (which CUDA's sync debug mode does not report), by call site."""
+    import torch
+    from hf_trainer import count_synchronize
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: calls.append(a))   # no device here: count only
+
+    def zero_step():
+        torch.cuda.synchronize()
+
+    patched = torch.cuda.synchronize
+    counter = count_synchronize()
+    for _ in range(3):
+        zero_step()
+    torch.cuda.synchronize()
+    sites = counter.stop()
+    line = zero_step.__code__.co_firstlineno + 1
+    assert sites == {f"test_benchmarks_smoke.py:{line}": 3, f"test_benchmarks_smoke.py:{line + 5}": 1}
+    assert len(calls) == 4 and torch.cuda.synchronize is patched   # each call went through; the original is back
 
 
 def test_convergence_smoke_writes_json_png_and_a_state_quant_error_reads(smoke_runs):
