@@ -48,9 +48,9 @@ PRESETS = {  # name: (label, its own HF config file if shipped, else what it add
 _HF_ARGS = {"logging_nan_inf_filter": False, "accelerator_config": {"non_blocking": True}}
 TUNINGS = {  # name: (DeepSpeed config overrides, TrainingArguments overrides)
     "shipped": ({}, {}),
-    # any world size: fewer ZeRO reduction buckets (DeepSpeed syncs the device once per bucket with overlap_comm)
+    # any world size: fewer ZeRO-1/2 gradient buckets (host work and stream handoffs per bucket), HF's syncs off
     "tuned": ({"zero_optimization": {"reduce_bucket_size": 50_000_000}}, _HF_ARGS),
-    # one GPU: nothing to overlap, so no reduction stream and no device sync per bucket at all
+    # one GPU: nothing to overlap, so no reduction stream to hand each bucket to and back
     "one_gpu": ({"zero_optimization": {"reduce_bucket_size": 50_000_000, "overlap_comm": False}}, _HF_ARGS),
 }
 _1B4, _BIG = "llama-1b:4", [("coat", "llama-1b:28"), ("bf16", "llama-1b:12")]
@@ -179,8 +179,8 @@ def python_top(stats, n: int = 40) -> list[dict]:
 
 class count_synchronize:
     """Counts torch.cuda.synchronize calls by the first caller outside torch and DeepSpeed's accelerator until
-    stop() (CUDA's sync debug mode does not report an explicit device sync; DeepSpeed's ZeRO-1/2 makes one per
-    gradient bucket under overlap_comm)."""
+    stop() (CUDA's sync debug mode does not report an explicit device sync; DeepSpeed's ZeRO-1/2 make one per
+    gradient bucket under overlap_comm where use_multi_rank_bucket_allreduce is false)."""
 
     def __init__(self) -> None:
         import torch
