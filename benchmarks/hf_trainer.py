@@ -234,7 +234,10 @@ class Probe:
             import pstats
 
             self._cprof.disable()
-            self.result["python_top"] = python_top(pstats.Stats(self._cprof))
+            stats = pstats.Stats(self._cprof)
+            self.result["python_top"] = python_top(stats)
+            self.result["zero_reductions"] = sum(v[1] for (fn, _, name), v in stats.stats.items()
+                                                 if name == "average_tensor" and "stage_1_and_2" in fn)
             if self._sync_sites is not None:
                 self.result["device_synchronize"] = self._sync_sites.stop()
             if self._caught is not None:
