@@ -129,8 +129,8 @@ def smoke_runs(tmp_path_factory):
         "e2e": [sys.executable, str(ROOT / "benchmarks" / "e2e.py"), "--smoke", "--profile", "--out", str(tmp / "e2e")],
         "convergence": [sys.executable, str(ROOT / "benchmarks" / "convergence.py"), "--smoke", "--parallel",
                         "--out", str(tmp / "convergence")],
-        "hf_trainer": [sys.executable, str(ROOT / "benchmarks" / "hf_trainer.py"), "--smoke", "--profile",
-                       "--out", str(tmp / "hf_trainer")],
+        "hf_trainer": [sys.executable, str(ROOT / "benchmarks" / "hf_trainer.py"), "--smoke", "--out",
+                       str(tmp / "hf_trainer")],
     }
     procs = {k: subprocess.Popen(cmd, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for k, cmd in runs.items()}
