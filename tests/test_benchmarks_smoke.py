@@ -1,7 +1,7 @@
 """The end-to-end benchmarks in --smoke mode (CPU, tiny Llama, real DeepSpeed engines, one process per
 configuration) and the micro-batch search they rely on.
 
-Both smokes run at the same time (they are mostly process start-up) and write to a temporary directory,
+The smokes run at the same time (they are mostly process start-up) and write to a temporary directory,
 never to benchmarks/results/. The coat_ds kernels are tested elsewhere; here COAT_DISABLE_OPS=1 keeps a
 cold CI cache from JIT-building them inside the time budget."""
 from __future__ import annotations
