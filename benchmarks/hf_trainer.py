@@ -10,9 +10,10 @@ A run is path:preset:model:micro_batch:tuning[:profile], each in its own process
 gives its memory back); the plan lists them in order of priority and --time-budget skips what does not fit.
 Presets: the shipped HF config ds_configs/hf/zero2_coat.json ("coat"), the same with AdamW and no "coat"
 section ("bf16"), the lowest-memory one ("coat_lowmem": bf16 master with stochastic rounding, attention
-saved in FP8). Tunings (docs/deepspeed.md, "HF Trainer speed"): "shipped" (config and TrainingArguments as a
-user gets them: HF fills reduce_bucket_size "auto" with hidden_size^2), "tuned" (reduce_bucket_size 5e7, no
-per-step NaN check of the loss, non-blocking input copies) and "one_gpu" (tuned, and overlap_comm off).
+saved in FP8). Tunings (docs/deepspeed.md, "HF Trainer speed"): "hf_auto" (the issue's case: default
+TrainingArguments and reduce_bucket_size "auto", which HF fills with hidden_size^2), "tuned"
+(reduce_bucket_size 5e7, no per-step NaN check of the loss, non-blocking input copies) and "one_gpu"
+(tuned, and overlap_comm off).
 The plain loop (benchmarks/e2e.py's harness) runs the config exactly as HF Trainer fills it (HF's own
 HfTrainerDeepSpeedConfig), on the model as the Trainer runs it (use_cache off, one param group). Step time:
 the median interval between consecutive step ends after the warm-up (Trainer: an on_step_end callback),
@@ -47,7 +48,8 @@ PRESETS = {  # name: (label, its own HF config file if shipped, else what it add
 }
 _HF_ARGS = {"logging_nan_inf_filter": False, "accelerator_config": {"non_blocking": True}}
 TUNINGS = {  # name: (DeepSpeed config overrides, TrainingArguments overrides)
-    "shipped": ({}, {}),
+    # the issue's case: HF's "auto" bucket (hidden_size^2, whatever the config says) and default TrainingArguments
+    "hf_auto": ({"zero_optimization": {"reduce_bucket_size": "auto"}}, {}),
     # any world size: fewer ZeRO-1/2 gradient buckets (host work and stream handoffs per bucket), HF's syncs off
     "tuned": ({"zero_optimization": {"reduce_bucket_size": 50_000_000}}, _HF_ARGS),
     # one GPU: nothing to overlap, so no reduction stream to hand each bucket to and back
@@ -55,14 +57,14 @@ TUNINGS = {  # name: (DeepSpeed config overrides, TrainingArguments overrides)
 }
 _1B4 = "llama-1b:4"
 PLANS = {  # runs in order of priority (the time budget skips the last ones); ":profile" adds the probe's two steps
-    "all": [f"trainer:coat:{_1B4}:shipped:profile", f"trainer:coat:{_1B4}:one_gpu:profile",   # the issue; the fix
+    "all": [f"trainer:coat:{_1B4}:hf_auto:profile", f"trainer:coat:{_1B4}:one_gpu:profile",   # the issue; the fix
             f"plain:coat:{_1B4}:one_gpu:profile", f"trainer:bf16:{_1B4}:one_gpu",              # the two targets
             "trainer:coat_lowmem:llama2-7b:4:one_gpu",                                         # 7B on one GPU
             "trainer:coat:llama-1b:28:one_gpu", "plain:coat:llama-1b:28:one_gpu",             # largest batches
             "trainer:bf16:llama-1b:12:one_gpu", "plain:bf16:llama-1b:12:one_gpu",
-            f"trainer:bf16:{_1B4}:shipped", f"trainer:coat:{_1B4}:tuned", f"plain:coat:{_1B4}:tuned",
+            f"trainer:bf16:{_1B4}:hf_auto", f"trainer:coat:{_1B4}:tuned", f"plain:coat:{_1B4}:tuned",
             f"plain:bf16:{_1B4}:one_gpu", "plain:coat_lowmem:llama2-7b:4:one_gpu"],
-    "smoke": ["trainer:bf16:tiny:1:shipped", "trainer:coat:tiny:1:shipped:profile", "trainer:coat:tiny:1:one_gpu",
+    "smoke": ["trainer:bf16:tiny:1:hf_auto", "trainer:coat:tiny:1:hf_auto:profile", "trainer:coat:tiny:1:one_gpu",
               "plain:coat:tiny:1:one_gpu:profile"],
 }
 NEEDS_S = {"llama2-7b": 150, "tiny": 10}   # a run's wall time on one H100 (1.1B: 45 s): don't start one that can't end

@@ -197,14 +197,14 @@ def test_hf_trainer_smoke_compares_the_trainer_with_the_plain_loop_on_the_config
         assert key in res, key
     hidden = 256                                                    # e2e.MODELS["tiny"]
     by = {r["spec"]: r for r in res["runs"]}
-    assert set(by) == {"trainer:bf16:tiny:1:shipped", "trainer:coat:tiny:1:shipped:profile",
+    assert set(by) == {"trainer:bf16:tiny:1:hf_auto", "trainer:coat:tiny:1:hf_auto:profile",
                        "trainer:coat:tiny:1:one_gpu", "plain:coat:tiny:1:one_gpu:profile"}
     for spec, r in by.items():
         assert "error" not in r and r["tokens_per_s"] > 0 and math.isfinite(r["loss"]), (spec, r.get("error"))
         assert len(r["step_times_s"]) == res["timed_steps"] and r["param_groups"] == 1
-        shipped = r["tuning"] == "shipped"
-        assert r["zero_optimization"]["reduce_bucket_size"] == (hidden * hidden if shipped else 50_000_000), spec
-        assert r["zero_optimization"]["overlap_comm"] is shipped, spec
+        auto = r["tuning"] == "hf_auto"
+        assert r["zero_optimization"]["reduce_bucket_size"] == (hidden * hidden if auto else 50_000_000), spec
+        assert r["zero_optimization"]["overlap_comm"] is auto, spec
         assert r["optimizer"] == ("CoatAdamW" if r["preset"] == "coat" else "AdamW")
         assert r["fp8_layers"] == (1 if r["preset"] == "coat" else 0)
         prof = r["profile"]
@@ -215,10 +215,10 @@ def test_hf_trainer_smoke_compares_the_trainer_with_the_plain_loop_on_the_config
         step = "training_step" if r["path"] == "trainer" else "one_step"   # the probe's window holds one step
         assert [f["calls"] for f in prof["python_top"] if f["function"].endswith(" " + step)] == [1]
         # ZeRO-2's gradient buckets in that step: 5e7 holds the whole tiny model, HF's hidden_size^2 does not
-        assert (prof["zero_reductions"] > 5) if r["tuning"] == "shipped" else (prof["zero_reductions"] == 1)
+        assert (prof["zero_reductions"] > 5) if r["tuning"] == "hf_auto" else (prof["zero_reductions"] == 1)
     assert set(res["trainer_over_plain"]) == {"coat:tiny:1:one_gpu"}
     assert res["trainer_over_plain"]["coat:tiny:1:one_gpu"] > 0
-    assert set(res["coat_over_bf16"]) == {"trainer:tiny:1:shipped"}
+    assert set(res["coat_over_bf16"]) == {"trainer:tiny:1:hf_auto"}
     assert (tmp / "hf_trainer" / "hf_trainer.png").stat().st_size > 10_000
 
 
