@@ -562,18 +562,30 @@ def oom_needed_gb(msg: str) -> float | None:
     return sum(float(m.group(1)) * unit[m.group(2)] for m in (tried, held)) / GIB
 
 
+def rows_of(events, attr: str, keep, n: int) -> tuple[list[dict], float]:
+    """The n profiler events with the most `attr` time among those `keep` accepts, and the total over all of them (ms)."""
+    rows = sorted((e for e in events if getattr(e, attr, 0) > 0 and keep(e)), key=lambda e: -getattr(e, attr))
+    total = sum(getattr(e, attr) for e in rows) or 1.0
+    return [{"name": e.key[:120], "calls": e.count, "ms": getattr(e, attr) / 1e3,
+             "share": getattr(e, attr) / total} for e in rows[:n]], total / 1e3
+
+
+def sync_sites(caught) -> dict[str, int]:
+    """Device syncs by the Python line that made them, most first, from the warnings of CUDA's sync debug mode."""
+    syncs: dict[str, int] = {}
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            where = f"{Path(w.filename).name}:{w.lineno}"
+            syncs[where] = syncs.get(where, 0) + 1
+    return dict(sorted(syncs.items(), key=lambda kv: -kv[1]))
+
+
 def profile_step(inputs, one_step, sync, on_cuda: bool, b: int, top: int = 15) -> dict:
     """One training step at micro-batch `b`, seen from both sides: the kernels by device time (what limits
     a GPU-bound step), the host-side calls by self CPU time and the device syncs with their Python call
     sites (what limits a host-bound one: a sync drains the launch queue, so the GPU then waits on Python)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
-
-    def rows_of(events, attr: str, keep, n: int) -> tuple[list[dict], float]:
-        rows = sorted((e for e in events if getattr(e, attr, 0) > 0 and keep(e)), key=lambda e: -getattr(e, attr))
-        total = sum(getattr(e, attr) for e in rows) or 1.0
-        return [{"name": e.key[:120], "calls": e.count, "ms": getattr(e, attr) / 1e3,
-                 "share": getattr(e, attr) / total} for e in rows[:n]], total / 1e3
 
     try:
         x, y = inputs()
@@ -593,10 +605,7 @@ def profile_step(inputs, one_step, sync, on_cuda: bool, b: int, top: int = 15) -
                     sync()
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
-            for w in caught:
-                if "synchroniz" in str(w.message):
-                    where = f"{Path(w.filename).name}:{w.lineno}"
-                    syncs[where] = syncs.get(where, 0) + 1
+            syncs = sync_sites(caught)
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
         with profile(activities=acts) as prof:
             one_step(x, y)
@@ -607,7 +616,7 @@ def profile_step(inputs, one_step, sync, on_cuda: bool, b: int, top: int = 15) -
         host, host_ms = rows_of(events, "self_cpu_time_total", lambda e: True, top)
         return {"kind": "profile", "micro_batch": b, "time_source": attr, "total_ms": device_ms,
                 "step_wall_ms": wall_ms, "host_self_ms": host_ms, "top": kernels, "host_top": host,
-                "syncs": dict(sorted(syncs.items(), key=lambda kv: -kv[1]))}
+                "syncs": syncs}
     except Exception as e:  # noqa: BLE001 - a profile is a diagnostic; the measurements above stand without it
         return {"kind": "profile", "micro_batch": b, "error": f"{type(e).__name__}: {e}"}
 

@@ -49,6 +49,8 @@ class Zero12Step:
         if not go:
             return
         finite = self.check_grad_overflow or (norm is not None and not is_invalid_grad_norm(norm))
+        if torch.is_tensor(self._global_grad_norm):  # a check above already waited for the norm: reading it is free,
+            self._global_grad_norm = self._global_grad_norm.item()  # and HF Trainer's .item() then waits on no step
         self.timers(OPTIMIZER_STEP_TIMER).start()
         for i in range(len(self.bit16_groups)):
             self._coat_step_group(i, norm, finite)
