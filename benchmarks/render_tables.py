@@ -50,7 +50,8 @@ def render(name: str, results: Path = RESULTS) -> str:
 # ------------------------------------------------------------------------------------------ the tables
 E2E = (("Llama 1.1B", "e2e_llama-1b.json"), ("Llama-2-7B", "e2e_7b_one_gpu.json"))
 E2E_CONFIGS = (("bf16", "BF16 + FusedAdam"), ("torchao", "torchao float8 + FusedAdam"),
-               ("coat_full", "coat_ds, fp32 master (exact preset)"),
+               ("coat_full", "coat_ds, DeepSpeed's fp32 master"),
+               ("coat_full_rem", "coat_ds, fp32 master as bf16 + remainders (exact preset)"),
                ("coat_full_bf16sr", "coat_ds, bf16_sr master (lowest-memory preset without attention_fp8)"))
 
 
@@ -82,10 +83,12 @@ def results(res: Path):
     return header, rows
 
 
-PRESET_ROWS = (  # intent -> (e2e config behind its state bytes, llama_layer variant behind its activations)
-    ("BF16 + FusedAdam (baseline)", "bf16", "bf16_eager", "-"),
-    ("`exact`", "coat_full", "coat_full", "FP8 optimizer states and activations; master and arithmetic as DeepSpeed's"),
-    ("`lowest_memory`", "coat_full_bf16sr", "coat_full_attn_fp8",
+PRESET_ROWS = (  # intent -> (e2e run and config behind its state bytes, the Offload row's config, llama_layer variant)
+    ("BF16 + FusedAdam (baseline)", ("e2e_llama-1b.json", "bf16"), "bf16", "bf16_eager", "-"),
+    ("`exact`", ("e2e_7b_one_gpu.json", "coat_full_rem"), "coat_full", "coat_full",
+     "FP8 optimizer states and activations; an exact fp32 master as bf16 weights + int16 remainders "
+     "(Offload: DeepSpeed's fp32 master)"),
+    ("`lowest_memory`", ("e2e_7b_one_gpu.json", "coat_full_bf16sr"), "coat_full_bf16sr", "coat_full_attn_fp8",
      "bf16 master with stochastic rounding; attention's q, k, v saved in FP8 ({slower} layer time); "
      "FP8 weights re-quantized each micro-batch"),
 )
@@ -94,23 +97,23 @@ PRESET_ROWS = (  # intent -> (e2e config behind its state bytes, llama_layer var
 @table
 def presets(res: Path):
     """README: what each preset keeps per parameter and per token, and the measured rows behind it."""
-    run, layer = load(res, "e2e_llama-1b.json"), load(res, "llama_layer.json")
+    layer = load(res, "llama_layer.json")
     offload = {r["config"]: r for r in load(res, "offload.json")["rows"] if r["model"] == "llama-1b"}
-    host = {"bf16": "bf16", "coat_full": "coat_full", "coat_full_bf16sr": "coat_full_bf16sr"}
     header = ["preset", "training state B/param (GPU, ZeRO-2, 1 GPU)", "host B/param under Offload",
               "activations B/token/hidden", "what it trades", "measured rows"]
     rows = []
-    cfg_act = PRESET_ROWS[1][2]  # the exact preset's layer: what lowest_memory's attention_fp8 is timed against
-    for label, cfg, variant, trades in PRESET_ROWS:
+    cfg_act = PRESET_ROWS[1][3]  # the exact preset's layer: what lowest_memory's attention_fp8 is timed against
+    for label, (file, cfg), host, variant, trades in PRESET_ROWS:
+        run = load(res, file)
         b = _configs(run)[cfg]["breakdown"]
         state = (b["weights_gb"] + b["optimizer_state_gb"] + b["grads_gb"]) * 2 ** 30 / run["params"]
         act, ref = (next(r for r in layer if r["shape"] == "llama2-7b" and r["variant"] == v)
                     for v in (variant, cfg_act))
         trades = trades.format(slower=f"{act['fwd_bwd_ms'] / ref['fwd_bwd_ms'] - 1:+.1%}")
-        off = offload.get(host[cfg])
+        off = offload.get(host)
         rows.append([label, num(state), num(off and off["host_optimizer_bytes_per_param"], 2),
                      num(act["act_bytes_per_token_hidden"]), trades,
-                     f"`e2e_llama-1b.json` {cfg}; `offload.json` {host[cfg]}; `llama_layer.json` {variant} (7B)"])
+                     f"`{file}` {cfg}; `offload.json` {host}; `llama_layer.json` {variant} (7B)"])
     return header, rows
 
 

@@ -16,27 +16,28 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-# The exact intent's master weights. "fp32_remainder" (exact fp32 master in 2 B/param: bf16 weights plus an
-# int16 remainder) is pending; once coat.master_weights accepts it, this line is the whole switch.
-EXACT_MASTER = "fp32"
+# The exact intent's master weights: an fp32 master in 2 B/param (bf16 weights plus int16 remainders), bit-identical
+# to "fp32". Under Offload the host keeps DeepSpeed's fp32 master (a remainder saves nothing there and is refused).
+EXACT_MASTER = {"zero2": "fp32_remainder", "zero3": "fp32_remainder", "zero2_offload": "fp32"}
 
 LAYOUTS = {  # preset prefix -> the measured config it starts from
     "zero2": "zero2_coat.json",
     "zero3": "zero3_coat.json",
     "zero2_offload": "zero2_coat_offload.json",
 }
-INTENTS = {  # what each intent lays over the "coat" section
-    "exact": {"master_weights": EXACT_MASTER},
+INTENTS = {  # what each intent lays over the "coat" section (master_weights None: EXACT_MASTER of the layout)
+    "exact": {"master_weights": None},
     "lowest_memory": {"master_weights": "bf16_sr", "activation": {"attention_fp8": True, "cache_weights": False}},
 }
 HF_TWINS = ("zero2_coat.json", "zero3_coat.json")  # hf/ twins of measured configs, beside the presets'
 
 # What HF Trainer fills from TrainingArguments ("auto"); the scheduler is left out so that the Trainer builds
 # its own from lr_scheduler_type / warmup_steps (DeepSpeed's warmup schedulers refuse HF's default warmup 0).
+# Bucket sizes stay concrete: HF's "auto" is hidden_size^2 (4.2M at 1.1B: 157 ZeRO-2 reductions a step instead
+# of 25, each a Python loop, a copy and a collective; docs/deepspeed.md, HF Trainer speed).
 HF_AUTO = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
            "gradient_clipping", "bf16.enabled", "optimizer.params.lr", "optimizer.params.betas",
-           "optimizer.params.eps", "optimizer.params.weight_decay", "zero_optimization.reduce_bucket_size",
-           "zero_optimization.stage3_prefetch_bucket_size", "zero_optimization.stage3_param_persistence_threshold")
+           "optimizer.params.eps", "optimizer.params.weight_decay")
 
 
 def preset(layout: str, intent: str) -> dict:
@@ -44,7 +45,7 @@ def preset(layout: str, intent: str) -> dict:
     cfg = json.loads((HERE / LAYOUTS[layout]).read_text())
     over = INTENTS[intent]
     coat = cfg.setdefault("coat", {})
-    coat["master_weights"] = over["master_weights"]
+    coat["master_weights"] = over["master_weights"] or EXACT_MASTER[layout]
     coat["activation"] = {**coat.get("activation", {}), **over.get("activation", {})}
     return cfg
 
