@@ -9,7 +9,7 @@ views DeepSpeed already keeps of the partition (`averaged_gradients[i]`, one per
 contiguous gradients they lie in one reduction buffer, in reduction order, hence pieces and not one
 tensor) and nothing of partition size is allocated. Widening bf16/fp16 to fp32 is exact and the scalar
 is DeepSpeed's own (its unscale_and_clip_grads applied to a 1), so the step is bit-identical to
-DeepSpeed's (tests/test_zero_state.py). A non-finite gradient is caught by DeepSpeed's own overflow
+DeepSpeed's with its weight copy rounded as below (tests/test_zero_state.py). A non-finite gradient is caught by DeepSpeed's own overflow
 check or norm where it computes one; only where it does not does CoatAdamW read the gradient to check.
 
 DeepSpeed 0.19.8 builds its ZeRO optimizers itself (no factory to hook), so bind() gives the instance a
