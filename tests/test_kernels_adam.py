@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from coat_ds import op_builder
-from coat_ds.formats import E4M3, E5M2, GROUP_SIZES, cast_to_fp8, dequantize, n_groups, quantize, round_bf16
+from coat_ds.formats import (E4M3, E5M2, GROUP_SIZES, bf16_weight, cast_to_fp8, dequantize, n_groups, quantize,
+                             round_bf16, split_remainder)
 from coat_ds.formats.group_quant import K_STEPS
 from coat_ds.kernels.adam_reference import adamw_step_reference
 from coat_ds.op_builder.builder import gencode_flags, parse_cuda_arch_list
@@ -200,8 +201,8 @@ def _run_and_check(op, params, grads, ms, vs, g, v_fmt, expansion, step, bf16_co
         noisy = m_new.abs() < 1e-3 * (HP["beta1"] * m_old.abs() + (1 - HP["beta1"]) * gf.abs())
         assert_quantized_like_reference(m_new, *km[i], E4M3, g, expansion, noisy)
         assert_quantized_like_reference(v_new, *kv[i], v_fmt, g, expansion)
-        if bf16_copy:
-            assert torch.equal(out[i].view(torch.int16), kp[i].to(torch.bfloat16).view(torch.int16))
+        if bf16_copy:  # of an fp32 master: the split's high half; of a bf16 one: itself
+            assert torch.equal(out[i].view(torch.int16), bf16_weight(kp[i]).view(torch.int16))
     return kp, km, kv
 
 
@@ -416,6 +417,41 @@ def test_adam_step_remainder_keeps_inf_and_nan(request, device, simd):
     got = join_remainder(hi, lo)
     assert _same_bits(got[:2], fp32[0][:2]) and got[2].isnan() and hi[2].view(torch.int16).item() == 0x7FC0
     assert _same_bits(got[3:], fp32[0][3:])
+
+
+def _with_ties(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """x with the low half of every 4th value set to 0x8000 (an exact tie; high halves even and odd alike)."""
+    u = x.view(torch.int32).clone()
+    at = torch.randperm(x.numel(), generator=gen)[: x.numel() // 4]
+    u[at] = (u[at] & ~0xFFFF) | 0x8000
+    return u.view(torch.float32)
+
+
+@pytest.mark.parametrize("device,simd", DEVICES)
+def test_adam_step_bf16_copy_of_an_fp32_master_is_the_splits_high_half(request, device, simd):
+    """The bf16 copy of an fp32 master is formats.remainder's high half (nearest, ties away from zero: what an
+    fp32_remainder master's weight is), every element, not the nearest-even cast. lr = 0 keeps the masters as
+    they went in: random ones with exact ties (even and odd high halves), the split's edge values (subnormals,
+    +-0, carries across a power of two), +-inf and NaN; then an ordinary step."""
+    op = _op(request, device, simd)
+    g = 64
+    sizes = CPU_SIZES if device == "cpu" else GPU_SIZES
+    params, grads, ms, vs = _make_case(sizes, g, E5M2, True, torch.bfloat16, device, seed=36)
+    gen = torch.Generator().manual_seed(37)
+    params = [_with_ties(_edge_masters(p.numel(), gen), gen) for p in params]
+    params[-1][-3:] = torch.tensor([float("inf"), float("-inf"), float("nan")])
+    params = [p.to(device) for p in params]
+    for hp in (dict(lr=0.0), {}):
+        kp = [p.clone() for p in params]
+        out = [torch.full_like(p, float("nan"), dtype=torch.bfloat16) for p in params]
+        kernel_step(op, kp, grads, [tuple(t.clone() for t in m) for m in ms], [tuple(t.clone() for t in v) for v in vs],
+                    out, g, E5M2, True, 3, **hp)
+        for i, (p, o) in enumerate(zip(kp, out)):
+            assert _same_bits(o, split_remainder(p)[0]), (hp, i)
+        if hp:  # the masters came out as they went in, so the even ties were there to tell the roundings apart
+            u = torch.cat(kp).view(torch.int32).cpu()
+            assert (((u & 0xFFFF) == 0x8000) & ((u >> 16) & 1 == 0)).sum() > 100
+            assert not _same_bits(torch.cat(out), torch.cat(kp).to(torch.bfloat16))
 
 
 @pytest.mark.gpu

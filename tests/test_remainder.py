@@ -34,6 +34,22 @@ def test_join_undoes_split_for_every_high_half_and_the_low_halves_around_the_tie
     assert torch.equal(join_remainder(hi, lo).view(torch.int32), x.view(torch.int32))
 
 
+def test_bf16_weight_is_the_high_half_piece_by_piece(monkeypatch):
+    """bf16_weight (an fp32 master's bf16 model weight) is split's high half, whole or written into `out` across
+    piece boundaries; a bf16 input comes back as it is."""
+    from coat_ds.formats import bf16_weight
+    from coat_ds.formats import remainder
+
+    u = torch.randint(-2**31, 2**31 - 1, (1000,), generator=torch.Generator().manual_seed(5), dtype=torch.int64)
+    x = ((u & ~0xFFFF) | 0x8000).to(torch.int32).view(torch.float32).reshape(10, 100)  # ties, every other one even
+    want = split_remainder(x)[0]
+    monkeypatch.setattr(remainder, "CHUNK", 64)
+    out = torch.full((10, 100), float("nan"), dtype=torch.bfloat16)
+    assert bf16_weight(x, out=out) is out and torch.equal(out.view(torch.int16), want.view(torch.int16))
+    assert torch.equal(bf16_weight(x).view(torch.int16), want.view(torch.int16))
+    assert torch.equal(bf16_weight(want).view(torch.int16), want.view(torch.int16))
+
+
 def test_high_half_is_nearest_rounding_ties_away_from_zero():
     """hi is torch's round-to-nearest-even except on exact ties with an even high half, where it is one bf16 ulp
     larger in magnitude (what no 16-bit remainder could undo otherwise)."""

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .. import kernels
-from ..formats import Fp8Moment, split_remainder
+from ..formats import Fp8Moment, bf16_weight
 from ..optim import CoatAdamW
 from ..optim.coat_adamw import FP8_STATE_KEYS, FP32_STATE_KEYS, MOMENTS, fp8_moments, fp32_zeros
 from .bind import partitions
@@ -305,12 +305,13 @@ def _group_for(opt: CoatAdamW, engine, k: int) -> dict:
 
 
 def _restore_lp(engine, canon: dict[str, ParamState]) -> None:
-    """Model (low-precision) weights from the restored fp32 masters (a remainder master's high halves)."""
+    """Model (low-precision) weights from the restored fp32 masters: bf16 ones as the step writes them (the
+    split's high half, an fp32 master's or a remainder master's alike)."""
     zo = engine.optimizer
     names = {p: n for n, p in engine.module.named_parameters()}
 
     def lp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return split_remainder(x)[0] if getattr(zo, "_coat_remainder", False) else x.to(dtype)
+        return bf16_weight(x.float()) if dtype == torch.bfloat16 else x.to(dtype)
 
     if hasattr(zo, "fp32_partitioned_groups_flat"):  # ZeRO-3: each rank holds its slice of every parameter
         rank = dist.get_rank(group=zo.dp_process_group)

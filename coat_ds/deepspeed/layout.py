@@ -233,13 +233,13 @@ class ShardLayout:
             gc = rows[cid, 1].clone()
             mc = rows[cid, 2].to(torch.uint8).view(mq.dtype)
             vc = rows[cid, 3].to(torch.uint8).view(vq.dtype)
-            whole.append((pc, mc, vc))
             params.append(pc)
             grad_list.append(gc)
             m.append((mc, m_all.scale.narrow(0, meta, 1), m_all.expo.narrow(0, meta, 1)))
             v.append((vc, v_all.scale.narrow(0, meta, 1), v_all.expo.narrow(0, meta, 1)))
             if in_kernel:
                 outs.append(torch.empty(g, dtype=torch.bfloat16, device=flat.device))
+            whole.append((pc, mc, vc, outs[-1] if in_kernel else None))
             if rem is not None:
                 rems.append(None)
         beta1, beta2 = group["betas"]
@@ -249,12 +249,12 @@ class ShardLayout:
                            v_format=get_format(group["v_format"]), group_size=g, expansion=group["expansion"],
                            bf16_out=outs, grad_scale=grad_scale, sr_keys=self.sr_keys if sr else None,
                            sr_seed=SR_SEED, remainders=rems)
-        for (_, _, start, pos, n), (pc, mc, vc) in zip(self.cuts, whole):
+        for (_, _, start, pos, n), (pc, mc, vc, oc) in zip(self.cuts, whole):
             self.write_master(flat, start, pc[pos:pos + n])
             mq[start:start + n] = mc[pos:pos + n]
             vq[start:start + n] = vc[pos:pos + n]
-            if in_kernel:
-                lp_out.view(-1)[start:start + n] = pc[pos:pos + n]
+            if in_kernel:  # the kernel's bf16 copy (its rounding, not a cast's)
+                lp_out.view(-1)[start:start + n] = oc[pos:pos + n]
         if lp_out is not None and not in_kernel:
             lp_out.copy_(p)
         return True

@@ -1,6 +1,7 @@
 """`"coat": {"master_weights": ...}`: where ZeRO keeps the master copy of the weights for CoatAdamW.
 
-- "fp32" (default): DeepSpeed's fp32 master partition (4 B/param), as with any optimizer.
+- "fp32" (default): DeepSpeed's fp32 master partition (4 B/param), as with any optimizer; the bf16 weights
+  written from it are rounded as "fp32_remainder"'s high halves (ties away from zero: zero_step.py).
 - "bf16_sr": the master partition is bf16 and the FP8 step writes it with stochastic rounding (random
   bits keyed by seed, step and the value's position in its parameter: deterministic, world-size
   independent, bit-exact on resume), so updates below a bf16 ulp survive in expectation.

@@ -11,12 +11,15 @@ Why not round to nearest *even* (what torch's cast and DeepSpeed's master -> mod
 bf16 value is the rounding of 65,537 fp32 patterns (both neighbouring ties land on it), one more than 16 bits
 can tell apart, so no 16-bit remainder can undo it. Ties away from zero give every bf16 value exactly 65,536.
 The two roundings differ only on exact ties (lo == 0x8000) with an even high half: about 2^-17 of the values
-a step writes, where hi is one bf16 ulp larger in magnitude than the fp32 master's nearest-even copy."""
+a step writes, where hi is one bf16 ulp larger in magnitude than the nearest-even cast. CoatAdamW writes the
+bf16 weights of a plain fp32 master as this same high half (`bf16_weight`; the kernels' `bf16_copy`), so the
+fp32 and the remainder master train bit-identically."""
 from __future__ import annotations
 
 import torch
 
 BF16_NAN = 0x7FC0
+CHUNK = 1 << 22  # values per piece in bf16_weight: split's int64 temporaries stay ~32 MB each
 
 
 def _u32(x: torch.Tensor) -> torch.Tensor:
@@ -36,6 +39,16 @@ def split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     hi = ((u >> 16) + (lo >> 15)) & 0xFFFF
     hi = torch.where((u & 0x7FFFFFFF) > 0x7F800000, BF16_NAN, hi)
     return _bits16(hi, torch.bfloat16).view(x.shape), _bits16(lo, torch.int16).view(x.shape)
+
+
+def bf16_weight(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The bf16 model weight of an fp32 master x: split(x)'s high half, into `out` (contiguous bf16) if given.
+    Split piece by piece, so that a whole ZeRO partition costs no partition-sized int64 temporaries."""
+    out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device) if out is None else out
+    src, dst = x.reshape(-1), out.view(-1)
+    for a in range(0, src.numel(), CHUNK):
+        dst[a:a + CHUNK] = split(src[a:a + CHUNK])[0]
+    return out
 
 
 def join(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:

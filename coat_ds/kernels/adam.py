@@ -8,7 +8,7 @@ from typing import Sequence
 
 import torch
 
-from ..formats import E4M3, FP8Format, dequantize as ref_dequantize, get_format, quantize as ref_quantize
+from ..formats import E4M3, FP8Format, bf16_weight, dequantize as ref_dequantize, get_format, quantize as ref_quantize
 from .loader import load_op
 from .adam_reference import adamw_step_reference
 
@@ -60,7 +60,7 @@ def adamw_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], m:
     rounded back, stochastically when sr_keys[i] = (stream, offset) is given (stream names the parameter,
     offset is where tensor i starts in it; see formats.rounding), to nearest even otherwise, or with
     remainders[i] (int16) the high half of an exact fp32 master whose low half remainders[i] holds
-    (formats.remainder). bf16_out: a bf16 copy of every updated param."""
+    (formats.remainder). bf16_out: a bf16 copy of every updated param (of an fp32 one: formats.bf16_weight)."""
     if not params:
         return
     _check_step_args(params, grads, sr_keys, grad_scale, remainders)
@@ -84,8 +84,8 @@ def adamw_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], m:
                                             sr_seed=sr_seed, remainder=remainders[i] if remainders else None)
         for dst, src in zip((*mi, *vi), (*new_m, *new_v)):
             dst.copy_(src)
-        if bf16_out:
-            bf16_out[i].copy_(p)
+        if bf16_out:  # an fp32 master's copy is its split's high half, as the kernels write it
+            bf16_out[i].copy_(bf16_weight(p) if p.dtype == torch.float32 else p)
 
 
 def quantize(x: torch.Tensor, fmt: str | FP8Format = "e4m3", group_size: int = 128, expansion: bool = True):

@@ -84,7 +84,7 @@ inline void store_master(void* p, uint16_t* rem, uint16_t* out, int64_t at, __mm
     } else if constexpr (MS == coat::Master::kF32) {
         _mm512_mask_storeu_ps(static_cast<float*>(p) + at, k, x);
         if (out == nullptr) return;
-        b = to_bf16(x);
+        b = _mm512_cvtepi32_epi16(remainder_hi(_mm512_castps_si512(x)));  // coat::bf16_copy: the split's high half
     } else {
         b = MS == coat::Master::kBf16Rn ? to_bf16(x) : to_bf16_sr(x, sr_bits16(sr_key, index));
         _mm256_mask_storeu_epi16(static_cast<uint16_t*>(p) + at, k, b);

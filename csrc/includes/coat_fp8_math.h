@@ -466,11 +466,12 @@ COAT_HD uint32_t master_bits(float x, uint32_t sr_key, uint64_t index) {
     }
 }
 
-// The bf16 copy of a master value given as master_bits returns it.
+// The bf16 copy of a master value given as master_bits returns it. An fp32 master's copy is the split's high
+// half (nearest, ties away from zero), not the nearest-even cast: the one rounding a remainder master can
+// undo, so "fp32" and "fp32_remainder" write the same bf16 weights and train bit-identically.
 template <Master M>
 COAT_HD uint16_t bf16_copy(uint32_t master) {
-    if constexpr (M == Master::kF32) return f32_to_bf16(bits_f32(master));
-    if constexpr (M == Master::kF32Rem) return (uint16_t)remainder_hi(master);
+    if constexpr (M == Master::kF32 || M == Master::kF32Rem) return (uint16_t)remainder_hi(master);
     return (uint16_t)master;
 }
 

@@ -33,6 +33,7 @@ import common  # noqa: E402
 import job  # noqa: E402  (its main runs the tasks)
 from coat_ds.deepspeed import zero_step  # noqa: E402
 from coat_ds.deepspeed.master import masters  # noqa: E402
+from coat_ds.formats import bf16_weight  # noqa: E402
 
 STEPS, SAVE_AT = job.STEPS, job.SAVE_AT
 
@@ -46,8 +47,19 @@ def config(stage: int, dtype: str, world: int, **coat) -> dict:
     return cfg
 
 
+class KernelRounding(TorchDispatchMode):
+    """DeepSpeed's fp32 -> bf16 weight copies rounded as CoatAdamW's kernel writes an fp32 master's bf16 weights
+    (formats.bf16_weight, ties away from zero, where DeepSpeed's cast rounds them to even)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.copy_.default and args[0].dtype == torch.bfloat16 and args[1].dtype == torch.float32:
+            args = (args[0], bf16_weight(args[1]), *args[2:])
+        return func(*args, **(kwargs or {}))
+
+
 def build(cfg: dict, deepspeed_step: bool = False, probe: TorchDispatchMode | None = None):
-    """The engine of cfg; `probe`, if given, watches deepspeed.initialize (the model is built outside it)."""
+    """The engine of cfg; `probe`, if given, watches deepspeed.initialize (the model is built outside it).
+    deepspeed_step: DeepSpeed's own ZeRO step (its weight copies under KernelRounding), the reference."""
     zero_step.ENABLED = not deepspeed_step
     try:
         model = common.model()
@@ -55,6 +67,14 @@ def build(cfg: dict, deepspeed_step: bool = False, probe: TorchDispatchMode | No
             engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
     finally:
         zero_step.ENABLED = True
+    if deepspeed_step:
+        step = engine.optimizer.step
+
+        def rounded(*a, **kw):
+            with KernelRounding():
+                return step(*a, **kw)
+
+        engine.optimizer.step = rounded
     return engine
 
 
@@ -95,7 +115,7 @@ def step_alloc(engine, dtype: str, step: int) -> tuple[int, list[float]]:
     try:
         losses = common.train(engine, range(step, step + 1), dtype)
     finally:
-        del engine.optimizer.step
+        engine.optimizer.step = original
     return probe.numel, losses
 
 
@@ -258,11 +278,18 @@ def task_refuse(args, world, stage, dtype, rest):
 REM_STEPS, REM_SAVE = 100, 60
 
 
+def _device() -> str:
+    """Where collectives of this job's small tensors run (NCCL has no CPU tensors)."""
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().current_device_name()
+
+
 def _even_ties(engine) -> int:
-    """Values of all ranks' fp32 masters on an exact tie with an even high half, where the remainder split's
-    bf16 weight (ties away from zero) differs from the nearest-even copy an fp32-master run computes with."""
+    """Values of all ranks' fp32 masters on an exact tie with an even high half: where the split's bf16 weight
+    (ties away from zero) and DeepSpeed's nearest-even cast differ."""
     u = _masters(engine).view(torch.int32).long()
-    n = torch.tensor([float((((u & 0xFFFF) == 0x8000) & (((u >> 16) & 1) == 0)).sum())])
+    n = torch.tensor([float((((u & 0xFFFF) == 0x8000) & (((u >> 16) & 1) == 0)).sum())], device=_device())
     dist.all_reduce(n)
     return int(n.item())
 
@@ -287,14 +314,15 @@ def _joined(engine) -> torch.Tensor:
 
 
 def _all(flag: bool) -> bool:
-    t = torch.tensor([0.0 if flag else 1.0])
+    t = torch.tensor([0.0 if flag else 1.0], device=_device())
     dist.all_reduce(t)
     return t.item() == 0
 
 
 def task_remainder(args, world, stage, dtype, rest):
-    """fp32 master against fp32_remainder, 100 steps with clipping: losses, masters and model weights; the
-    remainder run saved at step 60 and resumed, loaded into fp32 / bf16_sr engines, and zero_to_fp32 of it."""
+    """fp32 master against fp32_remainder, 100 steps with clipping: losses, masters and model weights, and the
+    fp32 run's even ties per step (where a nearest-even weight would have differed); the remainder run saved at
+    step 60 and resumed, loaded into fp32 / bf16_sr engines, and zero_to_fp32 of it."""
     out = {}
     runs = {}
     for mode in ("fp32", "fp32_remainder"):
@@ -326,9 +354,9 @@ def task_remainder(args, world, stage, dtype, rest):
     engine = build(rem["cfg"])  # an fp32-master checkpoint loads into remainders exactly
     engine.load_checkpoint(runs["fp32"]["path"], tag="t")
     out["from_fp32_exact"] = _all(torch.equal(_joined(engine), runs["fp32"]["saved"]))
-    out["saved_dtypes"] = str(_saved_masters(rem["path"], world).dtype)
-    out["saved_exact"] = _all(torch.equal(_saved_masters(rem["path"], world),
-                                          rem["saved"][:_saved_masters(rem["path"], world).numel()]))
+    saved = _saved_masters(rem["path"], world)
+    out["saved_dtypes"] = str(saved.dtype)
+    out["saved_exact"] = _all(torch.equal(saved, rem["saved"][:saved.numel()].cpu()))
     return out
 
 
