@@ -33,18 +33,23 @@ from typing import Any
 import torch
 
 from ..optim import CoatAdamW
-from .config import coat_section
+from .config import SECTION, coat_section
 
 SECTION_KEY = "coat.activation"
 
 
 def apply_section(engine, model: torch.nn.Module) -> None:
     """Apply the engine config's "coat" section to `model`; a ValueError naming coat.activation if it cannot."""
-    activation = coat_section(engine._config._param_dict).activation
-    if activation is None:
-        return
+    section = coat_section(engine._config._param_dict)
     from deepspeed.utils import log_dist
 
+    if SECTION in engine._config._param_dict:   # coat.loss: on by default, wherever it equals the stock loss
+        from ..hf.loss import apply as apply_loss
+
+        log_dist(f"coat_ds: coat.loss: {apply_loss(model, section.loss)}", ranks=[0])
+    activation = section.activation
+    if activation is None:
+        return
     from ..hf.swap import apply
 
     try:
