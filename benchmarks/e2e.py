@@ -48,7 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from coat_ds.recipes.causal_lm import MODEL_SIZES  # noqa: E402  (the main job's shapes)
 
-# Llama shapes by name: the main job's 125m and 1b (TinyLlama's shape), OpenLLaMA-3B's, Llama-2's 7B and 13B.
+# Llama shapes by name: the main job's 125m and 1b (TinyLlama's shape), OpenLLaMA-3B's, Llama-2's 7B and 13B,
+# Llama-3.1-8B's (128,256-token vocabulary, 8 KV heads).
 MODELS = {
     "tiny": dict(hidden_size=256, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
                  intermediate_size=512, vocab_size=512),   # wide enough that the decoder layer's activations dominate
@@ -60,6 +61,8 @@ MODELS = {
                       intermediate_size=11008, vocab_size=32000),
     "llama2-13b": dict(hidden_size=5120, num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=40,
                        intermediate_size=13824, vocab_size=32000),
+    "llama3.1-8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                        intermediate_size=14336, vocab_size=128256),
 }
 
 # The configurations, as shipped in ds_configs/. A file not there yet is derived from zero2_coat.json.
@@ -70,10 +73,14 @@ CONFIGS = {
     "coat_full_bf16sr": ("coat_ds full, bf16 master (stochastic rounding)", "ds_configs/zero2_coat.json"),
     "coat_full_bf16rn": ("coat_ds full, bf16 master (round to nearest: ablation)", "ds_configs/zero2_coat.json"),
     "coat_full_attn_fp8": ("coat_ds full, attention saved in FP8", "ds_configs/zero2_coat.json"),
+    "coat_min": ("coat_ds lowest memory: bf16 master (stochastic rounding), attention in FP8, chunked loss",
+                 "ds_configs/zero2_coat.json"),
 }
 # what a configuration adds to its file's "coat" section (merged key by key into nested sections)
 COAT_OVERRIDES = {"coat_full_bf16sr": {"master_weights": "bf16_sr"}, "coat_full_bf16rn": {"master_weights": "bf16_rn"},
-                  "coat_full_attn_fp8": {"activation": {"attention_fp8": True}}}
+                  "coat_full_attn_fp8": {"activation": {"attention_fp8": True}},
+                  "coat_min": {"master_weights": "bf16_sr", "activation": {"attention_fp8": True}},
+                  "coat_opt": {"loss": {"chunked": False}}}   # optimizer-only: BF16's activations and loss
 E2E_CONFIGS = "bf16,coat_opt,coat_full,coat_full_bf16sr"   # e2e.py's default (round to nearest is for convergence)
 TARGETS = {"memory_reduction": 1.54, "speedup_at_max_batch": 1.43}   # COAT's paper, Llama-2-7B
 GIB = 2 ** 30
@@ -373,7 +380,10 @@ class Worker:
         engine.train()
         accel.empty_cache()   # set-up's transients (flat copies, fp32 partitions a bf16 master frees) are not the run's
         self.limit = limit = args.mem_fraction * accel.total_memory() if self.on_cuda else float("inf")
+        from coat_ds.hf.loss import is_applied
+
         self.emit({"kind": "setup", "params": n_params, "world_size": self.world, "config_source": source,
+                   "chunked_loss": is_applied(engine.module),
                    "ds_config": cfg, "setup_s": time.time() - self.t_start,
                    "device_total_gb": accel.total_memory() / GIB,
                    "limit_gb": limit / GIB if math.isfinite(limit) else None})
@@ -706,7 +716,7 @@ def summarize_config(name: str, records: list[dict], equal_batch: int, errors: l
     failing = sorted([r["micro_batch"] for r in rungs if not r["fits"]] + ooms)
     row = {"name": name, "label": CONFIGS[name][0], "config_source": setup.get("config_source"),
            "ds_config": setup.get("ds_config"), "params": setup.get("params"),
-           "setup_s": setup.get("setup_s"),
+           "setup_s": setup.get("setup_s"), "chunked_loss": setup.get("chunked_loss"),
            "equal_batch": None if eq is None else {k: eq[k] for k in ("micro_batch", "peak_alloc_gb",
                                                                      "peak_reserved_gb", "tokens_per_s",
                                                                      "step_time_s")},
@@ -806,6 +816,17 @@ def run_config(args: argparse.Namespace, name: str, result: Path, share: float, 
     return summarize_config(name, recs, args.equal_batch, errors)
 
 
+def run_configs(args: argparse.Namespace, names: list[str], out: Path, prefix: str) -> list[dict]:
+    """One worker per configuration, in turn, sharing args.time_budget -> their summary rows."""
+    t0 = time.time()
+    rows = []
+    for i, name in enumerate(names):
+        share = (args.time_budget - (time.time() - t0)) / (len(names) - i)
+        remaining = lambda: args.time_budget - (time.time() - t0) - (len(names) - i - 1) * 60  # noqa: E731
+        rows.append(run_config(args, name, out / f"{prefix}_{name}.jsonl", share, remaining))
+    return rows
+
+
 def headline(args: argparse.Namespace, rows: list[dict], t0: float) -> dict:
     """e2e.json: the ratios between configurations, the rows, and how they were measured."""
     by = {r["name"]: r for r in rows}
@@ -870,11 +891,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    rows = []
-    for i, name in enumerate(names):
-        share = (args.time_budget - (time.time() - t0)) / (len(names) - i)
-        remaining = lambda: args.time_budget - (time.time() - t0) - (len(names) - i - 1) * 60  # noqa: E731
-        rows.append(run_config(args, name, out / f"e2e_{name}.jsonl", share, remaining))
+    rows = run_configs(args, names, out, "e2e")
     res = headline(args, rows, t0)
     path = write_results(res, out, "e2e")
     f = lambda v: "-" if v is None else f"{v:.2f}x"  # noqa: E731
