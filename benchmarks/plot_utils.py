@@ -85,7 +85,7 @@ def plot_e2e_real_shapes(res: dict, path: Path) -> None:
     cases = list(res["cases"].values())
     fig, axes = plt.subplots(1, len(cases), figsize=(5.5 * len(cases), 4.8), squeeze=False)
     for ax, case in zip(axes[0], cases):
-        rows = case["summary"]
+        rows, top = case["summary"], 0.0
         for i, r in enumerate(rows):
             fits = bool(r["max_micro_batch"])
             v = (r["peak_reserved_gb"] if fits else r["needed_gb_at_1"]) or 0.0
@@ -94,9 +94,9 @@ def plot_e2e_real_shapes(res: dict, path: Path) -> None:
             text = (f"micro-batch {r['max_micro_batch']}\n{r['tokens_per_s'] or 0:,.0f} tok/s" if fits else
                     f"OOM at 1\nneeds >= {v:.0f} GiB" if v else "OOM at 1")
             ax.text(i, v, text, ha="center", va="bottom", fontsize=8)
+            top = max(top, v)
         ax.set(xticks=range(len(rows)), xticklabels=[r["name"] for r in rows], ylabel="GiB (peak reserved)",
-               title=f"{case['model']}, seq {case['seq_len']}\n{case['device']}", ylim=(0, None))
-        ax.margins(y=0.2)
+               title=f"{case['model']}, seq {case['seq_len']}\n{case['device']}", ylim=(0, 1.2 * top or 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

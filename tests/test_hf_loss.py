@@ -190,3 +190,22 @@ def test_check_config_names_the_loss_keys():
                      ({"chunks": 1}, "coat.loss has no key 'chunks'"), ("on", "coat.loss='on' is invalid")):
         with pytest.raises(ValueError, match=msg):
             check_config({"coat": {"loss": bad}})
+
+
+def test_main_job_loss_is_next_token_cross_entropy_on_both_paths():
+    """coat_ds.recipes.causal_lm.lm_loss: targets y = x shifted by one (a non-contiguous slice, as the data
+    loader gives them), chunked in training and stock in evaluation, both the plain cross-entropy."""
+    import torch.nn.functional as F
+
+    from coat_ds.recipes.causal_lm import lm_loss
+
+    model = tiny()
+    tokens = torch.randint(0, SHAPE["vocab_size"], (2, 13), generator=torch.Generator().manual_seed(4))
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    with torch.no_grad():
+        ref = F.cross_entropy(model(input_ids=x).logits.flatten(0, 1).float(), y.flatten())
+    hf_loss.apply(model, {"chunk_tokens": 7})
+    assert_same(lm_loss(model, x, y).detach(), ref, torch.float32)
+    model.eval()
+    with torch.no_grad():
+        assert_same(lm_loss(model, x, y), ref, torch.float32)

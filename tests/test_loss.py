@@ -105,3 +105,25 @@ def test_config_defaults_and_one_line_errors():
         with pytest.raises(ValueError, match="^" + key.replace("[", r"\[").replace("]", r"\]")) as exc:
             LossConfig.from_dict(bad)
         assert "\n" not in str(exc.value) and "allowed" in str(exc.value)
+
+
+@pytest.mark.gpu
+def test_cuda_bf16_matches_stock_and_holds_less_memory():
+    """On the GPU (fp32-output GEMM for the hidden-state gradient): the stock loss's values within bf16
+    rounding, and a peak well under the stock one (its fp32 logits and log-softmax)."""
+    n, hidden, vocab, chunk = 4096, 1024, 32000, 512
+    h, w, t = (x.cuda() for x in _inputs(n, hidden, vocab, torch.bfloat16, seed=11))
+    peaks = {}
+    results = {}
+    for name, fn, kw in (("stock", stock, {}), ("chunked", linear_cross_entropy, {"chunk_tokens": chunk})):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        results[name] = _loss_and_grads(fn, h, w, t, **kw)
+        torch.cuda.synchronize()
+        peaks[name] = torch.cuda.max_memory_allocated() - base
+    for a, b in zip(results["chunked"], results["stock"]):
+        _check_close(a, b, torch.bfloat16)
+    logits_bytes = n * vocab * 4
+    assert peaks["stock"] > 2 * logits_bytes               # its fp32 logits and their log-softmax, at least
+    assert peaks["chunked"] < peaks["stock"] / 3, peaks

@@ -57,7 +57,7 @@ def initialize(model, ds_config: dict):
 def lm_loss(engine, x, y):
     """Next-token cross-entropy (mean, fp32) of inputs `x` against targets `y` (x shifted by one): HF's own loss,
     given `y` as already-shifted labels. A "coat" section computes it without the full logits (coat.loss)."""
-    y = y.to(engine.device)
+    y = y.to(engine.device).contiguous()   # HF's stock loss views shift_labels flat (evaluation takes that path)
     return engine(input_ids=x.to(engine.device), labels=y, shift_labels=y).loss
 
 
