@@ -69,12 +69,16 @@ CONFIGS = {
     "coat_full_rem": ("coat_ds full, exact fp32 master as bf16 weights + int16 remainders", "ds_configs/zero2_coat.json"),
     "coat_full_attn_fp8": ("coat_ds full, attention saved in FP8", "ds_configs/zero2_coat.json"),
     "coat_full_bf16sr_attn_fp8": ("coat_ds full, bf16 master, attention saved in FP8", "ds_configs/zero2_coat.json"),
+    "coat_min": ("coat_ds lowest memory: bf16 master (stochastic rounding), attention in FP8, chunked loss",
+                 "ds_configs/zero2_coat.json"),
 }
 # what a configuration adds to its file's "coat" section (merged key by key into nested sections)
 COAT_OVERRIDES = {"coat_full_bf16sr": {"master_weights": "bf16_sr"}, "coat_full_bf16rn": {"master_weights": "bf16_rn"},
                   "coat_full_rem": {"master_weights": "fp32_remainder"},
                   "coat_full_attn_fp8": {"activation": {"attention_fp8": True}},
-                  "coat_full_bf16sr_attn_fp8": {"master_weights": "bf16_sr", "activation": {"attention_fp8": True}}}
+                  "coat_full_bf16sr_attn_fp8": {"master_weights": "bf16_sr", "activation": {"attention_fp8": True}},
+                  "coat_min": {"master_weights": "bf16_sr", "activation": {"attention_fp8": True}},
+                  "coat_opt": {"loss": {"chunked": False}}}   # optimizer-only: BF16's activations and loss
 E2E_CONFIGS = "bf16,coat_opt,coat_full,coat_full_bf16sr"   # e2e.py's default (round to nearest is for convergence)
 TARGETS = {"memory_reduction": 1.54, "speedup_at_max_batch": 1.43}   # COAT's paper, Llama-2-7B
 GIB = 2 ** 30
@@ -374,7 +378,10 @@ class Worker:
         engine.train()
         accel.empty_cache()   # set-up's transients (flat copies, fp32 partitions a bf16 master frees) are not the run's
         self.limit = limit = args.mem_fraction * accel.total_memory() if self.on_cuda else float("inf")
+        from coat_ds.hf.loss import is_applied
+
         self.emit({"kind": "setup", "params": n_params, "world_size": self.world, "config_source": source,
+                   "chunked_loss": is_applied(engine.module),
                    "ds_config": cfg, "setup_s": time.time() - self.t_start,
                    "device_total_gb": accel.total_memory() / GIB,
                    "limit_gb": limit / GIB if math.isfinite(limit) else None})
@@ -719,7 +726,7 @@ def summarize_config(name: str, records: list[dict], equal_batch: int, errors: l
     failing = sorted([r["micro_batch"] for r in rungs if not r["fits"]] + ooms)
     row = {"name": name, "label": CONFIGS[name][0], "config_source": setup.get("config_source"),
            "ds_config": setup.get("ds_config"), "params": setup.get("params"),
-           "setup_s": setup.get("setup_s"),
+           "setup_s": setup.get("setup_s"), "chunked_loss": setup.get("chunked_loss"),
            "equal_batch": None if eq is None else {k: eq[k] for k in ("micro_batch", "peak_alloc_gb",
                                                                      "peak_reserved_gb", "tokens_per_s",
                                                                      "step_time_s")},
@@ -819,6 +826,17 @@ def run_config(args: argparse.Namespace, name: str, result: Path, share: float, 
     return summarize_config(name, recs, args.equal_batch, errors)
 
 
+def run_configs(args: argparse.Namespace, names: list[str], out: Path, prefix: str) -> list[dict]:
+    """One worker per configuration, in turn, sharing args.time_budget -> their summary rows."""
+    t0 = time.time()
+    rows = []
+    for i, name in enumerate(names):
+        share = (args.time_budget - (time.time() - t0)) / (len(names) - i)
+        remaining = lambda: args.time_budget - (time.time() - t0) - (len(names) - i - 1) * 60  # noqa: E731
+        rows.append(run_config(args, name, out / f"{prefix}_{name}.jsonl", share, remaining))
+    return rows
+
+
 def headline(args: argparse.Namespace, rows: list[dict], t0: float) -> dict:
     """e2e.json: the ratios between configurations, the rows, and how they were measured."""
     by = {r["name"]: r for r in rows}
@@ -889,11 +907,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    rows = []
-    for i, name in enumerate(names):
-        share = (args.time_budget - (time.time() - t0)) / (len(names) - i)
-        remaining = lambda: args.time_budget - (time.time() - t0) - (len(names) - i - 1) * 60  # noqa: E731
-        rows.append(run_config(args, name, out / f"e2e_{name}.jsonl", share, remaining))
+    rows = run_configs(args, names, out, "e2e")
     res = headline(args, rows, t0)
     path = write_results(res, out, "e2e")
     f = lambda v: "-" if v is None else f"{v:.2f}x"  # noqa: E731

@@ -78,6 +78,30 @@ def plot_e2e(res: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def plot_e2e_real_shapes(res: dict, path: Path) -> None:
+    """e2e_real_shapes.json: per case, each configuration's peak at its largest micro-batch (or, where micro-batch
+    1 did not fit, what it needed), against the device."""
+    plt = _plt()
+    cases = list(res["cases"].values())
+    fig, axes = plt.subplots(1, len(cases), figsize=(5.5 * len(cases), 4.8), squeeze=False)
+    for ax, case in zip(axes[0], cases):
+        rows, top = case["summary"], 0.0
+        for i, r in enumerate(rows):
+            fits = bool(r["max_micro_batch"])
+            v = (r["peak_reserved_gb"] if fits else r["needed_gb_at_1"]) or 0.0
+            ax.bar(i, v, width=0.6, color=COLORS.get(r["name"], "#55a868"), hatch="" if fits else "//",
+                   edgecolor="black" if not fits else None)
+            text = (f"micro-batch {r['max_micro_batch']}\n{r['tokens_per_s'] or 0:,.0f} tok/s" if fits else
+                    f"OOM at 1\nneeds >= {v:.0f} GiB" if v else "OOM at 1")
+            ax.text(i, v, text, ha="center", va="bottom", fontsize=8)
+            top = max(top, v)
+        ax.set(xticks=range(len(rows)), xticklabels=[r["name"] for r in rows], ylabel="GiB (peak reserved)",
+               title=f"{case['model']}, seq {case['seq_len']}\n{case['device']}", ylim=(0, 1.2 * top or 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plot_convergence(res: dict, path: Path) -> None:
     """Train (thin) and validation (markers) loss of every configuration, and the validation gap to BF16."""
     plt = _plt()
@@ -185,7 +209,8 @@ def main(paths: list[str]) -> int:
             print(markdown(res) + "\n")
             continue
         out = p.with_suffix(".png")
-        (plot_convergence if "runs" in res else plot_e2e)(res, out)
+        plot = plot_convergence if "runs" in res else plot_e2e_real_shapes if "cases" in res else plot_e2e
+        plot(res, out)
         print(f"wrote {out}")
     return 0
 

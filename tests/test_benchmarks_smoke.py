@@ -82,6 +82,9 @@ def test_configs_share_everything_but_the_named_change():
     assert not (cfgs["bf16"].get("coat", {}).get("activation", {}).get("enabled", False))
     assert cfgs["coat_opt"]["optimizer"]["type"] == "CoatAdamW"
     assert not (cfgs["coat_opt"].get("coat", {}).get("activation", {}).get("enabled", False))
+    assert cfgs["coat_opt"]["coat"]["loss"] == {"chunked": False}   # optimizer-only: BF16's loss as well
+    assert cfgs["coat_min"]["coat"]["master_weights"] == "bf16_sr"
+    assert cfgs["coat_min"]["coat"]["activation"]["attention_fp8"] is True and "loss" not in cfgs["coat_min"]["coat"]
     assert cfgs["coat_full"]["optimizer"]["type"] == "CoatAdamW"
     assert cfgs["coat_full"]["coat"]["activation"].get("enabled", True)
     for n, master in (("coat_full_bf16sr", "bf16_sr"), ("coat_full_bf16rn", "bf16_rn")):
@@ -131,6 +134,8 @@ def smoke_runs(tmp_path_factory):
                         "--out", str(tmp / "convergence")],
         "hf_trainer": [sys.executable, str(ROOT / "benchmarks" / "hf_trainer.py"), "--smoke", "--out",
                        str(tmp / "hf_trainer")],
+        "real_shapes": [sys.executable, str(ROOT / "benchmarks" / "e2e_real_shapes.py"), "--smoke",
+                        "--out", str(tmp / "real_shapes")],
     }
     procs = {k: subprocess.Popen(cmd, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for k, cmd in runs.items()}
@@ -345,6 +350,33 @@ def test_seed_spread_smoke_statistics_recompute_from_each_seed_and_merge_keeps_w
     seed_spread.summarize(sec)
     assert sec["runs"]["bf16"]["0"]["call"] == 0 and sec["runs"]["bf16"]["1"]["val"] == new["val"]
     assert sec["summary"]["bf16"]["final"] == [st["bf16"]["final"][0], 0.5]
+
+
+def test_e2e_real_shapes_smoke_merges_its_case_and_records_the_loss_path(smoke_runs):
+    """e2e_real_shapes.py --smoke: the tiny case's two configurations through e2e.py's workers; coat_min runs
+    the chunked loss (a "coat" section), BF16 the stock one; a second case merges beside the first."""
+    import e2e_real_shapes
+
+    tmp, outs = smoke_runs
+    log, rc = outs["real_shapes"]
+    assert rc == 0, log[-4000:]
+    path = tmp / "real_shapes" / "e2e_real_shapes.json"
+    case = json.loads(path.read_text())["cases"]["tiny"]
+    for key in ("device", "model", "shape", "seq_len", "summary", "configs", "versions", "command", "date"):
+        assert key in case, key
+    by = {s["name"]: s for s in case["summary"]}
+    assert set(by) == {"bf16", "coat_min"} and case["smoke"] is True
+    assert by["coat_min"]["chunked_loss"] is True and by["bf16"]["chunked_loss"] is False
+    for s in by.values():
+        assert s["max_micro_batch"] == 2 and s["tokens_per_s"] > 0   # the smoke's cap
+    assert case["meets_target"] is True and case["bf16_fits_at_1"] is True
+    coat = next(r for r in case["configs"] if r["name"] == "coat_min")
+    assert coat["ds_config"]["coat"]["master_weights"] == "bf16_sr"
+    assert coat["ds_config"]["coat"]["activation"]["attention_fp8"] is True
+    assert all(math.isfinite(x["loss"]) for r in case["configs"] for x in r["rungs"])
+    merged = e2e_real_shapes.merge(tmp / "real_shapes", dict(case, case="other"))
+    assert set(merged["cases"]) == {"tiny", "other"}
+    assert (tmp / "real_shapes" / "e2e_real_shapes.png").stat().st_size > 10_000
 
 
 def test_offload_smoke_rows_account_for_every_host_byte(tmp_path):

@@ -39,7 +39,7 @@ def test_unknown_param_is_an_error():
 
 def test_coat_section():
     assert coat_section({}).activation is None
-    with pytest.raises(ValueError, match=r"coat.optim: unknown key; allowed keys: \['activation', 'master_weights'\]"):
+    with pytest.raises(ValueError, match=r"coat.optim: unknown key; allowed keys: \['activation', 'master_weights', 'loss'\]"):
         coat_section({"coat": {"optim": {}}})
     with pytest.raises(ValueError, match="coat.activation"):
         coat_section({"coat": {"activation": {"no_such_key": 1}}})

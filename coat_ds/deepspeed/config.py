@@ -1,6 +1,8 @@
 """The `"coat"` section of a DeepSpeed config: what the DeepSpeed engine does to the model (engine.py).
 
     "coat": {"activation": {...}}     FP8 activation flow (keys: coat_ds.activation.ActivationConfig)
+    "coat": {"loss": {...}}           the causal-LM loss without full logits (keys: coat_ds.activation.loss.LossConfig;
+                                      on by default wherever a "coat" section is present)
 
 DeepSpeed ignores top-level keys it does not know; after `import coat_ds` its engine applies this one.
 """
@@ -10,13 +12,14 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 SECTION = "coat"
-_KEYS = ("activation", "master_weights")
+_KEYS = ("activation", "master_weights", "loss")
 
 
 @dataclass(frozen=True)
 class CoatSection:
     activation: Any = None  # ActivationConfig, or None when the section has no "activation"
     master_weights: str = "fp32"  # "fp32" | "bf16_sr" | "bf16_rn": coat_ds.deepspeed.master
+    loss: Any = None  # LossConfig (its defaults when the section has no "loss"): coat_ds.hf.loss
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None) -> "CoatSection":
@@ -36,9 +39,11 @@ class CoatSection:
             except ValueError as exc:  # ActivationConfig names its keys "activation.<key>": give the full path
                 msg = str(exc)
                 raise ValueError("coat." + msg if msg.startswith("activation.") else msg) from None
+        from ..activation.loss import LossConfig
         from .master import check_master_weights
 
-        return cls(activation=activation, master_weights=check_master_weights(d.get("master_weights", "fp32")))
+        return cls(activation=activation, master_weights=check_master_weights(d.get("master_weights", "fp32")),
+                   loss=LossConfig.from_dict(d.get("loss")))
 
 
 def coat_section(config: Mapping[str, Any] | None) -> CoatSection:

@@ -33,26 +33,29 @@ from typing import Any
 import torch
 
 from ..optim import CoatAdamW
-from .config import coat_section
+from .config import SECTION, coat_section
 
 SECTION_KEY = "coat.activation"
 
 
 def apply_section(engine, model: torch.nn.Module) -> None:
     """Apply the engine config's "coat" section to `model`; a ValueError naming coat.activation if it cannot."""
-    activation = coat_section(engine._config._param_dict).activation
-    if activation is None:
-        return
+    section = coat_section(engine._config._param_dict)
     from deepspeed.utils import log_dist
 
-    from ..hf.swap import apply
+    if section.activation is not None:
+        from ..hf.swap import apply
 
-    try:
-        n = apply(model, activation, engine.gradient_accumulation_steps())
-    except ValueError as exc:
-        raise ValueError(f"{SECTION_KEY} cannot be applied to this model: {exc}") from None
-    log_dist(f"coat_ds: {SECTION_KEY}: {n} FP8 decoder layers" if n else f"coat_ds: {SECTION_KEY}: enabled is false, "
-             "the model keeps its stock layers", ranks=[0])
+        try:
+            n = apply(model, section.activation, engine.gradient_accumulation_steps())
+        except ValueError as exc:
+            raise ValueError(f"{SECTION_KEY} cannot be applied to this model: {exc}") from None
+        log_dist(f"coat_ds: {SECTION_KEY}: {n} FP8 decoder layers" if n else f"coat_ds: {SECTION_KEY}: enabled is "
+                 "false, the model keeps its stock layers", ranks=[0])
+    if SECTION in engine._config._param_dict:   # coat.loss, on by default; after the swap, which must not override it
+        from ..hf.loss import apply as apply_loss
+
+        log_dist(f"coat_ds: coat.loss: {apply_loss(model, section.loss)}", ranks=[0])
 
 
 def _client_coat_adamw_offload(engine, client_optimizer: Any, *_: Any) -> None:

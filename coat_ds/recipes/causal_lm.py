@@ -2,7 +2,7 @@
 
 `build_model` makes a fresh Llama of a named shape (no download) or loads an HF model; `initialize` is plain
 deepspeed.initialize after `import coat_ds` (the engine applies the "coat" section and knows "CoatAdamW")
-with weight decay on matrices only; `lm_loss` is next-token cross-entropy in fp32."""
+with weight decay on matrices only; `lm_loss` is next-token cross-entropy in fp32 (HF's loss)."""
 from __future__ import annotations
 
 import os
@@ -55,11 +55,10 @@ def initialize(model, ds_config: dict):
 
 
 def lm_loss(engine, x, y):
-    """Next-token cross-entropy in fp32 over the model's logits."""
-    import torch.nn.functional as F
-
-    logits = engine(input_ids=x.to(engine.device)).logits
-    return F.cross_entropy(logits.flatten(0, 1).float(), y.to(engine.device).flatten())
+    """Next-token cross-entropy (mean, fp32) of inputs `x` against targets `y` (x shifted by one): HF's own loss,
+    given `y` as already-shifted labels. A "coat" section computes it without the full logits (coat.loss)."""
+    y = y.to(engine.device).contiguous()   # HF's stock loss views shift_labels flat (evaluation takes that path)
+    return engine(input_ids=x.to(engine.device), labels=y, shift_labels=y).loss
 
 
 def set_single_process_env() -> None:

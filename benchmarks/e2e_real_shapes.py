@@ -1,0 +1,115 @@
+"""Today's model shapes on one GPU, no offload (issue 30): the largest micro-batch and its tokens/s.
+
+    . .whl/prelude.sh && python3 benchmarks/e2e_real_shapes.py --case llama3.1-8b   # one 80 GB H100, ~5 min
+    . .whl/prelude.sh && python3 benchmarks/e2e_real_shapes.py --case llama2-13b    # one H200 (141 GB), ~5 min
+    python benchmarks/e2e_real_shapes.py --smoke --out /tmp/real_shapes                # CPU, tiny, ~1 min
+
+A case is a shape at seq 4096 and the configurations run on it, each in its own e2e.py worker (a process
+per configuration; the model built on the GPU in bf16; random tokens; the micro-batch ladder from 1 up to
+what fits, "fits" being peak reserved <= 0.95 x the device). `coat_min` is coat_ds's lowest-memory preset:
+ds_configs/zero2_coat.json with a bf16 master (stochastic rounding), attention saved in FP8 and the chunked
+loss (on by default with a "coat" section); `bf16` is BF16 + FusedAdam with the stock loss, whose need at
+micro-batch 1 comes from its OOM message when it does not fit. Cases run on different machines: each is
+merged into e2e_real_shapes.json under its name, and e2e_real_shapes.png is redrawn from all of them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import e2e  # noqa: E402  (its workers, ladder, memory breakdown and metadata)
+
+NAME = "e2e_real_shapes"
+TARGET_MICRO_BATCH = 2   # issue 30: micro-batch >= 2 with the lowest-memory preset
+CASES = {
+    "llama3.1-8b": dict(model="llama3.1-8b", seq_len=4096, configs="bf16,coat_min", gpu="one 80 GB H100"),
+    "llama2-13b": dict(model="llama2-13b", seq_len=4096, configs="coat_min", gpu="one H200 (141 GB)"),
+    "tiny": dict(model="tiny", seq_len=32, configs="bf16,coat_min", gpu="any (smoke)"),
+}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--case", choices=list(CASES), default="llama3.1-8b")
+    p.add_argument("--configs", help="comma-separated e2e.py configurations (default: the case's)")
+    p.add_argument("--max-rungs", type=int, default=4, help="micro-batch sizes tried per configuration")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per micro-batch size")
+    p.add_argument("--time-budget", type=float, default=480.0, help="seconds for the case's configurations")
+    p.add_argument("--out", default=str(e2e.ROOT / "benchmarks" / "results"))
+    p.add_argument("--smoke", action="store_true", help="the tiny case, one step per size (CPU is fine)")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.case, args.steps, args.max_rungs = "tiny", 1, 2
+    e2e.check_positive(p, args, ("max_rungs", "steps"))
+    return args
+
+
+def worker_args(args: argparse.Namespace) -> tuple[argparse.Namespace, list[str]]:
+    """e2e.py's options for this case, and its configuration names (checked)."""
+    case = CASES[args.case]
+    argv = ["--model", case["model"], "--seq-len", str(case["seq_len"]), "--configs", args.configs or case["configs"],
+            "--equal-batch", "1", "--max-rungs", str(args.max_rungs), "--steps", str(args.steps),
+            "--time-budget", str(args.time_budget), "--out", args.out]
+    if args.smoke:
+        argv += ["--max-batch", "2", "--warmup", "0"]
+    p, eargs = e2e.parse_args(argv)
+    return eargs, e2e.check_args(p, eargs, ())
+
+
+def summary(row: dict) -> dict:
+    """What the case's table shows of one configuration."""
+    best = row.get("max_batch") or {}
+    return {"name": row["name"], "label": row["label"], "max_micro_batch": row.get("max_micro_batch"),
+            "exact": best.get("exact"), "tokens_per_s": best.get("tokens_per_s"),
+            "peak_reserved_gb": best.get("peak_reserved_gb"), "peak_alloc_gb": best.get("peak_alloc_gb"),
+            "needed_gb_at_1": row.get("needed_gb_at_1"), "chunked_loss": row.get("chunked_loss")}
+
+
+def case_result(args: argparse.Namespace, eargs: argparse.Namespace, rows: list[dict], t0: float) -> dict:
+    case = CASES[args.case]
+    coat = next((r for r in rows if r["name"] == "coat_min"), None)
+    bf16 = next((r for r in rows if r["name"] == "bf16"), None)
+    mb = coat and coat.get("max_micro_batch")
+    return {"case": args.case, "target_gpu": case["gpu"], "device": e2e.device_name(), "model": case["model"],
+            "params": next((r["params"] for r in rows if r.get("params")), None), "shape": e2e.MODELS[case["model"]],
+            "seq_len": case["seq_len"], "target_micro_batch": TARGET_MICRO_BATCH,
+            "meets_target": None if mb is None else mb >= TARGET_MICRO_BATCH,
+            "bf16_fits_at_1": None if bf16 is None or bf16.get("max_micro_batch") is None else
+            bf16["max_micro_batch"] >= 1,
+            "summary": [summary(r) for r in rows], "fit_rule": f"peak reserved <= {eargs.mem_fraction} x device memory",
+            "configs": rows, "versions": e2e.versions(), "command": e2e.command(), "date": e2e.now(),
+            "wall_s": time.time() - t0, "smoke": args.smoke}
+
+
+def merge(out: Path, res: dict) -> dict:
+    """The JSON's cases with this one added or replaced."""
+    path = out / f"{NAME}.json"
+    old = json.loads(path.read_text()) if path.is_file() else {}
+    cases = dict(old.get("cases", {}))
+    cases[res["case"]] = res
+    return {"what": __doc__.split("\n")[0], "cases": cases}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    eargs, names = worker_args(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    rows = e2e.run_configs(eargs, names, out, f"{NAME}_{args.case}")
+    res = case_result(args, eargs, rows, t0)
+    path = e2e.write_results(merge(out, res), out, NAME)
+    for s in res["summary"]:
+        tps = "-" if s["tokens_per_s"] is None else f"{s['tokens_per_s']:,.0f} tokens/s"
+        need = "" if s["needed_gb_at_1"] is None else f", needs >= {s['needed_gb_at_1']:.1f} GiB at 1"
+        print(f"{args.case} {s['name']}: largest micro-batch {s['max_micro_batch']} ({tps}{need})")
+    print(f"meets target (coat_min micro-batch >= {TARGET_MICRO_BATCH}): {res['meets_target']}  ->  {path}")
+    return 0 if all(r["equal_batch"] or r.get("max_micro_batch") == 0 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
