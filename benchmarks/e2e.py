@@ -47,22 +47,16 @@ sys.path.insert(0, str(ROOT))                    # coat_ds from a checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from coat_ds.recipes.causal_lm import MODEL_SIZES  # noqa: E402  (the main job's shapes)
+from coat_ds.recipes.shapes import SHAPES  # noqa: E402  (public shapes: TinyLlama's, Llama-2's, Llama-3.1's)
 
-# Llama shapes by name: the main job's 125m and 1b (TinyLlama's shape), OpenLLaMA-3B's, Llama-2's 7B and 13B,
-# Llama-3.1-8B's (128,256-token vocabulary, 8 KV heads).
+# Llama shapes by name: the main job's 125m, OpenLLaMA-3B's, and the public ones of coat_ds.recipes.shapes.
 MODELS = {
     "tiny": dict(hidden_size=256, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
                  intermediate_size=512, vocab_size=512),   # wide enough that the decoder layer's activations dominate
     "llama-125m": dict(MODEL_SIZES["125m"], vocab_size=32000),
-    "llama-1b": dict(MODEL_SIZES["1b"], vocab_size=32000),
     "llama-3b": dict(hidden_size=3200, num_hidden_layers=26, num_attention_heads=32, num_key_value_heads=32,
                      intermediate_size=8640, vocab_size=32000),
-    "llama2-7b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
-                      intermediate_size=11008, vocab_size=32000),
-    "llama2-13b": dict(hidden_size=5120, num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=40,
-                       intermediate_size=13824, vocab_size=32000),
-    "llama3.1-8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                        intermediate_size=14336, vocab_size=128256),
+    **SHAPES,
 }
 
 # The configurations, as shipped in ds_configs/. A file not there yet is derived from zero2_coat.json.
@@ -72,14 +66,17 @@ CONFIGS = {
     "coat_full": ("coat_ds full", "ds_configs/zero2_coat.json"),
     "coat_full_bf16sr": ("coat_ds full, bf16 master (stochastic rounding)", "ds_configs/zero2_coat.json"),
     "coat_full_bf16rn": ("coat_ds full, bf16 master (round to nearest: ablation)", "ds_configs/zero2_coat.json"),
+    "coat_full_rem": ("coat_ds full, exact fp32 master as bf16 weights + int16 remainders", "ds_configs/zero2_coat.json"),
     "coat_full_attn_fp8": ("coat_ds full, attention saved in FP8", "ds_configs/zero2_coat.json"),
-    "coat_min": ("coat_ds lowest memory: bf16 master (stochastic rounding), attention in FP8, chunked loss",
-                 "ds_configs/zero2_coat.json"),
+    "coat_full_bf16sr_attn_fp8": ("coat_ds full, bf16 master, attention saved in FP8", "ds_configs/zero2_coat.json"),
+    "lowest_memory": ("coat_ds lowest-memory preset: bf16 master, attention in FP8, chunked loss",
+                      "ds_configs/zero2_lowest_memory.json"),
 }
 # what a configuration adds to its file's "coat" section (merged key by key into nested sections)
 COAT_OVERRIDES = {"coat_full_bf16sr": {"master_weights": "bf16_sr"}, "coat_full_bf16rn": {"master_weights": "bf16_rn"},
+                  "coat_full_rem": {"master_weights": "fp32_remainder"},
                   "coat_full_attn_fp8": {"activation": {"attention_fp8": True}},
-                  "coat_min": {"master_weights": "bf16_sr", "activation": {"attention_fp8": True}},
+                  "coat_full_bf16sr_attn_fp8": {"master_weights": "bf16_sr", "activation": {"attention_fp8": True}},
                   "coat_opt": {"loss": {"chunked": False}}}   # optimizer-only: BF16's activations and loss
 E2E_CONFIGS = "bf16,coat_opt,coat_full,coat_full_bf16sr"   # e2e.py's default (round to nearest is for convergence)
 TARGETS = {"memory_reduction": 1.54, "speedup_at_max_batch": 1.43}   # COAT's paper, Llama-2-7B
@@ -432,6 +429,9 @@ class Worker:
         weights = counter.add(p for p in engine.module.parameters())
         base = base_optimizer(engine)
         master = counter.add(p for g in base.param_groups for p in g["params"])
+        # coat.master_weights 'fp32_remainder': the masters' low halves, kept by the partition layouts
+        layouts = [getattr(base, "partition_of", lambda p: None)(p) for g in base.param_groups for p in g["params"]]
+        master += counter.add(lay.remainder for lay in layouts if getattr(lay, "remainder", None) is not None)
         opt_state = counter.add(t for st in base.state.values() for t in _tensors(st))
         param_keys = set(counter.seen)
         saved: dict[int, int] = {}
@@ -568,18 +568,30 @@ def oom_needed_gb(msg: str) -> float | None:
     return sum(float(m.group(1)) * unit[m.group(2)] for m in (tried, held)) / GIB
 
 
+def rows_of(events, attr: str, keep, n: int) -> tuple[list[dict], float]:
+    """The n profiler events with the most `attr` time among those `keep` accepts, and the total over all of them (ms)."""
+    rows = sorted((e for e in events if getattr(e, attr, 0) > 0 and keep(e)), key=lambda e: -getattr(e, attr))
+    total = sum(getattr(e, attr) for e in rows) or 1.0
+    return [{"name": e.key[:120], "calls": e.count, "ms": getattr(e, attr) / 1e3,
+             "share": getattr(e, attr) / total} for e in rows[:n]], total / 1e3
+
+
+def sync_sites(caught) -> dict[str, int]:
+    """Device syncs by the Python line that made them, most first, from the warnings of CUDA's sync debug mode."""
+    syncs: dict[str, int] = {}
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            where = f"{Path(w.filename).name}:{w.lineno}"
+            syncs[where] = syncs.get(where, 0) + 1
+    return dict(sorted(syncs.items(), key=lambda kv: -kv[1]))
+
+
 def profile_step(inputs, one_step, sync, on_cuda: bool, b: int, top: int = 15) -> dict:
     """One training step at micro-batch `b`, seen from both sides: the kernels by device time (what limits
     a GPU-bound step), the host-side calls by self CPU time and the device syncs with their Python call
     sites (what limits a host-bound one: a sync drains the launch queue, so the GPU then waits on Python)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
-
-    def rows_of(events, attr: str, keep, n: int) -> tuple[list[dict], float]:
-        rows = sorted((e for e in events if getattr(e, attr, 0) > 0 and keep(e)), key=lambda e: -getattr(e, attr))
-        total = sum(getattr(e, attr) for e in rows) or 1.0
-        return [{"name": e.key[:120], "calls": e.count, "ms": getattr(e, attr) / 1e3,
-                 "share": getattr(e, attr) / total} for e in rows[:n]], total / 1e3
 
     try:
         x, y = inputs()
@@ -599,10 +611,7 @@ def profile_step(inputs, one_step, sync, on_cuda: bool, b: int, top: int = 15) -
                     sync()
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
-            for w in caught:
-                if "synchroniz" in str(w.message):
-                    where = f"{Path(w.filename).name}:{w.lineno}"
-                    syncs[where] = syncs.get(where, 0) + 1
+            syncs = sync_sites(caught)
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
         with profile(activities=acts) as prof:
             one_step(x, y)
@@ -613,7 +622,7 @@ def profile_step(inputs, one_step, sync, on_cuda: bool, b: int, top: int = 15) -
         host, host_ms = rows_of(events, "self_cpu_time_total", lambda e: True, top)
         return {"kind": "profile", "micro_batch": b, "time_source": attr, "total_ms": device_ms,
                 "step_wall_ms": wall_ms, "host_self_ms": host_ms, "top": kernels, "host_top": host,
-                "syncs": dict(sorted(syncs.items(), key=lambda kv: -kv[1]))}
+                "syncs": syncs}
     except Exception as e:  # noqa: BLE001 - a profile is a diagnostic; the measurements above stand without it
         return {"kind": "profile", "micro_batch": b, "error": f"{type(e).__name__}: {e}"}
 
@@ -855,6 +864,12 @@ def headline(args: argparse.Namespace, rows: list[dict], t0: float) -> dict:
         "memory_reduction_bf16sr": ratio(peak("bf16"), peak("coat_full_bf16sr")),
         "speedup_at_max_batch_bf16sr": ratio(tps("coat_full_bf16sr"), tps("bf16")),
         "max_micro_batch": {r["name"]: r.get("max_micro_batch") for r in rows},
+        # a whole model's forward, through the engine: all it keeps for backward per token, hidden unit and layer
+        "forward_kept_b_per_token_hidden_layer": {
+            r["name"]: r["breakdown"]["alloc_forward_delta_gb"] * GIB / (
+                r["breakdown"]["at_micro_batch"] * args.seq_len * MODELS[args.model]["hidden_size"]
+                * MODELS[args.model]["num_hidden_layers"])
+            for r in rows if r["breakdown"] and r["breakdown"].get("alloc_forward_delta_gb") is not None},
         "speedup_at_equal_batch": ratio(tps_eq("coat_full"), tps_eq("bf16")),
         "targets": TARGETS, "fit_rule": f"peak reserved <= {args.mem_fraction} x device memory",
         "configs": rows, "versions": versions(), "command": command(), "date": now(),

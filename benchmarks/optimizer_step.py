@@ -96,19 +96,23 @@ def free(device: str) -> None:
 
 # ---------------------------------------------------------------- contenders
 
-# (grad dtype, master): the fp32 master with fp32 or bf16 grads, and a bf16 master (stochastic rounding)
-CASES = ((torch.float32, "float32"), (torch.bfloat16, "float32"), (torch.bfloat16, "bfloat16_sr"))
+# (grad dtype, master): the fp32 master with fp32 or bf16 grads, a bf16 master (stochastic rounding), and the
+# exact fp32 master held as bf16 + int16 remainder (coat.master_weights 'fp32_remainder')
+CASES = ((torch.float32, "float32"), (torch.bfloat16, "float32"), (torch.bfloat16, "bfloat16_sr"),
+         (torch.bfloat16, "float32_remainder"))
 
 
 def case_tensors(p: torch.Tensor, g32: torch.Tensor, grad_dtype: torch.dtype, master: str):
-    """The master (p itself, or a bf16 copy) and the grads of one case."""
+    """The master (p itself, or a bf16 copy: the high halves of a remainder master) and the grads of one case."""
     g = g32 if grad_dtype == torch.float32 else g32.to(grad_dtype)
     return (p if master == "float32" else p.to(torch.bfloat16)), g
 
 
-def moved_bytes(master: torch.Tensor, g: torch.Tensor, state_bytes: int) -> int:
-    """What one step must move: master read + write, grad read, state read + write."""
-    return master.numel() * (2 * master.element_size() + g.element_size()) + 2 * state_bytes
+def moved_bytes(master: torch.Tensor, g: torch.Tensor, state_bytes: int, remainder: bool = False) -> int:
+    """What one step must move: master read + write (a remainder's 2 bytes each way too), grad read, state
+    read + write."""
+    per = master.element_size() + (2 if remainder else 0)
+    return master.numel() * (2 * per + g.element_size()) + 2 * state_bytes
 
 
 def case_row(device: str, numel: int, grad_dtype: torch.dtype, master: str, copy_bw: float) -> dict:
@@ -126,9 +130,10 @@ def coat_fields(ms: float, moved: int, numel: int, sbytes: int, copy_bw: float) 
 PEERS_NEED = "needs grads and master in fp32 (the param's dtype)"
 
 
-def coat_kernel(p: torch.Tensor, g: torch.Tensor, group_size: int = 128, v_format: str = "e4m3"):
+def coat_kernel(p: torch.Tensor, g: torch.Tensor, group_size: int = 128, v_format: str = "e4m3",
+                remainder: bool = False):
     """ops.adamw_step on one flat tensor with states laid out as CoatAdamW's: the step alone (a bf16 p is a
-    bf16 master, written by stochastic rounding)."""
+    bf16 master, written by stochastic rounding, or with `remainder` the high halves of an exact fp32 one)."""
     ng = n_groups(p.numel(), group_size)
     vf = get_format(v_format)
 
@@ -138,12 +143,14 @@ def coat_kernel(p: torch.Tensor, g: torch.Tensor, group_size: int = 128, v_forma
 
     m, v = moment(E4M3), moment(vf)
     state = {"step": 0}
+    rem = [torch.zeros(p.shape, dtype=torch.int16, device=p.device)] if remainder else ()
+    sr = [(0, 0)] if p.dtype == torch.bfloat16 and not remainder else None
 
     def step():
         state["step"] += 1
         ops.adamw_step([p], [g], [m], [v], lr=HP["lr"], beta1=HP["betas"][0], beta2=HP["betas"][1], eps=HP["eps"],
                        weight_decay=HP["weight_decay"], step=state["step"], v_format=vf, group_size=group_size,
-                       expansion=True, sr_keys=[(0, 0)] if p.dtype == torch.bfloat16 else None)
+                       expansion=True, sr_keys=sr, remainders=rem)
 
     return step, sum(t.numel() * t.element_size() for t in (*m, *v))
 
@@ -220,9 +227,10 @@ def bench_size(numel: int, device: str, peers: list[str], warmup: int, runs: int
     for grad_dtype, master in CASES:
         pm, g = case_tensors(p.data, g32, grad_dtype, master)
         row = case_row(device, numel, grad_dtype, master, copy_bw)
-        step, sbytes = coat_kernel(pm, g)
+        rem = master == "float32_remainder"
+        step, sbytes = coat_kernel(pm, g, remainder=rem)
         ms = median_ms(step, device, warmup, runs)
-        row.update(coat_fields(ms, moved_bytes(pm, g, sbytes), numel, sbytes, copy_bw))
+        row.update(coat_fields(ms, moved_bytes(pm, g, sbytes, rem), numel, sbytes, copy_bw))
         del step, pm
         free(device)
         for name in peers:
@@ -280,7 +288,8 @@ def bench_size_cpu(numel: int, peers: list[str], warmup: int, runs: int, copy_bw
     for grad_dtype, master in CASES:
         pm, g = case_tensors(p.data, g32, grad_dtype, master)
         row = case_row("cpu", numel, grad_dtype, master, copy_bw)
-        step, sbytes = coat_kernel(pm, g)
+        rem = master == "float32_remainder"
+        step, sbytes = coat_kernel(pm, g, remainder=rem)
         fns = {"coat": step}
         if grad_dtype == torch.float32 and master == "float32":
             fns.update(moment_passes(numel))
@@ -306,7 +315,7 @@ def bench_size_cpu(numel: int, peers: list[str], warmup: int, runs: int, copy_bw
                 if i >= warmup:
                     times[name].append((time.perf_counter() - t0) * 1e3)
         ms = statistics.median(times["coat"])
-        row.update(coat_fields(ms, moved_bytes(pm, g, sbytes), numel, sbytes, copy_bw),
+        row.update(coat_fields(ms, moved_bytes(pm, g, sbytes, rem), numel, sbytes, copy_bw),
                    coat_min_ms=round(min(times["coat"]), 4))
         for name in ("coat_encode", "coat_decode"):
             if name in times:

@@ -2,11 +2,13 @@
 
     deepspeed examples/hf_trainer.py --deepspeed ds_configs/zero2_coat.json --steps 100
     deepspeed examples/hf_trainer.py --deepspeed ds_configs/hf/zero2_coat.json     # HF "auto" values
+    deepspeed examples/hf_trainer.py --deepspeed ds_configs/hf/zero2_lowest_memory.json   # a preset (docs/presets.md)
     deepspeed --num_gpus 8 examples/hf_trainer.py --deepspeed ds_configs/zero3_coat.json --model-size 125m
 
 The JSON is the single source of truth: the Trainer's arguments (batch size, accumulation, lr, betas, eps,
 weight decay, clipping, bf16, warmup) are read from it, so HF's consistency check between TrainingArguments
-and the DeepSpeed config always passes. DeepSpeed builds the optimizer named in the config ("CoatAdamW"),
+and the DeepSpeed config always passes; a JSON without a scheduler (ds_configs/hf/) trains at a constant lr, as
+DeepSpeed does without one. DeepSpeed builds the optimizer named in the config ("CoatAdamW"),
 and DeepSpeed's engine applies the `"coat": {"activation": ...}` section (FP8 layers) when the Trainer builds it.
 """
 from __future__ import annotations
@@ -55,11 +57,13 @@ def training_arguments(ds_config: dict, args: argparse.Namespace):
     opt = ds_config.get("optimizer", {}).get("params", {})
     betas = given(opt.get("betas"), [0.9, 0.95])
     micro = given(ds_config.get("train_micro_batch_size_per_gpu"), 4)
-    sched = ds_config.get("scheduler", {}).get("params", {})
-    warmup = sched.get("warmup_num_steps", 0)
-    warmup = warmup if isinstance(warmup, int) and warmup < args.steps else max(1, args.steps // 10)
-    sched["warmup_num_steps"] = warmup
-    sched["total_num_steps"] = args.steps   # HF checks it against max_steps
+    sched = ds_config.get("scheduler", {}).get("params")
+    warmup = 0
+    if sched is not None:  # DeepSpeed's scheduler: its warmup must be positive (ds_configs/hf/ have none)
+        warmup = sched.get("warmup_num_steps", 0)
+        warmup = warmup if isinstance(warmup, int) and 0 < warmup < args.steps else max(1, args.steps // 10)
+        sched["warmup_num_steps"] = warmup
+        sched["total_num_steps"] = args.steps   # HF checks it against max_steps
     return TrainingArguments(
         output_dir=args.output_dir, max_steps=args.steps, seed=args.seed, deepspeed=ds_config,
         per_device_train_batch_size=micro, per_device_eval_batch_size=micro,
@@ -67,6 +71,7 @@ def training_arguments(ds_config: dict, args: argparse.Namespace):
         learning_rate=given(opt.get("lr"), 1e-3), adam_beta1=betas[0], adam_beta2=betas[1],
         adam_epsilon=given(opt.get("eps"), 1e-8), weight_decay=given(opt.get("weight_decay"), 0.1),
         max_grad_norm=given(ds_config.get("gradient_clipping"), 1.0), warmup_steps=warmup,
+        lr_scheduler_type="linear" if sched is not None else "constant",  # no scheduler: DeepSpeed's constant lr
         bf16=bool(given(ds_config.get("bf16", {}).get("enabled"), "bf16" in ds_config)),
         use_cpu=get_accelerator().device_name() == "cpu",      # DeepSpeed's CPU accelerator (no GPU here)
         logging_steps=1, save_strategy="no", report_to="none", dataloader_num_workers=0, disable_tqdm=False,

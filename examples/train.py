@@ -69,6 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-batch", type=int, help="override train_micro_batch_size_per_gpu")
     p.add_argument("--grad-accum", type=int, help="override gradient_accumulation_steps")
     p.add_argument("--lr", type=float, help="override optimizer.params.lr")
+    p.add_argument("--plan", action="store_true", help="print what each GPU will hold and the largest micro-batch "
+                                                        "(python -m coat_ds.plan), then exit without training")
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)  # from the launcher
     p.set_defaults(**DEFAULTS)
     args = p.parse_args(argv)
@@ -108,24 +110,23 @@ def load_ds_config(args: argparse.Namespace) -> dict:
 # Checkpoints
 # ------------------------------------------------------------------------------------------------------------
 def save_checkpoint(engine, ckpt_dir: Path, step: int, client_state: dict, keep_last: int) -> Path:
-    """Write to a temporary tag, then rename it and atomically point `latest` at it."""
+    """Write to a temporary tag, then rename it and atomically point `latest` at it (save_atomically); a failed
+    save (a full disk, say) ends the job with one line that says why, exit code 1, `latest` untouched."""
     import deepspeed.comm as dist
+    from coat_ds.deepspeed.save import CheckpointSaveError, save_atomically, writer
 
-    tag = f"step{step:07d}"
-    engine.save_checkpoint(str(ckpt_dir), tag=f"{tag}.tmp", client_state=client_state, save_latest=False)
-    owner = engine.local_rank == 0 if engine.use_node_local_storage() else engine.global_rank == 0
-    if owner:
-        final = ckpt_dir / tag
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(ckpt_dir / f"{tag}.tmp", final)
-        (ckpt_dir / "latest.tmp").write_text(tag)
-        os.replace(ckpt_dir / "latest.tmp", ckpt_dir / "latest")
+    try:
+        path = Path(save_atomically(engine, str(ckpt_dir), f"step{step:07d}", client_state))
+    except CheckpointSaveError as e:
+        if engine.global_rank == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+    if writer(engine):
         old = sorted(d for d in ckpt_dir.glob("step*") if d.is_dir() and not d.name.endswith(".tmp"))
         for d in old[:-keep_last]:
             shutil.rmtree(d, ignore_errors=True)
     dist.barrier()
-    return ckpt_dir / tag
+    return path
 
 
 def resume_tag(args: argparse.Namespace, ckpt_dir: Path) -> str | None:
@@ -428,9 +429,32 @@ def run_info(run: Run, ds_config: dict, n_params: int, tokens, **rest) -> dict:
                 seq_len=args.seq_len, tokens_per_step=run.tokens_per_step, steps=args.steps, **rest)
 
 
+def print_plan(args: argparse.Namespace, ds_config: dict) -> None:
+    """--plan: coat_ds.plan's table for this job (model, config, seq, micro-batch, world size), on rank 0."""
+    import torch
+    from coat_ds.plan import GPUS, GIB, PlanError, report
+
+    world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    on_gpu = torch.cuda.is_available()
+    memory = torch.cuda.get_device_properties(0).total_memory if on_gpu else GPUS["h100"] * GIB
+    vocab = None if args.model else (args.vocab_size + 63) // 64 * 64   # what build_model rounds it to
+    try:
+        table = report(args.model or args.model_size, ds_config, args.deepspeed, args.seq_len,
+                       str(ds_config["train_micro_batch_size_per_gpu"]), gpus_per_node=local,
+                       nodes=max(1, world // local), memory=memory, vocab=vocab)
+    except PlanError as e:
+        refuse(str(e))
+    if os.environ.get("RANK", "0") == "0":
+        print(table + ("" if on_gpu else "\n(no GPU here: planned for an H100; python -m coat_ds.plan --gpu-memory "
+                                          "for another)"), flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     ds_config = load_ds_config(args)
+    if args.plan:
+        print_plan(args, ds_config)
+        return 0
     save_dir = Path(args.save_dir)
     tag = resume_tag(args, save_dir / "checkpoints")  # None: a fresh run
     if args.export and Path(args.export).is_file():

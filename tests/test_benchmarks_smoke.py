@@ -1,7 +1,7 @@
 """The end-to-end benchmarks in --smoke mode (CPU, tiny Llama, real DeepSpeed engines, one process per
 configuration) and the micro-batch search they rely on.
 
-Both smokes run at the same time (they are mostly process start-up) and write to a temporary directory,
+The smokes run at the same time (they are mostly process start-up) and write to a temporary directory,
 never to benchmarks/results/. The coat_ds kernels are tested elsewhere; here COAT_DISABLE_OPS=1 keeps a
 cold CI cache from JIT-building them inside the time budget."""
 from __future__ import annotations
@@ -83,8 +83,9 @@ def test_configs_share_everything_but_the_named_change():
     assert cfgs["coat_opt"]["optimizer"]["type"] == "CoatAdamW"
     assert not (cfgs["coat_opt"].get("coat", {}).get("activation", {}).get("enabled", False))
     assert cfgs["coat_opt"]["coat"]["loss"] == {"chunked": False}   # optimizer-only: BF16's loss as well
-    assert cfgs["coat_min"]["coat"]["master_weights"] == "bf16_sr"
-    assert cfgs["coat_min"]["coat"]["activation"]["attention_fp8"] is True and "loss" not in cfgs["coat_min"]["coat"]
+    assert cfgs["lowest_memory"]["coat"]["master_weights"] == "bf16_sr"
+    assert cfgs["lowest_memory"]["coat"]["activation"]["attention_fp8"] is True
+    assert "loss" not in cfgs["lowest_memory"]["coat"]   # the chunked loss by default
     assert cfgs["coat_full"]["optimizer"]["type"] == "CoatAdamW"
     assert cfgs["coat_full"]["coat"]["activation"].get("enabled", True)
     for n, master in (("coat_full_bf16sr", "bf16_sr"), ("coat_full_bf16rn", "bf16_rn")):
@@ -132,6 +133,8 @@ def smoke_runs(tmp_path_factory):
         "e2e": [sys.executable, str(ROOT / "benchmarks" / "e2e.py"), "--smoke", "--profile", "--out", str(tmp / "e2e")],
         "convergence": [sys.executable, str(ROOT / "benchmarks" / "convergence.py"), "--smoke", "--parallel",
                         "--out", str(tmp / "convergence")],
+        "hf_trainer": [sys.executable, str(ROOT / "benchmarks" / "hf_trainer.py"), "--smoke", "--out",
+                       str(tmp / "hf_trainer")],
         "real_shapes": [sys.executable, str(ROOT / "benchmarks" / "e2e_real_shapes.py"), "--smoke",
                         "--out", str(tmp / "real_shapes")],
     }
@@ -186,6 +189,78 @@ def test_e2e_smoke_writes_json_and_png(smoke_runs):
         assert "error" not in prof, prof
         assert prof["micro_batch"] == 2 and prof["step_wall_ms"] > 0 and prof["syncs"] == {}   # CPU: no syncs
         assert prof["host_top"] and all(h["ms"] > 0 for h in prof["host_top"])
+
+
+def test_hf_trainer_smoke_compares_the_trainer_with_the_plain_loop_on_the_config_hf_fills(smoke_runs):
+    """HF Trainer and the plain loop build the same engine from the HF config: one param group (HF's, for a
+    config optimizer), reduce_bucket_size = hidden_size^2 where the config says "auto" and the tuned value
+    where it is set; each run is timed and profiled for one step."""
+    tmp, outs = smoke_runs
+    log, rc = outs["hf_trainer"]
+    assert rc == 0, log[-4000:]
+    res = json.loads((tmp / "hf_trainer" / "hf_trainer.json").read_text())
+    for key in ("device", "versions", "command", "date", "seq_len", "runs", "trainer_over_plain", "coat_over_bf16"):
+        assert key in res, key
+    hidden = 256                                                    # e2e.MODELS["tiny"]
+    by = {r["spec"]: r for r in res["runs"]}
+    assert set(by) == {"trainer:bf16:tiny:1:hf_auto", "trainer:coat:tiny:1:hf_auto:profile",
+                       "trainer:coat:tiny:1:one_gpu", "plain:coat:tiny:1:one_gpu:profile"}
+    for spec, r in by.items():
+        assert "error" not in r and r["tokens_per_s"] > 0 and math.isfinite(r["loss"]), (spec, r.get("error"))
+        assert len(r["step_times_s"]) == res["timed_steps"] and r["param_groups"] == 1
+        auto = r["tuning"] == "hf_auto"
+        assert r["zero_optimization"]["reduce_bucket_size"] == (hidden * hidden if auto else 50_000_000), spec
+        assert r["zero_optimization"]["overlap_comm"] is auto, spec
+        assert r["optimizer"] == ("CoatAdamW" if r["preset"] == "coat" else "AdamW")
+        assert r["fp8_layers"] == (1 if r["preset"] == "coat" else 0)
+        prof = r["profile"]
+        if not r["profiled"]:
+            assert prof is None
+            continue
+        assert prof["syncs"] == {} and prof["host_top"] and prof["step_wall_ms"] > 0   # CPU: no device syncs
+        step = "training_step" if r["path"] == "trainer" else "one_step"   # the probe's window holds one step
+        assert [f["calls"] for f in prof["python_top"] if f["function"].endswith(" " + step)] == [1]
+        # ZeRO-2's gradient buckets in that step: 5e7 holds the whole tiny model, HF's hidden_size^2 does not
+        assert (prof["zero_reductions"] > 5) if r["tuning"] == "hf_auto" else (prof["zero_reductions"] == 1)
+    assert set(res["trainer_over_plain"]) == {"coat:tiny:1:one_gpu"}
+    assert res["trainer_over_plain"]["coat:tiny:1:one_gpu"] > 0
+    assert set(res["coat_over_bf16"]) == {"trainer:tiny:1:hf_auto"}
+    assert (tmp / "hf_trainer" / "hf_trainer.png").stat().st_size > 10_000
+
+
+def test_hf_trainer_runs_are_checked_before_any_process_starts():
+    from hf_trainer import parse_run
+
+    assert parse_run("trainer:coat:llama-1b:4:tuned")["micro_batch"] == 4
+    assert parse_run("plain:coat:llama-1b:4:tuned:profile")["profiled"] is True
+    for bad, key in (("trainer:coat:llama-1b:4", "path:preset"), ("plain:coat:llama-1b:4:tuned:trace", "path:preset"),
+                     ("train:coat:llama-1b:4:tuned", "path 'train'"),
+                     ("plain:fp8:llama-1b:4:tuned", "preset 'fp8'"), ("plain:coat:llama-1b:0:tuned", "micro_batch"),
+                     ("plain:coat:llama-1b:4:fast", "tuning 'fast'")):
+        with pytest.raises(ValueError, match=key):
+            parse_run(bad)
+
+
+def test_hf_trainer_counts_device_synchronize_by_the_caller_outside_torch(monkeypatch):
+    """The probe's count of explicit device syncs (which CUDA's sync debug mode does not report), by call site."""
+    import torch
+    from hf_trainer import count_synchronize
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: calls.append(a))   # no device here: count only
+
+    def zero_step():
+        torch.cuda.synchronize()
+
+    patched = torch.cuda.synchronize
+    counter = count_synchronize()
+    for _ in range(3):
+        zero_step()
+    torch.cuda.synchronize()
+    sites = counter.stop()
+    line = zero_step.__code__.co_firstlineno + 1
+    assert sites == {f"test_benchmarks_smoke.py:{line}": 3, f"test_benchmarks_smoke.py:{line + 6}": 1}
+    assert len(calls) == 4 and torch.cuda.synchronize is patched   # each call went through; the original is back
 
 
 def test_convergence_smoke_writes_json_png_and_a_state_quant_error_reads(smoke_runs):
@@ -279,7 +354,7 @@ def test_seed_spread_smoke_statistics_recompute_from_each_seed_and_merge_keeps_w
 
 
 def test_e2e_real_shapes_smoke_merges_its_case_and_records_the_loss_path(smoke_runs):
-    """e2e_real_shapes.py --smoke: the tiny case's two configurations through e2e.py's workers; coat_min runs
+    """e2e_real_shapes.py --smoke: the tiny case's two configurations through e2e.py's workers; lowest_memory runs
     the chunked loss (a "coat" section), BF16 the stock one; a second case merges beside the first."""
     import e2e_real_shapes
 
@@ -291,12 +366,12 @@ def test_e2e_real_shapes_smoke_merges_its_case_and_records_the_loss_path(smoke_r
     for key in ("device", "model", "shape", "seq_len", "summary", "configs", "versions", "command", "date"):
         assert key in case, key
     by = {s["name"]: s for s in case["summary"]}
-    assert set(by) == {"bf16", "coat_min"} and case["smoke"] is True
-    assert by["coat_min"]["chunked_loss"] is True and by["bf16"]["chunked_loss"] is False
+    assert set(by) == {"bf16", "lowest_memory"} and case["smoke"] is True
+    assert by["lowest_memory"]["chunked_loss"] is True and by["bf16"]["chunked_loss"] is False
     for s in by.values():
         assert s["max_micro_batch"] == 2 and s["tokens_per_s"] > 0   # the smoke's cap
     assert case["meets_target"] is True and case["bf16_fits_at_1"] is True
-    coat = next(r for r in case["configs"] if r["name"] == "coat_min")
+    coat = next(r for r in case["configs"] if r["name"] == "lowest_memory")
     assert coat["ds_config"]["coat"]["master_weights"] == "bf16_sr"
     assert coat["ds_config"]["coat"]["activation"]["attention_fp8"] is True
     assert all(math.isfinite(x["loss"]) for r in case["configs"] for x in r["rungs"])

@@ -1,5 +1,9 @@
-"""examples/hf_trainer.py: HF Trainer with `--deepspeed ds_configs/zero2_coat.json` builds CoatAdamW through
-DeepSpeed, runs the FP8 layers and trains a few steps (real `deepspeed` launcher, CPU accelerator here)."""
+"""HF Trainer with coat_ds configs (real `deepspeed` launcher, CPU accelerator here).
+
+- examples/hf_trainer.py with `--deepspeed ds_configs/zero2_coat.json` builds CoatAdamW through DeepSpeed,
+  runs the FP8 layers and trains a few steps;
+- every ds_configs/hf/ config runs with TrainingArguments' defaults (2 ranks, tests/ds_scripts/presets_job.py).
+"""
 import json
 import os
 import shutil
@@ -11,6 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+HF_CONFIGS = sorted(p.name for p in (ROOT / "ds_configs" / "hf").glob("*.json"))
 
 
 @pytest.mark.slow
@@ -36,3 +41,44 @@ def test_hf_trainer_with_coat_config(tmp_path):
     assert result["steps"] == 3
     for key in ("train_loss_first", "train_loss_last", "eval_loss"):
         assert 0 < result[key] < 20, result                           # finite, near ln(8192) = 9.0 at the start
+
+
+def test_hf_configs_run_with_default_warmup():
+    """HF's default warmup_steps=0 fills "auto" warmup with 0 (transformers 5.17), which DeepSpeed's warmup
+    schedulers refuse: a shipped HF config either leaves the scheduler to HF or builds with warmup 0."""
+    import torch
+    from deepspeed.runtime import lr_schedules
+    from transformers import TrainingArguments
+
+    warmup = TrainingArguments(output_dir="unused").get_warmup_steps(10)
+    assert warmup == 0
+    for name in HF_CONFIGS:
+        sched = json.loads((ROOT / "ds_configs" / "hf" / name).read_text()).get("scheduler")
+        if sched is None:
+            continue                                   # HF Trainer builds its own from TrainingArguments
+        params = {k: (warmup if k == "warmup_num_steps" else 10 if v == "auto" else v)
+                  for k, v in sched["params"].items()}
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+        getattr(lr_schedules, sched["type"])(opt, **params)
+
+
+@pytest.fixture(scope="module")
+def hf_job(tmp_path_factory) -> dict:
+    from test_presets import launch_presets_job
+
+    return launch_presets_job(tmp_path_factory.mktemp("hf_presets"), "hf")
+
+
+@pytest.mark.slow
+def test_every_hf_config_runs_with_default_training_arguments(hf_job):
+    from test_coat_section import ranks
+    from test_presets import assert_runs_as_configured
+
+    for res in ranks(hf_job, "hf"):
+        assert sorted(res) == HF_CONFIGS
+        for name, r in res.items():
+            assert_runs_as_configured(name, r, json.loads((ROOT / "ds_configs" / "hf" / name).read_text()))
+            assert r["bf16"] == (r["master_weights"] != "fp32"), (name, r)   # defaults, but bf16 for a bf16-based master
+            assert len(r["losses"]) == 3, (name, r)
+            steps = len(r["lr"])                                     # HF's default: linear decay, no warmup
+            assert r["lr"] == pytest.approx([r["default_lr"] * (1 - k / steps) for k in range(1, steps + 1)]), r

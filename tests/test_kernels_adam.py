@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from coat_ds import op_builder
-from coat_ds.formats import E4M3, E5M2, GROUP_SIZES, cast_to_fp8, dequantize, n_groups, quantize, round_bf16
+from coat_ds.formats import (E4M3, E5M2, GROUP_SIZES, bf16_weight, cast_to_fp8, dequantize, n_groups, quantize,
+                             round_bf16, split_remainder)
 from coat_ds.formats.group_quant import K_STEPS
 from coat_ds.kernels.adam_reference import adamw_step_reference
 from coat_ds.op_builder.builder import gencode_flags, parse_cuda_arch_list
@@ -145,16 +146,17 @@ def _misaligned_copy(p: torch.Tensor) -> torch.Tensor:
 SR_SEED = 1234
 
 
-def kernel_step(op, params, grads, ms, vs, out, g, v_fmt, expansion, step, grad_scale=None, sr_keys=None, **hp):
+def kernel_step(op, params, grads, ms, vs, out, g, v_fmt, expansion, step, grad_scale=None, sr_keys=None,
+                remainders=(), **hp):
     """The compiled op's adam_step as ops.adamw_step calls it (grad_scale: None, a float or a tensor)."""
     hp = {**HP, **hp}
     scale_t = grad_scale if isinstance(grad_scale, torch.Tensor) else None
     scale = 1.0 if grad_scale is None or scale_t is not None else grad_scale
     keys = [] if sr_keys is None else [x for key in sr_keys for x in key]
     op.adam_step(params, list(grads), [_u8(m[0]) for m in ms], [m[1] for m in ms], [m[2] for m in ms],
-                 [_u8(v[0]) for v in vs], [v[1] for v in vs], [v[2] for v in vs], out, hp["lr"], hp["beta1"],
-                 hp["beta2"], hp["eps"], hp["weight_decay"], step, g, v_fmt is E5M2, expansion, scale_t, scale, keys,
-                 SR_SEED)
+                 [_u8(v[0]) for v in vs], [v[1] for v in vs], [v[2] for v in vs], out, list(remainders), hp["lr"],
+                 hp["beta1"], hp["beta2"], hp["eps"], hp["weight_decay"], step, g, v_fmt is E5M2, expansion, scale_t,
+                 scale, keys, SR_SEED)
 
 
 def _check_master(got, want32, tol, step, sr_key):
@@ -199,8 +201,8 @@ def _run_and_check(op, params, grads, ms, vs, g, v_fmt, expansion, step, bf16_co
         noisy = m_new.abs() < 1e-3 * (HP["beta1"] * m_old.abs() + (1 - HP["beta1"]) * gf.abs())
         assert_quantized_like_reference(m_new, *km[i], E4M3, g, expansion, noisy)
         assert_quantized_like_reference(v_new, *kv[i], v_fmt, g, expansion)
-        if bf16_copy:
-            assert torch.equal(out[i].view(torch.int16), kp[i].to(torch.bfloat16).view(torch.int16))
+        if bf16_copy:  # of an fp32 master: the split's high half; of a bf16 one: itself
+            assert torch.equal(out[i].view(torch.int16), bf16_weight(kp[i]).view(torch.int16))
     return kp, km, kv
 
 
@@ -344,6 +346,114 @@ def test_adam_step_stochastic_rounding_ignores_partitioning(request, device, sim
         assert _same_bits(torch.cat(p), w[0]), i
 
 
+# ---- issue 31: an exact fp32 master as bf16 high halves + int16 remainders
+
+def _edge_masters(n: int, gen: torch.Generator) -> torch.Tensor:
+    """fp32 masters with the split's edge cases in front: low halves at and around the tie 0x8000 (even and odd
+    high halves), high halves whose rounding carries across a power of two (0x3F7FFFFF -> 1.0), subnormals,
+    +-0, the largest finite value (its high half rounds to inf), then plain random values."""
+    pats = [0x3F7FFFFF, 0x3F7F8000, 0x3F7F7FFF, 0xBF7FFFFF, 0x3F808000, 0x3F818000, 0xBF808000, 0xBF818000,
+            0x3F807FFF, 0x3F808001, 0x00000001, 0x00008000, 0x0000FFFF, 0x007FFFFF, 0x80008000, 0x807FFFFF,
+            0x00000000, 0x80000000, 0x7F7FFFFF, 0xFF7FFFFF, 0x00018000, 0x3C23D70A]
+    x = torch.randn(n, generator=gen) * torch.exp(2 * torch.randn(n, generator=gen))
+    special = torch.tensor(pats, dtype=torch.int64)
+    special = torch.where(special >= 2**31, special - 2**32, special).to(torch.int32).view(torch.float32)
+    x[:len(pats)] = special[:n]
+    return x
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16], ids=["g32", "gbf16"])
+@pytest.mark.parametrize("device,simd", DEVICES)
+def test_adam_step_remainder_master_is_the_fp32_master_bit_for_bit(request, device, simd, grad_dtype):
+    """The same kernel with an fp32 master and with (bf16 high half, int16 remainder): the joined master, the
+    moments' codes, scales and exponents are bit-identical every element, two steps; the high half is the
+    reference's split of the fp32 master (so also the bf16 copy), and the fp32 master stays within the
+    reference step's tolerance (_run_and_check). Zero grads on the edge values keep them near their edges."""
+    from coat_ds.formats import join_remainder, split_remainder
+
+    op = _op(request, device, simd)
+    g = 64
+    sizes = CPU_SIZES if device == "cpu" else GPU_SIZES
+    params, grads, ms, vs = _make_case(sizes, g, E5M2, True, grad_dtype, device, seed=31)
+    gen = torch.Generator().manual_seed(32)
+    params = [_edge_masters(p.numel(), gen).to(device) for p in params]
+    grads[-1][:32] = 0
+    kp, km, kv = _run_and_check(op, params, grads, ms, vs, g, E5M2, True, step=3, bf16_copy=False)
+    split = [split_remainder(p) for p in params]
+    hi, lo = [h.clone() for h, _ in split], [r.clone() for _, r in split]
+    rm, rv = [tuple(t.clone() for t in m) for m in ms], [tuple(t.clone() for t in v) for v in vs]
+    out = [torch.empty_like(h) for h in hi]
+    kernel_step(op, hi, grads, rm, rv, out, g, E5M2, True, 3, remainders=lo)
+    for step in (3, 4):
+        if step == 4:  # continue both from their own state
+            kp, km, kv = _run_and_check(op, kp, grads, km, kv, g, E5M2, True, step=4, bf16_copy=False)
+            kernel_step(op, hi, grads, rm, rv, [], g, E5M2, True, 4, remainders=lo)
+        for i, p in enumerate(kp):
+            assert _same_bits(join_remainder(hi[i], lo[i]), p), (step, i)
+            want_hi, want_lo = split_remainder(p)
+            assert _same_bits(hi[i], want_hi) and _same_bits(lo[i], want_lo), (step, i)
+            if step == 3:
+                assert _same_bits(out[i], hi[i])
+            for a, b in zip((*rm[i], *rv[i]), (*km[i], *kv[i])):
+                assert _same_bits(a, b), (step, i)
+
+
+@pytest.mark.parametrize("device,simd", DEVICES)
+def test_adam_step_remainder_keeps_inf_and_nan(request, device, simd):
+    """A master that is already +-inf stays exactly +-inf; a NaN stays a NaN (high half 0x7FC0); the values
+    beside them in the group are those of the fp32 master."""
+    from coat_ds.formats import join_remainder, split_remainder
+
+    op = _op(request, device, simd)
+    g = 32
+    params, grads, ms, vs = _make_case((4099,), g, E4M3, True, torch.float32, device, seed=33)
+    params[0][:3] = torch.tensor([float("inf"), float("-inf"), float("nan")])
+    fp32 = [params[0].clone()]
+    kernel_step(op, fp32, grads, [tuple(t.clone() for t in ms[0])], [tuple(t.clone() for t in vs[0])], [], g, E4M3,
+                True, 2)
+    hi, lo = (t.clone() for t in split_remainder(params[0]))
+    kernel_step(op, [hi], grads, [tuple(t.clone() for t in ms[0])], [tuple(t.clone() for t in vs[0])], [], g, E4M3,
+                True, 2, remainders=[lo])
+    got = join_remainder(hi, lo)
+    assert _same_bits(got[:2], fp32[0][:2]) and got[2].isnan() and hi[2].view(torch.int16).item() == 0x7FC0
+    assert _same_bits(got[3:], fp32[0][3:])
+
+
+def _with_ties(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """x with the low half of every 4th value set to 0x8000 (an exact tie; high halves even and odd alike)."""
+    u = x.view(torch.int32).clone()
+    at = torch.randperm(x.numel(), generator=gen)[: x.numel() // 4]
+    u[at] = (u[at] & ~0xFFFF) | 0x8000
+    return u.view(torch.float32)
+
+
+@pytest.mark.parametrize("device,simd", DEVICES)
+def test_adam_step_bf16_copy_of_an_fp32_master_is_the_splits_high_half(request, device, simd):
+    """The bf16 copy of an fp32 master is formats.remainder's high half (nearest, ties away from zero: what an
+    fp32_remainder master's weight is), every element, not the nearest-even cast. lr = 0 keeps the masters as
+    they went in: random ones with exact ties (even and odd high halves), the split's edge values (subnormals,
+    +-0, carries across a power of two), +-inf and NaN; then an ordinary step."""
+    op = _op(request, device, simd)
+    g = 64
+    sizes = CPU_SIZES if device == "cpu" else GPU_SIZES
+    params, grads, ms, vs = _make_case(sizes, g, E5M2, True, torch.bfloat16, device, seed=36)
+    gen = torch.Generator().manual_seed(37)
+    params = [_with_ties(_edge_masters(p.numel(), gen), gen) for p in params]
+    params[-1][-3:] = torch.tensor([float("inf"), float("-inf"), float("nan")])
+    params = [p.to(device) for p in params]
+    for hp in (dict(lr=0.0), {}):
+        kp = [p.clone() for p in params]
+        out = [torch.full_like(p, float("nan"), dtype=torch.bfloat16) for p in params]
+        kernel_step(op, kp, grads, [tuple(t.clone() for t in m) for m in ms], [tuple(t.clone() for t in v) for v in vs],
+                    out, g, E5M2, True, 3, **hp)
+        for i, (p, o) in enumerate(zip(kp, out)):
+            assert _same_bits(o, split_remainder(p)[0]), (hp, i)
+        if hp:  # the masters came out as they went in, so the even ties were there to tell the roundings apart
+            u = torch.cat(kp).view(torch.int32).cpu()
+            assert (((u & 0xFFFF) == 0x8000) & ((u >> 16) & 1 == 0)).sum() > 100
+            assert not _same_bits(torch.cat(out), torch.cat(kp).to(torch.bfloat16))
+
+
 @pytest.mark.gpu
 def test_adamw_step_with_a_device_grad_scale_does_not_sync():
     """The glue hands a device tensor (DeepSpeed's 1 / combined scale): reading it must not stall the host."""
@@ -379,6 +489,11 @@ def test_adamw_step_rejects_bad_inputs():
         ops.adamw_step([p], [p], [m], [m], grad_scale=torch.ones(2), **kw)
     with pytest.raises(ValueError, match="sr_keys"):
         ops.adamw_step([p], [p], [m], [m], sr_keys=[(1, 0), (2, 0)], **kw)
+    with pytest.raises(ValueError, match=r"remainders\[0\] must be int16 of params\[0\]'s shape with a bf16 param"):
+        ops.adamw_step([p], [p], [m], [m], remainders=[torch.zeros(4, dtype=torch.int16)], **kw)
+    with pytest.raises(ValueError, match="no sr_keys"):
+        ops.adamw_step([p.bfloat16()], [p], [m], [m], remainders=[torch.zeros(4, dtype=torch.int16)],
+                       sr_keys=[(1, 0)], **kw)
 
 
 @pytest.mark.parametrize("device,simd", DEVICES)

@@ -17,6 +17,7 @@ import os
 import pytest
 import torch
 
+from coat_ds.deepspeed.master import MASTER_WEIGHTS
 from test_deepspeed import SAVE_AT, STEPS, _require_launcher, _task, launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -115,4 +116,4 @@ def test_bf16_master_refused_where_it_cannot_run(runs):
     assert out["ds_bf16_master"] == ("bf16.bf16_master_weights_and_grads=true with CoatAdamW needs coat.master_weights "
                                      "'bf16_sr' or 'bf16_rn' (CoatAdamW's step writes the bf16 master); this config "
                                      "has 'fp32'")
-    assert "coat.master_weights='bf16' is invalid; allowed: ['fp32', 'bf16_sr', 'bf16_rn']" == out["bad_value"]
+    assert f"coat.master_weights='bf16' is invalid; allowed: {list(MASTER_WEIGHTS)}" == out["bad_value"]

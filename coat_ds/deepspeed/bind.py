@@ -7,7 +7,9 @@ partition boundaries cut identically on every rank, and bind it to CoatAdamW (`b
 state creation and FP8 step for that tensor then go through the layout. Parameters DeepSpeed leaves
 whole (stage 0 without bf16, fp16 stage 0) keep CoatAdamW's own per-parameter path: its groups are
 already the canonical ones. ZeRO-1/2/3 optimizers also get the step of zero_step.py (the kernel reads
-the gradient partition in place), and `"coat": {"master_weights": "bf16_sr"}` bf16 masters (master.py).
+the gradient partition in place; BF16_Optimizer only its bf16 weight copy), and `"coat": {"master_weights": ...}` bf16 masters or bf16 + remainder
+masters (master.py; the remainders, zero at the start where the fp32 master is the widened bf16 weights, are
+kept by the layout).
 """
 from __future__ import annotations
 
@@ -99,11 +101,11 @@ def bind(engine) -> int:
         else:
             everyone = [mine]
         cut_index = {k: n for n, k in enumerate(sorted({k for keys in everyone for k in keys}))}
+        rem = torch.zeros(flat.numel(), dtype=torch.int16, device=flat.device) if master == "fp32_remainder" else None
         opt.bind_partition(flat, ShardLayout(segments, flat.numel(), g, pg, cut_index, comm_device,
-                                             stochastic=master == "bf16_sr"))
+                                             stochastic=master == "bf16_sr", remainder=rem))
         bound += 1
-    is_zero = hasattr(zo, "single_partition_of_fp32_groups") or hasattr(zo, "fp32_partitioned_groups_flat")
-    if bound and is_zero and (zero_step.ENABLED or master != "fp32"):
+    if bound and (zero_step.ENABLED or master != "fp32"):  # bound: ZeRO-1/2/3 or BF16_Optimizer (partitions())
         zero_step.install(zo)
     engine._coat_bound = bound
     return bound

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .. import kernels
-from ..formats import Fp8Moment
+from ..formats import Fp8Moment, bf16_weight
 from ..optim import CoatAdamW
 from ..optim.coat_adamw import FP8_STATE_KEYS, FP32_STATE_KEYS, MOMENTS, fp8_moments, fp32_zeros
 from .bind import partitions
@@ -272,6 +272,8 @@ def _restore_partition(flat: torch.Tensor, layout, group: dict, canon: dict[str,
             raise CheckpointError(f"parameter {seg.name}: {c.master.numel()} values in the checkpoint, "
                                   f"{seg.param_numel} in the model")
         c.scatter(seg, meta, flat, moments)
+        if layout.remainder is not None:  # the master as high halves + remainders, exactly
+            layout.write_master(flat, seg.flat_start, c.master[seg.param_start:seg.param_start + seg.numel])
         st["step"] = c.step.clone()
     return st
 
@@ -303,9 +305,14 @@ def _group_for(opt: CoatAdamW, engine, k: int) -> dict:
 
 
 def _restore_lp(engine, canon: dict[str, ParamState]) -> None:
-    """Model (low-precision) weights from the restored fp32 masters."""
+    """Model (low-precision) weights from the restored fp32 masters: bf16 ones as the step writes them (the
+    split's high half, an fp32 master's or a remainder master's alike)."""
     zo = engine.optimizer
     names = {p: n for n, p in engine.module.named_parameters()}
+
+    def lp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return bf16_weight(x.float()) if dtype == torch.bfloat16 else x.to(dtype)
+
     if hasattr(zo, "fp32_partitioned_groups_flat"):  # ZeRO-3: each rank holds its slice of every parameter
         rank = dist.get_rank(group=zo.dp_process_group)
         for group in zo.fp16_groups:
@@ -314,9 +321,9 @@ def _restore_lp(engine, canon: dict[str, ParamState]) -> None:
                 start = rank * part
                 n = max(0, min(part, p.ds_numel - start))
                 if n:
-                    p.ds_tensor.data.view(-1)[:n] = canon[names[p]].master[start:start + n].to(p.ds_tensor.dtype)
+                    p.ds_tensor.data.view(-1)[:n] = lp(canon[names[p]].master[start:start + n], p.ds_tensor.dtype)
         return
     for p, name in names.items():
         if name in canon and p.numel() == canon[name].master.numel():
-            p.data.copy_(canon[name].master.view_as(p).to(p.dtype))
+            p.data.copy_(lp(canon[name].master, p.dtype).view_as(p))
 

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .. import kernels
-from ..formats import Fp8Moment, get_format
+from ..formats import Fp8Moment, get_format, join_remainder, split_remainder
 from ..optim.coat_adamw import fp8_moments, fp8_zeros
 
 Key = tuple  # (parameter name, group index)
@@ -101,9 +101,12 @@ class ShardLayout:
 
     def __init__(self, segments: list[Segment], flat_numel: int, group_size: int, process_group=None,
                  cut_index: dict[Key, int] | None = None, comm_device: str | torch.device = "cpu",
-                 stochastic: bool = False) -> None:
+                 stochastic: bool = False, remainder: torch.Tensor | None = None) -> None:
         self.segments = sorted(segments, key=lambda s: s.flat_start)
         self.stochastic = stochastic  # a bf16 master is rounded stochastically (else to nearest)
+        # int16, one per value of the flat partition: the low halves of an exact fp32 master whose high halves
+        # are the bf16 flat partition itself (coat.master_weights 'fp32_remainder'), or None
+        self.remainder = remainder
         self.flat_numel = flat_numel
         self.group_size = group_size
         self.process_group = process_group
@@ -139,6 +142,22 @@ class ShardLayout:
         each segment's fields as a tuple, `Segment(*t)` reads one back."""
         return [astuple(s) for s in self.segments]
 
+    # ---------------------------------------------------------------- the master
+    def master(self, flat: torch.Tensor) -> torch.Tensor:
+        """The fp32 master of the flat partition: flat itself, or its high halves joined with the remainders."""
+        return flat if self.remainder is None else join_remainder(flat.view(-1), self.remainder).view(flat.shape)
+
+    def write_master(self, flat: torch.Tensor, start: int, values: torch.Tensor) -> None:
+        """Write fp32 master values into flat from `start` (split into high halves and remainders if kept so)."""
+        n = values.numel()
+        values = values.reshape(-1).to(flat.device)
+        if self.remainder is None:
+            flat.view(-1)[start:start + n] = values
+            return
+        hi, lo = split_remainder(values.float())
+        flat.view(-1)[start:start + n] = hi
+        self.remainder[start:start + n] = lo
+
     # ---------------------------------------------------------------- the step
     def _exchange(self, p: torch.Tensor, grads: "FlatPieces", mq: torch.Tensor, vq: torch.Tensor,
                   check: bool) -> tuple:
@@ -150,8 +169,9 @@ class ShardLayout:
             return None, False
         buf = torch.zeros(n_cut * 4 * g + 1, dtype=torch.float32, device=p.device)
         rows = buf[:-1].view(n_cut, 4, g)
+        master = self.master(p) if self.cuts else p
         for cid, _, flat, pos, n in self.cuts:
-            rows[cid, 0, pos:pos + n] = p[flat:flat + n]
+            rows[cid, 0, pos:pos + n] = master[flat:flat + n]
             rows[cid, 1, pos:pos + n] = grads.narrow(flat, n)
             rows[cid, 2, pos:pos + n] = mq.view(torch.uint8)[flat:flat + n].float()
             rows[cid, 3, pos:pos + n] = vq.view(torch.uint8)[flat:flat + n].float()
@@ -204,31 +224,37 @@ class ShardLayout:
         grad_list = [grads.narrow(start, n) for start, n, _ in self.bodies]
         in_kernel = lp_out is not None and lp_out.dtype == torch.bfloat16 and flat.dtype == torch.float32
         outs = [lp_out.view(-1).narrow(0, start, n) for start, n, _ in self.bodies] if in_kernel else []
+        rem = self.remainder
+        rems = [] if rem is None else [rem.narrow(0, start, n) for start, n, _ in self.bodies]
         whole = []
         for cid, meta, _, _, _ in self.cuts:  # one tensor of exactly G values per cut group
-            pc, gc = rows[cid, 0].to(flat.dtype, copy=True), rows[cid, 1].clone()
+            # (a remainder master's cut group steps as an fp32 master: the same arithmetic, split below)
+            pc = rows[cid, 0].to(flat.dtype if rem is None else torch.float32, copy=True)
+            gc = rows[cid, 1].clone()
             mc = rows[cid, 2].to(torch.uint8).view(mq.dtype)
             vc = rows[cid, 3].to(torch.uint8).view(vq.dtype)
-            whole.append((pc, mc, vc))
             params.append(pc)
             grad_list.append(gc)
             m.append((mc, m_all.scale.narrow(0, meta, 1), m_all.expo.narrow(0, meta, 1)))
             v.append((vc, v_all.scale.narrow(0, meta, 1), v_all.expo.narrow(0, meta, 1)))
             if in_kernel:
                 outs.append(torch.empty(g, dtype=torch.bfloat16, device=flat.device))
+            whole.append((pc, mc, vc, outs[-1] if in_kernel else None))
+            if rem is not None:
+                rems.append(None)
         beta1, beta2 = group["betas"]
         sr = self.stochastic and flat.dtype == torch.bfloat16
         kernels.adamw_step(params, grad_list, m, v, lr=float(group["lr"]), beta1=beta1, beta2=beta2,
                            eps=group["eps"], weight_decay=group["weight_decay"], step=step,
                            v_format=get_format(group["v_format"]), group_size=g, expansion=group["expansion"],
                            bf16_out=outs, grad_scale=grad_scale, sr_keys=self.sr_keys if sr else None,
-                           sr_seed=SR_SEED)
-        for (_, _, start, pos, n), (pc, mc, vc) in zip(self.cuts, whole):
-            flat[start:start + n] = pc[pos:pos + n]
+                           sr_seed=SR_SEED, remainders=rems)
+        for (_, _, start, pos, n), (pc, mc, vc, oc) in zip(self.cuts, whole):
+            self.write_master(flat, start, pc[pos:pos + n])
             mq[start:start + n] = mc[pos:pos + n]
             vq[start:start + n] = vc[pos:pos + n]
-            if in_kernel:
-                lp_out.view(-1)[start:start + n] = pc[pos:pos + n]
+            if in_kernel:  # the kernel's bf16 copy (its rounding, not a cast's)
+                lp_out.view(-1)[start:start + n] = oc[pos:pos + n]
         if lp_out is not None and not in_kernel:
             lp_out.copy_(p)
         return True

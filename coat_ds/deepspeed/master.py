@@ -1,11 +1,16 @@
 """`"coat": {"master_weights": ...}`: where ZeRO keeps the master copy of the weights for CoatAdamW.
 
-- "fp32" (default): DeepSpeed's fp32 master partition (4 B/param), as with any optimizer.
+- "fp32" (default): DeepSpeed's fp32 master partition (4 B/param), as with any optimizer; the bf16 weights
+  written from it are rounded as "fp32_remainder"'s high halves (ties away from zero: zero_step.py).
 - "bf16_sr": the master partition is bf16 and the FP8 step writes it with stochastic rounding (random
   bits keyed by seed, step and the value's position in its parameter: deterministic, world-size
   independent, bit-exact on resume), so updates below a bf16 ulp survive in expectation.
 - "bf16_rn": the same with round-to-nearest, an ablation showing what stochastic rounding buys
   (small updates are lost; not meant for training).
+- "fp32_remainder": an exact fp32 master for 2 B/param: the bf16 model partition holds its high halves
+  (rounded to nearest, ties away from zero: formats.remainder) and an int16 remainder per value, kept by the
+  partition's layout, its low halves; the kernel joins, steps and splits them, bit-identical to "fp32".
+  Device only (ZeRO-1/2/3): under Offload the host would keep as many bytes as DeepSpeed's fp32 master.
 
 With a bf16 master, ZeRO-1/2/3 on the device use the bf16 model partition itself as the master: the
 step updates it in place and DeepSpeed's fp32 partition is freed (master and model copy: 2 B/param
@@ -22,7 +27,8 @@ from typing import Mapping
 
 import torch
 
-MASTER_WEIGHTS = ("fp32", "bf16_sr", "bf16_rn")
+MASTER_WEIGHTS = ("fp32", "bf16_sr", "bf16_rn", "fp32_remainder")
+BF16_MASTERS = ("bf16_sr", "bf16_rn")  # the bf16 model partition is the whole master (rounded)
 KEY = "coat.master_weights"
 
 
@@ -42,6 +48,11 @@ def master_weights(engine) -> str:
 def _zero3_offload(where: str) -> str:
     return (f"{where} under ZeRO-3 needs parameters and optimizer on the device (no Offload, no NVMe); "
             "allowed there: 'fp32'")
+
+
+def _remainder_offload(where: str) -> str:
+    return (f"{where} keeps bf16 weights + int16 remainders on the device; under Offload the host master would "
+            "cost what DeepSpeed's fp32 one does (4 B/param); allowed there: 'fp32' (exact) or 'bf16_sr'")
 
 
 def _not_bf16(where: str, dtype: object) -> str:
@@ -66,6 +77,8 @@ def config_refusal(cfg: Mapping, hf_auto: bool = False) -> str | None:
         return f"{where} needs ZeRO stage 1, 2 or 3 (zero_optimization.stage is 0); allowed there: 'fp32'"
     offloaded = [k for k in ("offload_optimizer", "offload_param")
                  if str((zero.get(k) or {}).get("device", "none")).lower() != "none"]
+    if offloaded and value == "fp32_remainder":
+        return _remainder_offload(where)
     if stage == 3 and offloaded:
         return _zero3_offload(where)
     return None
@@ -80,13 +93,16 @@ def bf16_host_master(engine) -> bool:
     if value == "fp32" and offload and engine.bf16_master_weights_and_gradients():
         raise ValueError(f"bf16.bf16_master_weights_and_grads=true with CoatAdamW needs {KEY} 'bf16_sr' or "
                          "'bf16_rn' (CoatAdamW's step writes the bf16 master); this config has 'fp32'")
-    return offload and value != "fp32"
+    return offload and value in BF16_MASTERS
 
 
 def _refuse(engine, value: str) -> str | None:
     """Why this engine cannot keep a bf16 master, or None."""
     zo = engine.optimizer
     where = f"{KEY}={value!r}"
+    if value == "fp32_remainder" and (getattr(zo, "cpu_offload", False) or getattr(zo, "offload_optimizer", False)
+                                      or getattr(zo, "offload_param", False)):
+        return _remainder_offload(where)
     if hasattr(zo, "fp32_partitioned_groups_flat"):
         if zo.offload_optimizer or zo.offload_param or any(f is None for f in zo.fp16_partitioned_groups_flat):
             return _zero3_offload(where)
@@ -125,6 +141,7 @@ def use_bf16_master(engine) -> None:
     else:
         _zero12_bf16_master(zo, engine.basic_optimizer)
     zo._coat_bf16_master = True
+    zo._coat_remainder = value == "fp32_remainder"
     get_accelerator().empty_cache()  # hand the fp32 partitions' blocks back, not just to the allocator's cache
     if getattr(zo, "cpu_offload", False):
         _release_pinned_cache()

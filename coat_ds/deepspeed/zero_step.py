@@ -9,7 +9,7 @@ views DeepSpeed already keeps of the partition (`averaged_gradients[i]`, one per
 contiguous gradients they lie in one reduction buffer, in reduction order, hence pieces and not one
 tensor) and nothing of partition size is allocated. Widening bf16/fp16 to fp32 is exact and the scalar
 is DeepSpeed's own (its unscale_and_clip_grads applied to a 1), so the step is bit-identical to
-DeepSpeed's (tests/test_zero_state.py). A non-finite gradient is caught by DeepSpeed's own overflow
+DeepSpeed's with its weight copy rounded as below (tests/test_zero_state.py). A non-finite gradient is caught by DeepSpeed's own overflow
 check or norm where it computes one; only where it does not does CoatAdamW read the gradient to check.
 
 DeepSpeed 0.19.8 builds its ZeRO optimizers itself (no factory to hook), so bind() gives the instance a
@@ -18,6 +18,12 @@ small overrides suffice. ZeRO-1/2 do their per-group work inline in `step`, so t
 `DeepSpeedZeroOptimizer.step` of DeepSpeed 0.19.8 (overflow check, norm, loss scale, all-gather) around
 its own per-group body, and hands back to DeepSpeed's step where it does not apply (autocast's grad
 scaler, ZenFlow, Offload with an fp32 master: that path has no fp32 copy on the device to save).
+
+The bf16 model weights of an fp32 master are written as CoatAdamW's kernel writes them: the high half of
+formats.remainder's split (nearest, ties away from zero), so that "fp32" and "fp32_remainder" masters train
+bit-identically. That holds for every copy made here and for the ones DeepSpeed makes around CoatAdamW's step on
+the device (ZeRO-3's per-sub-group copy, BF16_Optimizer's `update_lp_params`, loads included); DeepSpeed's own
+step under Offload and with `ENABLED = False` keeps its nearest-even cast (a difference at exact ties only).
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ from deepspeed.runtime.zero.stage_1_and_2 import (INITIAL_MICRO_STEP_ID, OPTIMIZ
                                                   OPTIMIZER_STEP_TIMER, OPTIMIZER_TIMERS, all_gather_dp_groups)
 from deepspeed.checkpoint.constants import FP32_FLAT_GROUPS, SINGLE_PARTITION_OF_FP32_GROUPS
 
+from ..formats.remainder import bf16_weight, check_finite
 from .layout import FlatPieces
 
 ENABLED = True  # False: DeepSpeed's own step for fp32 masters (what the tests compare with)
@@ -39,6 +46,7 @@ class Zero12Step:
     """Mixed into DeepSpeedZeroOptimizer (ZeRO-1/2) of a CoatAdamW engine; see the module docstring."""
 
     _coat_bf16_master = False  # master.py sets it when the master partitions are bf16
+    _coat_remainder = False  # ... and when they are the high halves of fp32 masters (layouts keep the remainders)
 
     def step(self, closure=None):
         if self.torch_autocast_gradscaler or self.zenflow or (self.cpu_offload and not self._coat_bf16_master):
@@ -47,6 +55,8 @@ class Zero12Step:
         if not go:
             return
         finite = self.check_grad_overflow or (norm is not None and not is_invalid_grad_norm(norm))
+        if torch.is_tensor(self._global_grad_norm):  # a check above already waited for the norm: reading it is free,
+            self._global_grad_norm = self._global_grad_norm.item()  # and HF Trainer's .item() then waits on no step
         self.timers(OPTIMIZER_STEP_TIMER).start()
         for i in range(len(self.bit16_groups)):
             self._coat_step_group(i, norm, finite)
@@ -145,19 +155,28 @@ class Zero12Step:
         self.unscale_and_clip_grads([grad], norm)
         self._optimizer_step(i)
         master.grad = None
-        lp.data.copy_(master.data)
+        write_lp(lp, master)
 
     def state_dict(self):
         sd = super().state_dict()
         if self._coat_bf16_master and not self.cpu_offload:  # views of the model's flat buffer: save just them
-            sd[SINGLE_PARTITION_OF_FP32_GROUPS] = [t.clone() for t in sd[SINGLE_PARTITION_OF_FP32_GROUPS]]
+            sd[SINGLE_PARTITION_OF_FP32_GROUPS] = _saved_masters(self, sd[SINGLE_PARTITION_OF_FP32_GROUPS],
+                                                                  self.single_partition_of_fp32_groups)
         return sd
+
+    def _load_legacy_checkpoint(self, state_dict_list, load_optimizer_states=True, load_from_fp32_weights=False):
+        super()._load_legacy_checkpoint(state_dict_list, load_optimizer_states, load_from_fp32_weights)
+        if self._coat_remainder:  # DeepSpeed copied the saved fp32 masters into bf16: split them exactly instead
+            rank = dist.get_rank(group=self.dp_process_group)
+            saved = state_dict_list[rank][SINGLE_PARTITION_OF_FP32_GROUPS] if load_from_fp32_weights else None
+            _load_remainders(self, self.single_partition_of_fp32_groups, saved)
 
 
 class Zero3Step:
     """Mixed into DeepSpeedZeroOptimizer_Stage3 of a CoatAdamW engine: the per-sub-group hooks of its step."""
 
     _coat_bf16_master = False  # master.py sets it when the master partitions are the bf16 model partitions
+    _coat_remainder = False  # ... and when they are the high halves of fp32 masters (layouts keep the remainders)
 
     def _coat_group(self, i: int) -> dict | None:
         """The param group of sub-group i if this step takes it over (bound FP8 group, on the device)."""
@@ -198,16 +217,80 @@ class Zero3Step:
             self._coat_lp_written.add(i)
 
     def _reassign_or_swap_out_partitioned_parameters(self, i: int) -> None:
-        if i not in self._coat_lp_written:
+        lp = self.fp16_partitioned_groups_flat[i]
+        if i in self._coat_lp_written:
+            self._coat_lp_written.discard(i)
+        elif lp is not None and not self.offload_optimizer:  # DeepSpeed's copy, rounded as the kernel rounds
+            write_lp(lp, self.fp32_partitioned_groups_flat[i])
+        else:
             return super()._reassign_or_swap_out_partitioned_parameters(i)
-        self._coat_lp_written.discard(i)
         self._unflatten_partitioned_parameters(i)
 
     def _rigid_state_dict(self):
         sd = super()._rigid_state_dict()
         if self._coat_bf16_master:  # views of the model's flat buffer: save just them
-            sd[FP32_FLAT_GROUPS] = [t.clone() for t in sd[FP32_FLAT_GROUPS]]
+            sd[FP32_FLAT_GROUPS] = _saved_masters(self, sd[FP32_FLAT_GROUPS], self.fp32_partitioned_groups_flat)
         return sd
+
+    def _rigid_load_state_dict(self, state_dict, load_optimizer_states=True):
+        super()._rigid_load_state_dict(state_dict, load_optimizer_states)
+        if self._coat_remainder:
+            _load_remainders(self, self.fp32_partitioned_groups_flat, state_dict[FP32_FLAT_GROUPS])
+
+
+class Bf16Step:
+    """Mixed into DeepSpeed's BF16_Optimizer (ZeRO-1 with fp32 gradient accumulation) of a CoatAdamW engine:
+    its copy of the fp32 master partitions into the bf16 model (DeepSpeed 0.19.8's `update_lp_params`, after
+    each step and on load) rounded as the kernel rounds."""
+
+    @torch.no_grad()
+    def update_lp_params(self) -> None:
+        for i, (parts, master) in enumerate(zip(self.bf16_partitioned_groups, self.fp32_groups_flat_partition)):
+            write_lp(parts[dist.get_rank(group=self.real_dp_process_group[i])], master)
+        all_gather_dp_groups(groups_flat=self.bf16_groups_flat, partitioned_param_groups=self.bf16_partitioned_groups,
+                             dp_process_group=self.real_dp_process_group,
+                             start_alignment_factor=self.nccl_start_alignment_factor,
+                             allgather_bucket_size=self.allgather_bucket_size)
+
+
+@torch.no_grad()
+def write_lp(lp: torch.Tensor, master: torch.Tensor) -> None:
+    """The model's partition lp from its master: a bf16 one from an fp32 master as CoatAdamW's kernel writes it
+    (formats.remainder.bf16_weight: ties away from zero), anything else as DeepSpeed copies it."""
+    if lp.dtype == torch.bfloat16 and master.dtype == torch.float32:
+        bf16_weight(master.data, out=lp.data)
+    else:
+        lp.data.copy_(master.data)
+
+
+def _saved_masters(zo, saved: list, flats: list) -> list:
+    """What a checkpoint holds for bf16 master partitions `flats` (DeepSpeed's `saved`: views of them, padding
+    cut off): copies, or for remainder masters the fp32 masters themselves (what an fp32-master run saves)."""
+    if not zo._coat_remainder:
+        return [t.clone() for t in saved]
+    out = []
+    for t, flat in zip(saved, flats):
+        layout = zo.optimizer.partition_of(flat)
+        full = flat.float() if layout is None else layout.master(flat)
+        out.append(full.reshape(-1)[:t.numel()].clone())
+    return out
+
+
+@torch.no_grad()
+def _load_remainders(zo, flats: list, saved: list | None) -> None:
+    """After DeepSpeed's load into bf16 master partitions: the saved masters split into high halves and
+    remainders (fp32 files: exact; bf16 ones, as bf16_sr writes: remainder 0); saved None: loaded from the
+    bf16 weights, remainder 0."""
+    for i, flat in enumerate(flats):
+        layout = zo.optimizer.partition_of(flat)
+        if layout is None:
+            continue
+        if saved is None:
+            layout.remainder.zero_()
+            continue
+        values = saved[i].reshape(-1)[:flat.numel()].float()
+        check_finite(values, "checkpoint master")
+        layout.write_master(flat, 0, values)
 
 
 @functools.lru_cache(maxsize=None)
@@ -216,8 +299,10 @@ def _subclass(mixin: type, base: type) -> type:
 
 
 def install(zo) -> None:
-    """Give the ZeRO optimizer `zo` (stage 1, 2 or 3) of a CoatAdamW engine the step of this module."""
-    mixin = Zero3Step if hasattr(zo, "fp32_partitioned_groups_flat") else Zero12Step
+    """Give the ZeRO optimizer `zo` (stage 1, 2 or 3, or BF16_Optimizer) of a CoatAdamW engine the step of this
+    module."""
+    mixin = (Zero3Step if hasattr(zo, "fp32_partitioned_groups_flat") else
+             Zero12Step if hasattr(zo, "single_partition_of_fp32_groups") else Bf16Step)
     if not isinstance(zo, mixin):
         zo.__class__ = _subclass(mixin, type(zo))
     zo._coat_grads, zo._coat_scales, zo._coat_lp_written = {}, {}, set()

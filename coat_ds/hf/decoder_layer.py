@@ -17,6 +17,7 @@ from ..activation.config import ActivationConfig
 from ..kernels import quant
 from ..activation.functions import LinearFn, MlpFn, NormLinearFn, RopeFn
 from ..activation.weight_cache import WeightGroup
+from .contract import pop_cache
 
 try:
     from transformers.modeling_layers import GradientCheckpointingLayer as _Base
@@ -109,10 +110,11 @@ class CoatDecoderLayer(_Base):
         return f"mode={c.mode}, fwd={c.fwd_format}, bwd={c.bwd_format}, group_size={c.group_size}"
 
     # ---------------------------------------------------------------- forward
-    def _fp8_attention(self, q: torch.Tensor, impl: str | None, past_key_values: Any, dropout: float) -> bool:
+    def _fp8_attention(self, q: torch.Tensor, impl: str | None, cache: Any, dropout: float) -> bool:
         """attention_fp8 applies to training steps of the sdpa/eager backends without a KV cache or dropout
-        (its backward recomputes the call, which dropout would not repeat); eager and traced (torch.compile)."""
-        return (self.coat_config.attention_fp8 and impl in _FP8_ATTN_BACKENDS and past_key_values is None
+        (its backward recomputes the call, which dropout would not repeat); eager and traced (torch.compile).
+        Training forwards reach the layers without a cache: coat_ds.inject makes them cacheless (swap.py)."""
+        return (self.coat_config.attention_fp8 and impl in _FP8_ATTN_BACKENDS and cache is None
                 and dropout == 0.0 and self.training and q.requires_grad)
 
     def _heads(self, qkv: torch.Tensor, input_shape, position_embeddings) -> tuple[torch.Tensor, ...]:
@@ -153,15 +155,15 @@ class CoatDecoderLayer(_Base):
         return call
 
     def _attention(self, qkv: torch.Tensor, residual: torch.Tensor, input_shape, position_embeddings,
-                   attention_mask, past_key_values, **kwargs: Any) -> torch.Tensor:
+                   attention_mask, cache, **kwargs: Any) -> torch.Tensor:
         """residual + o_proj(attention(q, k, v)), [tokens, hidden]."""
         attn, cfg = self.self_attn, self.coat_config
         q, k, v = self._heads(qkv, input_shape, position_embeddings)
-        if past_key_values is not None:
-            k, v = past_key_values.update(k, v, attn.layer_idx)
+        if cache is not None:
+            k, v = cache.update(k, v, attn.layer_idx)
         dropout = 0.0 if not self.training else attn.attention_dropout
         call = self._attention_call(dropout, **kwargs)
-        if self._fp8_attention(q, attn.config._attn_implementation, past_key_values, dropout):
+        if self._fp8_attention(q, attn.config._attn_implementation, cache, dropout):
             return Fp8AttentionFn.apply(q, k, v, attention_mask, residual, call, cfg, self._o, *self._o.params())
         out = call(q, k, v, attention_mask)
         o = out.reshape(-1, out.shape[-2] * out.shape[-1])
@@ -169,14 +171,14 @@ class CoatDecoderLayer(_Base):
         return LinearFn.apply(o, residual, cfg, self._o, cfg.mode != "full", *self._o.params())
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.LongTensor | None = None, past_key_values: Any = None,
-                use_cache: bool | None = False, position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-                **kwargs: Any) -> torch.Tensor:
+                position_ids: torch.LongTensor | None = None, use_cache: bool | None = False,
+                position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs: Any) -> torch.Tensor:
+        """HF's decoder-layer forward; the KV cache comes as `cache` or `past_key_values` (contract.py)."""
         cfg = self.coat_config
         if not cfg.enabled:
             return self._hf_layer(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
-                                  past_key_values=past_key_values, use_cache=use_cache,
-                                  position_embeddings=position_embeddings, **kwargs)
+                                  use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
+        cache = pop_cache(kwargs)
         input_shape = hidden_states.shape[:-1]
         hsz = hidden_states.shape[-1]
         x = hidden_states.reshape(-1, hsz)
@@ -186,7 +188,7 @@ class CoatDecoderLayer(_Base):
             qkv = NormLinearFn.apply(x, ln1.weight, ln1.variance_epsilon, cfg, self._qkv, *self._qkv.params())
         else:
             qkv = LinearFn.apply(ln1(x), None, cfg, self._qkv, True, *self._qkv.params())
-        h = self._attention(qkv, x, input_shape, position_embeddings, attention_mask, past_key_values, **kwargs)
+        h = self._attention(qkv, x, input_shape, position_embeddings, attention_mask, cache, **kwargs)
         if full:
             out = MlpFn.apply(h, ln2.weight, ln2.variance_epsilon, cfg, self._gu, self._down,
                               *self._gu.params(), *self._down.params())

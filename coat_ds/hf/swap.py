@@ -6,14 +6,20 @@ changes. What the model has attached to a layer (training flag, HF gradient chec
 moves with the swap in both directions."""
 from __future__ import annotations
 
+import inspect
+import logging
 from dataclasses import replace
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..activation.sharding import sharding
 from . import policies as _builtin_policies  # noqa: F401  (registers llama, mistral, qwen2)
+from .contract import has_cache
 from .registry import InjectionPolicy, get_policy
+
+logger = logging.getLogger(__name__)
 
 # Set on the model (a plain attribute: not in state_dict, not in config.json, so saving stays stock).
 INJECTED_ATTR = "_coat_injected"
@@ -111,6 +117,41 @@ def _drop_stale_sharded_weights(layer: nn.Module, args: Any) -> None:
         layer.clear_weight_cache()
 
 
+def _cacheless_training(model: nn.Module, args: Any, kwargs: dict[str, Any]):
+    """Forward pre-hook: a training forward (grad enabled) runs with use_cache=False, as HF's own models do
+    under gradient checkpointing. HF's default use_cache=True builds a KV cache even in a training forward;
+    the cache keeps a second bf16 copy of every layer's K and V alive with the output, and attention_fp8
+    must decline a cached call (what attention saves would not be what the cache returns). A cache the
+    caller passes in is kept, and so is every forward without grad (generate, evaluation)."""
+    if not (model.training and torch.is_grad_enabled()) or has_cache(kwargs):
+        return None
+    if kwargs.get("use_cache"):
+        logger.warning("coat_ds: a training forward runs with use_cache=False (no KV cache is built with grad "
+                       "enabled; pass a cache object to keep one)")
+    return args, {**kwargs, "use_cache": False}
+
+
+def _takes_use_cache(module: nn.Module) -> bool:
+    from transformers import PreTrainedModel
+    return isinstance(module, PreTrainedModel) and "use_cache" in inspect.signature(module.forward).parameters
+
+
+def _install_cacheless_training(model: nn.Module) -> None:
+    """Put _cacheless_training on `model` and on every HF model inside it whose forward takes use_cache (a user
+    may call the base model directly); once each."""
+    for module in model.modules():
+        if _takes_use_cache(module) and _cacheless_training not in module._forward_pre_hooks.values():
+            module.register_forward_pre_hook(_cacheless_training, with_kwargs=True)
+
+
+def _remove_hook(module: nn.Module, hook: Any) -> None:
+    """Found by identity rather than by a stored handle, so deepcopy / pickle of the model cannot confuse it."""
+    for key, h in list(module._forward_pre_hooks.items()):
+        if h is hook:
+            del module._forward_pre_hooks[key]
+            module._forward_pre_hooks_with_kwargs.pop(key, None)
+
+
 def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
     parent_name, _, child = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
@@ -159,6 +200,7 @@ def inject(model: nn.Module, config: Any = None) -> nn.Module:
         sharding().mark_leaf(new)
         new.register_forward_pre_hook(_drop_stale_sharded_weights)
         _set_submodule(model, name, new)
+    _install_cacheless_training(model)
     object.__setattr__(model, INJECTED_ATTR, policy.model_type)
     return model
 
@@ -196,13 +238,12 @@ def revert(model: nn.Module) -> nn.Module:
     coat_cls = _decoder_layer()
     targets = [(name, m) for name, m in model.named_modules() if isinstance(m, coat_cls)]
     for name, layer in targets:
-        # found by identity rather than by a stored handle, so deepcopy / pickle of the model cannot confuse it
-        for key, hook in list(layer._forward_pre_hooks.items()):
-            if hook is _drop_stale_sharded_weights:
-                del layer._forward_pre_hooks[key]
+        _remove_hook(layer, _drop_stale_sharded_weights)
         original = layer.to_hf()
         _move_attached_state(layer, original)
         _set_submodule(model, name, original)
+    for module in model.modules():
+        _remove_hook(module, _cacheless_training)
     if INJECTED_ATTR in model.__dict__:
         object.__delattr__(model, INJECTED_ATTR)
     return model

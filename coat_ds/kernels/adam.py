@@ -8,7 +8,7 @@ from typing import Sequence
 
 import torch
 
-from ..formats import E4M3, FP8Format, dequantize as ref_dequantize, get_format, quantize as ref_quantize
+from ..formats import E4M3, FP8Format, bf16_weight, dequantize as ref_dequantize, get_format, quantize as ref_quantize
 from .loader import load_op
 from .adam_reference import adamw_step_reference
 
@@ -25,7 +25,7 @@ GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MASTER_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def _check_step_args(params, grads, sr_keys, grad_scale) -> None:
+def _check_step_args(params, grads, sr_keys, grad_scale, remainders) -> None:
     """One clear ValueError for what the kernels cannot take, before anything is written."""
     for i, (p, g) in enumerate(zip(params, grads)):
         if p.dtype not in MASTER_DTYPES:
@@ -34,6 +34,13 @@ def _check_step_args(params, grads, sr_keys, grad_scale) -> None:
             raise ValueError(f"adamw_step: grads[{i}] is {g.dtype}; allowed: float32, bfloat16, float16")
     if len(grads) != len(params) or (sr_keys is not None and len(sr_keys) != len(params)):
         raise ValueError("adamw_step: grads (and sr_keys, when given) need one entry per param")
+    if remainders:
+        if len(remainders) != len(params) or sr_keys is not None:
+            raise ValueError("adamw_step: remainders need one entry per param (None: no remainder) and no sr_keys")
+        for i, (p, r) in enumerate(zip(params, remainders)):
+            if r is not None and (p.dtype != torch.bfloat16 or r.dtype != torch.int16 or r.shape != p.shape):
+                raise ValueError(f"adamw_step: remainders[{i}] must be int16 of params[{i}]'s shape with a bf16 "
+                                 f"param; got {r.dtype} {tuple(r.shape)} with {p.dtype} {tuple(p.shape)}")
     if isinstance(grad_scale, torch.Tensor) and (grad_scale.numel() != 1 or grad_scale.dtype != torch.float32 or
                                                  grad_scale.device != params[0].device):
         raise ValueError(f"adamw_step: grad_scale must be a 1-element float32 tensor on {params[0].device}, got "
@@ -44,25 +51,28 @@ def adamw_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], m:
                *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
                v_format: FP8Format, group_size: int, expansion: bool, bf16_out: Sequence[torch.Tensor] = (),
                grad_scale: torch.Tensor | float | None = None, sr_keys: Sequence[tuple[int, int]] | None = None,
-               sr_seed: int = 0) -> None:
+               sr_seed: int = 0, remainders: Sequence[torch.Tensor | None] = ()) -> None:
     """One fused step over many tensors; params, moments (and the optional bf16 copies) update in place.
 
     m is always E4M3 (COAT: E4M3 beats E5M2 for the first moment); v is E4M3 or E5M2. grads: fp32, bf16 or
     fp16, multiplied in fp32 by grad_scale (a 1-element fp32 tensor on the params' device, read on the device,
     or a float; None = 1) before anything else. params (the master): fp32, or bf16 updated in fp32 and
     rounded back, stochastically when sr_keys[i] = (stream, offset) is given (stream names the parameter,
-    offset is where tensor i starts in it; see formats.rounding), to nearest even otherwise. bf16_out: a bf16
-    copy of every updated param."""
+    offset is where tensor i starts in it; see formats.rounding), to nearest even otherwise, or with
+    remainders[i] (int16) the high half of an exact fp32 master whose low half remainders[i] holds
+    (formats.remainder). bf16_out: a bf16 copy of every updated param (of an fp32 one: formats.bf16_weight)."""
     if not params:
         return
-    _check_step_args(params, grads, sr_keys, grad_scale)
+    _check_step_args(params, grads, sr_keys, grad_scale, remainders)
     op = _op(params[0].device)
     if op is not None:
         scale_t = grad_scale if isinstance(grad_scale, torch.Tensor) else None
         scale = 1.0 if grad_scale is None or scale_t is not None else float(grad_scale)
         keys = [] if sr_keys is None else [int(x) for key in sr_keys for x in key]
+        none = torch.empty(0, dtype=torch.int16, device=params[0].device)
+        rems = [none if r is None else r for r in remainders]
         op.adam_step(list(params), list(grads), [_u8(x[0]) for x in m], [x[1] for x in m], [x[2] for x in m],
-                     [_u8(x[0]) for x in v], [x[1] for x in v], [x[2] for x in v], list(bf16_out),
+                     [_u8(x[0]) for x in v], [x[1] for x in v], [x[2] for x in v], list(bf16_out), rems,
                      lr, beta1, beta2, eps, weight_decay, step, group_size, v_format.name == "e5m2", expansion,
                      scale_t, scale, keys, sr_seed)
         return
@@ -71,11 +81,11 @@ def adamw_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], m:
                                             weight_decay=weight_decay, step=step, m_format=E4M3,
                                             v_format=v_format, group_size=group_size, expansion=expansion,
                                             grad_scale=grad_scale, sr_key=None if sr_keys is None else sr_keys[i],
-                                            sr_seed=sr_seed)
+                                            sr_seed=sr_seed, remainder=remainders[i] if remainders else None)
         for dst, src in zip((*mi, *vi), (*new_m, *new_v)):
             dst.copy_(src)
-        if bf16_out:
-            bf16_out[i].copy_(p)
+        if bf16_out:  # an fp32 master's copy is its split's high half, as the kernels write it
+            bf16_out[i].copy_(bf16_weight(p) if p.dtype == torch.float32 else p)
 
 
 def quantize(x: torch.Tensor, fmt: str | FP8Format = "e4m3", group_size: int = 128, expansion: bool = True):

@@ -49,14 +49,42 @@ inline V load_values(const void* p, int64_t at, __mmask16 k) {
     }
 }
 
+// 16 master values from position at, as fp32 (a remainder master's bf16 high halves joined with rem, exactly).
+template <coat::Master MS>
+inline V load_master(const void* p, const uint16_t* rem, int64_t at, __mmask16 k) {
+    if constexpr (MS == coat::Master::kF32Rem) {
+        const VI hi = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, static_cast<const uint16_t*>(p) + at));
+        const VI lo = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, rem + at));
+        const VI top = _mm512_and_si512(_mm512_sub_epi32(hi, _mm512_srli_epi32(lo, 15)), splati(0xFFFFu));
+        return _mm512_castsi512_ps(_mm512_or_si512(_mm512_slli_epi32(top, 16), lo));
+    } else {
+        return load_values<coat::master_dtype(MS)>(p, at, k);
+    }
+}
+
+// coat::remainder_hi of 16 fp32 patterns, in the low halves of the lanes.
+inline VI remainder_hi(VI u) {
+    const VI hi = _mm512_and_si512(_mm512_add_epi32(_mm512_srli_epi32(u, 16),
+                                                    _mm512_and_si512(_mm512_srli_epi32(u, 15), splati(1u))),
+                                   splati(0xFFFFu));
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, splati(0x7FFFFFFFu)), splati(0x7F800000u));
+    return _mm512_mask_mov_epi32(hi, nan, splati(0x7FC0u));
+}
+
 // Writes the updated master (and the bf16 copy, when out is set); index: position of lane 0 in its parameter.
 template <coat::Master MS>
-inline void store_master(void* p, uint16_t* out, int64_t at, __mmask16 k, V x, uint32_t sr_key, uint64_t index) {
+inline void store_master(void* p, uint16_t* rem, uint16_t* out, int64_t at, __mmask16 k, V x, uint32_t sr_key,
+                         uint64_t index) {
     __m256i b;
-    if constexpr (MS == coat::Master::kF32) {
+    if constexpr (MS == coat::Master::kF32Rem) {
+        const VI u = _mm512_castps_si512(x);
+        b = _mm512_cvtepi32_epi16(remainder_hi(u));
+        _mm256_mask_storeu_epi16(static_cast<uint16_t*>(p) + at, k, b);
+        _mm256_mask_storeu_epi16(rem + at, k, _mm512_cvtepi32_epi16(u));  // vpmovdw keeps the low halves
+    } else if constexpr (MS == coat::Master::kF32) {
         _mm512_mask_storeu_ps(static_cast<float*>(p) + at, k, x);
         if (out == nullptr) return;
-        b = to_bf16(x);
+        b = _mm512_cvtepi32_epi16(remainder_hi(_mm512_castps_si512(x)));  // coat::bf16_copy: the split's high half
     } else {
         b = MS == coat::Master::kBf16Rn ? to_bf16(x) : to_bf16_sr(x, sr_bits16(sr_key, index));
         _mm256_mask_storeu_epi16(static_cast<uint16_t*>(p) + at, k, b);
@@ -161,6 +189,9 @@ COAT_OMP_BLOCKS
                     // the hardware prefetchers alone would leave the next pass waiting on DRAM
                     _mm_prefetch(param + (at + ahead) * kParamBytes, _MM_HINT_T1);
                     _mm_prefetch(grad + (at + ahead) * kGradBytes, _MM_HINT_T1);
+                    if constexpr (MS == coat::Master::kF32Rem) {
+                        _mm_prefetch((const char*)(t.remainder + at + ahead), _MM_HINT_T1);
+                    }
                     if ((i & 63) == 0) {
                         _mm_prefetch((const char*)(t.m_codes + at + ahead), _MM_HINT_T1);
                         _mm_prefetch((const char*)(t.v_codes + at + ahead), _MM_HINT_T1);
@@ -173,10 +204,10 @@ COAT_OMP_BLOCKS
                     m = _mm512_fmadd_ps(beta1, m, _mm512_mul_ps(omb1, g));
                     v = _mm512_fmadd_ps(beta2, v, _mm512_mul_ps(_mm512_mul_ps(omb2, g), g));
                     const V denom = _mm512_fmadd_ps(_mm512_sqrt_ps(v), inv_bc2, eps);
-                    const V p = _mm512_fmadd_ps(load_values<coat::master_dtype(MS)>(t.param, at, k), decay,
+                    const V p = _mm512_fmadd_ps(load_master<MS>(t.param, t.remainder, at, k), decay,
                                                 _mm512_div_ps(_mm512_mul_ps(step_size, m), denom));
-                    store_master<MS>(t.param, decltype(out_bf16)::value ? t.bf16_out : nullptr, at, k, p, sr_key,
-                                     (uint64_t)(t.sr_offset + at));
+                    store_master<MS>(t.param, t.remainder, decltype(out_bf16)::value ? t.bf16_out : nullptr, at, k,
+                                     p, sr_key, (uint64_t)(t.sr_offset + at));
                     _mm512_store_ps(mb + i, m);
                     _mm512_store_ps(vb + i, v);
                     // max |x| and min non-zero |x| (vrangeps folds the |.| in and ignores a NaN operand)
@@ -212,8 +243,8 @@ COAT_OMP_BLOCKS
     }
 }
 
-// One tensor's step: grads fp32, bf16 or fp16; master fp32 or bf16 (rounded to nearest or stochastically,
-// sr_key: coat::sr_key of its stream); v in E4M3 or E5M2.
+// One tensor's step: grads fp32, bf16 or fp16; master fp32, bf16 (rounded to nearest or stochastically,
+// sr_key: coat::sr_key of its stream) or bf16 + remainder; v in E4M3 or E5M2.
 inline void adam_tensor(const coat::AdamTensor& t, const coat::AdamCoefs& c, uint32_t sr_key, int group_size,
                         bool v_e5m2, bool expansion) {
     coat::with_step_types(t.grad_dtype, t.master, [&](auto gk, auto ms) {

@@ -31,14 +31,16 @@ inline std::vector<coat::AdamTensor> check_adam_args(
     const std::vector<torch::Tensor>& m_q, const std::vector<torch::Tensor>& m_scale,
     const std::vector<torch::Tensor>& m_expo, const std::vector<torch::Tensor>& v_q,
     const std::vector<torch::Tensor>& v_scale, const std::vector<torch::Tensor>& v_expo,
-    const std::vector<torch::Tensor>& bf16_out, const std::vector<int64_t>& sr_keys, int64_t group_size,
-    bool cuda) {
+    const std::vector<torch::Tensor>& bf16_out, const std::vector<torch::Tensor>& remainders,
+    const std::vector<int64_t>& sr_keys, int64_t group_size, bool cuda) {
     check_group_size(group_size);
     const size_t n = params.size();
     TORCH_CHECK(grads.size() == n && m_q.size() == n && m_scale.size() == n && m_expo.size() == n &&
                     v_q.size() == n && v_scale.size() == n && v_expo.size() == n,
                 "adam_step: every tensor list must have one entry per param (", n, ")");
     TORCH_CHECK(bf16_out.empty() || bf16_out.size() == n, "adam_step: bf16_out must be empty or one per param");
+    TORCH_CHECK(remainders.empty() || remainders.size() == n,
+                "adam_step: remainders must be empty or one per param (0 values: none)");
     TORCH_CHECK(sr_keys.empty() || sr_keys.size() == 2 * n,
                 "adam_step: sr_keys must be empty or one (stream, offset) pair per param");
     std::vector<coat::AdamTensor> refs;
@@ -57,7 +59,11 @@ inline std::vector<coat::AdamTensor> check_adam_args(
                                   : gt == at::kHalf   ? coat::Dtype::kF16
                                                       : coat::Dtype::kF32;
         check_tensor(grads[i], "grads", i, gt == at::kBFloat16 || gt == at::kHalf ? gt : at::kFloat, numel, device);
-        const coat::Master master = !bf16_master      ? coat::Master::kF32
+        const bool rem = !remainders.empty() && remainders[i].numel() > 0;
+        TORCH_CHECK_VALUE(!rem || (bf16_master && sr_keys.empty()), "adam_step: remainders[", i,
+                          "] needs a bf16 param and no sr_keys (it is an exact fp32 master)");
+        const coat::Master master = rem               ? coat::Master::kF32Rem
+                                    : !bf16_master    ? coat::Master::kF32
                                     : sr_keys.empty() ? coat::Master::kBf16Rn
                                                       : coat::Master::kBf16Sr;
         const int64_t stream = sr_keys.empty() ? 0 : sr_keys[2 * i];
@@ -74,9 +80,15 @@ inline std::vector<coat::AdamTensor> check_adam_args(
             check_tensor(bf16_out[i], "bf16_out", i, at::kBFloat16, numel, device);
             out = reinterpret_cast<uint16_t*>(bf16_out[i].data_ptr());
         }
+        uint16_t* rem_ptr = nullptr;
+        if (rem) {
+            check_tensor(remainders[i], "remainders", i, at::kShort, numel, device);
+            rem_ptr = reinterpret_cast<uint16_t*>(remainders[i].data_ptr());
+        }
         refs.push_back({params[i].data_ptr(), grads[i].data_ptr(), m_q[i].data_ptr<uint8_t>(),
                         m_scale[i].data_ptr<float>(), m_expo[i].data_ptr<float>(), v_q[i].data_ptr<uint8_t>(),
-                        v_scale[i].data_ptr<float>(), v_expo[i].data_ptr<float>(), out, numel, /*group_begin=*/0,
+                        v_scale[i].data_ptr<float>(), v_expo[i].data_ptr<float>(), out, rem_ptr, numel,
+                        /*group_begin=*/0,
                         /*vec_ok=*/0, stream, offset, gk, master});
     }
     return refs;

@@ -95,7 +95,7 @@ void adam_tensor(const coat::AdamTensor& t, const coat::AdamCoefs& c, uint32_t s
         for (int i = 0; i < n; ++i) {
             float mi = coat::dequant_value<HostMath>(mq[i], m_tab[mq[i] & 0x7F], sm);
             float vi = coat::dequant_value<HostMath>(vq[i], v_tab[vq[i] & 0x7F], sv);
-            float pi = coat::load_value<coat::master_dtype(MS)>(t.param, off + i);
+            float pi = coat::load_master<MS>(t.param, t.remainder, off + i);
             const float gi = coat::mul_rn(coat::load_value<GK>(t.grad, off + i), c.grad_scale);
             coat::adam_update<HostMath>(pi, gi, mi, vi, c);
             p_new[i] = coat::master_bits<MS>(pi, sr_key, index0 + (uint64_t)(off + i));
@@ -104,6 +104,14 @@ void adam_tensor(const coat::AdamTensor& t, const coat::AdamCoefs& c, uint32_t s
         }
         if constexpr (MS == coat::Master::kF32) {
             std::memcpy(static_cast<float*>(t.param) + off, p_new, n * sizeof(float));
+        } else if constexpr (MS == coat::Master::kF32Rem) {
+            uint16_t* hi = static_cast<uint16_t*>(t.param) + off;
+            uint16_t* lo = t.remainder + off;
+#pragma omp simd
+            for (int i = 0; i < n; ++i) {
+                hi[i] = (uint16_t)coat::remainder_hi(p_new[i]);
+                lo[i] = (uint16_t)p_new[i];
+            }
         } else {
             uint16_t* p = static_cast<uint16_t*>(t.param) + off;
 #pragma omp simd
@@ -136,12 +144,12 @@ void adam_step(const std::vector<torch::Tensor>& params, const std::vector<torch
                const std::vector<torch::Tensor>& m_q, const std::vector<torch::Tensor>& m_scale,
                const std::vector<torch::Tensor>& m_expo, const std::vector<torch::Tensor>& v_q,
                const std::vector<torch::Tensor>& v_scale, const std::vector<torch::Tensor>& v_expo,
-               const std::vector<torch::Tensor>& bf16_out, double lr, double beta1, double beta2, double eps,
+               const std::vector<torch::Tensor>& bf16_out, const std::vector<torch::Tensor>& remainders, double lr, double beta1, double beta2, double eps,
                double weight_decay, int64_t step, int64_t group_size, bool v_e5m2, bool expansion,
                const std::optional<torch::Tensor>& grad_scale_t, double grad_scale,
                const std::vector<int64_t>& sr_keys, int64_t sr_seed) {
     const auto refs = coat_ops::check_adam_args(params, grads, m_q, m_scale, m_expo, v_q, v_scale, v_expo, bf16_out,
-                                                sr_keys, group_size, /*cuda=*/false);
+                                                remainders, sr_keys, group_size, /*cuda=*/false);
     coat_ops::check_grad_scale(grad_scale_t, params);
     const coat::AdamCoefs c = coat_ops::adam_coefs(lr, beta1, beta2, eps, weight_decay, step,
                                                    grad_scale_t.has_value() ? grad_scale_t->item<float>() : grad_scale);

@@ -70,6 +70,31 @@ __device__ __forceinline__ void load4(const void* p, int64_t at, int n, bool vec
     for (int r = 0; r < 4; ++r) out[r] = r < n ? coat::load_value<K>(p, at + r) : 0.0f;
 }
 
+// Four raw 16-bit values, each in the low half of a word (zeros past n).
+__device__ __forceinline__ void load4_u16(const uint16_t* p, int64_t at, int n, bool vec, uint32_t out[4]) {
+    if (vec) {
+        const uint2 u = __ldcs(reinterpret_cast<const uint2*>(p + at));
+        out[0] = u.x & 0xFFFFu, out[1] = u.x >> 16, out[2] = u.y & 0xFFFFu, out[3] = u.y >> 16;
+        return;
+    }
+#pragma unroll
+    for (int r = 0; r < 4; ++r) out[r] = r < n ? (uint32_t)p[at + r] : 0u;
+}
+
+// Four master values as fp32: a remainder master's bf16 high halves joined with its remainders (exact).
+template <Master MS>
+__device__ __forceinline__ void load_master4(const AdamTensor& t, int64_t at, int n, bool vec, float out[4]) {
+    if constexpr (MS == Master::kF32Rem) {
+        uint32_t hi[4], lo[4];
+        load4_u16(static_cast<const uint16_t*>(t.param), at, n, vec, hi);
+        load4_u16(t.remainder, at, n, vec, lo);
+#pragma unroll
+        for (int r = 0; r < 4; ++r) out[r] = __uint_as_float(coat::remainder_join(hi[r], lo[r]));
+    } else {
+        load4<coat::master_dtype(MS)>(t.param, at, n, vec, out);
+    }
+}
+
 // Four raw values of dtype K (fp32 bits, or 16-bit ones in the low half).
 template <Dtype K>
 __device__ __forceinline__ void store4(void* p, int64_t at, int n, bool vec, const uint32_t b[4]) {
@@ -171,7 +196,7 @@ __global__ void __launch_bounds__(kThreads, 4) adam_kernel(const AdamTensor* __r
 #pragma unroll
         for (int q = 0; q < W; ++q) {
             const int64_t at = base + q * kChunkStride;
-            load4<PD>(t.param, at, n_valid[q], vec, p + 4 * q);
+            load_master4<MS>(t, at, n_valid[q], vec, p + 4 * q);
             load4<GD>(t.grad, at, n_valid[q], vec, g + 4 * q);
             mw[q] = load_codes4(t.m_codes, at, n_valid[q], vec);
             vw[q] = load_codes4(t.v_codes, at, n_valid[q], vec);
@@ -211,6 +236,17 @@ __global__ void __launch_bounds__(kThreads, 4) adam_kernel(const AdamTensor* __r
                 uint32_t b[4];
 #pragma unroll
                 for (int r = 0; r < 4; ++r) b[r] = coat::master_bits<MS>(p[4 * q + r], key, (uint64_t)(t.sr_offset + at + r));
+                if constexpr (MS == Master::kF32Rem) {  // low halves to the remainder, high halves to the param
+                    uint32_t lo[4];
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) lo[r] = b[r] & 0xFFFFu;
+                    store4<Dtype::kBf16>(t.remainder, at, n_valid[q], decltype(vec_c)::value, lo);
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) b[r] = coat::remainder_hi(b[r]);
+                    store4<PD>(t.param, at, n_valid[q], decltype(vec_c)::value, b);
+                    if (t.bf16_out != nullptr) store4<Dtype::kBf16>(t.bf16_out, at, n_valid[q], decltype(vec_c)::value, b);
+                    continue;
+                }
                 store4<PD>(t.param, at, n_valid[q], decltype(vec_c)::value, b);
                 if (t.bf16_out != nullptr) {
 #pragma unroll
@@ -388,7 +424,7 @@ bool aligned(const void* p, uintptr_t bytes) { return p == nullptr || reinterpre
 
 bool adam_vector_aligned(const AdamTensor& t) {
     return aligned(t.param, t.master == Master::kF32 ? 16 : 8) && aligned(t.grad, t.grad_dtype == Dtype::kF32 ? 16 : 8) &&
-           aligned(t.m_codes, 4) && aligned(t.v_codes, 4) && aligned(t.bf16_out, 8);
+           aligned(t.m_codes, 4) && aligned(t.v_codes, 4) && aligned(t.bf16_out, 8) && aligned(t.remainder, 8);
 }
 
 cudaError_t adam_step(const AdamTensor* tensors, int n_tensors, int64_t total_groups, int group_size,

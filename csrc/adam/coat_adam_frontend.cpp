@@ -27,12 +27,12 @@ class TableCache {
     const coat::AdamTensor* get(const std::vector<coat::AdamTensor>& host, int64_t group_size,
                                      const torch::Device& device, cudaStream_t stream) {
         std::vector<int64_t> key;
-        key.reserve(host.size() * 12 + 2);
+        key.reserve(host.size() * 13 + 2);
         key.push_back(group_size);
         key.push_back(device.index());
         for (const auto& t : host) {
             const void* ptrs[] = {t.param, t.grad, t.m_codes, t.m_scale, t.m_expo, t.v_codes, t.v_scale, t.v_expo,
-                                  t.bf16_out};
+                                  t.bf16_out, t.remainder};
             for (const void* p : ptrs) key.push_back(reinterpret_cast<int64_t>(p));
             key.push_back(t.numel);
             key.push_back(t.sr_stream);
@@ -91,12 +91,12 @@ void adam_step(const std::vector<torch::Tensor>& params, const std::vector<torch
                const std::vector<torch::Tensor>& m_q, const std::vector<torch::Tensor>& m_scale,
                const std::vector<torch::Tensor>& m_expo, const std::vector<torch::Tensor>& v_q,
                const std::vector<torch::Tensor>& v_scale, const std::vector<torch::Tensor>& v_expo,
-               const std::vector<torch::Tensor>& bf16_out, double lr, double beta1, double beta2, double eps,
+               const std::vector<torch::Tensor>& bf16_out, const std::vector<torch::Tensor>& remainders, double lr, double beta1, double beta2, double eps,
                double weight_decay, int64_t step, int64_t group_size, bool v_e5m2, bool expansion,
                const std::optional<torch::Tensor>& grad_scale_t, double grad_scale,
                const std::vector<int64_t>& sr_keys, int64_t sr_seed) {
     const auto refs = coat_ops::check_adam_args(params, grads, m_q, m_scale, m_expo, v_q, v_scale, v_expo, bf16_out,
-                                                sr_keys, group_size, /*cuda=*/true);
+                                                remainders, sr_keys, group_size, /*cuda=*/true);
     if (refs.empty()) return;
     coat_ops::check_grad_scale(grad_scale_t, params);
     // a tensor scale stays on the device (the kernel reads it: no host sync); a float travels in the coefs

@@ -9,7 +9,7 @@
 namespace coat {
 
 struct AdamTensor {
-    void* param;       // the master: fp32, or bf16 (raw bits), as `master` says
+    void* param;       // the master: fp32, or bf16 (raw bits; kF32Rem: the high halves), as `master` says
     const void* grad;  // fp32, bf16 or fp16 (raw bits), as `grad_dtype` says
     uint8_t* m_codes;
     float* m_scale;
@@ -18,6 +18,7 @@ struct AdamTensor {
     float* v_scale;
     float* v_expo;
     uint16_t* bf16_out;  // nullptr: no bf16 copy
+    uint16_t* remainder;  // kF32Rem: the fp32 master's low halves (param holds the bf16 high halves); else nullptr
     int64_t numel;
     int64_t group_begin;  // CUDA launch: index of this tensor's first group among all groups of the launch
     int64_t vec_ok;       // CUDA launch: 1 when every pointer is aligned for the vector loads/stores

@@ -340,9 +340,25 @@ COAT_HD float f16_to_f32(uint16_t h) {
 //   bits = lowbias32(key + lo(index) * kSrGolden + hi(index) * kSrGoldenHi) >> 16
 
 enum class Dtype : int { kF32 = 0, kBf16 = 1, kF16 = 2 };     // of a gradient, or of a master
-enum class Master : int { kF32 = 0, kBf16Rn = 1, kBf16Sr = 2 };  // fp32, or bf16 rounded to nearest / stochastically
+// fp32; bf16 rounded to nearest / stochastically; fp32 held as a bf16 high half + a 16-bit remainder (exact)
+enum class Master : int { kF32 = 0, kBf16Rn = 1, kBf16Sr = 2, kF32Rem = 3 };
 
+// The dtype of the param tensor (a remainder master's param is its bf16 high half).
 COAT_HD constexpr Dtype master_dtype(Master m) { return m == Master::kF32 ? Dtype::kF32 : Dtype::kBf16; }
+
+// ---- An fp32 master as a bf16 high half + a 16-bit remainder (coat_ds/formats/remainder.py is the reference):
+// lo = the low 16 bits as they are, hi = the high 16 bits + lo's top bit (round to nearest, ties away from
+// zero; integer arithmetic, so a carry into the exponent is exact). join undoes it bit for bit; a NaN splits
+// into the canonical 0x7FC0 and joins back to a NaN. (Ties to even cannot be undone: an even bf16 value is
+// the nearest-even rounding of 65,537 fp32 patterns.)
+COAT_HD uint32_t remainder_hi(uint32_t u) {
+    const uint32_t hi = ((u >> 16) + ((u >> 15) & 1u)) & 0xFFFFu;
+    return (u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : hi;
+}
+
+COAT_HD uint32_t remainder_join(uint32_t hi, uint32_t lo) {
+    return (((hi - (lo >> 15)) & 0xFFFFu) << 16) | (lo & 0xFFFFu);
+}
 
 constexpr uint32_t kSrKey0 = 0x3C6EF372u;
 constexpr uint32_t kSrGolden = 0x9E3779B9u;
@@ -396,6 +412,7 @@ inline void with_step_types(Dtype gk, Master ms, F&& f) {
         switch (ms) {
             case Master::kBf16Rn: return f(g, std::integral_constant<Master, Master::kBf16Rn>{});
             case Master::kBf16Sr: return f(g, std::integral_constant<Master, Master::kBf16Sr>{});
+            case Master::kF32Rem: return f(g, std::integral_constant<Master, Master::kF32Rem>{});
             default: return f(g, std::integral_constant<Master, Master::kF32>{});
         }
     };
@@ -426,11 +443,21 @@ COAT_HD float load_value(const void* p, int64_t i) {
     }
 }
 
-// The updated master value in its dtype, as raw bits (fp32 bits, or bf16 bits in the low half); `index` is
-// the value's position in its parameter (stochastic rounding only).
+// Master value i as fp32: param's value (fp32 or bf16), or its bf16 high half joined with `rem` (kF32Rem).
+template <Master M>
+COAT_HD float load_master(const void* param, const uint16_t* rem, int64_t i) {
+    if constexpr (M == Master::kF32Rem) {
+        return bits_f32(remainder_join(static_cast<const uint16_t*>(param)[i], rem[i]));
+    } else {
+        return load_value<master_dtype(M)>(param, i);
+    }
+}
+
+// The updated master value as raw bits: fp32 bits (kF32, kF32Rem: split when stored), or bf16 bits in the low
+// half; `index` is the value's position in its parameter (stochastic rounding only).
 template <Master M>
 COAT_HD uint32_t master_bits(float x, uint32_t sr_key, uint64_t index) {
-    if constexpr (M == Master::kF32) {
+    if constexpr (M == Master::kF32 || M == Master::kF32Rem) {
         return f32_bits(x);
     } else if constexpr (M == Master::kBf16Rn) {
         return f32_to_bf16(x);
@@ -439,10 +466,13 @@ COAT_HD uint32_t master_bits(float x, uint32_t sr_key, uint64_t index) {
     }
 }
 
-// The bf16 copy of a master value given as master_bits returns it.
+// The bf16 copy of a master value given as master_bits returns it. An fp32 master's copy is the split's high
+// half (nearest, ties away from zero), not the nearest-even cast: the one rounding a remainder master can
+// undo, so "fp32" and "fp32_remainder" write the same bf16 weights and train bit-identically.
 template <Master M>
 COAT_HD uint16_t bf16_copy(uint32_t master) {
-    return M == Master::kF32 ? f32_to_bf16(bits_f32(master)) : (uint16_t)master;
+    if constexpr (M == Master::kF32 || M == Master::kF32Rem) return (uint16_t)remainder_hi(master);
+    return (uint16_t)master;
 }
 
 }  // namespace coat

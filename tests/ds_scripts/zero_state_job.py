@@ -33,6 +33,7 @@ import common  # noqa: E402
 import job  # noqa: E402  (its main runs the tasks)
 from coat_ds.deepspeed import zero_step  # noqa: E402
 from coat_ds.deepspeed.master import masters  # noqa: E402
+from coat_ds.formats import bf16_weight  # noqa: E402
 
 STEPS, SAVE_AT = job.STEPS, job.SAVE_AT
 
@@ -46,8 +47,19 @@ def config(stage: int, dtype: str, world: int, **coat) -> dict:
     return cfg
 
 
+class KernelRounding(TorchDispatchMode):
+    """DeepSpeed's fp32 -> bf16 weight copies rounded as CoatAdamW's kernel writes an fp32 master's bf16 weights
+    (formats.bf16_weight, ties away from zero, where DeepSpeed's cast rounds them to even)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.copy_.default and args[0].dtype == torch.bfloat16 and args[1].dtype == torch.float32:
+            args = (args[0], bf16_weight(args[1]), *args[2:])
+        return func(*args, **(kwargs or {}))
+
+
 def build(cfg: dict, deepspeed_step: bool = False, probe: TorchDispatchMode | None = None):
-    """The engine of cfg; `probe`, if given, watches deepspeed.initialize (the model is built outside it)."""
+    """The engine of cfg; `probe`, if given, watches deepspeed.initialize (the model is built outside it).
+    deepspeed_step: DeepSpeed's own ZeRO step (its weight copies under KernelRounding), the reference."""
     zero_step.ENABLED = not deepspeed_step
     try:
         model = common.model()
@@ -55,6 +67,14 @@ def build(cfg: dict, deepspeed_step: bool = False, probe: TorchDispatchMode | No
             engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
     finally:
         zero_step.ENABLED = True
+    if deepspeed_step:
+        step = engine.optimizer.step
+
+        def rounded(*a, **kw):
+            with KernelRounding():
+                return step(*a, **kw)
+
+        engine.optimizer.step = rounded
     return engine
 
 
@@ -95,7 +115,7 @@ def step_alloc(engine, dtype: str, step: int) -> tuple[int, list[float]]:
     try:
         losses = common.train(engine, range(step, step + 1), dtype)
     finally:
-        del engine.optimizer.step
+        engine.optimizer.step = original
     return probe.numel, losses
 
 
@@ -255,7 +275,108 @@ def task_refuse(args, world, stage, dtype, rest):
     return out
 
 
-TASKS = {"exact": task_exact, "master": task_master, "cross": task_cross, "resume": task_resume,
+REM_STEPS, REM_SAVE = 100, 60
+
+
+def _device() -> str:
+    """Where collectives of this job's small tensors run (NCCL has no CPU tensors)."""
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().current_device_name()
+
+
+def _even_ties(engine) -> int:
+    """Values of all ranks' fp32 masters on an exact tie with an even high half: where the split's bf16 weight
+    (ties away from zero) and DeepSpeed's nearest-even cast differ."""
+    u = _masters(engine).view(torch.int32).long()
+    n = torch.tensor([float((((u & 0xFFFF) == 0x8000) & (((u >> 16) & 1) == 0)).sum())], device=_device())
+    dist.all_reduce(n)
+    return int(n.item())
+
+
+def _train_counting_ties(engine, steps: range, count: bool) -> tuple[list[float], list[int]]:
+    """Losses, and per step the even ties among the masters that step wrote (count: else [])."""
+    losses, ties = [], []
+    for step in steps:
+        losses += common.train(engine, range(step, step + 1), "bf16")
+        ties += [_even_ties(engine)] if count else []
+    return losses, ties
+
+
+def _joined(engine) -> torch.Tensor:
+    """This rank's fp32 masters: DeepSpeed's fp32 partitions, or high halves joined with the remainders."""
+    opt = engine.basic_optimizer
+    parts = []
+    for f in masters(engine.optimizer):
+        layout = opt.partition_of(f)
+        parts.append((f.float() if layout is None else layout.master(f).float()).reshape(-1))
+    return torch.cat(parts)
+
+
+def _all(flag: bool) -> bool:
+    t = torch.tensor([0.0 if flag else 1.0], device=_device())
+    dist.all_reduce(t)
+    return t.item() == 0
+
+
+def task_remainder(args, world, stage, dtype, rest):
+    """fp32 master against fp32_remainder, 100 steps with clipping: losses, masters and model weights, and the
+    fp32 run's even ties per step (where a nearest-even weight would have differed); the remainder run saved at
+    step 60 and resumed, loaded into fp32 / bf16_sr engines, and zero_to_fp32 of it."""
+    out = {}
+    runs = {}
+    for mode in ("fp32", "fp32_remainder"):
+        cfg = dict(config(stage, dtype, world, master_weights=mode), gradient_clipping=0.2)
+        engine = build(cfg)
+        losses, ties = _train_counting_ties(engine, range(REM_SAVE), mode == "fp32")
+        path = os.path.join(args.ckpt, f"rem_w{world}_s{stage}_{mode}")
+        engine.save_checkpoint(path, tag="t")
+        saved = _joined(engine).clone()
+        more, more_ties = _train_counting_ties(engine, range(REM_SAVE, REM_STEPS), mode == "fp32")
+        runs[mode] = dict(engine=engine, saved=saved, path=path, cfg=cfg)
+        out[mode] = losses + more
+        out[f"{mode}_ties"] = ties + more_ties
+    a, b = runs["fp32"]["engine"], runs["fp32_remainder"]["engine"]
+    out["masters_equal"] = _all(torch.equal(_joined(a).view(torch.int32), _joined(b).view(torch.int32)))
+    out["weights_equal"] = _all(all(torch.equal(x.ds_tensor if stage == 3 else x, y.ds_tensor if stage == 3 else y)
+                                    for x, y in zip(a.module.parameters(), b.module.parameters())))
+    out["remainder_dtypes"] = sorted({str(f.dtype) for f in masters(b.optimizer)})
+    del a, b, runs["fp32"]["engine"], runs["fp32_remainder"]["engine"]
+    rem = runs["fp32_remainder"]
+    engine = build(rem["cfg"])
+    engine.load_checkpoint(rem["path"], tag="t")
+    out["resumed"] = _train_counting_ties(engine, range(REM_SAVE, REM_STEPS), False)[0]
+    for into in ("fp32", "bf16_sr"):  # the remainder checkpoint loads as an fp32 one
+        engine = build(dict(rem["cfg"], coat={"master_weights": into}))
+        engine.load_checkpoint(rem["path"], tag="t")
+        want = rem["saved"] if into == "fp32" else rem["saved"].to(torch.bfloat16).float()
+        out[f"into_{into}_exact"] = _all(torch.equal(_joined(engine)[:want.numel()], want))
+    engine = build(rem["cfg"])  # an fp32-master checkpoint loads into remainders exactly
+    engine.load_checkpoint(runs["fp32"]["path"], tag="t")
+    out["from_fp32_exact"] = _all(torch.equal(_joined(engine), runs["fp32"]["saved"]))
+    saved = _saved_masters(rem["path"], world)
+    out["saved_dtypes"] = str(saved.dtype)
+    out["saved_exact"] = _all(torch.equal(saved, rem["saved"][:saved.numel()].cpu()))
+    return out
+
+
+def task_refuse_remainder(args, world, stage, dtype, rest):
+    cases = {}
+    for name, st in (("offload_z2", 2), ("offload_z3", 3)):
+        cases[name] = config(st, "bf16", world, master_weights="fp32_remainder")
+        cases[name]["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    cases["fp32_model"] = config(2, "fp32", world, master_weights="fp32_remainder")
+    out = {}
+    for name, cfg in cases.items():
+        try:
+            build(cfg)
+            out[name] = "built"
+        except ValueError as exc:
+            out[name] = str(exc)
+    return out
+
+
+TASKS = {"remainder": task_remainder, "refuse_remainder": task_refuse_remainder, "exact": task_exact, "master": task_master, "cross": task_cross, "resume": task_resume,
          "universal": task_universal, "refuse": task_refuse}
 
 

@@ -1,0 +1,102 @@
+"""What DeepSpeed keeps on each GPU for a job's model states, read from its JSON config alone (no engine built).
+
+The DeepSpeed half of the planner (coat_ds/plan.py adds the activations and the loss). Bytes per GPU, for N
+parameters over W data-parallel ranks, as DeepSpeed 0.19.8 allocates them (measured in benchmarks/results/
+e2e*.json and offload.json; docs/plan.md has the derivation):
+- the bf16 model copy: 2N (ZeRO-3: 2N/W plus the gathered layers);
+- the master: fp32 4N/W (ZeRO-1/2/3); none with coat's bf16 masters (the bf16 partition is the master);
+- optimizer states: FusedAdam 8N/W, CoatAdamW its FP8 moments with their group scales (~2.1N/W);
+- gradients: ZeRO-2/3 a partition of N/W in `data_types.grad_accum_dtype` (bf16 by default), allocated when
+  the first bucket is reduced in backward and freed by the step; ZeRO-0/1 every parameter's bf16 .grad;
+- DeepSpeed's own step for a stock optimizer flattens the gradient partition and converts it to fp32
+  (+2 +4 B per partition value, stage_1_and_2.py step); CoatAdamW's ZeRO step (zero_step.py) reads the
+  partition in place, one parameter's fp32 pieces at a time;
+- Offload moves master, states and gradient partition to the host.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from .optimizer_type import NAME
+
+ADAM_STATE_BYTES = 8.0                   # fp32 exp_avg + exp_avg_sq
+# coat.master_weights -> device bytes per partition value beyond the bf16 model copy (master.py says why)
+MASTER_BYTES = {"fp32": 4, "bf16_sr": 0, "bf16_rn": 0, "fp32_remainder": 2}
+DEFAULT_BUCKET = 500_000_000             # DeepSpeed's reduce_bucket_size / allgather_bucket_size default
+DEFAULT_SUB_GROUP = 1_000_000_000        # ZeRO-3's sub_group_size default
+
+
+@dataclass(frozen=True)
+class ZeroJob:
+    """The parts of a DeepSpeed config that decide model-state memory, for `world` data-parallel ranks."""
+    stage: int
+    world: int
+    offload: bool            # offload_optimizer to cpu/nvme: master, states, gradient partition on the host
+    coat: bool               # the optimizer is CoatAdamW
+    state_bytes: float       # optimizer state bytes per parameter
+    master: str              # coat.master_weights ("fp32" for any other optimizer)
+    param_bytes: int         # 2 (bf16/fp16) or 4 (fp32 training)
+    grad_bytes: int          # bytes per gradient-partition value
+    reduce_bucket: int       # values in the gradient bucket (contiguous gradients)
+    sub_group: int = DEFAULT_SUB_GROUP   # ZeRO-3 steps its partition in sub-groups of this many values
+    coat_step: bool = True   # CoatAdamW's own ZeRO step (False: DeepSpeed's flatten + fp32 copy, as before it)
+
+    @property
+    def mixed(self) -> bool:
+        return self.param_bytes == 2
+
+
+def zero_job(cfg: Mapping[str, Any], world: int, state_bytes: float, master: str) -> ZeroJob:
+    """ZeroJob of DeepSpeed config `cfg` (a dict), `state_bytes` per parameter for CoatAdamW's states."""
+    zero = cfg.get("zero_optimization") or {}
+    zero = zero if isinstance(zero, Mapping) else {"stage": 1 if zero else 0}
+    offload = (zero.get("offload_optimizer") or {}).get("device", "none") in ("cpu", "nvme")
+    coat = (cfg.get("optimizer") or {}).get("type") == NAME
+    fp32_states = coat and (cfg["optimizer"].get("params") or {}).get("fp8_state") is False
+    mixed = any((cfg.get(k) or {}).get("enabled") is True for k in ("bf16", "fp16"))
+    grad_dtype = (cfg.get("data_types") or {}).get("grad_accum_dtype")
+    return ZeroJob(stage=int(zero.get("stage", 0)), world=world, offload=offload, coat=coat,
+                   state_bytes=ADAM_STATE_BYTES if not coat or fp32_states else state_bytes,
+                   master=master if coat else "fp32", param_bytes=2 if mixed else 4,
+                   grad_bytes=4 if grad_dtype == "fp32" or not mixed else 2,
+                   reduce_bucket=_int(zero.get("reduce_bucket_size"), DEFAULT_BUCKET),
+                   sub_group=_int(zero.get("sub_group_size"), DEFAULT_SUB_GROUP))
+
+
+def _int(value: Any, default: int) -> int:
+    """A size from the config; HF's "auto" (or nothing) is DeepSpeed's default."""
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else default
+
+
+def model_states(job: ZeroJob, n: int, layer_params: int, largest: int) -> dict[str, float]:
+    """Bytes per GPU: `weights` (the model copy), `master`, `optimizer`, `gradients` (when allocated), and
+    `host` (per rank, under Offload). `layer_params`: one decoder layer's, `largest`: the largest tensor's."""
+    part = n / job.world if job.stage >= 1 else n
+    weights = job.param_bytes * (n / job.world + 2 * layer_params + largest if job.stage == 3 else n)
+    master = MASTER_BYTES[job.master] * part if job.mixed else 0.0
+    grads = job.grad_bytes * part if job.stage >= 2 else 2.0 * n if job.mixed else 4.0 * n
+    optimizer = job.state_bytes * part
+    if job.offload:   # the host keeps master and gradient partition in fp32, or both in bf16 with a bf16 master
+        host = (2.0 if MASTER_BYTES[job.master] == 0 else 4.0) * 2 * part + optimizer
+        return dict(weights=weights, master=0.0, optimizer=0.0, gradients=0.0, host=host)
+    return dict(weights=weights, master=master, optimizer=optimizer, gradients=grads, host=0.0)
+
+
+def buffers(job: ZeroJob) -> float:
+    """DeepSpeed's gradient bucket (contiguous gradients), alive through backward."""
+    return float(job.reduce_bucket * job.grad_bytes) if job.stage >= 1 else 0.0
+
+
+def step_transient(job: ZeroJob, n: int, largest: int) -> float:
+    """What the optimizer step adds on the GPU above the model states and gradients."""
+    if job.offload:
+        return 0.0
+    part = n / job.world if job.stage >= 1 else n
+    if job.coat and job.coat_step and job.stage >= 1:
+        return 8.0 * min(largest, part)            # one parameter's fp32 gradient and update at a time
+    if job.stage in (1, 2) and job.grad_bytes == 2:
+        return 6.0 * part                           # the flat bf16 partition and its fp32 copy
+    if job.stage == 3:
+        return 4.0 * min(job.sub_group, part)       # each sub-group's gradient in fp32
+    return 0.0

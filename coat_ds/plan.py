@@ -1,0 +1,425 @@
+"""`python -m coat_ds.plan`: will a training job fit on its GPUs, and at what micro-batch?
+
+    python -m coat_ds.plan --model llama3-8b --seq 4096 --micro-batch max --config ds_configs/zero2_coat.json
+    python -m coat_ds.plan --model path/to/config.json --gpus-per-node 8 --nodes 2 --zero-stage 3 --gpu-memory h100
+
+Prints, per GPU, what the job keeps at its peak (parameters, gradients, master weights, optimizer states,
+activations, logits/loss, DeepSpeed's buffers) and the largest micro-batch that fits, beside BF16 + FusedAdam
+on the same ZeRO set-up. DeepSpeed's own estimators count model states only; here the activations come from
+what each flow keeps per token and hidden unit (docs/activation.md's accounting, which
+benchmarks/results/llama_layer.json measured) and the peak from the phases of a step (docs/plan.md), checked
+against every end-to-end row in benchmarks/results/ (tests/test_plan.py).
+
+Plain arithmetic on the JSON config and the model's shape: nothing is built, no GPU is needed. DeepSpeed's
+part (ZeRO partitioning, buckets, its step) is coat_ds/deepspeed/memory.py.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+from .deepspeed.memory import ZeroJob, buffers, model_states, step_transient, zero_job
+
+GIB = 2 ** 30
+GPUS = {"h100": 79.18, "h200": 139.8, "a100-80": 79.15, "a100-40": 39.39}   # GiB torch reports as total
+USABLE = 0.95   # of GPU memory for what the allocator reserves (benchmarks/e2e.py's fit rule)
+# the allocator reserves above the allocated peak ~2 GiB plus 6-24% of the activations and logits (its blocks
+# of freed activations) in benchmarks/results/e2e*.json; a fit needs peak + this reserve <= USABLE x memory
+RESERVE_FIXED, RESERVE_ACT = 2 * 2 ** 30, 0.10
+FINAL_NORM = 8.0   # B/token/hidden: the stock final RMSNorm's fp32 input and bf16 output, lm_head's input
+CHUNK_TOKENS = 1024   # coat.loss.chunk_tokens' default
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class PlanError(ValueError):
+    """Bad input to the planner: one line naming the flag or key and what is allowed."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A decoder-only transformer's shape (Llama family: gated MLP, RMSNorm, no biases)."""
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    head_dim: int = 0
+    tied: bool = False
+
+    @property
+    def hd(self) -> int:
+        return self.head_dim or self.hidden // self.heads
+
+    @property
+    def layer_params(self) -> int:
+        h, hd = self.hidden, self.hd
+        return h * hd * (2 * self.heads + 2 * self.kv_heads) + 3 * h * self.intermediate + 2 * h
+
+    @property
+    def params(self) -> int:
+        return self.layers * self.layer_params + self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
+
+    @property
+    def largest(self) -> int:
+        """Values of the largest tensor (the embedding or lm_head in every Llama)."""
+        return max(self.vocab * self.hidden, self.hidden * self.intermediate)
+
+
+def shape_from_hf(cfg: Mapping[str, Any], where: str) -> Shape:
+    """Shape of an HF config.json (a multimodal config's text_config)."""
+    cfg = cfg.get("text_config") or cfg
+    if any(k in cfg for k in ("num_local_experts", "num_experts", "n_routed_experts")):
+        raise PlanError(f"{where}: a mixture-of-experts model; allowed: dense Llama-family models")
+    missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                           "vocab_size") if not isinstance(cfg.get(k), int)]
+    if missing:
+        raise PlanError(f"{where}: no integer {missing[0]}; allowed: a Llama-family config.json")
+    return Shape(cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"],
+                 cfg.get("num_key_value_heads") or cfg["num_attention_heads"], cfg["intermediate_size"],
+                 cfg["vocab_size"], cfg.get("head_dim") or 0, bool(cfg.get("tie_word_embeddings", False)))
+
+
+def resolve_shape(model: str, vocab: int | None = None) -> Shape:
+    """A shipped shape (recipes.shapes.SHAPES, or the main job's MODEL_SIZES with `vocab`), a config.json (or
+    its folder), or a hub name whose config.json is in the local HF cache."""
+    from .recipes.causal_lm import MODEL_SIZES
+    from .recipes.shapes import ALIASES, SHAPES
+
+    name = ALIASES.get(model, model)
+    if name in SHAPES or name in MODEL_SIZES:
+        d = dict(SHAPES[name]) if name in SHAPES else dict(MODEL_SIZES[name], vocab_size=vocab or 8192)
+        if vocab:
+            d["vocab_size"] = vocab
+        return shape_from_hf(d, model)
+    path = Path(model)
+    path = path / "config.json" if path.is_dir() else path
+    if not path.is_file():
+        path = _cached_config(model)
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise PlanError(f"--model {model}: cannot read {path} ({e})") from None
+    shape = shape_from_hf(cfg, str(path))
+    return replace(shape, vocab=vocab) if vocab else shape
+
+
+def _cached_config(model: str) -> Path:
+    from .recipes.causal_lm import MODEL_SIZES
+    from .recipes.shapes import SHAPES
+
+    found = None
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(model, "config.json") if "/" in model else None
+    except Exception:  # noqa: BLE001 - no hub library, or not a repo id: the same refusal
+        found = None
+    if isinstance(found, str):
+        return Path(found)
+    raise PlanError(f"--model {model}: not a shipped shape, a config.json or a model in the local HF cache; "
+                    f"allowed: {sorted(SHAPES) + sorted(MODEL_SIZES)}, a path, or a cached hub name")
+
+
+# ------------------------------------------------------------------ what the forward keeps and the loss adds
+def layer_bytes(shape: Shape, activation: Any) -> float:
+    """Bytes per token per hidden unit one decoder layer keeps for backward (docs/activation.md's table):
+    `activation` is coat's ActivationConfig, or None for the stock bf16 layer (SDPA attention)."""
+    h, g = shape.hidden, (activation.group_size if activation else 16)
+    q_kv = shape.hd * (shape.heads + 2 * shape.kv_heads) / h        # q, k, v widths over hidden
+    out = shape.hd * shape.heads / h                                 # attention output width over hidden
+    i = shape.intermediate / h
+    full = activation is not None and activation.enabled and activation.mode == "full"
+    linear = activation is not None and activation.enabled and activation.mode == "linear"
+    if full:   # FP8 norm inputs with 1/g exponents + fp32 rstd; gate/up FP8 with 1/g exponents
+        norms, mlp = 2 * (1 + 1 / g + 4 / h), 2 * i * (1 + 1 / g)
+    else:      # the stock RMSNorm keeps its fp32 input and bf16 output; the linears their input (FP8: 1 B)
+        norms, mlp = 2 * (6 + (1 if linear else 2)), (7 if linear else 8) * i
+    if activation is not None and activation.enabled and activation.attention_fp8:
+        attention = q_kv * (1 + 1 / g)                               # E4M3 q, k, v + scales; output recomputed
+    else:      # bf16 q, k, v and output, fp32 log-sum-exp per head; FP8 linears add o_proj's FP8 input
+        attention = 2 * q_kv + 2 * out + 4 * shape.heads / h + (out if linear else 0)
+    return norms + attention + mlp
+
+
+def loss_bytes(tokens: int, shape: Shape, chunk: int | None) -> dict[str, float]:
+    """What the loss adds, by phase: `forward` (the logits at their largest), `backward` (the loss's own
+    backward), `first_grad` (what is still alive when the first gradient bucket is reduced). Stock (`chunk`
+    None): bf16 logits, an fp32 copy and the fp32 log-softmax kept for backward, whose backward makes two
+    more fp32 tensors of the logits' size and then a bf16 gradient. Chunked: `chunk` tokens of logits at a
+    time forward, vocabulary slices of `chunk` rows backward, and the fp32 gradient of the hidden states."""
+    v, h = shape.vocab, shape.hidden
+    if chunk is None:
+        return dict(forward=10.0 * v * tokens, backward=12.0 * v * tokens, first_grad=2.0 * v * tokens)
+    return dict(forward=10.0 * v * min(chunk, tokens) + 4 * tokens,
+                backward=8.0 * tokens * min(chunk, v) + 4.0 * tokens * h, first_grad=2.0 * tokens * h)
+
+
+# ------------------------------------------------------------------ the plan
+@dataclass(frozen=True)
+class Job:
+    """A training job per GPU: its model, sequence, ZeRO set-up, activation flow and loss."""
+    shape: Shape
+    seq: int
+    zero: ZeroJob
+    activation: Any = None          # ActivationConfig or None (stock layers)
+    chunk: int | None = None        # coat.loss chunk tokens, None: the stock loss
+    weight_cache: bool = False      # the FP8 weight cache (2 B per decoder-layer parameter)
+
+
+@dataclass(frozen=True)
+class Plan:
+    micro_batch: int
+    parts: dict          # name -> bytes per GPU at the peak
+    peak: float
+    phase: str
+    host: float          # per rank, under Offload
+
+    @property
+    def reserve(self) -> float:
+        """What the allocator is expected to reserve above the allocated peak (RESERVE_*)."""
+        return RESERVE_FIXED + RESERVE_ACT * (self.parts.get("activations", 0.0) + self.parts.get("logits/loss", 0.0))
+
+    def fits(self, memory: float) -> bool:
+        return self.peak + self.reserve <= USABLE * memory
+
+
+def phases(job: Job, micro_batch: int) -> dict[str, dict[str, float]]:
+    """Per phase of a step, what is allocated on one GPU, by part (bytes)."""
+    s, t = job.shape, micro_batch * job.seq
+    st = model_states(job.zero, s.params, s.layer_params, s.largest)
+    cache = 2.0 * s.layers * s.layer_params if job.weight_cache else 0.0
+    states = dict(parameters=st["weights"] + cache, master=st["master"], optimizer=st["optimizer"])
+    acts = t * s.hidden * (s.layers * layer_bytes(s, job.activation) + FINAL_NORM)
+    loss = loss_bytes(t, s, job.chunk)
+    head_grad = job.zero.param_bytes * s.vocab * s.hidden
+    in_backward = job.zero.stage >= 2 and not job.zero.offload   # the gradient partition, from the first bucket
+    grads = dict(gradients=st["gradients"])
+    return {
+        "forward": dict(states, activations=acts, **{"logits/loss": loss["forward"]}),
+        "loss backward": dict(states, activations=acts, **{"logits/loss": loss["backward"]},
+                              buffers=head_grad if job.chunk else 0.0),
+        "first gradient bucket": dict(states, activations=acts, **{"logits/loss": loss["first_grad"]},
+                                      gradients=st["gradients"] if in_backward else 0.0,
+                                      buffers=head_grad + buffers(job.zero)),
+        "optimizer step": dict(states, **grads, buffers=step_transient(job.zero, s.params, s.largest)),
+    }
+
+
+def plan(job: Job, micro_batch: int) -> Plan:
+    """What one GPU holds at its peak with `micro_batch` samples of job.seq tokens."""
+    by_phase = phases(job, micro_batch)
+    phase = max(by_phase, key=lambda p: sum(by_phase[p].values()))
+    st = model_states(job.zero, job.shape.params, job.shape.layer_params, job.shape.largest)
+    return Plan(micro_batch, by_phase[phase], sum(by_phase[phase].values()), phase, st["host"])
+
+
+def max_micro_batch(job: Job, memory: float, cap: int = 1 << 16) -> int:
+    """The largest micro-batch that fits a GPU of `memory` bytes (0: not even 1); the peak grows with it."""
+    if not plan(job, 1).fits(memory):
+        return 0
+    lo, hi = 1, 2
+    while hi <= cap and plan(job, hi).fits(memory):
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if plan(job, mid).fits(memory) else (lo, mid)
+    return lo
+
+
+# ------------------------------------------------------------------ from a DeepSpeed config
+def coat_state_bytes(cfg: Mapping[str, Any]) -> float:
+    """CoatAdamW's state bytes per parameter for the config's group_size and v_format: m and v as the
+    optimizer allocates them (formats.Fp8Moment: codes + per-group scale and exponent)."""
+    from .formats import Fp8Moment
+
+    params = (cfg.get("optimizer") or {}).get("params") or {}
+    g = int(params.get("group_size", 128))
+    n = g * 64
+    moments = [Fp8Moment.zeros(n, fmt, g) for fmt in ("e4m3", params.get("v_format", "e4m3"))]
+    return sum(t.numel() * t.element_size() for m in moments for t in m.tensors) / n
+
+
+def loss_chunk(cfg: Mapping[str, Any]) -> int | None:
+    """coat.loss: chunk tokens where a coat section computes the chunked loss (its default), None: stock."""
+    coat = cfg.get("coat")
+    if not isinstance(coat, Mapping):
+        return None
+    loss = coat.get("loss") or {}
+    return None if loss.get("chunked", True) is False else int(loss.get("chunk_tokens", CHUNK_TOKENS))
+
+
+def job_from_config(cfg: Mapping[str, Any], shape: Shape, seq: int, world: int, *, chunk: Any = "config",
+                    coat_step: bool = True) -> Job:
+    """The Job of DeepSpeed config `cfg` (a dict) for `world` data-parallel ranks. `chunk`: "config" (what
+    the config says), None (stock loss) or chunk tokens."""
+    from .deepspeed.config import coat_section
+
+    try:
+        section = coat_section({k: v for k, v in cfg.items() if k != "coat"} |
+                               {"coat": {k: v for k, v in (cfg.get("coat") or {}).items() if k != "loss"}})
+    except ValueError as e:
+        raise PlanError(str(e)) from None
+    act = section.activation if section.activation is not None and section.activation.enabled else None
+    accum = cfg.get("gradient_accumulation_steps", 1)
+    cache = act is not None and (act.cache_weights is True or (act.cache_weights == "when_accumulating"
+                                                              and isinstance(accum, int) and accum > 1))
+    zero = replace(zero_job(cfg, world, coat_state_bytes(cfg), section.master_weights), coat_step=coat_step)
+    return Job(shape, seq, zero, act, loss_chunk(cfg) if chunk == "config" else chunk,
+               cache and zero.stage != 3)
+
+
+def bf16_baseline(cfg: Mapping[str, Any]) -> dict:
+    """The same DeepSpeed set-up with BF16 + FusedAdam (DeepSpeed's "AdamW"): no coat section."""
+    base = {k: v for k, v in cfg.items() if k != "coat"}
+    params = dict((cfg.get("optimizer") or {}).get("params") or {})
+    base["optimizer"] = {"type": "AdamW", "params": {k: v for k, v in params.items()
+                                                     if k in ("lr", "betas", "eps", "weight_decay")}}
+    base["bf16"] = {"enabled": True}
+    return base
+
+
+def read_config(spec: str) -> tuple[dict, str]:
+    """A DeepSpeed JSON config: a path, or a shipped preset name (ds_configs/<name>.json, ds_configs/hf/...)."""
+    candidates = [Path(spec), ROOT / "ds_configs" / f"{spec}.json", ROOT / "ds_configs" / "hf" / f"{spec}.json"]
+    path = next((p for p in candidates if p.is_file()), None)
+    if path is None:
+        names = sorted(p.stem for p in (ROOT / "ds_configs").glob("*.json"))
+        raise PlanError(f"--config {spec}: no such file or preset; allowed: a DeepSpeed JSON path or {names}")
+    try:
+        cfg = json.loads(path.read_text())
+    except ValueError as e:
+        raise PlanError(f"--config {spec}: not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise PlanError(f"--config {spec}: the top level must be a JSON object")
+    return cfg, str(path)
+
+
+# ------------------------------------------------------------------ the command
+ROWS = ("parameters", "gradients", "master", "optimizer", "activations", "logits/loss", "buffers")
+LABELS = {"parameters": "parameters (+ FP8 weight cache)", "master": "master weights", "optimizer": "optimizer states",
+          "buffers": "DeepSpeed buffers, step transients"}
+
+
+def gpu_memory(value: str) -> float:
+    """--gpu-memory: GiB, or a GPU name (GPUS)."""
+    if value.lower() in GPUS:
+        return GPUS[value.lower()] * GIB
+    try:
+        gib = float(value)
+    except ValueError:
+        gib = -1.0
+    if not (math.isfinite(gib) and gib > 0):
+        raise PlanError(f"--gpu-memory={value!r} is invalid; allowed: GiB > 0 or one of {sorted(GPUS)}")
+    return gib * GIB
+
+
+def columns(jobs: dict[str, Job], micro_batch: str, memory: float) -> list[tuple[str, Plan, int]]:
+    """(label, plan at the asked or the largest micro-batch, largest micro-batch) per job."""
+    out = []
+    for label, job in jobs.items():
+        best = max_micro_batch(job, memory)
+        mb = max(best, 1) if micro_batch == "max" else int(micro_batch)
+        out.append((label, plan(job, mb), best))
+    return out
+
+
+def render(title: str, cols: list[tuple[str, Plan, int]], memory: float) -> str:
+    """The table: one column per job, GiB per GPU at each job's peak."""
+    w = max(38, *(len(c[0]) + 2 for c in cols))
+    fmt = lambda name, vals: f"{name:34s}" + "".join(f"{v:>{w}s}" for v in vals)  # noqa: E731
+    lines = [title, fmt("", [c[0] for c in cols]), fmt("micro-batch", [str(c[1].micro_batch) for c in cols])]
+    for part in ROWS:
+        vals = [f"{c[1].parts.get(part, 0.0) / GIB:.2f}" if c[1].parts.get(part) else "-" for c in cols]
+        lines.append(fmt(LABELS.get(part, part), vals))
+    lines.append(fmt("peak (GiB)", [f"{c[1].peak / GIB:.2f}" for c in cols]))
+    lines.append(fmt("  at", [c[1].phase for c in cols]))
+    lines.append(fmt("+ allocator reserve (estimate)", [f"{c[1].reserve / GIB:.2f}" for c in cols]))
+    lines.append(fmt(f"fits ({USABLE:.0%} of {memory / GIB:.1f} GiB)",
+                     ["yes" if c[1].fits(memory) else "no" for c in cols]))
+    lines.append(fmt("largest micro-batch", [str(c[2]) if c[2] else "none (not 1)" for c in cols]))
+    if any(c[1].host for c in cols):
+        lines.append(fmt("host memory per rank (Offload)", [f"{c[1].host / GIB:.2f}" for c in cols]))
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m coat_ds.plan", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", required=True, help="shipped shape name, config.json (or its folder), or a hub "
+                                                  "name in the local HF cache")
+    p.add_argument("--config", default="zero2_coat", help="DeepSpeed JSON (path or ds_configs/ preset name)")
+    p.add_argument("--seq", type=int, default=2048, help="tokens per sample")
+    p.add_argument("--micro-batch", default="max", help="samples per GPU, or 'max'")
+    p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], help="override zero_optimization.stage")
+    p.add_argument("--offload", choices=["none", "cpu"], help="override zero_optimization.offload_optimizer")
+    p.add_argument("--gpus-per-node", type=int, default=1)
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--gpu-memory", default="h100", help=f"GiB per GPU, or one of {sorted(GPUS)}")
+    p.add_argument("--loss", choices=["config", "chunked", "stock"], default="config",
+                   help="coat's loss: as the config says, chunked linear + cross-entropy, or stock fp32 logits")
+    p.add_argument("--vocab-size", type=int, help="override the model's vocabulary")
+    args = p.parse_args(argv)
+    for key in ("seq", "gpus_per_node", "nodes"):
+        if getattr(args, key) < 1:
+            p.error(f"--{key.replace('_', '-')}={getattr(args, key)} is invalid; allowed: an integer >= 1")
+    if args.micro_batch != "max" and not (args.micro_batch.isdigit() and int(args.micro_batch) >= 1):
+        p.error(f"--micro-batch={args.micro_batch!r} is invalid; allowed: an integer >= 1 or 'max'")
+    return args
+
+
+def overridden(cfg: dict, args: argparse.Namespace) -> dict:
+    """The config with the command line's ZeRO stage and Offload."""
+    cfg = json.loads(json.dumps(cfg))
+    zero = cfg.setdefault("zero_optimization", {})
+    if args.zero_stage is not None:
+        zero["stage"] = args.zero_stage
+    if args.offload == "cpu":
+        zero["offload_optimizer"] = {"device": "cpu"}
+    elif args.offload == "none":
+        zero.pop("offload_optimizer", None)
+    return cfg
+
+
+def report(model: str, cfg: dict, source: str, seq: int, micro_batch: str = "max", *, gpus_per_node: int = 1,
+           nodes: int = 1, memory: float = GPUS["h100"] * GIB, loss: str = "config", vocab: int | None = None) -> str:
+    """The planner's table for DeepSpeed config `cfg` (read from `source`) beside BF16 + FusedAdam."""
+    shape = resolve_shape(model, vocab)
+    world = gpus_per_node * nodes
+    chunk = {"config": "config", "chunked": CHUNK_TOKENS, "stock": None}[loss]
+    base = job_from_config(bf16_baseline(cfg), shape, seq, world)
+    jobs = {f"{Path(source).stem} ({(cfg.get('optimizer') or {}).get('type', 'client')})":
+            job_from_config(cfg, shape, seq, world, chunk=chunk),
+            "BF16 + " + ("DeepSpeedCPUAdam" if base.zero.offload else "FusedAdam"): base}
+    z = next(iter(jobs.values())).zero
+    title = (f"{model}: {shape.params / 1e9:.2f}B parameters, vocabulary {shape.vocab:,}, seq {seq}; "
+             f"ZeRO-{z.stage}{' + Offload' if z.offload else ''} on {world} GPU(s) ({nodes} node(s) x "
+             f"{gpus_per_node}); GiB per GPU at the peak of a step")
+    return render(title, columns(jobs, micro_batch, memory), memory)
+
+
+def build(args: argparse.Namespace) -> str:
+    """The report for parsed flags (PlanError on bad input)."""
+    cfg, source = read_config(args.config)
+    return report(args.model, overridden(cfg, args), source, args.seq, args.micro_batch,
+                  gpus_per_node=args.gpus_per_node, nodes=args.nodes, memory=gpu_memory(args.gpu_memory),
+                  loss=args.loss, vocab=args.vocab_size)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        print(build(args))
+    except PlanError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,21 @@
+"""Public Llama shapes by name, with their vocabularies: what the planner (`python -m coat_ds.plan --model
+llama3-8b`) and the benchmarks mean by a model name, without a download. The main job's own sizes, whose
+vocabulary comes from its data, are causal_lm.MODEL_SIZES."""
+from __future__ import annotations
+
+from .causal_lm import MODEL_SIZES
+
+SHAPES = {
+    "llama-1b": dict(MODEL_SIZES["1b"], vocab_size=32000),                         # TinyLlama-1.1B
+    "llama2-7b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                      intermediate_size=11008, vocab_size=32000),
+    "llama2-13b": dict(hidden_size=5120, num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=40,
+                       intermediate_size=13824, vocab_size=32000),
+    "llama2-70b": dict(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                       intermediate_size=28672, vocab_size=32000),
+    "llama3.1-8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                        intermediate_size=14336, vocab_size=128256),                 # Llama-3-8B's too
+    "llama3.1-70b": dict(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                         intermediate_size=28672, vocab_size=128256),                # Llama-3-70B's too
+}
+ALIASES = {"llama3-8b": "llama3.1-8b", "llama3-70b": "llama3.1-70b"}

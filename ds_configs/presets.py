@@ -1,0 +1,98 @@
+"""Writes the preset configs of ds_configs/ (named by what they give) and their HF Trainer ("auto") twins.
+
+    python ds_configs/presets.py           # rewrite the files
+    python ds_configs/presets.py --check   # exit 1 naming the first file that differs (tests/test_presets.py)
+
+Each preset is a measured config of this folder (the ZeRO layout, optimizer and FP8 activation flow the
+benchmarks ran) with one intent's "coat" settings laid over it; docs/presets.md says what each trades.
+The files are generated so that every setting is written once: the exact master is EXACT_MASTER below.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+# The exact intent's master weights: an fp32 master in 2 B/param (bf16 weights plus int16 remainders), bit-identical
+# to "fp32". Under Offload the host keeps DeepSpeed's fp32 master (a remainder saves nothing there and is refused).
+EXACT_MASTER = {"zero2": "fp32_remainder", "zero3": "fp32_remainder", "zero2_offload": "fp32"}
+
+LAYOUTS = {  # preset prefix -> the measured config it starts from
+    "zero2": "zero2_coat.json",
+    "zero3": "zero3_coat.json",
+    "zero2_offload": "zero2_coat_offload.json",
+}
+INTENTS = {  # what each intent lays over the "coat" section (master_weights None: EXACT_MASTER of the layout)
+    "exact": {"master_weights": None},
+    "lowest_memory": {"master_weights": "bf16_sr", "activation": {"attention_fp8": True, "cache_weights": False}},
+}
+HF_TWINS = ("zero2_coat.json", "zero3_coat.json")  # hf/ twins of measured configs, beside the presets'
+
+# What HF Trainer fills from TrainingArguments ("auto"); the scheduler is left out so that the Trainer builds
+# its own from lr_scheduler_type / warmup_steps (DeepSpeed's warmup schedulers refuse HF's default warmup 0).
+# Bucket sizes stay concrete: HF's "auto" is hidden_size^2 (4.2M at 1.1B: 157 ZeRO-2 reductions a step instead
+# of 25, each a Python loop, a copy and a collective; docs/deepspeed.md, HF Trainer speed).
+HF_AUTO = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
+           "gradient_clipping", "bf16.enabled", "optimizer.params.lr", "optimizer.params.betas",
+           "optimizer.params.eps", "optimizer.params.weight_decay")
+
+
+def preset(layout: str, intent: str) -> dict:
+    """The plain-DeepSpeed preset: concrete values, DeepSpeed's scheduler (examples set its steps)."""
+    cfg = json.loads((HERE / LAYOUTS[layout]).read_text())
+    over = INTENTS[intent]
+    coat = cfg.setdefault("coat", {})
+    coat["master_weights"] = over["master_weights"] or EXACT_MASTER[layout]
+    coat["activation"] = {**coat.get("activation", {}), **over.get("activation", {})}
+    return cfg
+
+
+def hf_twin(cfg: dict) -> dict:
+    """The same config for HF Trainer: "auto" wherever TrainingArguments decide, no DeepSpeed scheduler."""
+    cfg = copy.deepcopy(cfg)
+    cfg.pop("scheduler", None)
+    cfg["train_batch_size"] = "auto"  # DeepSpeed derives it; HF checks it against its own batch arithmetic
+    for dotted in HF_AUTO:
+        *path, key = dotted.split(".")
+        node = cfg
+        for part in path:
+            node = node.get(part, {})
+        if key in node:
+            node[key] = "auto"
+    return cfg
+
+
+def rendered() -> dict[Path, str]:
+    """Every generated file and its text."""
+    out = {}
+    for layout in LAYOUTS:
+        for intent in INTENTS:
+            cfg = preset(layout, intent)
+            out[HERE / f"{layout}_{intent}.json"] = cfg
+            out[HERE / "hf" / f"{layout}_{intent}.json"] = hf_twin(cfg)
+    for name in HF_TWINS:
+        out[HERE / "hf" / name] = hf_twin(json.loads((HERE / name).read_text()))
+    return {path: json.dumps(cfg, indent=2) + "\n" for path, cfg in out.items()}
+
+
+def stale() -> list[Path]:
+    """Generated files whose text on disk is not what this script writes."""
+    return [p for p, text in rendered().items() if not p.is_file() or p.read_text() != text]
+
+
+def main(argv: list[str]) -> int:
+    if argv == ["--check"]:
+        bad = stale()
+        for path in bad:
+            print(f"{path.relative_to(HERE.parent)} differs from ds_configs/presets.py; run it to rewrite")
+        return 1 if bad else 0
+    for path, text in rendered().items():
+        path.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

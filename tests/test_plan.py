@@ -1,0 +1,175 @@
+"""`python -m coat_ds.plan` against what was measured: every end-to-end GPU row in benchmarks/results/ (its peak
+allocated memory within 10%), the per-layer activation bytes of llama_layer.json, the optimizer's own state
+bytes, and the command line's one-line refusals."""
+import glob
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from coat_ds import plan as P
+from coat_ds.activation import ActivationConfig
+from coat_ds.deepspeed.master import MASTER_WEIGHTS
+from coat_ds.deepspeed.memory import MASTER_BYTES
+from coat_ds.recipes.shapes import ALIASES, SHAPES
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+GIB = 2 ** 30
+# CoatAdamW's own ZeRO step (56baab0, 2026-11-23 19:32 UTC): rows measured before it ran DeepSpeed's step, which
+# flattens the gradient partition and copies it to fp32, for CoatAdamW as for FusedAdam
+ZERO_STEP_LANDED = "2026-11-23T19:32:39"
+
+
+def _docs(path: Path) -> list[dict]:
+    """The measured runs in a results file: one, or a case per shape (e2e_real_shapes.json)."""
+    d = json.loads(path.read_text())
+    return [c for c in (d["cases"].values() if "cases" in d else [d]) if not c.get("smoke")]
+
+
+def measured_rows() -> list[dict]:
+    """Every measured peak: (file, config, shape, seq, world, ds_config, micro_batch, peak GiB, date, chunked)."""
+    rows = []
+    for path in sorted(RESULTS.glob("e2e*.json")) + [RESULTS / "offload.json"]:
+        for doc in _docs(path):
+            if "configs" in doc:
+                for c in doc["configs"]:
+                    rows += [dict(file=path.name, config=c["name"], shape=doc["shape"], seq=doc["seq_len"],
+                                  world=doc.get("world_size", 1), ds_config=c["ds_config"], mb=r["micro_batch"],
+                                  peak=r["peak_alloc_gb"], date=doc["date"], chunked=c.get("chunked_loss"),
+                                  params=c.get("params"))
+                             for r in c["rungs"]]
+            elif "rows" in doc:
+                rows += [dict(file=path.name, config=r["config"], shape=SHAPES[r["model"]], seq=r["seq_len"], world=1,
+                              ds_config=r["ds_config"], mb=r["micro_batch"], peak=r["gpu_peak_gb"], date=doc["date"],
+                              chunked=r.get("chunked_loss"), params=r["params"])
+                         for r in doc["rows"] if "gpu_peak_gb" in r]
+            else:
+                raise AssertionError(f"{path.name}: unknown results layout (keys {sorted(doc)}); teach measured_rows")
+    return rows
+
+
+def job_of(row: dict) -> P.Job:
+    shape = P.shape_from_hf(row["shape"], row["file"])
+    chunk = P.loss_chunk(row["ds_config"]) if row["chunked"] else None   # rows before the chunked loss: stock
+    return P.job_from_config(row["ds_config"], shape, row["seq"], row["world"], chunk=chunk,
+                             coat_step=row["date"] >= ZERO_STEP_LANDED)
+
+
+def test_every_measured_end_to_end_peak_is_planned_within_10_percent():
+    rows = measured_rows()
+    assert len(rows) >= 50, len(rows)          # 7B and 1.1B, ZeRO-2 on 1 and 2 GPUs, Offload, fp32 gradients
+    off = []
+    for row in rows:
+        job = job_of(row)
+        if row["params"]:
+            assert job.shape.params == row["params"], row
+        planned = P.plan(job, row["mb"]).peak / GIB
+        if abs(planned / row["peak"] - 1) > 0.10:
+            off.append(f"{row['file']} {row['config']} micro-batch {row['mb']}: planned {planned:.2f} GiB, "
+                       f"measured {row['peak']:.2f}")
+    assert not off, "\n".join(off)
+
+
+def test_an_out_of_memory_row_is_planned_not_to_fit():
+    """Rows where even micro-batch 1 ran out of memory: the plan says no, and needs at least what the OOM
+    message showed (allocated + the failed request, a lower bound of the peak)."""
+    checked = 0
+    for path in sorted(RESULTS.glob("e2e*.json")):
+        for doc in _docs(path):
+            for c in doc.get("configs", []):
+                if c.get("max_micro_batch") == 0 and c.get("needed_gb_at_1"):
+                    row = dict(file=path.name, shape=doc["shape"], seq=doc["seq_len"], world=doc.get("world_size", 1),
+                               ds_config=c["ds_config"], date=doc["date"], chunked=c.get("chunked_loss"))
+                    p = P.plan(job_of(row), 1)
+                    memory = P.GPUS["h200" if "H200" in doc["device"] else "h100"] * GIB
+                    assert not p.fits(memory) and p.peak / GIB >= c["needed_gb_at_1"], (path.name, c["name"])
+                    checked += 1
+    assert checked >= 1
+
+
+@pytest.mark.parametrize("variant,act", [
+    ("bf16_eager", None), ("coat_linear", dict(mode="linear")), ("coat_full", {}), ("coat_full_compiled", {}),
+    ("coat_full_attn_fp8", dict(attention_fp8=True)), ("coat_full_attn_fp8_compiled", dict(attention_fp8=True))])
+def test_layer_bytes_are_the_measured_ones(variant, act):
+    """llama_layer.json measured a 4-layer stack on the H100; its figure adds the stack's bf16 output (2 B over
+    its layers) to what each layer keeps."""
+    rows = [r for r in json.loads((RESULTS / "llama_layer.json").read_text()) if r["variant"] == variant]
+    assert rows
+    for r in rows:
+        shape = P.shape_from_hf(SHAPES[ALIASES.get(r["shape"], r["shape"])], r["shape"])
+        planned = P.layer_bytes(shape, None if act is None else ActivationConfig(**act)) + 2 / r["layers"]
+        assert planned == pytest.approx(r["act_bytes_per_token_hidden"], rel=0.01), (r["shape"], variant)
+
+
+@pytest.mark.parametrize("group_size,v_format", [(128, "e4m3"), (32, "e5m2")])
+def test_coat_state_bytes_are_what_the_optimizer_allocates(group_size, v_format):
+    from coat_ds.optim import CoatAdamW
+
+    p = torch.nn.Parameter(torch.randn(64, group_size * 4))
+    opt = CoatAdamW([p], lr=1e-3, group_size=group_size, v_format=v_format)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    kept = sum(t.numel() * t.element_size() for t in opt.state[p].values()
+               if torch.is_tensor(t) and t.numel() > 1)
+    cfg = {"optimizer": {"type": "CoatAdamW", "params": {"group_size": group_size, "v_format": v_format}}}
+    assert P.coat_state_bytes(cfg) == kept / p.numel()
+
+
+def test_every_master_weights_value_has_its_bytes():
+    assert set(MASTER_WEIGHTS) <= set(MASTER_BYTES)
+
+
+def test_the_command_prints_both_columns(capsys, tmp_path):
+    cfg = json.loads((ROOT / "ds_configs/zero2_coat.json").read_text())
+    cfg["coat"].update(master_weights="bf16_sr", loss={"chunked": True})
+    (tmp_path / "c.json").write_text(json.dumps(cfg))
+    hf = tmp_path / "model"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps(dict(SHAPES["llama3.1-8b"], model_type="llama")))
+    assert P.main(["--model", str(hf), "--seq", "4096", "--config", str(tmp_path / "c.json")]) == 0
+    out = capsys.readouterr().out
+    assert "8.03B parameters, vocabulary 128,256, seq 4096; ZeRO-2 on 1 GPU(s)" in out
+    for row in ("parameters", "gradients", "master weights", "optimizer states", "activations", "logits/loss",
+                "DeepSpeed buffers", "peak (GiB)", "largest micro-batch"):
+        assert row in out
+    assert "c (CoatAdamW)" in out and "BF16 + FusedAdam" in out and "none (not 1)" in out   # BF16 needs > 80 GB
+
+
+@pytest.mark.parametrize("argv,line", [
+    (["--model", "llama9-1t"], "error: --model llama9-1t: not a shipped shape"),
+    (["--model", "llama2-7b", "--gpu-memory", "lots"], "error: --gpu-memory='lots' is invalid; allowed: GiB > 0"),
+    (["--model", "llama2-7b", "--config", "nope"], "error: --config nope: no such file or preset"),
+])
+def test_bad_input_is_one_line(capsys, argv, line):
+    assert P.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(line) and err.count("\n") == 1, err
+
+
+def test_a_hub_name_from_the_local_cache(tmp_path):
+    snap = tmp_path / "hub" / "models--org--tiny" / "snapshots" / "abc"
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text(json.dumps(SHAPES["llama2-7b"]))
+    (tmp_path / "hub" / "models--org--tiny" / "refs").mkdir()
+    (tmp_path / "hub" / "models--org--tiny" / "refs" / "main").write_text("abc")
+    env = dict(os.environ, HF_HUB_CACHE=str(tmp_path / "hub"), HF_HUB_OFFLINE="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-m", "coat_ds.plan", "--model", "org/tiny", "--micro-batch", "1"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "\norg/tiny: 6.74B parameters, vocabulary 32,000" in "\n" + out.stdout   # DeepSpeed may log first
+
+
+def test_train_plan_prints_before_building_anything():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "examples/train.py", "--plan", "--model-size", "1b", "--seq-len", "2048",
+                          "--micro-batch", "8", "--save-dir", "/nonexistent/never"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "\n1b: 1.03B parameters, vocabulary 8,192, seq 2048; ZeRO-2" in "\n" + out.stdout, out.stdout
+    assert not Path("/nonexistent/never").exists()

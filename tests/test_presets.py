@@ -1,0 +1,80 @@
+"""The presets of ds_configs/ (ds_configs/presets.py, docs/presets.md): generated from one source, valid, and
+each one trains through plain deepspeed.initialize on 2 ranks (tests/ds_scripts/presets_job.py; its HF
+Trainer twins: tests/test_hf_trainer.py)."""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("deepspeed")
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "ds_configs"))
+import presets  # noqa: E402
+from test_coat_section import _launch, _port, ranks  # noqa: E402  the 2-rank launcher harness
+
+JOB = ROOT / "tests" / "ds_scripts" / "presets_job.py"
+NAMES = [f"{layout}_{intent}.json" for layout in presets.LAYOUTS for intent in presets.INTENTS]
+
+
+def launch_presets_job(tmp: Path, task: str) -> dict:
+    out = tmp / "r.json"
+    cmd = [shutil.which("deepspeed") or str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2",
+           "--master_port", str(_port()), str(JOB), "--out", str(out), "--tmp", str(tmp), task]
+    return _launch(cmd, out)
+
+
+def test_preset_files_are_what_presets_py_writes():
+    assert presets.stale() == []                       # edit ds_configs/presets.py, then run it
+
+
+def test_presets_differ_only_in_their_intent():
+    from coat_ds.deepspeed import coat_section
+    from coat_ds.deepspeed.check import check_config
+
+    for layout, source in presets.LAYOUTS.items():
+        base = json.loads((ROOT / "ds_configs" / source).read_text())
+        for intent, over in presets.INTENTS.items():
+            cfg = json.loads((ROOT / "ds_configs" / f"{layout}_{intent}.json").read_text())
+            check_config(cfg)
+            hf = json.loads((ROOT / "ds_configs" / "hf" / f"{layout}_{intent}.json").read_text())
+            check_config(hf, hf_auto=True)
+            assert {k: v for k, v in cfg.items() if k != "coat"} == {k: v for k, v in base.items() if k != "coat"}
+            section = coat_section(cfg)
+            assert section == coat_section(hf)
+            assert section.master_weights == (over["master_weights"] or presets.EXACT_MASTER[layout])
+            assert section.activation.attention_fp8 == (intent == "lowest_memory")
+
+
+@pytest.fixture(scope="module")
+def plain_job(tmp_path_factory) -> dict:
+    return launch_presets_job(tmp_path_factory.mktemp("presets"), "plain")
+
+
+def assert_runs_as_configured(name: str, r: dict, cfg: dict) -> None:
+    """What presets_job recorded for one config on one rank is what the config asks for."""
+    master = cfg["coat"].get("master_weights", "fp32")
+    assert r["fp8"] == 2 and r["optimizer"] == "CoatAdamW", (name, r)          # both decoder layers are FP8
+    assert r["attention_fp8"] == [cfg["coat"]["activation"].get("attention_fp8", False)], (name, r)
+    assert r["master_weights"] == master, (name, r)
+    assert (r["fp32_master_values"] == 0) == (master != "fp32"), (name, r)  # only "fp32" keeps an fp32 copy
+    assert r["losses"] and all(math.isfinite(x) for x in r["losses"]), (name, r)
+
+
+@pytest.mark.slow
+def test_every_preset_trains_through_plain_deepspeed(plain_job):
+    for res in ranks(plain_job, "plain"):
+        assert sorted(res) == sorted(NAMES)
+        for name, r in res.items():
+            cfg = json.loads((ROOT / "ds_configs" / name).read_text())
+            assert_runs_as_configured(name, r, cfg)
+            lowest = "lowest_memory" in name
+            layout = name.rsplit("_", 2 if lowest else 1)[0]
+            assert r["master_weights"] == ("bf16_sr" if lowest else presets.EXACT_MASTER[layout]), (name, r)
+            assert r["attention_fp8"] == [lowest], (name, r)
+            assert r["losses"][-1] < r["losses"][0], (name, r)               # one fixed batch: it learns it

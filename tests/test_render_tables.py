@@ -1,0 +1,40 @@
+"""The measured tables of README.md and docs/*.md are what benchmarks/render_tables.py renders from
+benchmarks/results/*.json: a figure edited by hand, or a JSON re-measured without re-rendering, fails here."""
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import render_tables as rt  # noqa: E402
+
+
+def test_every_rendered_table_equals_its_json():
+    assert rt.stale() == []                            # run: python benchmarks/render_tables.py
+
+
+def test_every_table_is_shown_somewhere():
+    shown = {name for path in rt.DOCS for name, _ in rt.regions(path.read_text())}
+    assert shown == set(rt.TABLES)
+
+
+def test_a_changed_measurement_is_caught(tmp_path):
+    """Re-measure one figure in a copy of the results: the committed README no longer agrees with it."""
+    results = tmp_path / "results"
+    shutil.copytree(rt.RESULTS, results)
+    run = (results / "e2e_llama-1b.json").read_text()
+    assert '"peak_alloc_gb": 16.089115619659424' in run              # coat full's peak at micro-batch 4
+    (results / "e2e_llama-1b.json").write_text(run.replace('"peak_alloc_gb": 16.089115619659424',
+                                                            '"peak_alloc_gb": 17.089115619659424'))
+    assert rt.stale(results, [ROOT / "README.md"]) == ["README.md: results"]
+    readme = (ROOT / "README.md").read_text()
+    assert "| 17.1 (N=4) |" in rt.rewrite(readme, results) and "| 17.1 (N=4) |" not in readme
+
+
+def test_a_region_naming_no_table_is_caught(tmp_path, monkeypatch):
+    doc = tmp_path / "x.md"
+    doc.write_text("<!-- table:no_such_table -->\n| a |\n<!-- /table -->\n")
+    monkeypatch.setattr(rt, "ROOT", tmp_path)
+    assert rt.stale(files=[doc]) == ["x.md: no_such_table"]

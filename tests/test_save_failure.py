@@ -1,0 +1,85 @@
+"""A checkpoint save that fails says why in one line (coat_ds.deepspeed.save): torch.save's own error on a full
+disk names no cause, so the reason comes from the OS. Real failures only: a file size limit (RLIMIT_FSIZE, no
+root needed) and a full tmpfs (a private mount namespace, where the machine allows one)."""
+import errno
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from coat_ds.deepspeed.save import write_failure
+from test_train import SMALL, env, finish
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_file_size_limit_is_named_not_torchs_enforce_fail(tmp_path):
+    """torch.save past RLIMIT_FSIZE raises `[enforce fail at inline_container.cc] . unexpected pos`; the line says
+    the file is too large and how much space is free."""
+    code = textwrap.dedent(f"""
+        import resource, torch
+        from coat_ds.deepspeed.save import write_failure
+        resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, resource.RLIM_INFINITY))
+        try:
+            torch.save(torch.zeros(1 << 20), {str(tmp_path / 'x.pt')!r})
+        except RuntimeError as exc:
+            print("TORCH:", str(exc).splitlines()[0])
+            print("LINE:", write_failure({str(tmp_path / 'x.pt')!r}, exc))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], env=env(), capture_output=True, text=True, timeout=300).stdout
+    assert "TORCH: [enforce fail" in out, out
+    line = next(l for l in out.splitlines() if l.startswith("LINE:"))
+    assert line.startswith("LINE: file too large (the file size limit, `ulimit -f`) (") and "MiB free of" in line
+
+
+def test_an_errno_in_the_chain_is_used():
+    try:
+        try:
+            raise OSError(errno.ENOSPC, "disk full")
+        except OSError as inner:
+            raise RuntimeError("basic_ios::clear: iostream error") from inner
+    except RuntimeError as exc:
+        assert write_failure("/no/such/dir/file.pt", exc).startswith("no space left on device (")
+
+
+def _tmpfs_ok() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /mnt"],
+                           capture_output=True, timeout=30)
+    return probe.returncode == 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _tmpfs_ok(), reason="needs `unshare -rm` and a tmpfs mount in a user namespace")
+def test_main_job_on_a_full_disk_says_why_and_keeps_latest(tmp_path):
+    """The issue's case: the main job (2 CPU ranks) saves into a tmpfs that holds one checkpoint (~9 MiB for
+    the tiny model) but not two. The step-4 save fails: one line, the partial tag removed, `latest` on
+    step 2, exit code 1."""
+    run = tmp_path / "run"
+    run.mkdir()
+    deepspeed = shutil.which("deepspeed") or str(Path(sys.executable).parent / "deepspeed")
+    job = [deepspeed, "--num_gpus", "2", "--master_port", str(29500 + (os.getpid() + 7) % 1000),
+           "examples/train.py", "--deepspeed", "ds_configs/zero2_coat.json", "--save-dir", str(run), *SMALL,
+           "--steps", "4", "--save-every", "2", "--eval-every", "0"]
+    # the listing is taken inside the namespace: the tmpfs is gone once it exits
+    script = (f'mount -t tmpfs -o size=14m tmpfs "{run}" && "$@"; rc=$?; echo "LS:" $(ls "{run}/checkpoints"); '
+              f'echo "LATEST:" $(cat "{run}/checkpoints/latest"); exit $rc')
+    inner = ["unshare", "-rm", "sh", "-c", script, "sh", *job]
+    proc = subprocess.Popen(inner, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    out = finish(proc)
+    assert proc.returncode == 1, out[-3000:]
+    errors = [l for l in out.splitlines() if l.startswith("error: ")]
+    assert len(errors) == 1, out[-3000:]
+    assert errors[0].startswith(f"error: checkpoint step0000004 not saved to {run}/checkpoints: no space left on "
+                                f"device (") and f"MiB free of 14.0 MiB on {run})" in errors[0], errors
+    assert errors[0].endswith("removed the partial step0000004.tmp; `latest` still names step0000002"), errors
+    listing = next(l for l in out.splitlines() if l.startswith("LS:")).split()[1:]
+    assert "step0000002" in listing and not any(n.endswith(".tmp") for n in listing), listing
+    assert next(l for l in out.splitlines() if l.startswith("LATEST:")) == "LATEST: step0000002"
+    assert "Traceback" not in out, out[-3000:]
