@@ -6,11 +6,12 @@
 
 A case is a shape at seq 4096 and the configurations run on it, each in its own e2e.py worker (a process
 per configuration; the model built on the GPU in bf16; random tokens; the micro-batch ladder from 1 up to
-what fits, "fits" being peak reserved <= 0.95 x the device). `coat_min` is coat_ds's lowest-memory preset:
-ds_configs/zero2_coat.json with a bf16 master (stochastic rounding), attention saved in FP8 and the chunked
-loss (on by default with a "coat" section); `bf16` is BF16 + FusedAdam with the stock loss, whose need at
-micro-batch 1 comes from its OOM message when it does not fit. Cases run on different machines: each is
-merged into e2e_real_shapes.json under its name, and e2e_real_shapes.png is redrawn from all of them.
+what fits, "fits" being peak reserved <= 0.95 x the device). `lowest_memory` is the shipped preset
+ds_configs/zero2_lowest_memory.json (bf16 master with stochastic rounding, attention saved in FP8) and so
+computes the chunked loss (on by default with a "coat" section); `bf16` is BF16 + FusedAdam with the stock
+loss, whose need at micro-batch 1 comes from its OOM message when it does not fit. Cases run on different
+machines: each is merged into e2e_real_shapes.json under its name, and e2e_real_shapes.png is redrawn from
+all of them.
 """
 from __future__ import annotations
 
@@ -26,9 +27,9 @@ import e2e  # noqa: E402  (its workers, ladder, memory breakdown and metadata)
 NAME = "e2e_real_shapes"
 TARGET_MICRO_BATCH = 2   # issue 30: micro-batch >= 2 with the lowest-memory preset
 CASES = {
-    "llama3.1-8b": dict(model="llama3.1-8b", seq_len=4096, configs="bf16,coat_min", gpu="one 80 GB H100"),
-    "llama2-13b": dict(model="llama2-13b", seq_len=4096, configs="coat_min", gpu="one H200 (141 GB)"),
-    "tiny": dict(model="tiny", seq_len=32, configs="bf16,coat_min", gpu="any (smoke)"),
+    "llama3.1-8b": dict(model="llama3.1-8b", seq_len=4096, configs="bf16,lowest_memory", gpu="one 80 GB H100"),
+    "llama2-13b": dict(model="llama2-13b", seq_len=4096, configs="lowest_memory", gpu="one H200 (141 GB)"),
+    "tiny": dict(model="tiny", seq_len=32, configs="bf16,lowest_memory", gpu="any (smoke)"),
 }
 
 
@@ -71,7 +72,7 @@ def summary(row: dict) -> dict:
 
 def case_result(args: argparse.Namespace, eargs: argparse.Namespace, rows: list[dict], t0: float) -> dict:
     case = CASES[args.case]
-    coat = next((r for r in rows if r["name"] == "coat_min"), None)
+    coat = next((r for r in rows if r["name"] == "lowest_memory"), None)
     bf16 = next((r for r in rows if r["name"] == "bf16"), None)
     mb = coat and coat.get("max_micro_batch")
     return {"case": args.case, "target_gpu": case["gpu"], "device": e2e.device_name(), "model": case["model"],
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         tps = "-" if s["tokens_per_s"] is None else f"{s['tokens_per_s']:,.0f} tokens/s"
         need = "" if s["needed_gb_at_1"] is None else f", needs >= {s['needed_gb_at_1']:.1f} GiB at 1"
         print(f"{args.case} {s['name']}: largest micro-batch {s['max_micro_batch']} ({tps}{need})")
-    print(f"meets target (coat_min micro-batch >= {TARGET_MICRO_BATCH}): {res['meets_target']}  ->  {path}")
+    print(f"meets target (lowest_memory micro-batch >= {TARGET_MICRO_BATCH}): {res['meets_target']}  ->  {path}")
     return 0 if all(r["equal_batch"] or r.get("max_micro_batch") == 0 for r in rows) else 1
 
 

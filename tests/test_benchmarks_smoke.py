@@ -83,8 +83,9 @@ def test_configs_share_everything_but_the_named_change():
     assert cfgs["coat_opt"]["optimizer"]["type"] == "CoatAdamW"
     assert not (cfgs["coat_opt"].get("coat", {}).get("activation", {}).get("enabled", False))
     assert cfgs["coat_opt"]["coat"]["loss"] == {"chunked": False}   # optimizer-only: BF16's loss as well
-    assert cfgs["coat_min"]["coat"]["master_weights"] == "bf16_sr"
-    assert cfgs["coat_min"]["coat"]["activation"]["attention_fp8"] is True and "loss" not in cfgs["coat_min"]["coat"]
+    assert cfgs["lowest_memory"]["coat"]["master_weights"] == "bf16_sr"
+    assert cfgs["lowest_memory"]["coat"]["activation"]["attention_fp8"] is True
+    assert "loss" not in cfgs["lowest_memory"]["coat"]   # the chunked loss by default
     assert cfgs["coat_full"]["optimizer"]["type"] == "CoatAdamW"
     assert cfgs["coat_full"]["coat"]["activation"].get("enabled", True)
     for n, master in (("coat_full_bf16sr", "bf16_sr"), ("coat_full_bf16rn", "bf16_rn")):
@@ -353,7 +354,7 @@ def test_seed_spread_smoke_statistics_recompute_from_each_seed_and_merge_keeps_w
 
 
 def test_e2e_real_shapes_smoke_merges_its_case_and_records_the_loss_path(smoke_runs):
-    """e2e_real_shapes.py --smoke: the tiny case's two configurations through e2e.py's workers; coat_min runs
+    """e2e_real_shapes.py --smoke: the tiny case's two configurations through e2e.py's workers; lowest_memory runs
     the chunked loss (a "coat" section), BF16 the stock one; a second case merges beside the first."""
     import e2e_real_shapes
 
@@ -365,12 +366,12 @@ def test_e2e_real_shapes_smoke_merges_its_case_and_records_the_loss_path(smoke_r
     for key in ("device", "model", "shape", "seq_len", "summary", "configs", "versions", "command", "date"):
         assert key in case, key
     by = {s["name"]: s for s in case["summary"]}
-    assert set(by) == {"bf16", "coat_min"} and case["smoke"] is True
-    assert by["coat_min"]["chunked_loss"] is True and by["bf16"]["chunked_loss"] is False
+    assert set(by) == {"bf16", "lowest_memory"} and case["smoke"] is True
+    assert by["lowest_memory"]["chunked_loss"] is True and by["bf16"]["chunked_loss"] is False
     for s in by.values():
         assert s["max_micro_batch"] == 2 and s["tokens_per_s"] > 0   # the smoke's cap
     assert case["meets_target"] is True and case["bf16_fits_at_1"] is True
-    coat = next(r for r in case["configs"] if r["name"] == "coat_min")
+    coat = next(r for r in case["configs"] if r["name"] == "lowest_memory")
     assert coat["ds_config"]["coat"]["master_weights"] == "bf16_sr"
     assert coat["ds_config"]["coat"]["activation"]["attention_fp8"] is True
     assert all(math.isfinite(x["loss"]) for r in case["configs"] for x in r["rungs"])

@@ -2,10 +2,11 @@
 
 The stock loss computes `logits = hidden @ weight^T` for every token, upcasts them to fp32 and keeps an fp32
 log-softmax for backward: at Llama-3.1-8B's 128,256-token vocabulary and 4096 tokens that is 1 GiB of bf16
-logits and 2 GiB for each fp32 copy, per sample. Here at most `chunk_tokens x vocab` logits exist at a time:
-forward walks the tokens in chunks and keeps one log-sum-exp per token; backward recomputes the logits in
-vocabulary slices of the same size, so that each slice's weight gradient is one GEMM over all the tokens
-(rounded once, as stock) and the hidden-state gradient is summed over slices in fp32. The math per element is
+logits and 2 GiB for each fp32 copy, per sample. Here forward walks the tokens in chunks of `chunk_tokens`
+(chunk_tokens x vocab logits at a time) and keeps one log-sum-exp per token; backward recomputes the logits
+in vocabulary slices of `chunk_tokens` rows (tokens x chunk_tokens logits at a time), so that each slice's
+weight gradient is one GEMM over all the tokens (rounded once, as stock) and the hidden-state gradient is
+summed over slices in fp32. The math per element is
 the stock one: logits in the weight's dtype, softmax in fp32, the logits' gradient rounded to the weight's
 dtype before the two GEMMs. The extra cost is one more logits GEMM (backward recomputes them)."""
 from __future__ import annotations
@@ -17,15 +18,15 @@ import torch
 import torch.nn.functional as F
 
 IGNORE_INDEX = -100          # the targets left out of the loss (PyTorch's and HF's default)
-DEFAULT_CHUNK_TOKENS = 1024  # 1024 x 128,256 logits: ~1.3 GiB of transients (bf16 + fp32 + bf16 gradient)
-_SLICE_ALIGN = 64            # vocabulary slices in backward: a multiple of this many rows of the weight
+DEFAULT_CHUNK_TOKENS = 1024  # forward: 1024 x 128,256 logits, ~1.2 GiB of transients (bf16, fp32, exp)
 
 
 @dataclass(frozen=True)
 class LossConfig:
     """The `"coat": {"loss": {...}}` section. `chunked`: compute the causal-LM loss with
     `linear_cross_entropy` where it equals the stock loss (coat_ds.hf.loss says where); `chunk_tokens`:
-    tokens per chunk, which bounds the logits alive at once to chunk_tokens x vocabulary."""
+    tokens per forward chunk and vocabulary rows per backward slice, which bound the logits alive at once to
+    chunk_tokens x vocabulary (forward) and tokens x chunk_tokens (backward)."""
 
     chunked: bool = True
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
@@ -81,11 +82,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         hidden, weight, safe, keep, lse, divisor = ctx.saved_tensors
-        n, vocab = hidden.shape[0], weight.shape[0]
+        vocab, rows = weight.shape[0], ctx.chunk
         # d loss / d logits[i, v] = (softmax[i, v] - [v == target_i]) * scale_i
         scale = torch.where(keep, grad_out.float() / divisor, 0.0)[:, None]
-        rows = -(-ctx.chunk * vocab // max(n, 1))
-        rows = min(vocab, -(-rows // _SLICE_ALIGN) * _SLICE_ALIGN)
         need_h, need_w = ctx.needs_input_grad[:2]
         grad_h = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_h else None
         grad_w = torch.empty_like(weight) if need_w else None
@@ -112,7 +111,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     hidden (..., H) and weight (V, H) of one dtype, targets (...) of class indices. Reduction as HF's
     `fixed_cross_entropy`: the mean over targets != ignore_index, or their sum / num_items_in_batch when that
     is given (HF Trainer's count over all gradient-accumulation micro-batches). Gradients flow to hidden and
-    weight; the logits never exist beyond chunk_tokens x V elements."""
+    weight; the logits exist chunk_tokens x V (forward) or tokens x chunk_tokens (backward) at a time."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens={chunk_tokens!r} is invalid; allowed: an integer >= 1")
     h = hidden.reshape(-1, hidden.shape[-1])
