@@ -53,6 +53,19 @@ def pins(path: Path = CONSTRAINTS) -> dict[str, str]:
     return out
 
 
+def disagreements(pinned: dict[str, str]) -> list[str]:
+    """What keeps `pinned` from being an install setup.py admits: a requirement left unpinned or pinned outside
+    its range."""
+    out = []
+    for r in requirements():
+        version = pinned.get(canonicalize_name(r.name))
+        if version is None:
+            out.append(f"{r.name}: not pinned (setup.py: {r})")
+        elif not r.specifier.contains(version, prereleases=True):
+            out.append(f"{r.name}=={version}: outside setup.py's {r}")
+    return out
+
+
 def lowest() -> list[str]:
     """`name==X` for every `>=X` bound in setup.py: the oldest versions it admits."""
     return [f"{r.name}=={s.version}" for r in requirements() for s in r.specifier if s.operator == ">="]
