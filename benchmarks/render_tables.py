@@ -117,6 +117,62 @@ def presets(res: Path):
     return header, rows
 
 
+@table
+def real_shapes(res: Path):
+    """README: today's shapes at seq 4096 on one GPU, no offload (benchmarks/e2e_real_shapes.py)."""
+    run = load(res, "e2e_real_shapes.json")
+    header = ["model, GPU", "configuration", "largest micro-batch", "peak GiB there", "tokens/s there",
+              "BF16 + FusedAdam at micro-batch 1"]
+    rows = []
+    for case in run["cases"].values():
+        if case["model"] == "tiny":
+            continue
+        bf16 = next((c for c in case["summary"] if c["name"] == "bf16"), None)
+        need = ("not run" if bf16 is None else f"does not fit (needs >= {num(bf16['needed_gb_at_1'])} GiB)"
+                if bf16["max_micro_batch"] == 0 else f"fits up to {bf16['max_micro_batch']}")
+        where = f"{case['model']}, seq {case['seq_len']}, {case['device'].replace('NVIDIA ', '')}"
+        rows += [[where, c["label"], c["max_micro_batch"], num(c["peak_alloc_gb"]), num(c["tokens_per_s"], 0), need]
+                 for c in case["summary"] if c["name"] != "bf16"]
+    return header, rows
+
+
+@table
+def hf_trainer(res: Path):
+    """README / docs/deepspeed.md: HF Trainer beside a plain deepspeed.initialize loop on the same config."""
+    run = load(res, "hf_trainer.json")
+    by = {r["spec"].removesuffix(":profile"): r for r in run["runs"] if r.get("tokens_per_s")}
+    header = ["preset, model, micro-batch, tuning", "HF Trainer tokens/s", "plain loop tokens/s", "Trainer / plain",
+              "peak GiB", "measured at"]
+    rows = []
+    for spec, r in by.items():
+        path, rest = spec.split(":", 1)
+        if path != "trainer":
+            continue
+        plain = by.get(f"plain:{rest}")
+        same = plain is not None and plain["measured_at"] == r["measured_at"]
+        rows.append([rest.replace(":", ", "), num(r["tokens_per_s"], 0), num(plain and plain["tokens_per_s"], 0),
+                     f"{r['tokens_per_s'] / plain['tokens_per_s']:.2f}x" if same else "-", num(r["peak_alloc_gb"]),
+                     r["measured_at"]])
+    return header, rows
+
+
+@table
+def attention_fp8_whole_model(res: Path):
+    """docs/activation.md: attention_fp8 through a whole default-config HF model and the engine."""
+    header = ["model, GPU (file)", "configuration", "micro-batch", "forward keeps GiB", "B/token/hidden/layer",
+              "peak GiB", "tokens/s"]
+    rows = []
+    for name in ("e2e_attention_fp8_7b.json", "e2e_attention_fp8_1b.json"):
+        run = load(res, name)
+        per = run["forward_kept_b_per_token_hidden_layer"]
+        for c in run["configs"]:
+            eq, b = c["equal_batch"], c["breakdown"]
+            rows.append([f"{run['model']}, {run['device'].replace('NVIDIA ', '')} (`{name}`)", c["label"],
+                         eq["micro_batch"], num(b["alloc_forward_delta_gb"], 2), num(per[c["name"]], 2),
+                         num(eq["peak_alloc_gb"], 2), num(eq["tokens_per_s"], 0)])
+    return header, rows
+
+
 LAYER_VARIANTS = (("bf16_eager", "HF `LlamaDecoderLayer`, bf16 eager"), ("bf16_compiled", "same, `torch.compile`"),
                   ("torchao_fp8_compiled", "torchao float8 (tensorwise), `torch.compile`"),
                   ("coat_linear", "coat_ds FP8 linears only, eager"), ("coat_full", "coat_ds full FP8 flow, eager"),
