@@ -262,6 +262,22 @@ def optimizer_step(res: Path):
                     for r in sorted(rows, key=lambda r: -r["numel"])]
 
 
+MASTERS = {"float32": "fp32 (`fp32`)", "float32_remainder": "fp32 as bf16 + int16 remainder (`fp32_remainder`)",
+           "bfloat16_sr": "bf16, stochastic rounding (`bf16_sr`)"}
+
+
+@table
+def optimizer_step_masters(res: Path):
+    """docs/results.md: CoatAdamW's kernel at 1e9 values by gradient dtype and master weights."""
+    rows = [r for r in load(res, "optimizer_step.json")["rows"] if r["numel"] == 1e9]
+    header = ["gradients", "master", "ms", "bytes moved / param", "GB/s", "share of copy bandwidth",
+              "vs FusedAdam (fp32)"]
+    fused = next(r["fused_adam_ms"] for r in rows if r.get("fused_adam_ms"))
+    return header, [[r["grad_dtype"], MASTERS[r["master"]], num(r["coat_ms"], 3), num(r["coat_bytes_per_param"], 2),
+                     num(r["coat_gbps"], 0), f"{r['coat_frac_of_copy']:.1%}", f"{fused / r['coat_ms']:.2f}x"]
+                    for r in rows]
+
+
 MODELS = {"llama-1b": "Llama 1.1B", "llama2-7b": "Llama-2-7B", "llama2-13b": "Llama-2-13B"}
 
 
