@@ -120,9 +120,11 @@ def presets(res: Path):
 @table
 def real_shapes(res: Path):
     """README: today's shapes at seq 4096 on one GPU, no offload (benchmarks/e2e_real_shapes.py)."""
+    from coat_ds import plan
+
     run = load(res, "e2e_real_shapes.json")
     header = ["model, GPU", "configuration", "largest micro-batch", "peak GiB there", "tokens/s there",
-              "BF16 + FusedAdam at micro-batch 1"]
+              "BF16 + FusedAdam at micro-batch 1", "BF16 + FusedAdam: GPUs it needs (planner, ZeRO-2)"]
     rows = []
     for case in run["cases"].values():
         if case["model"] == "tiny":
@@ -130,10 +132,14 @@ def real_shapes(res: Path):
         bf16 = next((c for c in case["summary"] if c["name"] == "bf16"), None)
         need = ("not run" if bf16 is None else f"does not fit (needs >= {num(bf16['needed_gb_at_1'])} GiB)"
                 if bf16["max_micro_batch"] == 0 else f"fits up to {bf16['max_micro_batch']}")
+        gpu = next(name for name in plan.GPUS if name.upper() in case["device"].upper())
+        gpus = plan.fewest_gpus(plan.bf16_baseline(plan.read_config("zero2_bf16")[0]), case["model"],
+                                case["seq_len"], plan.GPUS[gpu] * 2 ** 30)
         where = f"{case['model']}, seq {case['seq_len']}, {case['device'].replace('NVIDIA ', '')}"
-        rows += [[where, c["label"], c["max_micro_batch"], num(c["peak_alloc_gb"]), num(c["tokens_per_s"], 0), need]
-                 for c in case["summary"] if c["name"] != "bf16"]
+        rows += [[where, c["label"], c["max_micro_batch"], num(c["peak_alloc_gb"]), num(c["tokens_per_s"], 0), need,
+                  gpus or "more than 64"] for c in case["summary"] if c["name"] != "bf16"]
     return header, rows
+
 
 
 @table

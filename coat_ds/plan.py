@@ -232,6 +232,18 @@ def max_micro_batch(job: Job, memory: float, cap: int = 1 << 16) -> int:
     return lo
 
 
+def fewest_gpus(cfg: Mapping[str, Any], model: str, seq: int, memory: float, most: int = 64) -> int | None:
+    """The fewest data-parallel GPUs (powers of two up to `most`) on which config `cfg` trains `model` at
+    micro-batch 1; None if even `most` do not suffice."""
+    shape = resolve_shape(model)
+    world = 1
+    while world <= most:
+        if max_micro_batch(job_from_config(cfg, shape, seq, world), memory) >= 1:
+            return world
+        world *= 2
+    return None
+
+
 # ------------------------------------------------------------------ from a DeepSpeed config
 def coat_state_bytes(cfg: Mapping[str, Any]) -> float:
     """CoatAdamW's state bytes per parameter for the config's group_size and v_format: m and v as the

@@ -173,3 +173,16 @@ def test_train_plan_prints_before_building_anything():
     assert out.returncode == 0, out.stderr[-2000:]
     assert "\n1b: 1.03B parameters, vocabulary 8,192, seq 2048; ZeRO-2" in "\n" + out.stdout, out.stdout
     assert not Path("/nonexistent/never").exists()
+
+
+def test_fewest_gpus_is_the_smallest_world_that_fits_micro_batch_one():
+    """BF16 + FusedAdam cannot train Llama-3.1-8B at seq 4096 on one H100 (measured: e2e_real_shapes.json), the
+    lowest-memory preset can; and the world fewest_gpus names is the first power of two whose plan fits."""
+    memory = P.GPUS["h100"] * 2 ** 30
+    bf16 = P.bf16_baseline(P.read_config("zero2_bf16")[0])
+    n = P.fewest_gpus(bf16, "llama3.1-8b", 4096, memory)
+    assert n is not None and n > 1
+    shape = P.resolve_shape("llama3.1-8b")
+    assert P.max_micro_batch(P.job_from_config(bf16, shape, 4096, n), memory) >= 1
+    assert P.max_micro_batch(P.job_from_config(bf16, shape, 4096, n // 2), memory) == 0
+    assert P.fewest_gpus(P.read_config("zero2_lowest_memory")[0], "llama3.1-8b", 4096, memory) == 1
