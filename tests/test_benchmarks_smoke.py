@@ -228,8 +228,19 @@ def test_hf_trainer_smoke_compares_the_trainer_with_the_plain_loop_on_the_config
     assert (tmp / "hf_trainer" / "hf_trainer.png").stat().st_size > 10_000
 
 
+def _benchmark(name: str):
+    """benchmarks/`name`.py as a module, by path: examples/ holds a script of the same name (hf_trainer.py), and
+    whichever a test imported first would answer a plain `import`."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_hf_trainer_runs_are_checked_before_any_process_starts():
-    from hf_trainer import parse_run
+    parse_run = _benchmark("hf_trainer").parse_run
 
     assert parse_run("trainer:coat:llama-1b:4:tuned")["micro_batch"] == 4
     assert parse_run("plain:coat:llama-1b:4:tuned:profile")["profiled"] is True
@@ -244,7 +255,7 @@ def test_hf_trainer_runs_are_checked_before_any_process_starts():
 def test_hf_trainer_counts_device_synchronize_by_the_caller_outside_torch(monkeypatch):
     """The probe's count of explicit device syncs (which CUDA's sync debug mode does not report), by call site."""
     import torch
-    from hf_trainer import count_synchronize
+    count_synchronize = _benchmark("hf_trainer").count_synchronize
 
     calls = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: calls.append(a))   # no device here: count only

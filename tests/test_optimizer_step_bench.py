@@ -14,11 +14,13 @@ def test_optimizer_step_smoke_writes_a_row_per_case(tmp_path):
                    check=True, cwd=ROOT, env=env, capture_output=True, text=True)
     rows = json.loads(out.read_text())["rows"]
     cases = {(r["grad_dtype"], r["master"]): r for r in rows}
-    assert set(cases) == {("float32", "float32"), ("bfloat16", "float32"), ("bfloat16", "bfloat16_sr")}
+    assert set(cases) == {("float32", "float32"), ("bfloat16", "float32"), ("bfloat16", "bfloat16_sr"),
+                          ("bfloat16", "float32_remainder")}
     # master r+w + grad + 2 x (1 B of codes + 8 B of (scale, expo) per 128 values) per moment
     state = 2 * (2 + 16 / 128)
     for (grad, master), want in ((("float32", "float32"), 8 + 4), (("bfloat16", "float32"), 8 + 2),
-                                 (("bfloat16", "bfloat16_sr"), 4 + 2)):
+                                 (("bfloat16", "bfloat16_sr"), 4 + 2),
+                                 (("bfloat16", "float32_remainder"), 4 + 2 + 4)):   # + the int16 remainder r+w
         row = cases[(grad, master)]
         assert row["coat_bytes_per_param"] == want + state
         assert row["coat_ms"] > 0 and row["coat_frac_of_copy"] > 0
