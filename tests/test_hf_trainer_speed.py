@@ -7,13 +7,9 @@ has waited for the norm anyway (its finiteness check), so it hands DeepSpeed the
 documents (`get_global_grad_norm() -> Optional[float]`), with DeepSpeed's own value."""
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
-
 import pytest
+
+from conftest import run_one_rank_job
 
 pytest.importorskip("deepspeed")
 pytest.importorskip("accelerate")
@@ -46,18 +42,7 @@ print("RESULT " + json.dumps({"coat": norms(True), "deepspeed": norms(False)}))
 
 
 def test_zero2_grad_norm_is_a_float_equal_to_deepspeeds(tmp_path):
-    script = tmp_path / "job.py"
-    script.write_text(JOB)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
-               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = json.loads(lines[-1][len("RESULT "):])
+    out = run_one_rank_job(tmp_path, JOB)
     assert [t for t, _, _ in out["coat"]] == ["float"] * 3           # nothing for HF's .item() to wait on
     assert [t for t, _, _ in out["deepspeed"]] == ["Tensor"] * 3     # DeepSpeed's own step keeps a device tensor
     assert [v for _, v, _ in out["coat"]] == [v for _, v, _ in out["deepspeed"]]   # the same norm, step by step

@@ -1,12 +1,7 @@
 """The FP8 weight cache follows optimizer steps, also when weights are written behind autograd's back."""
-import json
-import os
-import socket
-import subprocess
-import sys
-
 import pytest
 import torch
+from conftest import run_one_rank_job
 
 from coat_ds.activation.weight_cache import WeightGroup
 from coat_ds.formats import E4M3
@@ -73,16 +68,5 @@ def test_engine_step_invalidates_the_cache_under_zero2_coat_adamw(tmp_path):
     """ZeRO-2 writes the updated bf16 weights through .data and CoatAdamW's ZeRO step calls no torch
     optimizer's step: the engine's own step (coat_ds/deepspeed/engine.py) is what tells the cache."""
     pytest.importorskip("deepspeed")
-    script = tmp_path / "job.py"
-    script.write_text(ENGINE_JOB)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
-               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = json.loads(lines[-1][len("RESULT "):])
+    out = run_one_rank_job(tmp_path, ENGINE_JOB)
     assert out["fresh"] == [True] * 3 and out["reused"] == [True, True], out

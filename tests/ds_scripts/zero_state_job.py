@@ -265,6 +265,11 @@ def task_refuse(args, world, stage, dtype, rest):
              "bf16_optimizer": config(1, "bf16acc", world, master_weights="bf16_sr"),
              "fp32_model": config(2, "fp32", world, master_weights="bf16_sr"),
              "bad_value": config(2, "bf16acc", world, master_weights="bf16")}
+    return build_outcomes(cases)
+
+
+def build_outcomes(cases: dict) -> dict:
+    """name -> "built", or the one-line ValueError the engine refused that config with."""
     out = {}
     for name, cfg in cases.items():
         try:
@@ -366,14 +371,7 @@ def task_refuse_remainder(args, world, stage, dtype, rest):
         cases[name] = config(st, "bf16", world, master_weights="fp32_remainder")
         cases[name]["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     cases["fp32_model"] = config(2, "fp32", world, master_weights="fp32_remainder")
-    out = {}
-    for name, cfg in cases.items():
-        try:
-            build(cfg)
-            out[name] = "built"
-        except ValueError as exc:
-            out[name] = str(exc)
-    return out
+    return build_outcomes(cases)
 
 
 TASKS = {"remainder": task_remainder, "refuse_remainder": task_refuse_remainder, "exact": task_exact, "master": task_master, "cross": task_cross, "resume": task_resume,
