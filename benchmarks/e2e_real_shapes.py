@@ -92,7 +92,14 @@ def merge(out: Path, res: dict) -> dict:
     old = json.loads(path.read_text()) if path.is_file() else {}
     cases = dict(old.get("cases", {}))
     cases[res["case"]] = res
-    return {"what": __doc__.split("\n")[0], "cases": cases}
+    return with_provenance(cases)
+
+
+def with_provenance(cases: dict) -> dict:
+    """The file: its cases, and at the top where, when and how each was measured (cases run on different GPUs)."""
+    per = lambda key: {name: c[key] for name, c in cases.items()}  # noqa: E731
+    return {"what": __doc__.split("\n")[0], "device": per("device"), "date": max(c["date"] for c in cases.values()),
+            "command": per("command"), "versions": per("versions"), "cases": cases}
 
 
 def main(argv: list[str] | None = None) -> int:
