@@ -6,6 +6,7 @@ changes. What the model has attached to a layer (training flag, HF gradient chec
 moves with the swap in both directions."""
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 from dataclasses import replace
@@ -126,9 +127,15 @@ def _cacheless_training(model: nn.Module, args: Any, kwargs: dict[str, Any]):
     if not (model.training and torch.is_grad_enabled()) or has_cache(kwargs):
         return None
     if kwargs.get("use_cache"):
-        logger.warning("coat_ds: a training forward runs with use_cache=False (no KV cache is built with grad "
-                       "enabled; pass a cache object to keep one)")
+        _warn_cacheless_once()
     return args, {**kwargs, "use_cache": False}
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_cacheless_once() -> None:
+    """Said once per process: a loop that asks for use_cache=True every step would otherwise log every step."""
+    logger.warning("coat_ds: a training forward runs with use_cache=False (no KV cache is built with grad "
+                   "enabled; pass a cache object to keep one)")
 
 
 def _takes_use_cache(module: nn.Module) -> bool:
