@@ -26,8 +26,9 @@ JOB = os.path.join(ROOT, "tests", "ds_scripts", "zero_state_job.py")
 pytestmark = pytest.mark.slow
 
 EXACT = [f"exact:{s}:{d}" for s in (1, 2, 3) for d in ("bf16", "fp16")] + ["exact:2:bf16acc"]
-W1 = ["master:2:bf16_sr", "master:3:bf16_sr"]
-W2 = EXACT + ["master:2:bf16_sr", "master:1:bf16_sr:bf16grads", "master:3:bf16_sr", "master:2:bf16_rn",
+GRADS = ["grads:1:bf16_sr", "grads:2:bf16_sr", "grads:2:fp32_remainder"]
+W1 = ["master:2:bf16_sr", "master:3:bf16_sr", "grads:2:bf16_sr"]
+W2 = EXACT + GRADS + ["master:2:bf16_sr", "master:1:bf16_sr:bf16grads", "master:3:bf16_sr", "master:2:bf16_rn",
               "master:2:bf16_sr:offload", "resume:2:bf16_sr:1", "resume:3:bf16_sr:1", "universal:2:bf16_sr:1",
               "cross:2:fp32:bf16_sr", "cross:2:bf16_sr:fp32", "cross:3:bf16_sr:fp32", "refuse:2"]
 
@@ -56,6 +57,20 @@ def test_zero_step_is_deepspeeds_bit_for_bit(runs, task):
     assert out["partition"] > out["coat_alloc"]
     if not task.endswith("acc"):  # with fp32 accumulation DeepSpeed steps on its fp32 buffer in place too
         assert out["deepspeed_alloc"] >= out["partition"]
+
+
+@pytest.mark.parametrize("job,task", [("w1", "grads:2:bf16_sr")] + [("w2", t) for t in GRADS])
+def test_per_parameter_gradients_train_as_the_partition_buffer(runs, job, task):
+    """coat.gradients "per_parameter" (the default) == DeepSpeed's partition buffer, loss for loss and in every
+    rank's final masters (world 1 accumulates two micro-batches, world 2 partitions), with each gradient piece
+    the step reads in a storage of its own (allocated as backward reached its parameter), where DeepSpeed's
+    pieces share one partition-sized buffer."""
+    out = _task(runs, job, task)
+    lean, buffer = out["per_parameter"], out["partition_buffer"]
+    assert len(lean["losses"]) == STEPS and lean["losses"] == buffer["losses"]
+    assert out["masters_equal"]
+    assert all(n >= 3 and storages == n for n, storages in lean["pieces_storages"]), lean["pieces_storages"]
+    assert all(n >= 3 and storages == 1 for n, storages in buffer["pieces_storages"]), buffer["pieces_storages"]
 
 
 def _falls(losses: list[float]) -> bool:

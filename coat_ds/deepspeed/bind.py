@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from ..optim import CoatAdamW
 from . import zero_step
+from .config import coat_section
 from .layout import Segment, ShardLayout, local_cut_keys
 from .master import master_weights, use_bf16_master
 
@@ -106,6 +107,6 @@ def bind(engine) -> int:
                                              stochastic=master == "bf16_sr", remainder=rem))
         bound += 1
     if bound and (zero_step.ENABLED or master != "fp32"):  # bound: ZeRO-1/2/3 or BF16_Optimizer (partitions())
-        zero_step.install(zo)
+        zero_step.install(zo, coat_section(engine._config._param_dict).gradients)
     engine._coat_bound = bound
     return bound

@@ -3,6 +3,8 @@
     "coat": {"activation": {...}}     FP8 activation flow (keys: coat_ds.activation.ActivationConfig)
     "coat": {"loss": {...}}           the causal-LM loss without full logits (keys: coat_ds.activation.loss.LossConfig;
                                       on by default wherever a "coat" section is present)
+    "coat": {"master_weights": ...}   where ZeRO keeps the master weights (coat_ds.deepspeed.master)
+    "coat": {"gradients": ...}        where ZeRO keeps reduced gradients until the step (coat_ds.deepspeed.gradients)
 
 DeepSpeed ignores top-level keys it does not know; after `import coat_ds` its engine applies this one.
 """
@@ -11,8 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from . import gradients as _gradients
+
 SECTION = "coat"
-_KEYS = ("activation", "master_weights", "loss")
+_KEYS = ("activation", "master_weights", "loss", "gradients")
 
 
 @dataclass(frozen=True)
@@ -20,6 +24,7 @@ class CoatSection:
     activation: Any = None  # ActivationConfig, or None when the section has no "activation"
     master_weights: str = "fp32"  # "fp32" | "bf16_sr" | "bf16_rn": coat_ds.deepspeed.master
     loss: Any = None  # LossConfig (its defaults when the section has no "loss"): coat_ds.hf.loss
+    gradients: str = _gradients.DEFAULT  # coat_ds.deepspeed.gradients.GRADIENTS
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None) -> "CoatSection":
@@ -43,7 +48,7 @@ class CoatSection:
         from .master import check_master_weights
 
         return cls(activation=activation, master_weights=check_master_weights(d.get("master_weights", "fp32")),
-                   loss=LossConfig.from_dict(d.get("loss")))
+                   loss=LossConfig.from_dict(d.get("loss")), gradients=_gradients.check_gradients(d.get("gradients", _gradients.DEFAULT)))
 
 
 def coat_section(config: Mapping[str, Any] | None) -> CoatSection:

@@ -37,6 +37,7 @@ from deepspeed.runtime.zero.stage_1_and_2 import (INITIAL_MICRO_STEP_ID, OPTIMIZ
 from deepspeed.checkpoint.constants import FP32_FLAT_GROUPS, SINGLE_PARTITION_OF_FP32_GROUPS
 
 from ..formats.remainder import bf16_weight, check_finite
+from .gradients import DEFAULT as GRADIENTS_DEFAULT
 from .layout import FlatPieces
 
 ENABLED = True  # False: DeepSpeed's own step for fp32 masters (what the tests compare with)
@@ -47,6 +48,22 @@ class Zero12Step:
 
     _coat_bf16_master = False  # master.py sets it when the master partitions are bf16
     _coat_remainder = False  # ... and when they are the high halves of fp32 masters (layouts keep the remainders)
+    _coat_per_parameter_grads = True  # coat.gradients (gradients.py); bind() sets it from the config
+
+    def copy_grads_in_partition(self, param, group_idx=None):
+        """A reduced gradient of this rank's partition into an allocation of its own, made now, as backward
+        reaches the parameter (coat.gradients "per_parameter"). DeepSpeed 0.19.8 copies it into one buffer of
+        the whole partition, allocated at the first reduced bucket while the activations are still alive; the
+        values, dtype and `.grad` re-pointing are the same, only the storage differs. Offload and an fp32
+        compact partition buffer keep DeepSpeed's own path."""
+        if group_idx is None:
+            group_idx = self._get_param_group_idx(param)
+        if not self._coat_per_parameter_grads or self.cpu_offload or self._use_compact_grad_partition_buffer(group_idx):
+            return super().copy_grads_in_partition(param, group_idx)
+        grad = self.get_gradient_for_reduction(param)
+        own = torch.empty(param.numel(), dtype=self.dtype, device=grad.device)
+        own.copy_(grad.view(-1))
+        grad.data = own.view_as(grad)
 
     def step(self, closure=None):
         if self.torch_autocast_gradscaler or self.zenflow or (self.cpu_offload and not self._coat_bf16_master):
@@ -298,11 +315,12 @@ def _subclass(mixin: type, base: type) -> type:
     return type(f"Coat{base.__name__}", (mixin, base), {"__module__": __name__})
 
 
-def install(zo) -> None:
+def install(zo, gradients: str = GRADIENTS_DEFAULT) -> None:
     """Give the ZeRO optimizer `zo` (stage 1, 2 or 3, or BF16_Optimizer) of a CoatAdamW engine the step of this
-    module."""
+    module, its reduced gradients kept as coat.gradients says (gradients.py)."""
     mixin = (Zero3Step if hasattr(zo, "fp32_partitioned_groups_flat") else
              Zero12Step if hasattr(zo, "single_partition_of_fp32_groups") else Bf16Step)
     if not isinstance(zo, mixin):
         zo.__class__ = _subclass(mixin, type(zo))
     zo._coat_grads, zo._coat_scales, zo._coat_lp_written = {}, {}, set()
+    zo._coat_per_parameter_grads = gradients == "per_parameter"

@@ -83,20 +83,21 @@ def train_dtype(dtype: str) -> str:
 
 
 class LargestAlloc(TorchDispatchMode):
-    """The largest fp32 tensor (numel) with fresh storage that any op creates while active (views and
+    """The largest tensor of `dtype` (numel) with fresh storage that any op creates while active (views and
     in-place results share their input's storage): DeepSpeed's fp32 gradient partition shows up here.
     `total`: the numel of all of them together."""
 
-    def __init__(self):
+    def __init__(self, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.numel = self.total = 0
+        self.dtype = dtype
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         inputs = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
                   if torch.is_tensor(a)}
         for t in torch.utils._pytree.tree_leaves(out):
-            if torch.is_tensor(t) and t.dtype == torch.float32 and t.untyped_storage().data_ptr() not in inputs:
+            if torch.is_tensor(t) and t.dtype == self.dtype and t.untyped_storage().data_ptr() not in inputs:
                 self.numel = max(self.numel, t.numel())
                 self.total += t.numel()
         return out
@@ -213,6 +214,29 @@ def _saved_masters(path: str, world: int) -> torch.Tensor:
     osd = torch.load(f, map_location="cpu", weights_only=False)["optimizer_state_dict"]
     flats = osd.get("single_partition_of_fp32_groups") or osd["fp32_flat_groups"]
     return torch.cat([t.reshape(-1) for t in flats])
+
+
+def task_grads(args, world, stage, master, rest):
+    """coat.gradients "per_parameter" against "partition_buffer" (bf16 gradients, clipping on, contiguous
+    gradients): losses of each, whether every rank's final masters are equal, and at each step how many
+    storages hold the gradient pieces the step reads (zero padding aside), against the number of pieces."""
+    out, final = {}, []
+    for gradients in ("partition_buffer", "per_parameter"):
+        engine = build(dict(config(stage, "bf16", world, master_weights=master, gradients=gradients),
+                            gradient_clipping=0.2))
+        zo, seen = engine.optimizer, set()
+        step = zo.step
+
+        def watched(*a, **kw):
+            pieces = [t for g in zo.averaged_gradients.values() for t in g or () if not hasattr(t, "_zero_padding")]
+            seen.add((len(pieces), len({t.untyped_storage().data_ptr() for t in pieces})))
+            return step(*a, **kw)
+
+        zo.step = watched
+        out[gradients] = {"losses": common.train(engine, range(STEPS), "bf16"), "pieces_storages": sorted(seen)}
+        final.append(_joined(engine))
+    out["masters_equal"] = _all(torch.equal(*final))
+    return out
 
 
 def task_cross(args, world, stage, src, rest):
@@ -374,7 +398,7 @@ def task_refuse_remainder(args, world, stage, dtype, rest):
     return build_outcomes(cases)
 
 
-TASKS = {"remainder": task_remainder, "refuse_remainder": task_refuse_remainder, "exact": task_exact, "master": task_master, "cross": task_cross, "resume": task_resume,
+TASKS = {"grads": task_grads, "remainder": task_remainder, "refuse_remainder": task_refuse_remainder, "exact": task_exact, "master": task_master, "cross": task_cross, "resume": task_resume,
          "universal": task_universal, "refuse": task_refuse}
 
 
