@@ -6,6 +6,7 @@ import torch
 import coat_ds  # noqa: F401  (registers)
 from coat_ds import CoatAdamW
 from coat_ds.deepspeed import coat_section, validate_params
+from coat_ds.deepspeed.check import check_config
 from coat_ds.deepspeed.layout import Segment, ShardLayout, local_cut_keys
 from coat_ds.deepspeed.optimizer_type import coat_adamw_from_config
 
@@ -39,8 +40,11 @@ def test_unknown_param_is_an_error():
 
 def test_coat_section():
     assert coat_section({}).activation is None
-    with pytest.raises(ValueError, match=r"coat.optim: unknown key; allowed keys: \['activation', 'master_weights', 'loss'\]"):
+    with pytest.raises(ValueError, match=r"coat.optim: unknown key; allowed keys: \['activation', 'master_weights', 'loss', 'gradients'\]"):
         coat_section({"coat": {"optim": {}}})
+    assert coat_section({}).gradients == coat_section({"coat": {}}).gradients == "per_parameter"
+    with pytest.raises(ValueError, match=r"^coat.gradients='flat' is invalid; allowed: \['per_parameter', 'partition_buffer'\]$"):
+        check_config({"coat": {"gradients": "flat"}})
     with pytest.raises(ValueError, match="coat.activation"):
         coat_section({"coat": {"activation": {"no_such_key": 1}}})
 
