@@ -198,7 +198,8 @@ def phases(job: Job, micro_batch: int) -> dict[str, dict[str, float]]:
     acts = t * s.hidden * (s.layers * layer_bytes(s, job.activation) + FINAL_NORM)
     loss = loss_bytes(t, s, job.chunk)
     head_grad = job.zero.param_bytes * s.vocab * s.hidden
-    in_backward = job.zero.stage >= 2 and not job.zero.offload   # the gradient partition, from the first bucket
+    # the gradient partition, from the first bucket (per-parameter gradients grow as the activations are freed)
+    in_backward = job.zero.stage >= 2 and not job.zero.offload and not job.zero.grads_per_parameter
     grads = dict(gradients=st["gradients"])
     return {
         "forward": dict(states, activations=acts, **{"logits/loss": loss["forward"]}),
@@ -281,7 +282,8 @@ def job_from_config(cfg: Mapping[str, Any], shape: Shape, seq: int, world: int, 
     accum = cfg.get("gradient_accumulation_steps", 1)
     cache = act is not None and (act.cache_weights is True or (act.cache_weights == "when_accumulating"
                                                               and isinstance(accum, int) and accum > 1))
-    zero = replace(zero_job(cfg, world, coat_state_bytes(cfg), section.master_weights), coat_step=coat_step)
+    zero = replace(zero_job(cfg, world, coat_state_bytes(cfg), section.master_weights, section.gradients),
+                   coat_step=coat_step)
     return Job(shape, seq, zero, act, loss_chunk(cfg) if chunk == "config" else chunk,
                cache and zero.stage != 3)
 

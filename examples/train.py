@@ -31,7 +31,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))          # coat_ds from a checkout
 
 from coat_ds.recipes import data as data_lib  # noqa: E402
-from coat_ds.recipes.causal_lm import MODEL_SIZES, build_model, initialize, lm_loss, set_single_process_env  # noqa: E402
+from coat_ds.recipes.causal_lm import (MODEL_SIZES, build_model, default_allocator, initialize, lm_loss,  # noqa: E402
+                                       set_single_process_env)
 from coat_ds.recipes.cli import check_ds_config, read_ds_config, refuse  # noqa: E402
 
 # ------------------------------------------------------------------------------------------------------------
@@ -450,6 +451,7 @@ def print_plan(args: argparse.Namespace, ds_config: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    default_allocator()
     args = parse_args(argv)
     ds_config = load_ds_config(args)
     if args.plan:

@@ -23,6 +23,8 @@ GIB = 2 ** 30
 # CoatAdamW's own ZeRO step (56baab0, 2026-11-23 19:32 UTC): rows measured before it ran DeepSpeed's step, which
 # flattens the gradient partition and copies it to fp32, for CoatAdamW as for FusedAdam
 ZERO_STEP_LANDED = "2026-11-23T19:32:39"
+# coat.gradients "per_parameter" became the default (issue 34): rows measured before it kept DeepSpeed's buffer
+PER_PARAMETER_GRADS_LANDED = "2026-11-26T08:00:00"
 
 
 def _docs(path: Path) -> list[dict]:
@@ -56,7 +58,10 @@ def measured_rows() -> list[dict]:
 def job_of(row: dict) -> P.Job:
     shape = P.shape_from_hf(row["shape"], row["file"])
     chunk = P.loss_chunk(row["ds_config"]) if row["chunked"] else None   # rows before the chunked loss: stock
-    return P.job_from_config(row["ds_config"], shape, row["seq"], row["world"], chunk=chunk,
+    cfg = row["ds_config"]
+    if "coat" in cfg and row["date"] < PER_PARAMETER_GRADS_LANDED:
+        cfg = {**cfg, "coat": {"gradients": "partition_buffer", **cfg["coat"]}}
+    return P.job_from_config(cfg, shape, row["seq"], row["world"], chunk=chunk,
                              coat_step=row["date"] >= ZERO_STEP_LANDED)
 
 

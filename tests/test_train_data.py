@@ -1,6 +1,7 @@
 """coat_ds.recipes.data and examples/train.py's input checks: every source format, deterministic batches, and a
 clear error (before DeepSpeed or any device memory) for every bad input we handle."""
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -8,6 +9,7 @@ import numpy as np
 import pytest
 
 from coat_ds.recipes import data
+from coat_ds.recipes.causal_lm import ALLOCATOR_VARS, default_allocator
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
@@ -207,3 +209,15 @@ def test_bad_model_and_export_paths(no_device, tmp_path, monkeypatch):
     assert "cannot load its config" in run_main("--model", str(tmp_path / "no_model"))
     (tmp_path / "f").write_text("x")
     assert "is a file; give a directory" in run_main("--export", str(tmp_path / "f"))
+
+
+@pytest.mark.parametrize("user", [None, ("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128"),
+                                  ("PYTORCH_ALLOC_CONF", "backend:native")])
+def test_the_main_job_sets_expandable_segments_unless_the_user_set_the_allocator(monkeypatch, user):
+    for var in ALLOCATOR_VARS:
+        monkeypatch.delenv(var, raising=False)
+    if user:
+        monkeypatch.setenv(*user)
+    default_allocator()
+    got = {v: os.environ.get(v) for v in ALLOCATOR_VARS if os.environ.get(v)}
+    assert got == (dict([user]) if user else {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})

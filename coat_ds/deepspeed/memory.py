@@ -8,6 +8,8 @@ e2e*.json and offload.json; docs/plan.md has the derivation):
 - optimizer states: FusedAdam 8N/W, CoatAdamW its FP8 moments with their group scales (~2.1N/W);
 - gradients: ZeRO-2/3 a partition of N/W in `data_types.grad_accum_dtype` (bf16 by default), allocated when
   the first bucket is reduced in backward and freed by the step; ZeRO-0/1 every parameter's bf16 .grad;
+  CoatAdamW's ZeRO-1/2 with bf16 gradients (coat.gradients "per_parameter", gradients.py) allocates each one as
+  backward reaches its parameter, so they grow while the activations are freed;
 - DeepSpeed's own step for a stock optimizer flattens the gradient partition and converts it to fp32
   (+2 +4 B per partition value, stage_1_and_2.py step); CoatAdamW's ZeRO step (zero_step.py) reads the
   partition in place, one parameter's fp32 pieces at a time;
@@ -18,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from .gradients import DEFAULT as GRADIENTS_DEFAULT
 from .optimizer_type import NAME
 
 ADAM_STATE_BYTES = 8.0                   # fp32 exp_avg + exp_avg_sq
@@ -41,14 +44,17 @@ class ZeroJob:
     reduce_bucket: int       # values in the gradient bucket (contiguous gradients)
     sub_group: int = DEFAULT_SUB_GROUP   # ZeRO-3 steps its partition in sub-groups of this many values
     coat_step: bool = True   # CoatAdamW's own ZeRO step (False: DeepSpeed's flatten + fp32 copy, as before it)
+    grads_per_parameter: bool = False   # gradients allocated as backward goes (coat.gradients, ZeRO-1/2)
 
     @property
     def mixed(self) -> bool:
         return self.param_bytes == 2
 
 
-def zero_job(cfg: Mapping[str, Any], world: int, state_bytes: float, master: str) -> ZeroJob:
-    """ZeroJob of DeepSpeed config `cfg` (a dict), `state_bytes` per parameter for CoatAdamW's states."""
+def zero_job(cfg: Mapping[str, Any], world: int, state_bytes: float, master: str,
+             gradients: str = GRADIENTS_DEFAULT) -> ZeroJob:
+    """ZeroJob of DeepSpeed config `cfg` (a dict), `state_bytes` per parameter for CoatAdamW's states, its
+    coat.master_weights and coat.gradients."""
     zero = cfg.get("zero_optimization") or {}
     zero = zero if isinstance(zero, Mapping) else {"stage": 1 if zero else 0}
     offload = (zero.get("offload_optimizer") or {}).get("device", "none") in ("cpu", "nvme")
@@ -56,10 +62,12 @@ def zero_job(cfg: Mapping[str, Any], world: int, state_bytes: float, master: str
     fp32_states = coat and (cfg["optimizer"].get("params") or {}).get("fp8_state") is False
     mixed = any((cfg.get(k) or {}).get("enabled") is True for k in ("bf16", "fp16"))
     grad_dtype = (cfg.get("data_types") or {}).get("grad_accum_dtype")
-    return ZeroJob(stage=int(zero.get("stage", 0)), world=world, offload=offload, coat=coat,
+    stage, grad_bytes = int(zero.get("stage", 0)), 4 if grad_dtype == "fp32" or not mixed else 2
+    return ZeroJob(stage=stage, world=world, offload=offload, coat=coat,
                    state_bytes=ADAM_STATE_BYTES if not coat or fp32_states else state_bytes,
                    master=master if coat else "fp32", param_bytes=2 if mixed else 4,
-                   grad_bytes=4 if grad_dtype == "fp32" or not mixed else 2,
+                   grad_bytes=grad_bytes, grads_per_parameter=(coat and stage in (1, 2) and not offload and mixed
+                                                               and grad_bytes == 2 and gradients == "per_parameter"),
                    reduce_bucket=_int(zero.get("reduce_bucket_size"), DEFAULT_BUCKET),
                    sub_group=_int(zero.get("sub_group_size"), DEFAULT_SUB_GROUP))
 

@@ -21,6 +21,17 @@ MODEL_SIZES = {  # Llama shapes; parameter counts are for the default 8192-token
 }
 
 
+ALLOCATOR_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")   # torch's name, and its older CUDA one
+
+
+def default_allocator() -> None:
+    """Expandable segments for PyTorch's CUDA allocator unless the user configured it: gradients allocated one
+    parameter at a time as backward frees activations (coat.gradients "per_parameter") fit in the freed blocks
+    instead of fragmenting fixed segments. Call before anything touches CUDA."""
+    if not any(os.environ.get(v) for v in ALLOCATOR_VARS):
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+
+
 def build_model(spec: Any, vocab_size: int, seq_len: int):
     """An HF model to fine-tune (`spec.model`: name or path), or a freshly initialised Llama of
     `spec.model_size` (no download); `spec.seed` seeds the initialisation. `spec`: the parsed flags of
