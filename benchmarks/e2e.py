@@ -71,13 +71,21 @@ CONFIGS = {
     "coat_full_bf16sr_attn_fp8": ("coat_ds full, bf16 master, attention saved in FP8", "ds_configs/zero2_coat.json"),
     "lowest_memory": ("coat_ds lowest-memory preset: bf16 master, attention in FP8, chunked loss",
                       "ds_configs/zero2_lowest_memory.json"),
+    "exact": ("coat_ds exact preset: fp32 master as bf16 weights + int16 remainders", "ds_configs/zero2_exact.json"),
+    "lowest_memory_grad_buffer": ("coat_ds lowest-memory preset with DeepSpeed's gradient partition buffer "
+                                  "(before issue 34)", "ds_configs/zero2_lowest_memory.json"),
 }
+# the peer a single-GPU user would pick instead: no DeepSpeed config, a plain loop (PeerWorker)
+PEERS = {"torchao_fp8": "torchao float8 (compiled, every linear but lm_head) + AdamWFp8 (bf16 stochastic "
+                        "rounding), plain loop"}
+LABELS = {**{n: label for n, (label, _) in CONFIGS.items()}, **PEERS}
 # what a configuration adds to its file's "coat" section (merged key by key into nested sections)
 COAT_OVERRIDES = {"coat_full_bf16sr": {"master_weights": "bf16_sr"}, "coat_full_bf16rn": {"master_weights": "bf16_rn"},
                   "coat_full_rem": {"master_weights": "fp32_remainder"},
                   "coat_full_attn_fp8": {"activation": {"attention_fp8": True}},
                   "coat_full_bf16sr_attn_fp8": {"master_weights": "bf16_sr", "activation": {"attention_fp8": True}},
-                  "coat_opt": {"loss": {"chunked": False}}}   # optimizer-only: BF16's activations and loss
+                  "coat_opt": {"loss": {"chunked": False}},   # optimizer-only: BF16's activations and loss
+                  "lowest_memory_grad_buffer": {"gradients": "partition_buffer"}}
 E2E_CONFIGS = "bf16,coat_opt,coat_full,coat_full_bf16sr"   # e2e.py's default (round to nearest is for convergence)
 TARGETS = {"memory_reduction": 1.54, "speedup_at_max_batch": 1.43}   # COAT's paper, Llama-2-7B
 GIB = 2 ** 30
@@ -243,8 +251,8 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace, positive: t
     """The --configs names, each one known, after p.error for any unknown name or `positive` option below 1."""
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     for n in names:
-        if n not in CONFIGS:
-            p.error(f"--configs: {n!r} is unknown; allowed: {list(CONFIGS)}")
+        if n not in LABELS:
+            p.error(f"--configs: {n!r} is unknown; allowed: {list(LABELS)}")
     check_positive(p, args, positive)
     return names
 
@@ -531,8 +539,70 @@ class Worker:
         return lo, hi
 
 
+class PlainLoop:
+    """What a single-GPU user of torchao runs instead of a DeepSpeed engine: the model, its optimizer, a loop."""
+
+    def __init__(self, module, optimizer, device):
+        self.module, self.optimizer, self.device = module, optimizer, device
+        self.compiled = __import__("torch").compile(module)
+
+    def __call__(self, **kw):
+        return self.compiled(**kw)
+
+    def train(self):
+        self.module.train()
+
+    def backward(self, loss):
+        loss.backward()
+
+    def step(self):
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+class PeerWorker(Worker):
+    """torchao's float8 training (per-tensor dynamic scaling, every linear but the LM head, under torch.compile)
+    with torchao's AdamWFp8 (bf16 weights stepped with stochastic rounding: no fp32 master, as coat's lowest-memory
+    preset), HF's stock loss; no DeepSpeed."""
+
+    def setup_engine(self):
+        import torch
+        from torchao.float8 import convert_to_float8_training
+        from torchao.optim import AdamWFp8
+
+        args = self.args
+        net = build_llama(args.model, self.device, torch.bfloat16, args.seed)
+        n_params = sum(p.numel() for p in net.parameters())
+        self.vocab = net.config.vocab_size
+        convert_to_float8_training(net, module_filter_fn=lambda mod, fqn: fqn != "lm_head")
+        hp = json.loads((ROOT / CONFIGS["lowest_memory"][1]).read_text())["optimizer"]["params"]
+        opt = AdamWFp8(net.parameters(), lr=hp["lr"], betas=tuple(hp["betas"]), eps=hp["eps"],
+                       weight_decay=hp["weight_decay"], bf16_stochastic_round=True)
+        engine = PlainLoop(net, opt, self.device)
+        engine.train()
+        self.limit = args.mem_fraction * self.accel.total_memory() if self.on_cuda else float("inf")
+        self.emit({"kind": "setup", "params": n_params, "world_size": self.world, "config_source": "torchao",
+                   "chunked_loss": False, "ds_config": None, "setup_s": time.time() - self.t_start,
+                   "device_total_gb": self.accel.total_memory() / GIB,
+                   "limit_gb": self.limit / GIB if math.isfinite(self.limit) else None})
+        return engine
+
+    def breakdown(self, x, y) -> dict:
+        """The allocator's view only (torchao's FP8 states are tensor subclasses without one storage)."""
+        self.sync()
+        self.peak(reset=True)
+        loss = self.train_lib.lm_loss(self.engine, x, y)
+        self.engine.backward(loss)
+        self.sync()
+        peak_fb = self.peak(reset=True)
+        self.engine.step()
+        self.sync()
+        return {"peak_forward_backward_gb": peak_fb / GIB if self.on_cuda else None,
+                "peak_optimizer_step_gb": self.peak(reset=False) / GIB if self.on_cuda else None}
+
+
 def worker(args: argparse.Namespace) -> int:
-    w = Worker(args)
+    w = (PeerWorker if args.config in PEERS else Worker)(args)
     lo, hi = w.climb()
     pb = args.profile_batch or lo
     if args.profile and pb is not None:
@@ -723,7 +793,7 @@ def summarize_config(name: str, records: list[dict], equal_batch: int, errors: l
     fitting = [r for r in rungs if r["fits"]]
     best = max(fitting, key=lambda r: r["micro_batch"]) if fitting else None
     failing = sorted([r["micro_batch"] for r in rungs if not r["fits"]] + ooms)
-    row = {"name": name, "label": CONFIGS[name][0], "config_source": setup.get("config_source"),
+    row = {"name": name, "label": LABELS[name], "config_source": setup.get("config_source"),
            "ds_config": setup.get("ds_config"), "params": setup.get("params"),
            "setup_s": setup.get("setup_s"), "chunked_loss": setup.get("chunked_loss"),
            "equal_batch": None if eq is None else {k: eq[k] for k in ("micro_batch", "peak_alloc_gb",
@@ -771,7 +841,7 @@ def ratio(a, b):
 def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="llama-1b", choices=list(MODELS))
-    p.add_argument("--configs", default=E2E_CONFIGS, help=f"comma-separated, from {list(CONFIGS)}")
+    p.add_argument("--configs", default=E2E_CONFIGS, help=f"comma-separated, from {list(LABELS)}")
     p.add_argument("--num-gpus", type=int, default=1, help="world size (deepspeed launcher when > 1)")
     p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], help="override the configs' ZeRO stage")
     p.add_argument("--seq-len", type=int, default=2048)
