@@ -807,8 +807,9 @@ def summarize_config(name: str, records: list[dict], equal_batch: int, errors: l
     first = next((r for r in rungs if "breakdown" in r), None)
     if first is not None:
         bd = dict(first["breakdown"])
-        known = bd["weights_gb"] + bd["optimizer_state_gb"] + bd["grads_gb"] + bd["activations_gb"]
-        bd["other_gb"] = first["peak_alloc_gb"] - known   # transients at the peak: logits, temporaries
+        if "weights_gb" in bd:   # a peer's breakdown has the allocator's view only
+            known = bd["weights_gb"] + bd["optimizer_state_gb"] + bd["grads_gb"] + bd["activations_gb"]
+            bd["other_gb"] = first["peak_alloc_gb"] - known   # transients at the peak: logits, temporaries
         bd["at_micro_batch"] = first["micro_batch"]
         row["breakdown"] = bd
     if best is not None:

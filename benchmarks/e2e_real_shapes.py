@@ -38,7 +38,9 @@ CASES = {
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--case", choices=list(CASES), default="llama3.1-8b")
-    p.add_argument("--configs", help="comma-separated e2e.py configurations (default: the case's)")
+    p.add_argument("--configs", help="comma-separated e2e.py configurations (default: the case's); the case's "
+                   "other configurations keep their earlier rows")
+    p.add_argument("--start-batch", type=int, default=1, help="the micro-batch each ladder starts at")
     p.add_argument("--max-rungs", type=int, default=4, help="micro-batch sizes tried per configuration")
     p.add_argument("--steps", type=int, default=3, help="timed steps per micro-batch size")
     p.add_argument("--time-budget", type=float, default=480.0, help="seconds for the case's configurations")
@@ -47,7 +49,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.smoke:
         args.case, args.steps, args.max_rungs = "tiny", 1, 2
-    e2e.check_positive(p, args, ("max_rungs", "steps"))
+    e2e.check_positive(p, args, ("max_rungs", "steps", "start_batch"))
     return args
 
 
@@ -55,7 +57,7 @@ def worker_args(args: argparse.Namespace) -> tuple[argparse.Namespace, list[str]
     """e2e.py's options for this case, and its configuration names (checked)."""
     case = CASES[args.case]
     argv = ["--model", case["model"], "--seq-len", str(case["seq_len"]), "--configs", args.configs or case["configs"],
-            "--equal-batch", "1", "--max-rungs", str(args.max_rungs), "--steps", str(args.steps),
+            "--equal-batch", str(args.start_batch), "--max-rungs", str(args.max_rungs), "--steps", str(args.steps),
             "--time-budget", str(args.time_budget), "--out", args.out]
     if args.smoke:
         argv += ["--max-batch", "2", "--warmup", "0"]
@@ -90,13 +92,17 @@ def case_result(args: argparse.Namespace, eargs: argparse.Namespace, rows: list[
             "wall_s": time.time() - t0, "smoke": args.smoke}
 
 
-def merge(out: Path, res: dict) -> dict:
-    """The JSON's cases with this one added or replaced."""
+def earlier(out: Path) -> dict:
+    """The cases of the results file in `out` (none yet: {})."""
     path = out / f"{NAME}.json"
-    old = json.loads(path.read_text()) if path.is_file() else {}
-    cases = dict(old.get("cases", {}))
-    cases[res["case"]] = res
-    return with_provenance(cases)
+    return json.loads(path.read_text()).get("cases", {}) if path.is_file() else {}
+
+
+def with_earlier_rows(rows: list[dict], case: dict | None) -> list[dict]:
+    """This run's configuration rows, after the case's earlier rows of configurations it did not run (each row
+    says when, where and how it was measured)."""
+    ran = {r["name"] for r in rows}
+    return [r for r in (case or {}).get("configs", []) if r["name"] not in ran] + rows
 
 
 def with_provenance(cases: dict) -> dict:
@@ -113,8 +119,12 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     rows = e2e.run_configs(eargs, names, out, f"{NAME}_{args.case}")
-    res = case_result(args, eargs, rows, t0)
-    path = e2e.write_results(merge(out, res), out, NAME)
+    for r in rows:
+        r["measured"] = {"device": e2e.device_name(), "date": e2e.now(), "command": e2e.command(),
+                         "commit": e2e.git_commit()}
+    cases = earlier(out)
+    res = case_result(args, eargs, with_earlier_rows(rows, cases.get(args.case)), t0)
+    path = e2e.write_results(with_provenance({**cases, args.case: res}), out, NAME)
     for s in res["summary"]:
         tps = "-" if s["tokens_per_s"] is None else f"{s['tokens_per_s']:,.0f} tokens/s"
         need = "" if s["needed_gb_at_1"] is None else f", needs >= {s['needed_gb_at_1']:.1f} GiB at 1"

@@ -31,6 +31,7 @@ import functools
 
 import torch
 from deepspeed import comm as dist
+from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.utils import is_invalid_grad_norm
 from deepspeed.runtime.zero.stage_1_and_2 import (INITIAL_MICRO_STEP_ID, OPTIMIZER_ALLGATHER_TIMER,
                                                   OPTIMIZER_STEP_TIMER, OPTIMIZER_TIMERS, all_gather_dp_groups)
@@ -55,13 +56,23 @@ class Zero12Step:
         reaches the parameter (coat.gradients "per_parameter"). DeepSpeed 0.19.8 copies it into one buffer of
         the whole partition, allocated at the first reduced bucket while the activations are still alive; the
         values, dtype and `.grad` re-pointing are the same, only the storage differs. Offload and an fp32
-        compact partition buffer keep DeepSpeed's own path."""
+        compact partition buffer keep DeepSpeed's own path.
+
+        The allocation is the compute stream's: under overlap_comm this runs on ZeRO's reduction stream, whose
+        own pool never receives the blocks the freed activations leave, so allocating there would keep the
+        gradients beside the activations' freed memory after all (reserved, not allocated)."""
         if group_idx is None:
             group_idx = self._get_param_group_idx(param)
         if not self._coat_per_parameter_grads or self.cpu_offload or self._use_compact_grad_partition_buffer(group_idx):
             return super().copy_grads_in_partition(param, group_idx)
         grad = self.get_gradient_for_reduction(param)
-        own = torch.empty(param.numel(), dtype=self.dtype, device=grad.device)
+        accel = get_accelerator()
+        here, compute = accel.current_stream(), accel.default_stream()
+        with accel.stream(compute):
+            own = torch.empty(param.numel(), dtype=self.dtype, device=grad.device)
+        if here != compute:
+            here.wait_stream(compute)  # the block's last users ran on the compute stream; the copy runs here
+            own.record_stream(here)  # ... so its reuse after the step waits for this stream too
         own.copy_(grad.view(-1))
         grad.data = own.view_as(grad)
 
