@@ -143,6 +143,23 @@ def real_shapes(res: Path):
 
 
 @table
+def gradients(res: Path):
+    """docs/deepspeed.md: coat.gradients per_parameter (default) against DeepSpeed's partition buffer, one H100."""
+    header = ["model, seq, micro-batch", "coat.gradients", "peak GiB allocated", "peak GiB reserved", "tokens/s",
+              "tokens/s against the buffer"]
+    rows = []
+    for name in ("e2e_grads_llama-1b.json", "e2e_grads_llama2-7b.json"):
+        run = load(res, name)
+        by = {c["name"]: c["rungs"][0] for c in run["configs"] if c["rungs"]}
+        base = by["lowest_memory_grad_buffer"]["tokens_per_s"]
+        for cfg, key in (("lowest_memory", "per_parameter"), ("lowest_memory_grad_buffer", "partition_buffer")):
+            r = by[cfg]
+            rows.append([f"{run['model']}, {run['seq_len']}, {r['micro_batch']}", key, num(r["peak_alloc_gb"]),
+                         num(r["peak_reserved_gb"]), num(r["tokens_per_s"], 0), f"{r['tokens_per_s'] / base:.3f}x"])
+    return header, rows
+
+
+@table
 def hf_trainer(res: Path):
     """README / docs/deepspeed.md: HF Trainer beside a plain deepspeed.initialize loop on the same config."""
     run = load(res, "hf_trainer.json")

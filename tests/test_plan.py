@@ -24,7 +24,7 @@ GIB = 2 ** 30
 # flattens the gradient partition and copies it to fp32, for CoatAdamW as for FusedAdam
 ZERO_STEP_LANDED = "2026-11-23T19:32:39"
 # coat.gradients "per_parameter" became the default (issue 34): rows measured before it kept DeepSpeed's buffer
-PER_PARAMETER_GRADS_LANDED = "2026-11-26T08:00:00"
+PER_PARAMETER_GRADS_LANDED = "2026-11-26T07:17:37"
 
 
 def _docs(path: Path) -> list[dict]:
@@ -39,10 +39,11 @@ def measured_rows() -> list[dict]:
     for path in sorted(RESULTS.glob("e2e*.json")) + [RESULTS / "offload.json"]:
         for doc in _docs(path):
             if "configs" in doc:
-                for c in doc["configs"]:
+                for c in (c for c in doc["configs"] if c.get("ds_config")):   # a peer's plain loop has none
                     rows += [dict(file=path.name, config=c["name"], shape=doc["shape"], seq=doc["seq_len"],
                                   world=doc.get("world_size", 1), ds_config=c["ds_config"], mb=r["micro_batch"],
-                                  peak=r["peak_alloc_gb"], date=doc["date"], chunked=c.get("chunked_loss"),
+                                  peak=r["peak_alloc_gb"], date=c.get("measured", doc)["date"],
+                                  chunked=c.get("chunked_loss"),
                                   params=c.get("params"))
                              for r in c["rungs"]]
             elif "rows" in doc:
