@@ -21,8 +21,8 @@ import coat_ds
 from coat_ds.activation import ActivationConfig
 from coat_ds.hf import CoatDecoderLayer
 from coat_ds.hf import InjectionPolicy, get_policy, is_injected, register_policy, supported_model_types
+from family_cases import SEQ, VOCAB
 
-VOCAB, SEQ = 256, 24
 _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                max_position_embeddings=128)
 _LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,

@@ -1,7 +1,7 @@
-"""Built-in policies: Llama (1/2/3, GQA, llama3 rope scaling), Mistral, Qwen2.
+"""Built-in policies: Llama (1/2/3, GQA, llama3 rope scaling), Mistral, Qwen2, Qwen3.
 
-All three share the Llama block shape. What differs is read from the stock modules by the FP8 layer
-(Qwen2's per-layer sliding window, Qwen2's q/k/v biases), except Mistral's sliding window, which
+All share the Llama block shape. What differs is read from the stock modules by the FP8 layer (Qwen2's
+per-layer sliding window, Qwen2's q/k/v biases, Qwen3's per-head q/k norms), except Mistral's sliding window, which
 MistralAttention takes from its config inside its forward: the policy hands that one over.
 RoPE (llama3 scaling included) is computed once per model outside the decoder layers and handed to
 them as `position_embeddings`."""
@@ -23,3 +23,4 @@ LLAMA = register_policy(InjectionPolicy("llama", ("LlamaDecoderLayer",)))
 MISTRAL = register_policy(InjectionPolicy("mistral", ("MistralDecoderLayer",),
                                           attention_kwargs=mistral_attention_kwargs))
 QWEN2 = register_policy(InjectionPolicy("qwen2", ("Qwen2DecoderLayer",)))
+QWEN3 = register_policy(InjectionPolicy("qwen3", ("Qwen3DecoderLayer",)))

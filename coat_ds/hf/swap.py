@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..activation.sharding import sharding
-from . import policies as _builtin_policies  # noqa: F401  (registers llama, mistral, qwen2)
+from . import policies as _builtin_policies  # noqa: F401  (registers the built-in families)
 from .contract import has_cache
 from .registry import InjectionPolicy, get_policy
 
@@ -197,7 +197,7 @@ def inject(model: nn.Module, config: Any = None) -> nn.Module:
         raise ValueError(f"coat_ds.inject found no {list(policy.layer_class_names)} in {type(model).__name__}")
     # Build every new layer before swapping any: a layer the FP8 flow cannot take (ValueError from
     # CoatDecoderLayer) then leaves the model untouched.
-    built = [(name, layer, coat_cls(layer, cfg, attention_kwargs=_attention_kwargs(policy, layer)))
+    built = [(name, layer, coat_cls(layer, cfg, attention_kwargs=_attention_kwargs(policy, layer), norms=policy.norms))
              for name, layer in targets]
     _install_output_capture(model)
     for name, layer, new in built:
