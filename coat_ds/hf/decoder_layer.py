@@ -18,6 +18,7 @@ from ..kernels import quant
 from ..activation.functions import LinearFn, MlpFn, NormLinearFn, RmsNormFn, RopeFn
 from ..activation.weight_cache import WeightGroup
 from .contract import pop_cache
+from .coverage import missing_parts
 from .registry import Norms
 
 try:
@@ -25,8 +26,6 @@ try:
 except ImportError:  # pragma: no cover - older transformers
     _Base = nn.Module
 
-_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
-_MLP = ("gate_proj", "up_proj", "down_proj")
 _FP8_ATTN_BACKENDS = (None, "eager", "sdpa")
 # The stock act_fn classes (transformers.activations, torch.nn) whose gated MLP the FP8 flow has a non-linear
 # for (kernels.quant_reference.GATED_ACTS); tanh-GELU under its three transformers names.
@@ -51,15 +50,6 @@ def _qk_norms(attn: nn.Module) -> tuple[nn.Module, nn.Module] | None:
     """The attention's per-head q/k RMSNorms (Qwen3, Gemma 3; weight [head_dim]), None where it has none."""
     norms = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
     return None if norms == (None, None) else norms
-
-
-def missing_parts(hf_layer: nn.Module, norms: Norms) -> list[str]:
-    """What `hf_layer` lacks of the block the FP8 layer takes over (empty: it takes it)."""
-    attn, mlp = getattr(hf_layer, "self_attn", None), getattr(hf_layer, "mlp", None)
-    missing = [f"self_attn.{n}" for n in _ATTN if not isinstance(getattr(attn, n, None), nn.Linear)]
-    missing += [f"mlp.{n}" for n in _MLP if not isinstance(getattr(mlp, n, None), nn.Linear)]
-    missing += [n for n in norms.names() if not hasattr(getattr(hf_layer, n, None), "weight")]
-    return missing
 
 
 def gated_act(mlp: nn.Module) -> str | None:
