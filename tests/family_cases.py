@@ -18,6 +18,12 @@ CASES = {
     "gemma3_text": {"head_dim": 16, "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]},
 }
 
+# test_inject's bounds, but for Gemma 3: its post-norms rescale each branch to unit RMS before the residual add,
+# so an FP8 GEMM's error is not diluted by the residual as in a pre-norm block. Measured over 3 seeds: FP8
+# linears alone (mode linear) logits 0.091..0.096; mode full logits 0.104..0.114, gradients max 0.21..0.26,
+# mean 0.165..0.174 (Qwen3 on the same sizes: 0.055..0.060, 0.17..0.18, 0.125..0.127).
+BOUNDS = {"gemma3_text": dict(logits_tol=0.15, grad_max=0.35, grad_mean=0.22)}
+
 
 def build(model_type: str, seed: int = 0, **kw) -> torch.nn.Module:
     torch.manual_seed(seed)

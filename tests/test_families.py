@@ -16,7 +16,7 @@ import torch
 
 import coat_ds
 from coat_ds.hf import CoatDecoderLayer, get_policy, supported_model_types
-from family_cases import SEQ, VOCAB, build
+from family_cases import BOUNDS, SEQ, VOCAB, build
 from test_hf_contract import CACHE_KW, _cache_of, _kept_bytes, _memorizing
 from test_inject import _assert_close_to_stock, _rel
 
@@ -39,7 +39,7 @@ def test_every_layer_swapped_and_training_close_to_stock(model_type):
     layers = _decoder_layers(injected, model_type)
     assert len(layers) == stock.config.num_hidden_layers
     assert all(isinstance(layer, CoatDecoderLayer) for layer in layers)
-    _assert_close_to_stock(stock.train(), injected.train(), _batch())
+    _assert_close_to_stock(stock.train(), injected.train(), _batch(), **BOUNDS.get(model_type, {}))
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)

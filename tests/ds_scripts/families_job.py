@@ -1,4 +1,5 @@
-"""ZeRO-3 with every registered family's FP8 layers on models built under zero.Init (tests/test_families.py).
+"""ZeRO-3 with every registered family's FP8 layers on models built under zero.Init, as HF builds them with an
+HfDeepSpeedConfig alive (tests/test_families.py).
 
     deepspeed --num_gpus 2 tests/ds_scripts/families_job.py --out r.json llama qwen3 ...
 
@@ -15,6 +16,7 @@ import traceback
 
 import deepspeed
 import torch
+from transformers.integrations import HfDeepSpeedConfig
 
 import coat_ds
 from coat_ds.hf import CoatDecoderLayer
@@ -28,8 +30,9 @@ STEPS, LR = 3, 1e-2
 
 
 def run(model_type: str) -> dict:
-    with deepspeed.zero.Init(config_dict_or_path=DS_CONFIG):
-        model = build(model_type)
+    hf_zero3 = HfDeepSpeedConfig(DS_CONFIG)  # noqa: F841 - alive while building: HF builds under zero.Init
+    model = build(model_type)
+    del hf_zero3
     partitioned = all(p.data.numel() == 0 for p in model.parameters())
     with deepspeed.zero.GatheredParameters(list(model.parameters())):
         state = {k: v.clone() for k, v in model.state_dict().items()}
