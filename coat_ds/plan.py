@@ -40,9 +40,14 @@ class PlanError(ValueError):
     """Bad input to the planner: one line naming the flag or key and what is allowed."""
 
 
+# What a family's layer has beyond Llama's: per-head q/k norms (Qwen3, Gemma 3), a norm after attention and
+# after the MLP too (Gemma 3: 4 a layer).
+FAMILIES = {"qwen3": dict(qk_norm=True), "gemma3_text": dict(qk_norm=True, norms=4)}
+
+
 @dataclass(frozen=True)
 class Shape:
-    """A decoder-only transformer's shape (Llama family: gated MLP, RMSNorm, no biases)."""
+    """A decoder-only transformer's shape (Llama family: gated MLP, RMSNorm, no biases; FAMILIES' extra norms)."""
     hidden: int
     layers: int
     heads: int
@@ -51,6 +56,8 @@ class Shape:
     vocab: int
     head_dim: int = 0
     tied: bool = False
+    norms: int = 2
+    qk_norm: bool = False
 
     @property
     def hd(self) -> int:
@@ -59,7 +66,8 @@ class Shape:
     @property
     def layer_params(self) -> int:
         h, hd = self.hidden, self.hd
-        return h * hd * (2 * self.heads + 2 * self.kv_heads) + 3 * h * self.intermediate + 2 * h
+        return (h * hd * (2 * self.heads + 2 * self.kv_heads) + 3 * h * self.intermediate + self.norms * h
+                + 2 * hd * self.qk_norm)
 
     @property
     def params(self) -> int:
@@ -82,7 +90,8 @@ def shape_from_hf(cfg: Mapping[str, Any], where: str) -> Shape:
         raise PlanError(f"{where}: no integer {missing[0]}; allowed: a Llama-family config.json")
     return Shape(cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"],
                  cfg.get("num_key_value_heads") or cfg["num_attention_heads"], cfg["intermediate_size"],
-                 cfg["vocab_size"], cfg.get("head_dim") or 0, bool(cfg.get("tie_word_embeddings", False)))
+                 cfg["vocab_size"], cfg.get("head_dim") or 0, bool(cfg.get("tie_word_embeddings", False)),
+                 **FAMILIES.get(cfg.get("model_type"), {}))
 
 
 def resolve_shape(model: str, vocab: int | None = None) -> Shape:
@@ -136,10 +145,11 @@ def layer_bytes(shape: Shape, activation: Any) -> float:
     i = shape.intermediate / h
     full = activation is not None and activation.enabled and activation.mode == "full"
     linear = activation is not None and activation.enabled and activation.mode == "linear"
+    qk = shape.hd * (shape.heads + shape.kv_heads) / h * shape.qk_norm  # per-head q/k norm inputs over hidden
     if full:   # FP8 norm inputs with 1/g exponents + fp32 rstd; gate/up FP8 with 1/g exponents
-        norms, mlp = 2 * (1 + 1 / g + 4 / h), 2 * i * (1 + 1 / g)
+        norms, mlp = shape.norms * (1 + 1 / g + 4 / h) + qk * (1 + 1 / g + 4 / shape.hd), 2 * i * (1 + 1 / g)
     else:      # the stock RMSNorm keeps its fp32 input and bf16 output; the linears their input (FP8: 1 B)
-        norms, mlp = 2 * (6 + (1 if linear else 2)), (7 if linear else 8) * i
+        norms, mlp = 2 * (6 + (1 if linear else 2)) + (shape.norms - 2 + qk) * 8, (7 if linear else 8) * i
     if activation is not None and activation.enabled and activation.attention_fp8:
         attention = q_kv * (1 + 1 / g)                               # E4M3 q, k, v + scales; output recomputed
     else:      # bf16 q, k, v and output, fp32 log-sum-exp per head; FP8 linears add o_proj's FP8 input

@@ -23,10 +23,10 @@ def _cache_of(out):
     return next((getattr(out, n) for n in CACHE_ARGS if getattr(out, n, None) is not None), None)
 
 
-def _memorizing(family, steps=60):
-    """A tiny model trained to continue one sequence: peaked next-token logits, so that greedy decoding is
-    decided by a margin far above FP8 noise and the injected model must produce the stock tokens."""
-    model = _model(family)
+def _memorizing(family, steps=60, build=_model):
+    """A tiny model (`build(family)`) trained to continue one sequence: peaked next-token logits, so that greedy
+    decoding is decided by a margin far above FP8 noise and the injected model must produce the stock tokens."""
+    model = build(family)
     seq = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(3))[None, :SEQ]  # no token repeats
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     for _ in range(steps):

@@ -14,15 +14,15 @@ import sys
 
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
+from transformers import (AutoConfig, AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
                           MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
 
 import coat_ds
 from coat_ds.activation import ActivationConfig
 from coat_ds.hf import CoatDecoderLayer
 from coat_ds.hf import InjectionPolicy, get_policy, is_injected, register_policy, supported_model_types
+from family_cases import SEQ, VOCAB
 
-VOCAB, SEQ = 256, 24
 _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                max_position_embeddings=128)
 _LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
@@ -223,6 +223,34 @@ def test_unknown_model_type_lists_supported():
         coat_ds.inject(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="mode"):
         coat_ds.inject(_model("llama2"), {"mode": "fp4"})
+
+
+def test_unsupported_family_is_refused_in_one_line_saying_what_stays_stock():
+    """A mixture-of-experts model: no policy, nothing swapped, one line naming its layers and why."""
+    from family_cases import SMALL
+    moe = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "qwen3_moe", **SMALL, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32))
+    with pytest.raises(ValueError) as err:
+        coat_ds.inject(moe)
+    msg = str(err.value)
+    assert "\n" not in msg and "qwen3_moe" in msg and "nothing swapped" in msg and "supported" in msg
+    assert "Qwen3MoeDecoderLayer x2" in msg and "Qwen3MoeSparseMoeBlock" in msg
+    assert not is_injected(moe) and not any(isinstance(m, CoatDecoderLayer) for m in moe.modules())
+
+
+def test_partial_swap_is_refused_and_a_swap_says_what_it_covers(caplog):
+    """A model whose policy covers only some of its decoder layers is refused untouched; a full swap logs one
+    line naming the FP8 layers and what stays stock."""
+    model = _model("llama2")
+    model.model.layers[1] = Qwen2ForCausalLM(Qwen2Config(**_COMMON)).model.layers[1]
+    with pytest.raises(ValueError, match="Qwen2DecoderLayer x1.*stay stock; nothing swapped"):
+        coat_ds.inject(model)
+    assert not is_injected(model) and type(model.model.layers[0]).__name__ == "LlamaDecoderLayer"
+    with caplog.at_level("INFO", logger="coat_ds.hf.swap"):
+        coat_ds.inject(_model("qwen2"))
+    lines = [r.getMessage() for r in caplog.records if "FP8" in r.getMessage()]
+    assert lines == ["coat_ds.inject: Qwen2ForCausalLM: FP8 (full): 2 Qwen2DecoderLayer; "
+                     "stays stock: embeddings, final norm, lm_head, rotary embeddings"]
 
 
 def test_refused_layer_leaves_model_untouched():

@@ -192,3 +192,16 @@ def test_fewest_gpus_is_the_smallest_world_that_fits_micro_batch_one():
     assert P.max_micro_batch(P.job_from_config(bf16, shape, 4096, n), memory) >= 1
     assert P.max_micro_batch(P.job_from_config(bf16, shape, 4096, n // 2), memory) == 0
     assert P.fewest_gpus(P.read_config("zero2_lowest_memory")[0], "llama3.1-8b", 4096, memory) == 1
+
+
+@pytest.mark.parametrize("name", ["llama2-70b", "llama3.1-8b", "qwen3-8b", "gemma3-4b"])
+def test_shipped_shapes_count_the_stock_models_parameters(name, capsys):
+    """Each family's layer (Qwen3's q/k norms, Gemma 3's four norms and tied embeddings) as the planner counts
+    it: the parameters of the stock HF model of that shape (built on the meta device), and the command runs."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    cfg = dict(SHAPES[name])
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type", "llama"), **cfg))
+    assert P.resolve_shape(name).params == sum(p.numel() for p in model.parameters())
+    assert P.main(["--model", name]) == 0
+    assert capsys.readouterr().out.startswith(f"{name}: ")

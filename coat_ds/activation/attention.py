@@ -93,13 +93,13 @@ def _recompute(call: AttentionCall, inputs: list[torch.Tensor], mask: torch.Tens
 
 
 class Fp8AttentionFn(Function):
-    """h = o_proj(call(q, k, v, mask)) + residual, saving q, k, v as FP8 codes + group exponents (and the
+    """h = o_proj(call(q, k, v, mask)) + residual (None: no add, where a post-norm comes first), saving q, k, v as FP8 codes + group exponents (and the
     mask, the model's shared tensor, by reference). Backward recomputes the call from the dequantized
     inputs, for o_proj's weight gradient and for attention's gradients."""
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                residual: torch.Tensor, call: AttentionCall, cfg: ActivationConfig, group: WeightGroup,
+                residual: torch.Tensor | None, call: AttentionCall, cfg: ActivationConfig, group: WeightGroup,
                 *params: torch.Tensor) -> torch.Tensor:
         out = _stock_forward(call, q, k, v, mask)
         o = out.reshape(-1, out.shape[-2] * out.shape[-1])
@@ -107,11 +107,14 @@ class Fp8AttentionFn(Function):
         dtype = o.dtype
         del out, o
         wq, ws = group.operand(transposed=False)
-        h = residual_add(fp8_mm(oq, o_s, wq, ws, dtype, group.bias_cat()), residual)
+        h = fp8_mm(oq, o_s, wq, ws, dtype, group.bias_cat())
+        if residual is not None:
+            h = residual_add(h, residual)
         del oq
         saved = [quant_heads(t, cfg.fwd, cfg.group_size) for t in (q, k, v)]
         ctx.save_for_backward(*[c for codes, sexp, _ in saved for c in (codes, sexp)], mask)
         ctx.call, ctx.cfg, ctx.group, ctx.layouts = call, cfg, group, [layout for *_, layout in saved]
+        ctx.has_res = residual is not None
         return h
 
     @staticmethod
@@ -127,4 +130,4 @@ class Fp8AttentionFn(Function):
         do, pgrads = linear_backward(dh, ctx.group, ot, o_s, cfg.bwd)
         del ot
         dq, dk, dv = attention_vjp(do.view(out.shape))
-        return dq, dk, dv, None, dh, None, None, None, *pgrads
+        return dq, dk, dv, None, (dh if ctx.has_res else None), None, None, None, *pgrads

@@ -4,8 +4,11 @@ Each Function covers a stretch of the layer whose backward can rebuild its GEMM 
 stretch saves anyway (COAT's "save the minimum"):
   NormLinearFn    RMSNorm -> fused q/k/v (or any) linear: saves the norm's FP8 input; the linear's FP8
                   input is rebuilt from it in backward.
-  MlpFn           RMSNorm -> gate/up -> SiLU*mul -> down -> + residual: saves the norm's FP8 input and the
-                  FP8 gate/up outputs; the down_proj input is rebuilt from the latter.
+  MlpFn           RMSNorm -> gate/up -> act(gate)*up -> down (-> + residual): saves the norm's FP8 input and
+                  the FP8 gate/up outputs; the down_proj input is rebuilt from the latter. act: SiLU (SwiGLU)
+                  or tanh-GELU (GeGLU); the residual add is left out where a post-norm comes first (Gemma).
+  RmsNormFn       an RMSNorm whose output is no GEMM operand (per-head q/k norms, Gemma's post-norms): its
+                  output is stock's, it saves only its FP8 input and rstd.
   LinearFn        one FP8 linear (+ residual). It saves either the FP8 transposed input (mode "linear") or
                   a reference to a bf16 input that another op already saves (attention's output for o_proj).
 Forward operands are E4M3 per tensor, output gradients E5M2 per tensor; every GEMM is torch._scaled_mm;
@@ -17,6 +20,7 @@ from torch.autograd import Function
 
 from ..formats import FP8Format
 from ..kernels import quant
+from ..kernels import quant_reference as R
 from .config import ActivationConfig
 from .gemm import fp8_mm
 from .weight_cache import WeightGroup
@@ -84,18 +88,19 @@ class NormLinearFn(Function):
 class MlpFn(Function):
     @staticmethod
     def forward(ctx, h: torch.Tensor, norm_w: torch.Tensor, eps: float, cfg: ActivationConfig,
-                gu: WeightGroup, down: WeightGroup, *params: torch.Tensor) -> torch.Tensor:
+                gu: WeightGroup, down: WeightGroup, act: str, add_residual: bool, *params: torch.Tensor) -> torch.Tensor:
         fwd, g = cfg.fwd, cfg.group_size
         gate_up, (xq, xs, rstd, ys) = _norm_linear(h, norm_w, eps, cfg, gu)
-        q, s, amax = quant.silu_mul_quant(gate_up, fwd, g)
+        q, s, amax = quant.silu_mul_quant(gate_up, fwd, g, act)
         del gate_up
         a_s = quant.tensor_scale(amax, fwd)
-        a, _ = quant.silu_mul_rebuild(q, s, a_s, fwd, g)
+        a, _ = quant.silu_mul_rebuild(q, s, a_s, fwd, g, act=act)
         wq, ws = down.operand(transposed=False)
         out = fp8_mm(a, a_s, wq, ws, h.dtype, down.bias_cat())
-        out = residual_add(out, h)
+        if add_residual:
+            out = residual_add(out, h)
         ctx.save_for_backward(xq, xs, rstd, ys, q, s, a_s, norm_w)
-        ctx.cfg, ctx.gu, ctx.down = cfg, gu, down
+        ctx.cfg, ctx.gu, ctx.down, ctx.act, ctx.add_residual = cfg, gu, down, act, add_residual
         return out
 
     @staticmethod
@@ -103,10 +108,10 @@ class MlpFn(Function):
         xq, xs, rstd, ys, q, s, a_s, norm_w = ctx.saved_tensors
         cfg, g = ctx.cfg, ctx.cfg.group_size
         dout = dout.contiguous()
-        _, at = quant.silu_mul_rebuild(q, s, a_s, cfg.fwd, g, rowmajor=False, transposed=True)
+        _, at = quant.silu_mul_rebuild(q, s, a_s, cfg.fwd, g, rowmajor=False, transposed=True, act=ctx.act)
         da, down_grads = linear_backward(dout, ctx.down, at, a_s, cfg.bwd)
         del at
-        dgu, amax = quant.silu_mul_backward(da, q, s, g)
+        dgu, amax = quant.silu_mul_backward(da, q, s, g, ctx.act)
         del da
         dgs = quant.tensor_scale(amax, cfg.bwd)
         dq, dqt = quant.quant_tensor(dgu, dgs, cfg.bwd, rowmajor=True, transposed=True)
@@ -118,8 +123,27 @@ class MlpFn(Function):
         dw = fp8_mm(dqt, dgs, yt, ys, w.dtype)
         db = dgu.sum(dim=0).to(w.dtype) if ctx.gu.has_bias else None
         gu_grads = ctx.gu.split_grad(dw, db)
-        dh, dnw = quant.rmsnorm_backward(dy, xq, xs, rstd, norm_w, g, dres=dout)
-        return dh, dnw.to(norm_w.dtype), None, None, None, None, *gu_grads, *down_grads
+        dh, dnw = quant.rmsnorm_backward(dy, xq, xs, rstd, norm_w, g, dres=dout if ctx.add_residual else None)
+        return dh, dnw.to(norm_w.dtype), None, None, None, None, None, None, *gu_grads, *down_grads
+
+
+class RmsNormFn(Function):
+    """y = RMSNorm(x) * w, [rows, n], in x's dtype: stock's output; saved are x in FP8 per 1 x G group and rstd
+    (1 + 1/G + 4/n bytes a value where stock keeps fp32 and bf16 copies of x). The RMSNorm kernels serve any
+    rows, so a per-head norm is this over rows = tokens x heads, n = head_dim."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, eps: float, cfg: ActivationConfig) -> torch.Tensor:
+        xq, xs, rstd, _ = quant.rmsnorm_quant(x, w, eps, cfg.fwd, cfg.group_size)
+        ctx.save_for_backward(xq, xs, rstd, w)
+        ctx.group_size = cfg.group_size
+        return R.rmsnorm_output(x, rstd, w)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        xq, xs, rstd, w = ctx.saved_tensors
+        dx, dw = quant.rmsnorm_backward(dy.contiguous(), xq, xs, rstd, w, ctx.group_size)
+        return dx, dw.to(w.dtype), None, None
 
 
 class RopeFn(Function):

@@ -1,4 +1,4 @@
-"""CoatDecoderLayer: a stock HF Llama/Mistral/Qwen2 decoder layer running COAT's FP8 flow.
+"""CoatDecoderLayer: a stock HF decoder layer (Llama, Mistral, Qwen2/3, Gemma 3) running COAT's FP8 flow.
 
 It reuses the HF layer's submodules under the same names, so state_dict keys, checkpoints and weight
 tying are unchanged, and `to_hf()` gives the original layer back. The forward keeps HF's signature and
@@ -15,19 +15,22 @@ from torch import nn
 from ..activation.attention import Fp8AttentionFn
 from ..activation.config import ActivationConfig
 from ..kernels import quant
-from ..activation.functions import LinearFn, MlpFn, NormLinearFn, RopeFn
+from ..activation.functions import LinearFn, MlpFn, NormLinearFn, RmsNormFn, RopeFn
 from ..activation.weight_cache import WeightGroup
 from .contract import pop_cache
+from .coverage import missing_parts
+from .registry import Norms
 
 try:
     from transformers.modeling_layers import GradientCheckpointingLayer as _Base
 except ImportError:  # pragma: no cover - older transformers
     _Base = nn.Module
 
-_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
-_MLP = ("gate_proj", "up_proj", "down_proj")
-_SILU = ("silu", "swish")
 _FP8_ATTN_BACKENDS = (None, "eager", "sdpa")
+# The stock act_fn classes (transformers.activations, torch.nn) whose gated MLP the FP8 flow has a non-linear
+# for (kernels.quant_reference.GATED_ACTS); tanh-GELU under its three transformers names.
+_GATED_ACTS = {"SiLU": "silu", "SiLUActivation": "silu", "GELUTanh": "gelu_tanh", "PytorchGELUTanh": "gelu_tanh",
+               "NewGELUActivation": "gelu_tanh"}
 
 
 def _as_config(config: ActivationConfig | dict | None) -> ActivationConfig:
@@ -38,34 +41,50 @@ def _as_config(config: ActivationConfig | dict | None) -> ActivationConfig:
     return ActivationConfig.from_dict(config)
 
 
-def _check_layer(hf_layer: nn.Module, cfg: ActivationConfig) -> None:
-    attn, mlp = getattr(hf_layer, "self_attn", None), getattr(hf_layer, "mlp", None)
-    missing = [f"self_attn.{n}" for n in _ATTN if not isinstance(getattr(attn, n, None), nn.Linear)]
-    missing += [f"mlp.{n}" for n in _MLP if not isinstance(getattr(mlp, n, None), nn.Linear)]
-    missing += [n for n in ("input_layernorm", "post_attention_layernorm") if not hasattr(hf_layer, n)]
+def _eps(norm: nn.Module) -> float:
+    """An HF RMSNorm's epsilon (Llama's spelling, or Gemma's)."""
+    return norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps
+
+
+def _qk_norms(attn: nn.Module) -> tuple[nn.Module, nn.Module] | None:
+    """The attention's per-head q/k RMSNorms (Qwen3, Gemma 3; weight [head_dim]), None where it has none."""
+    norms = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+    return None if norms == (None, None) else norms
+
+
+def gated_act(mlp: nn.Module) -> str | None:
+    """The FP8 flow's name for the stock MLP's activation (None: it has no FP8 non-linear for it)."""
+    return _GATED_ACTS.get(type(getattr(mlp, "act_fn", None)).__name__)
+
+
+def _check_layer(hf_layer: nn.Module, cfg: ActivationConfig, norms: Norms) -> None:
+    missing = missing_parts(hf_layer, norms)
     if missing:
         raise ValueError(f"{type(hf_layer).__name__} is not a Llama-shaped decoder layer: missing {missing}")
-    act = getattr(getattr(attn, "config", None), "hidden_act", "silu")
-    if cfg.mode == "full" and act not in _SILU:
-        raise ValueError(f"activation.mode='full' needs a SiLU MLP, this layer uses hidden_act={act!r}; "
-                         "use activation.mode='linear'")
+    if cfg.mode == "full" and gated_act(hf_layer.mlp) is None:
+        hf_cfg = getattr(hf_layer.self_attn, "config", None)
+        act = getattr(hf_cfg, "hidden_act", None) or getattr(hf_cfg, "hidden_activation", None)
+        raise ValueError(f"activation.mode='full' needs a SiLU or tanh-GELU gated MLP, this layer uses "
+                         f"hidden_act={act!r} ({type(hf_layer.mlp.act_fn).__name__}); use activation.mode='linear'")
 
 
 class CoatDecoderLayer(_Base):
     """FP8 twin of an HF decoder layer; same parameters, same forward signature and output."""
 
     def __init__(self, hf_layer: nn.Module, config: ActivationConfig | dict | None = None,
-                 attention_kwargs: dict[str, Any] | None = None) -> None:
-        """attention_kwargs: extra keyword arguments for HF's attention function (e.g. sliding_window)."""
+                 attention_kwargs: dict[str, Any] | None = None, norms: Norms | None = None) -> None:
+        """attention_kwargs: extra keyword arguments for HF's attention function (e.g. sliding_window).
+        norms: the block's norm layout, from the family's policy (Llama's by default)."""
         super().__init__()
         self.attention_kwargs = dict(attention_kwargs or {})
+        self.norms = norms or Norms()
         cfg = _as_config(config)
-        _check_layer(hf_layer, cfg)
+        _check_layer(hf_layer, cfg, self.norms)
         self.coat_config = cfg
-        self.self_attn = hf_layer.self_attn
-        self.mlp = hf_layer.mlp
-        self.input_layernorm = hf_layer.input_layernorm
-        self.post_attention_layernorm = hf_layer.post_attention_layernorm
+        for name, child in hf_layer.named_children():  # same names, same order: state_dict keys unchanged
+            setattr(self, name, child)
+        self._act = gated_act(self.mlp)
+        self._qk = _qk_norms(self.self_attn)
         for name in ("hidden_size", "attention_type", "layer_idx"):
             if hasattr(hf_layer, name):
                 setattr(self, name, getattr(hf_layer, name))
@@ -117,18 +136,38 @@ class CoatDecoderLayer(_Base):
         return (self.coat_config.attention_fp8 and impl in _FP8_ATTN_BACKENDS and cache is None
                 and dropout == 0.0 and self.training and q.requires_grad)
 
+    def _norm(self, name_or_norm: str | nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """An RMSNorm of the block whose output is no GEMM operand, on [rows, n]: FP8-saving in mode full,
+        the stock module in mode linear."""
+        norm = getattr(self, name_or_norm) if isinstance(name_or_norm, str) else name_or_norm
+        if self.coat_config.mode != "full":
+            return norm(x)
+        return RmsNormFn.apply(x, self._norm_weight(norm), _eps(norm), self.coat_config)
+
+    def _norm_weight(self, norm: nn.Module) -> torch.Tensor:
+        """The weight the norm multiplies by: w, or w + offset (Gemma's 1 + w, rounded to w's dtype: 2^-9
+        relative in bf16, far below the E4M3 step of what the norm's output feeds)."""
+        offset = self.norms.weight_offset
+        return norm.weight + offset if offset else norm.weight
+
+    def _head_norm(self, t: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        """Per-head RMSNorm of q or k [tokens, heads x head_dim]: rows = tokens x heads."""
+        return self._norm(norm, t.reshape(-1, self.self_attn.head_dim)).view(t.shape)
+
     def _heads(self, qkv: torch.Tensor, input_shape, position_embeddings) -> tuple[torch.Tensor, ...]:
-        """q, k, v [b, h, s, d] of the fused q/k/v output, RoPE applied."""
+        """q, k, v [b, h, s, d] of the fused q/k/v output, per-head q/k norms and RoPE applied."""
         hd = self.self_attn.head_dim
         cos, sin = position_embeddings
         batch, seq = input_shape[0], qkv.shape[0] // input_shape[0]
         nh, nkv = (n // hd for n in self._qkv.out_features[:2])
-        if (quant.rope_available(qkv, cos, hd) and cos.shape[0] in (1, batch) and cos.shape[1] == seq
-                and sin.shape == cos.shape and len(input_shape) == 2):
+        if (self._qk is None and quant.rope_available(qkv, cos, hd) and cos.shape[0] in (1, batch)
+                and cos.shape[1] == seq and sin.shape == cos.shape and len(input_shape) == 2):
             return RopeFn.apply(qkv, cos, sin, batch, nh, nkv, hd)
         q, k, v = qkv.split(self._qkv.out_features, dim=-1)
         # attention saves v as it gets it; a view would keep the whole fused q/k/v output alive
         v = v.contiguous()
+        if self._qk is not None:
+            q, k = (self._head_norm(t, norm) for t, norm in zip((q, k), self._qk))
         shape = (*input_shape, -1, hd)
         q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
         q, k = self._rope(q, k, cos, sin)
@@ -154,9 +193,9 @@ class CoatDecoderLayer(_Base):
             return fn(attn, q, k, v, mask, dropout=dropout, scaling=attn.scaling, **kwargs)[0]
         return call
 
-    def _attention(self, qkv: torch.Tensor, residual: torch.Tensor, input_shape, position_embeddings,
+    def _attention(self, qkv: torch.Tensor, residual: torch.Tensor | None, input_shape, position_embeddings,
                    attention_mask, cache, **kwargs: Any) -> torch.Tensor:
-        """residual + o_proj(attention(q, k, v)), [tokens, hidden]."""
+        """residual + o_proj(attention(q, k, v)), [tokens, hidden] (residual None: no add)."""
         attn, cfg = self.self_attn, self.coat_config
         q, k, v = self._heads(qkv, input_shape, position_embeddings)
         if cache is not None:
@@ -182,18 +221,25 @@ class CoatDecoderLayer(_Base):
         input_shape = hidden_states.shape[:-1]
         hsz = hidden_states.shape[-1]
         x = hidden_states.reshape(-1, hsz)
-        full = cfg.mode == "full"
-        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+        full, norms = cfg.mode == "full", self.norms
+        ln1, ln2 = getattr(self, norms.attn_in), getattr(self, norms.mlp_in)
         if full:
-            qkv = NormLinearFn.apply(x, ln1.weight, ln1.variance_epsilon, cfg, self._qkv, *self._qkv.params())
+            qkv = NormLinearFn.apply(x, self._norm_weight(ln1), _eps(ln1), cfg, self._qkv, *self._qkv.params())
         else:
             qkv = LinearFn.apply(ln1(x), None, cfg, self._qkv, True, *self._qkv.params())
-        h = self._attention(qkv, x, input_shape, position_embeddings, attention_mask, cache, **kwargs)
+        residual = None if norms.attn_out else x
+        h = self._attention(qkv, residual, input_shape, position_embeddings, attention_mask, cache, **kwargs)
+        if norms.attn_out:
+            h = x + self._norm(norms.attn_out, h)
+        add_residual = not norms.mlp_out
         if full:
-            out = MlpFn.apply(h, ln2.weight, ln2.variance_epsilon, cfg, self._gu, self._down,
-                              *self._gu.params(), *self._down.params())
+            out = MlpFn.apply(h, self._norm_weight(ln2), _eps(ln2), cfg, self._gu, self._down, self._act,
+                              add_residual, *self._gu.params(), *self._down.params())
         else:
             gate_up = LinearFn.apply(ln2(h), None, cfg, self._gu, True, *self._gu.params())
             gate, up = gate_up.split(self._gu.out_features, dim=-1)
-            out = h + LinearFn.apply(self.mlp.act_fn(gate) * up, None, cfg, self._down, True, *self._down.params())
+            out = LinearFn.apply(self.mlp.act_fn(gate) * up, h if add_residual else None, cfg, self._down, True,
+                                 *self._down.params())
+        if norms.mlp_out:
+            out = h + self._norm(norms.mlp_out, out)
         return out.view(*input_shape, hsz)

@@ -1,8 +1,10 @@
 """Policy registry: HF `config.model_type` -> which modules of that family are its decoder layers.
 
-A family with the Llama block shape (RMSNorm -> attention -> residual -> RMSNorm -> gated MLP -> residual)
-needs only a policy, never its own injection code: the FP8 layer reads everything else (sliding window,
-biases, head layout, attention backend) from the stock modules it takes over."""
+A family with the Llama block shape (RMSNorm -> attention -> residual -> RMSNorm -> gated MLP -> residual),
+or Gemma's (a norm also after attention and after the MLP), needs only a policy, never its own injection
+code: the policy names the norms (`Norms`), and the FP8 layer reads everything else (sliding window, biases,
+per-head q/k norms, head layout, gated activation, attention scaling and backend) from the stock modules
+it takes over."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,16 +14,36 @@ from torch import nn
 
 
 @dataclass(frozen=True)
+class Norms:
+    """A decoder block's RMSNorms: the stock submodule that plays each role (None: the block has none), and the
+    weight each one multiplies by, w + weight_offset (Gemma's norms scale by 1 + w). Llama: a norm before
+    attention and one before the MLP. Gemma 3: also one after each (applied before the residual add).
+    Per-head q/k norms are read from the attention module itself (self_attn.q_norm / k_norm) and take the
+    same offset."""
+
+    attn_in: str = "input_layernorm"
+    mlp_in: str = "post_attention_layernorm"
+    attn_out: Optional[str] = None
+    mlp_out: Optional[str] = None
+    weight_offset: float = 0.0
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(n for n in (self.attn_in, self.attn_out, self.mlp_in, self.mlp_out) if n)
+
+
+@dataclass(frozen=True)
 class InjectionPolicy:
     """model_type: the HF `config.model_type` this policy serves ("llama", ...).
     layer_class_names: class names of the decoder layers to swap; matched by name so that the registry
     does not import modeling files, and so that a class transformers derives from it (same name) matches.
     attention_kwargs: optional, stock layer -> extra keyword arguments for HF's attention function that the
-    stock attention module computes in its own forward (Mistral's sliding window); None: nothing extra."""
+    stock attention module computes in its own forward (Mistral's sliding window); None: nothing extra.
+    norms: the block's norm layout (`Norms`); Llama's by default."""
 
     model_type: str
     layer_class_names: tuple[str, ...]
     attention_kwargs: Optional[Callable[[nn.Module], dict[str, Any]]] = None
+    norms: Norms = Norms()
 
     def __post_init__(self) -> None:
         if not self.model_type or not isinstance(self.model_type, str):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+from collections import Counter
 from dataclasses import replace
 from typing import Any
 
@@ -16,9 +17,10 @@ import torch
 from torch import nn
 
 from ..activation.sharding import sharding
-from . import policies as _builtin_policies  # noqa: F401  (registers llama, mistral, qwen2)
+from . import policies as _builtin_policies  # noqa: F401  (registers the built-in families)
+from . import coverage
 from .contract import has_cache
-from .registry import InjectionPolicy, get_policy
+from .registry import InjectionPolicy, get_policy, supported_model_types
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +59,8 @@ def policy_for(model: nn.Module) -> InjectionPolicy:
     if model_type is None:
         raise ValueError(f"{type(model).__name__} has no config.model_type; coat_ds.inject expects a transformers "
                          "PreTrainedModel (e.g. from AutoModelForCausalLM)")
+    if model_type not in supported_model_types():
+        raise ValueError(coverage.no_policy_refusal(model, model_type, supported_model_types()))
     return get_policy(model_type)
 
 
@@ -195,9 +199,12 @@ def inject(model: nn.Module, config: Any = None) -> nn.Module:
         if injected:
             return model
         raise ValueError(f"coat_ds.inject found no {list(policy.layer_class_names)} in {type(model).__name__}")
+    partial = coverage.partial_refusal(model, policy)
+    if partial:
+        raise ValueError(partial)
     # Build every new layer before swapping any: a layer the FP8 flow cannot take (ValueError from
     # CoatDecoderLayer) then leaves the model untouched.
-    built = [(name, layer, coat_cls(layer, cfg, attention_kwargs=_attention_kwargs(policy, layer)))
+    built = [(name, layer, coat_cls(layer, cfg, attention_kwargs=_attention_kwargs(policy, layer), norms=policy.norms))
              for name, layer in targets]
     _install_output_capture(model)
     for name, layer, new in built:
@@ -209,6 +216,7 @@ def inject(model: nn.Module, config: Any = None) -> nn.Module:
         _set_submodule(model, name, new)
     _install_cacheless_training(model)
     object.__setattr__(model, INJECTED_ATTR, policy.model_type)
+    logger.info(coverage.summary(model, Counter(type(layer).__name__ for _, layer, _ in built), cfg.mode))
     return model
 
 

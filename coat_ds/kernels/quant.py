@@ -194,14 +194,15 @@ def _(dy, xq, xs, rstd, w, group_size, dres=None):
     return torch.empty_like(dy), dy.new_empty(w.shape[0], dtype=_F32)
 
 
-# ---------------------------------------------------------------- SiLU(gate) * up
+# ---------------------------------------------------------------- act(gate) * up (`act` in R.GATED_ACTS)
+# The kernels are SiLU's; another gated activation (Gemma's tanh-GELU) runs the reference.
 
 @KernelOp
-def silu_mul_quant(gu: Tensor, fmt: str, group_size: int) -> tuple[Tensor, Tensor, Tensor]:
+def silu_mul_quant(gu: Tensor, fmt: str, group_size: int, act: str = "silu") -> tuple[Tensor, Tensor, Tensor]:
     f = get_format(fmt)
     op = _kernels(gu, group_size=group_size)
-    if op is None or gu.dtype != torch.bfloat16:
-        return R.silu_mul_quant(gu, f, group_size)
+    if op is None or gu.dtype != torch.bfloat16 or act != "silu":
+        return R.silu_mul_quant(gu, f, group_size, act)
     m, n = gu.shape
     R.check_groups(n // 2, group_size)
     q = torch.empty(m, n, dtype=f.dtype, device=gu.device)
@@ -212,7 +213,7 @@ def silu_mul_quant(gu: Tensor, fmt: str, group_size: int) -> tuple[Tensor, Tenso
 
 
 @silu_mul_quant.register_fake
-def _(gu, fmt, group_size):
+def _(gu, fmt, group_size, act="silu"):
     m, n = gu.shape
     return (gu.new_empty(m, n, dtype=_dtype(fmt)), gu.new_empty(m, n // group_size, dtype=torch.uint8),
             gu.new_empty(m, dtype=_F32))
@@ -248,26 +249,26 @@ def _(codes, sexp, group_size, dtype):
 
 @KernelOp
 def silu_mul_rebuild(q: Tensor, s: Tensor, scale: Tensor, fmt: str, group_size: int, rowmajor: bool = True,
-                     transposed: bool = False) -> tuple[Tensor, Tensor]:
+                     transposed: bool = False, act: str = "silu") -> tuple[Tensor, Tensor]:
     f = get_format(fmt)
     op = _kernels(q, group_size=group_size, rows=q.shape[0])
-    if op is None:
-        return R.silu_mul_rebuild(q, s, scale, f, group_size, rowmajor, transposed)
+    if op is None or act != "silu":
+        return R.silu_mul_rebuild(q, s, scale, f, group_size, rowmajor, transposed, act)
     out, out_t = _pair(q.shape[0], q.shape[1] // 2, f.dtype, rowmajor, transposed, q.device)
     op.silu_mul_rebuild(_u8(q), s, scale, _u8(out), _u8(out_t), q.dtype == torch.float8_e5m2, f.name == "e5m2")
     return out, out_t
 
 
 @silu_mul_rebuild.register_fake
-def _(q, s, scale, fmt, group_size, rowmajor=True, transposed=False):
+def _(q, s, scale, fmt, group_size, rowmajor=True, transposed=False, act="silu"):
     return _pair(q.shape[0], q.shape[1] // 2, _dtype(fmt), rowmajor, transposed, q.device)
 
 
 @KernelOp
-def silu_mul_backward(da: Tensor, q: Tensor, s: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
+def silu_mul_backward(da: Tensor, q: Tensor, s: Tensor, group_size: int, act: str = "silu") -> tuple[Tensor, Tensor]:
     op = _kernels(da, q, group_size=group_size)
-    if op is None or da.dtype != torch.bfloat16:
-        return R.silu_mul_backward(da, q, s, group_size)
+    if op is None or da.dtype != torch.bfloat16 or act != "silu":
+        return R.silu_mul_backward(da, q, s, group_size, act)
     dgu = torch.empty(q.shape, dtype=da.dtype, device=da.device)
     amax = torch.empty(q.shape[0], dtype=_F32, device=da.device)
     op.silu_mul_backward(da.contiguous(), _u8(q), s, dgu, amax, q.dtype == torch.float8_e5m2)
@@ -275,7 +276,7 @@ def silu_mul_backward(da: Tensor, q: Tensor, s: Tensor, group_size: int) -> tupl
 
 
 @silu_mul_backward.register_fake
-def _(da, q, s, group_size):
+def _(da, q, s, group_size, act="silu"):
     return da.new_empty(q.shape), da.new_empty(q.shape[0], dtype=_F32)
 
 

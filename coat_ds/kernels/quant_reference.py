@@ -99,6 +99,12 @@ def rmsnorm_rebuild(xq, xs, rstd, w, scale, fmt: FP8Format, group_size: int, row
     return quant_tensor(_norm_out(xq, xs, rstd, w, group_size), scale, fmt, rowmajor, transposed)
 
 
+def rmsnorm_output(x: torch.Tensor, rstd: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The norm's output in x's dtype from x itself, for a norm whose output is no GEMM operand (per-head q/k
+    norms, Gemma's post-norms): stock's fp32 math; only backward reads the saved FP8 input."""
+    return (x.float() * rstd[:, None] * w.float()[None, :]).to(x.dtype)
+
+
 def rmsnorm_backward(dy, xq, xs, rstd, w, group_size: int, dres: torch.Tensor | None = None):
     """(dx in dy's dtype, plus dres when given: the residual's gradient; dw fp32) in one pass."""
     xh = group_dequant(xq, xs, group_size) * rstd[:, None]
@@ -109,28 +115,50 @@ def rmsnorm_backward(dy, xq, xs, rstd, w, group_size: int, dres: torch.Tensor | 
     return dx.to(dy.dtype), (dy.float() * xh).sum(dim=0)
 
 
-# ---------------------------------------------------------------- SiLU(gate) * up
+# ---------------------------------------------------------------- gated activation: act(gate) * up
 
-def silu_mul_quant(gu: torch.Tensor, fmt: FP8Format, group_size: int):
-    """Pass 1 of SiLU*mul on [M, 2I] = [gate | up]: (codes, scale exps, row max of |silu(g) u| [M])."""
+GATED_ACTS = ("silu", "gelu_tanh")  # SwiGLU (Llama, Mistral, Qwen) and GeGLU with tanh-GELU (Gemma)
+_GELU_C = 0.7978845608028654  # sqrt(2 / pi)
+
+
+def _act(g: torch.Tensor, act: str) -> torch.Tensor:
+    if act == "silu":
+        return g * torch.sigmoid(g)
+    if act == "gelu_tanh":
+        return torch.nn.functional.gelu(g, approximate="tanh")
+    raise ValueError(f"gated activation {act!r} is not one of {GATED_ACTS}")
+
+
+def _act_grad(g: torch.Tensor, act: str) -> torch.Tensor:
+    """d act(g) / dg of the tanh-GELU (SiLU's is written out in silu_mul_backward, in the kernel's order)."""
+    t = torch.tanh(_GELU_C * (g + 0.044715 * g ** 3))
+    return 0.5 * (1 + t) + 0.5 * g * (1 - t * t) * _GELU_C * (1 + 3 * 0.044715 * g * g)
+
+
+def silu_mul_quant(gu: torch.Tensor, fmt: FP8Format, group_size: int, act: str = "silu"):
+    """Pass 1 of act(g) * u on [M, 2I] = [gate | up]: (codes, scale exps, row max of |act(g) u| [M])."""
     q, s = group_quant(gu, fmt, group_size)
-    return q, s, _silu_mul(q, s, group_size).abs().amax(dim=1)
+    return q, s, _gated(q, s, group_size, act).abs().amax(dim=1)
 
 
-def _silu_mul(q, s, group_size):
+def _gated(q, s, group_size, act="silu"):
     g, u = group_dequant(q, s, group_size).chunk(2, dim=1)
-    return g * torch.sigmoid(g) * u
+    return _act(g, act) * u
 
 
-def silu_mul_rebuild(q, s, scale, fmt: FP8Format, group_size: int, rowmajor=True, transposed=False):
-    """Pass 2: silu(g) u as a per-tensor FP8 operand of down_proj, from the saved FP8 gate/up."""
-    return quant_tensor(_silu_mul(q, s, group_size), scale, fmt, rowmajor, transposed)
+def silu_mul_rebuild(q, s, scale, fmt: FP8Format, group_size: int, rowmajor=True, transposed=False, act="silu"):
+    """Pass 2: act(g) u as a per-tensor FP8 operand of down_proj, from the saved FP8 gate/up."""
+    return quant_tensor(_gated(q, s, group_size, act), scale, fmt, rowmajor, transposed)
 
 
-def silu_mul_backward(da: torch.Tensor, q, s, group_size: int):
+def silu_mul_backward(da: torch.Tensor, q, s, group_size: int, act: str = "silu"):
     """(d[gate | up] in da's dtype [M, 2I], its row maxima [M]) from the saved FP8 gate/up."""
     g, u = group_dequant(q, s, group_size).chunk(2, dim=1)
-    sg = torch.sigmoid(g)
     d = da.float()
-    out = torch.cat([d * u * sg * (1 + g * (1 - sg)), d * g * sg], dim=1).to(da.dtype)
+    if act == "silu":  # the kernel's order of fp32 operations
+        sg = torch.sigmoid(g)
+        dg, du = d * u * sg * (1 + g * (1 - sg)), d * g * sg
+    else:
+        dg, du = d * u * _act_grad(g, act), d * _act(g, act)
+    out = torch.cat([dg, du], dim=1).to(da.dtype)
     return out, row_amax(out)

@@ -1,4 +1,4 @@
-"""Public Llama shapes by name, with their vocabularies: what the planner (`python -m coat_ds.plan --model
+"""Public Llama, Qwen3 and Gemma 3 shapes by name, with their vocabularies: what the planner (`python -m coat_ds.plan --model
 llama3-8b`) and the benchmarks mean by a model name, without a download. The main job's own sizes, whose
 vocabulary comes from its data, are causal_lm.MODEL_SIZES."""
 from __future__ import annotations
@@ -17,5 +17,12 @@ SHAPES = {
                         intermediate_size=14336, vocab_size=128256),                 # Llama-3-8B's too
     "llama3.1-70b": dict(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
                          intermediate_size=28672, vocab_size=128256),                # Llama-3-70B's too
+    # per-head q/k norms; Qwen3-8B's config.json
+    "qwen3-8b": dict(model_type="qwen3", hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, intermediate_size=12288, vocab_size=151936),
+    # four norms a layer, per-head q/k norms, tied embeddings; Gemma-3-4B's text_config
+    "gemma3-4b": dict(model_type="gemma3_text", hidden_size=2560, num_hidden_layers=34, num_attention_heads=8,
+                      num_key_value_heads=4, head_dim=256, intermediate_size=10240, vocab_size=262208,
+                      tie_word_embeddings=True),
 }
 ALIASES = {"llama3-8b": "llama3.1-8b", "llama3-70b": "llama3.1-70b"}
