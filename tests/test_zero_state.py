@@ -26,8 +26,8 @@ JOB = os.path.join(ROOT, "tests", "ds_scripts", "zero_state_job.py")
 pytestmark = pytest.mark.slow
 
 EXACT = [f"exact:{s}:{d}" for s in (1, 2, 3) for d in ("bf16", "fp16")] + ["exact:2:bf16acc"]
-GRADS = ["grads:1:bf16_sr", "grads:2:bf16_sr", "grads:2:fp32_remainder"]
-W1 = ["master:2:bf16_sr", "master:3:bf16_sr", "grads:2:bf16_sr"]
+GRADS = ["grads:1:bf16_sr", "grads:2:bf16_sr", "grads:2:fp32_remainder", "grads:3:bf16_sr", "grads:3:fp32_remainder"]
+W1 = ["master:2:bf16_sr", "master:3:bf16_sr", "grads:2:bf16_sr", "grads:3:bf16_sr"]
 W2 = EXACT + GRADS + ["master:2:bf16_sr", "master:1:bf16_sr:bf16grads", "master:3:bf16_sr", "master:2:bf16_rn",
               "master:2:bf16_sr:offload", "resume:2:bf16_sr:1", "resume:3:bf16_sr:1", "universal:2:bf16_sr:1",
               "cross:2:fp32:bf16_sr", "cross:2:bf16_sr:fp32", "cross:3:bf16_sr:fp32", "refuse:2"]
@@ -59,7 +59,7 @@ def test_zero_step_is_deepspeeds_bit_for_bit(runs, task):
         assert out["deepspeed_alloc"] >= out["partition"]
 
 
-@pytest.mark.parametrize("job,task", [("w1", "grads:2:bf16_sr")] + [("w2", t) for t in GRADS])
+@pytest.mark.parametrize("job,task", [("w1", "grads:2:bf16_sr"), ("w1", "grads:3:bf16_sr")] + [("w2", t) for t in GRADS])
 def test_per_parameter_gradients_train_as_the_partition_buffer(runs, job, task):
     """coat.gradients "per_parameter" (the default) == DeepSpeed's partition buffer, loss for loss and in every
     rank's final masters (world 1 accumulates two micro-batches, world 2 partitions), with each gradient piece
@@ -71,6 +71,8 @@ def test_per_parameter_gradients_train_as_the_partition_buffer(runs, job, task):
     assert out["masters_equal"]
     assert all(n >= 3 and storages == n for n, storages in lean["pieces_storages"]), lean["pieces_storages"]
     assert all(n >= 3 and storages == 1 for n, storages in buffer["pieces_storages"]), buffer["pieces_storages"]
+    if task.startswith("grads:3"):  # ZeRO-3's buffer lives from set-up on; per-parameter gradients die with the step
+        assert lean["kept_between_steps"] == 0 and buffer["kept_between_steps"] >= out["partition"]
 
 
 def _falls(losses: list[float]) -> bool:

@@ -8,8 +8,8 @@ e2e*.json and offload.json; docs/plan.md has the derivation):
 - optimizer states: FusedAdam 8N/W, CoatAdamW its FP8 moments with their group scales (~2.1N/W);
 - gradients: ZeRO-2/3 a partition of N/W in `data_types.grad_accum_dtype` (bf16 by default), allocated when
   the first bucket is reduced in backward and freed by the step; ZeRO-0/1 every parameter's bf16 .grad;
-  CoatAdamW's ZeRO-1/2 with bf16 gradients (coat.gradients "per_parameter", gradients.py) allocates each one as
-  backward reaches its parameter, so they grow while the activations are freed;
+  CoatAdamW's ZeRO-3, and its ZeRO-1/2 with bf16 gradients (coat.gradients "per_parameter", gradients.py),
+  allocate each one as backward reaches its parameter, so they grow while the activations are freed;
 - DeepSpeed's own step for a stock optimizer flattens the gradient partition and converts it to fp32
   (+2 +4 B per partition value, stage_1_and_2.py step); CoatAdamW's ZeRO step (zero_step.py) reads the
   partition in place, one parameter's fp32 pieces at a time;
@@ -44,7 +44,7 @@ class ZeroJob:
     reduce_bucket: int       # values in the gradient bucket (contiguous gradients)
     sub_group: int = DEFAULT_SUB_GROUP   # ZeRO-3 steps its partition in sub-groups of this many values
     coat_step: bool = True   # CoatAdamW's own ZeRO step (False: DeepSpeed's flatten + fp32 copy, as before it)
-    grads_per_parameter: bool = False   # gradients allocated as backward goes (coat.gradients, ZeRO-1/2)
+    grads_per_parameter: bool = False   # gradients allocated as backward goes (coat.gradients)
 
     @property
     def mixed(self) -> bool:
@@ -66,8 +66,9 @@ def zero_job(cfg: Mapping[str, Any], world: int, state_bytes: float, master: str
     return ZeroJob(stage=stage, world=world, offload=offload, coat=coat,
                    state_bytes=ADAM_STATE_BYTES if not coat or fp32_states else state_bytes,
                    master=master if coat else "fp32", param_bytes=2 if mixed else 4,
-                   grad_bytes=grad_bytes, grads_per_parameter=(coat and stage in (1, 2) and not offload and mixed
-                                                               and grad_bytes == 2 and gradients == "per_parameter"),
+                   grad_bytes=grad_bytes,
+                   grads_per_parameter=(coat and not offload and gradients == "per_parameter"
+                                        and (stage == 3 or (stage in (1, 2) and mixed and grad_bytes == 2))),
                    reduce_bucket=_int(zero.get("reduce_bucket_size"), DEFAULT_BUCKET),
                    sub_group=_int(zero.get("sub_group_size"), DEFAULT_SUB_GROUP))
 

@@ -58,21 +58,13 @@ class Zero12Step:
         values, dtype and `.grad` re-pointing are the same, only the storage differs. Offload and an fp32
         compact partition buffer keep DeepSpeed's own path.
 
-        The allocation is the compute stream's: under overlap_comm this runs on ZeRO's reduction stream, whose
-        own pool never receives the blocks the freed activations leave, so allocating there would keep the
-        gradients beside the activations' freed memory after all (reserved, not allocated)."""
+        The allocation is the compute stream's (compute_stream_tensor)."""
         if group_idx is None:
             group_idx = self._get_param_group_idx(param)
         if not self._coat_per_parameter_grads or self.cpu_offload or self._use_compact_grad_partition_buffer(group_idx):
             return super().copy_grads_in_partition(param, group_idx)
         grad = self.get_gradient_for_reduction(param)
-        accel = get_accelerator()
-        here, compute = accel.current_stream(), accel.default_stream()
-        with accel.stream(compute):
-            own = torch.empty(param.numel(), dtype=self.dtype, device=grad.device)
-        if here != compute:
-            here.wait_stream(compute)  # the block's last users ran on the compute stream; the copy runs here
-            own.record_stream(here)  # ... so its reuse after the step waits for this stream too
+        own = compute_stream_tensor(param.numel(), self.dtype, grad.device)
         own.copy_(grad.view(-1))
         grad.data = own.view_as(grad)
 
@@ -200,11 +192,55 @@ class Zero12Step:
             _load_remainders(self, self.single_partition_of_fp32_groups, saved)
 
 
+class GradPartitions(dict):
+    """ZeRO-3's map of parameter (ds_id) -> this rank's gradient partition, each allocated (zeroed, on the compute
+    stream) when backward first reaches the parameter and dropped after the step (coat.gradients "per_parameter").
+    DeepSpeed 0.19.8 fills the map with views of one buffer of the whole partition, allocated at set-up and kept
+    through forward and backward; its readers (partition_grads, the backward epilogue, the step) index the map."""
+
+    def __init__(self, numels: dict[int, int], dtype: torch.dtype, device) -> None:
+        super().__init__()
+        self.numels, self.dtype, self.device = numels, dtype, device
+
+    def __missing__(self, ds_id: int) -> torch.Tensor:
+        self[ds_id] = t = compute_stream_tensor(self.numels[ds_id], self.dtype, self.device, zero=True)
+        return t
+
+
+GRAD_MAP = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"  # DeepSpeed 0.19.8's private map (mangled)
+
+
 class Zero3Step:
-    """Mixed into DeepSpeedZeroOptimizer_Stage3 of a CoatAdamW engine: the per-sub-group hooks of its step."""
+    """Mixed into DeepSpeedZeroOptimizer_Stage3 of a CoatAdamW engine: the per-sub-group hooks of its step, and
+    its gradient partitions allocated per parameter (GradPartitions, `_coat_use_grad_partitions`)."""
 
     _coat_bf16_master = False  # master.py sets it when the master partitions are the bf16 model partitions
     _coat_remainder = False  # ... and when they are the high halves of fp32 masters (layouts keep the remainders)
+
+    def _coat_use_grad_partitions(self) -> None:
+        """Replace DeepSpeed's gradient buffer (a partition-sized tensor alive from set-up) by GradPartitions. On the
+        device only: Offload copies gradients into host buffers of its own from the same map."""
+        if self.offload_optimizer or self.offload_param or isinstance(getattr(self, GRAD_MAP), GradPartitions):
+            return
+        params = [p for group in self.fp16_groups for p in group]
+        setattr(self, GRAD_MAP, GradPartitions({p.ds_id: p.partition_numel() for p in params},
+                                               self.gradient_accumulation_dtype, self.device))
+        self.grad_partitions_flat_buffer = torch.empty(0, dtype=self.gradient_accumulation_dtype, device=self.device)
+
+    def step(self, closure=None):
+        out = super().step(closure)
+        grads = getattr(self, GRAD_MAP)
+        if isinstance(grads, GradPartitions):  # stepped or skipped, the gradients are spent
+            grads.clear()
+        return out
+
+    def has_overflow(self, partition_gradients=True):
+        grads = getattr(self, GRAD_MAP)
+        if partition_gradients and isinstance(grads, GradPartitions) and grads:  # DeepSpeed reads the flat buffer
+            with get_accelerator().stream(self.reduce_and_partition_stream):
+                for g in grads.values():
+                    self.inf_or_nan_tracker.logical_or_(~torch.isfinite(g).all())
+        return super().has_overflow(partition_gradients)
 
     def _coat_group(self, i: int) -> dict | None:
         """The param group of sub-group i if this step takes it over (bound FP8 group, on the device)."""
@@ -281,6 +317,21 @@ class Bf16Step:
                              allgather_bucket_size=self.allgather_bucket_size)
 
 
+def compute_stream_tensor(numel: int, dtype: torch.dtype, device, zero: bool = False) -> torch.Tensor:
+    """A new tensor from the compute stream's memory pool, usable on the current stream. ZeRO reduces and copies
+    gradients on a stream of its own (overlap_comm, ZeRO-3's reduce_and_partition_stream), whose pool never receives
+    the blocks freed activations leave: a gradient allocated there would sit beside that freed memory (reserved,
+    not reused) instead of in it."""
+    accel = get_accelerator()
+    here, compute = accel.current_stream(), accel.default_stream()
+    with accel.stream(compute):
+        t = torch.zeros(numel, dtype=dtype, device=device) if zero else torch.empty(numel, dtype=dtype, device=device)
+    if here != compute:
+        here.wait_stream(compute)  # the block's last users ran on the compute stream, and so did the zeroing
+        t.record_stream(here)  # its reuse once freed waits for this stream too
+    return t
+
+
 @torch.no_grad()
 def write_lp(lp: torch.Tensor, master: torch.Tensor) -> None:
     """The model's partition lp from its master: a bf16 one from an fp32 master as CoatAdamW's kernel writes it
@@ -335,3 +386,5 @@ def install(zo, gradients: str = GRADIENTS_DEFAULT) -> None:
         zo.__class__ = _subclass(mixin, type(zo))
     zo._coat_grads, zo._coat_scales, zo._coat_lp_written = {}, {}, set()
     zo._coat_per_parameter_grads = gradients == "per_parameter"
+    if mixin is Zero3Step and zo._coat_per_parameter_grads:
+        zo._coat_use_grad_partitions()

@@ -218,8 +218,9 @@ def _saved_masters(path: str, world: int) -> torch.Tensor:
 
 def task_grads(args, world, stage, master, rest):
     """coat.gradients "per_parameter" against "partition_buffer" (bf16 gradients, clipping on, contiguous
-    gradients): losses of each, whether every rank's final masters are equal, and at each step how many
-    storages hold the gradient pieces the step reads (zero padding aside), against the number of pieces."""
+    gradients): losses of each, whether every rank's final masters are equal, at each step how many storages
+    hold the gradient pieces the step reads (zero padding aside) against the number of pieces, and (ZeRO-3) the
+    gradient values kept between steps."""
     out, final = {}, []
     for gradients in ("partition_buffer", "per_parameter"):
         engine = build(dict(config(stage, "bf16", world, master_weights=master, gradients=gradients),
@@ -234,7 +235,11 @@ def task_grads(args, world, stage, master, rest):
 
         zo.step = watched
         out[gradients] = {"losses": common.train(engine, range(STEPS), "bf16"), "pieces_storages": sorted(seen)}
+        if stage == 3:  # what the gradient map and buffer still hold between steps
+            out[gradients]["kept_between_steps"] = zo.grad_partitions_flat_buffer.numel() + sum(
+                t.numel() for t in getattr(zo, zero_step.GRAD_MAP).values())
         final.append(_joined(engine))
+        out["partition"] = partition_numel(engine)
     out["masters_equal"] = _all(torch.equal(*final))
     return out
 
