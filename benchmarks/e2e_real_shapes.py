@@ -9,9 +9,14 @@ per configuration; the model built on the GPU in bf16; random tokens; the micro-
 what fits, "fits" being peak reserved <= 0.95 x the device). `lowest_memory` is the shipped preset
 ds_configs/zero2_lowest_memory.json (bf16 master with stochastic rounding, attention saved in FP8) and so
 computes the chunked loss (on by default with a "coat" section); `bf16` is BF16 + FusedAdam with the stock
-loss, whose need at micro-batch 1 comes from its OOM message when it does not fit. Cases run on different
-machines: each is merged into e2e_real_shapes.json under its name, and e2e_real_shapes.png is redrawn from
-all of them.
+loss, whose need at micro-batch 1 comes from its OOM message when it does not fit; `torchao_fp8` is the peer a
+single-GPU user would pick instead (torchao float8 compiled + AdamWFp8, a plain loop, HF's stock loss). Cases
+run on different machines: each is merged into e2e_real_shapes.json under its name, and e2e_real_shapes.png is
+redrawn from all of them. `--configs` re-runs some configurations of a case (e.g. a peer whose compile takes
+minutes, with its own --start-batch); the case keeps its other rows, each saying where and how it was measured:
+
+    python3 benchmarks/e2e_real_shapes.py --case llama3.1-8b --configs lowest_memory --start-batch 4
+    python3 benchmarks/e2e_real_shapes.py --case llama3.1-8b --configs torchao_fp8 --start-batch 2 --max-rungs 2
 """
 from __future__ import annotations
 
