@@ -31,6 +31,27 @@ def test_every_method_is_hashed_for_every_tested_release():
     assert all(sorted(hashes) == sorted(fence.METHODS) for hashes in fence.TESTED.values())
 
 
+def test_every_override_and_wrap_is_fenced():
+    """The other direction: every DeepSpeed method that zero_step.py's mixins override or engine.py wraps is listed
+    (a new override fails here until its hashes are added)."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    from coat_ds.deepspeed.zero_step import Bf16Step, Zero3Step, Zero12Step
+
+    def name(cls, method):
+        return f"{cls.__module__}:{cls.__qualname__}.{method}"
+
+    used = {name(base, m) for mixin, base in ((Zero12Step, DeepSpeedZeroOptimizer), (Bf16Step, BF16_Optimizer),
+                                              (Zero3Step, DeepSpeedZeroOptimizer_Stage3))
+            for m in vars(mixin) if callable(getattr(mixin, m)) and hasattr(base, m) and not m.startswith("__")}
+    used |= {name(cls, m) for cls in (DeepSpeedEngine, DeepSpeedZeroOptimizer) for m, f in vars(cls).items()
+             if getattr(f, "_coat_wrapped", False)}
+    assert len(used) >= 15 and not used - set(fence.METHODS), sorted(used - set(fence.METHODS))
+
+
 def test_a_changed_method_is_named(monkeypatch):
     """A re-stated method edited (stage 1/2 step), one behind DeepSpeed's nvtx decorator edited (stage 3 step, which
     keeps no __wrapped__) and one removed: exactly those three are named."""
