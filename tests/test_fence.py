@@ -3,17 +3,13 @@ method coat_ds re-states, overrides or wraps equal those of a tested release, a 
 release warns once at `import coat_ds`."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import warnings
 
-import pytest
-
 import coat_ds  # noqa: F401  (wraps DeepSpeed's methods: the fence must see through the wraps)
 from coat_ds.deepspeed import fence
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from harness import child_env
 ZERO12 = "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer"
 ZERO3 = "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3"
 
@@ -90,8 +86,7 @@ def test_import_coat_ds_warns_on_an_untested_release():
     code = ("import importlib.metadata as m, warnings; real = m.version; "
             "m.version = lambda n: '0.20.0' if n == 'deepspeed' else real(n); warnings.simplefilter('always'); "
             "import coat_ds, coat_ds.deepspeed.fence as f; f.warn_if_untested()")
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", code], env=child_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [ln for ln in proc.stderr.splitlines() if "UntestedDeepSpeed" in ln]
     assert len(lines) == 1 and "DeepSpeed 0.20.0 is installed" in lines[0], proc.stderr[-3000:]
