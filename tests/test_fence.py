@@ -64,6 +64,14 @@ def test_a_changed_method_is_named(monkeypatch):
     assert fence.changed() == [f"{ZERO12}.step", f"{ZERO3}.step", f"{ZERO3}._rigid_state_dict"]
 
 
+def test_the_report_line_names_what_differs(monkeypatch):
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+
+    monkeypatch.setattr(BF16_Optimizer, "update_lp_params", lambda self: None)
+    assert fence.summary() == (f"1 of {len(fence.METHODS)} methods coat_ds depends on differ from DeepSpeed "
+                               f"{fence.reference()}'s: BF16_Optimizer.update_lp_params")
+
+
 def test_an_untested_release_compares_with_the_newest_tested(monkeypatch):
     monkeypatch.setitem(fence.TESTED, "0.0.1", {})
     assert fence.reference("9.9.9") == "0.19.8" and fence.reference("0.0.1") == "0.0.1"

@@ -175,7 +175,7 @@ def warn_if_untested(version: str | None = None) -> bool:
     _warned = True
     warnings.warn(f"coat_ds: DeepSpeed {version} is installed, but coat_ds is tested only with DeepSpeed "
                   f"{', '.join(sorted(TESTED, key=_key))} and re-states some of its methods; see {DOC} "
-                  "(python -m coat_ds.deepspeed.fence names the methods that differ)", UntestedDeepSpeed, stacklevel=2)
+                  "(python -m coat_ds.report names the methods that differ)", UntestedDeepSpeed, stacklevel=2)
     return True
 
 
@@ -183,15 +183,11 @@ class UntestedDeepSpeed(UserWarning):
     """The installed DeepSpeed is not one coat_ds was tested with."""
 
 
-def main() -> None:
-    version, ref = installed_version(), reference()
-    diff = changed()
-    print(f"DeepSpeed {version}; compared with the sources of {ref}: "
-          + (f"{len(diff)} of {len(METHODS)} methods differ" if diff else f"all {len(METHODS)} methods match"))
-    for name in diff:
-        print(f"  {name}  ({METHODS[name]})")
-    raise SystemExit(1 if diff else 0)
-
-
-if __name__ == "__main__":
-    main()
+def summary() -> str:
+    """One line for `python -m coat_ds.report`: whether the installed sources match the tested ones, naming those that
+    do not."""
+    diff, ref = changed(), reference()
+    if not diff:
+        return f"the {len(METHODS)} methods coat_ds re-states, overrides or wraps match DeepSpeed {ref}'s"
+    return f"{len(diff)} of {len(METHODS)} methods coat_ds depends on differ from DeepSpeed {ref}'s: " + ", ".join(
+        name.partition(":")[2] for name in diff)
