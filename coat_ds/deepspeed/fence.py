@@ -4,8 +4,9 @@ coat_ds copies parts of DeepSpeed's private methods (zero_step.py re-states ZeRO
 wraps others (engine.py, zero_step.py, master.py, checkpoint.py). A new DeepSpeed release that edits one of them
 runs without an error and trains wrongly, so each is listed here with the sha256 of `inspect.getsource` on every
 release tested with (docs/versions.md): `changed()` names the methods whose installed source differs, i.e. the ones
-to read and re-state before admitting that release. Only the standard library at import time: `import coat_ds`
-calls `warn_if_untested` (importlib.metadata, no DeepSpeed import), and tests/test_versions.py loads this file alone.
+to read and re-state before admitting that release. Only the standard library and packaging at import time:
+`import coat_ds` calls `warn_if_untested` (importlib.metadata, no DeepSpeed import), and tests/test_versions.py loads
+this file alone.
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import importlib
 import importlib.metadata
 import inspect
 import warnings
+
+from packaging.version import Version
 
 # "module:Class.method" -> where coat_ds depends on its exact body
 METHODS: dict[str, str] = {
@@ -139,26 +142,23 @@ def _has_contents(cell) -> bool:
 
 
 def installed_version() -> str | None:
+    """The installed DeepSpeed's release, local label dropped (a wheel built as 0.19.8+cu130 is 0.19.8's source)."""
     try:
-        return importlib.metadata.version("deepspeed")
+        return Version(importlib.metadata.version("deepspeed")).public
     except importlib.metadata.PackageNotFoundError:
         return None
-
-
-def _key(version: str) -> tuple:
-    return tuple(int(p) if p.isdigit() else p for p in version.split("+")[0].split("."))
 
 
 def reference(version: str | None = None) -> str:
     """The tested release to compare with: `version` (default: the installed one) if tested, else the newest."""
     version = installed_version() if version is None else version
-    return version if version in TESTED else max(TESTED, key=_key)
+    return version if version in TESTED else max(TESTED, key=Version)
 
 
-def changed(version: str | None = None, methods: dict[str, str] | None = None) -> list[str]:
+def changed(version: str | None = None) -> list[str]:
     """The methods whose installed source differs from the tested release `reference(version)`: each to be read and
-    re-stated (docs/versions.md). `methods` replaces the recorded hashes (tests)."""
-    want = TESTED[reference(version)] if methods is None else methods
+    re-stated (docs/versions.md)."""
+    want = TESTED[reference(version)]
     return [name for name in METHODS if source_hash(name) != want.get(name)]
 
 
@@ -174,7 +174,7 @@ def warn_if_untested(version: str | None = None) -> bool:
         return False
     _warned = True
     warnings.warn(f"coat_ds: DeepSpeed {version} is installed, but coat_ds is tested only with DeepSpeed "
-                  f"{', '.join(sorted(TESTED, key=_key))} and re-states some of its methods; see {DOC} "
+                  f"{', '.join(sorted(TESTED, key=Version))} and re-states some of its methods; see {DOC} "
                   "(python -m coat_ds.report names the methods that differ)", UntestedDeepSpeed, stacklevel=2)
     return True
 
