@@ -142,7 +142,7 @@ def _has_contents(cell) -> bool:
 
 
 def installed_version() -> str | None:
-    """The installed DeepSpeed's release, local label dropped (a wheel built as 0.19.8+cu130 is 0.19.8's source)."""
+    """The installed DeepSpeed's release without a local label (0.19.8+cu130: 0.19.8; changed() still compares its sources)."""
     try:
         return Version(importlib.metadata.version("deepspeed")).public
     except importlib.metadata.PackageNotFoundError:
