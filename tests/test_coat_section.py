@@ -50,7 +50,8 @@ def acc_job(tmp_path_factory) -> dict:
     conf.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\ndeepspeed_config:\n"
                     f"  deepspeed_config_file: {ROOT / 'ds_configs' / 'zero2_coat.json'}\n  zero3_init_flag: false\n"
                     "num_machines: 1\nnum_processes: 2\nmachine_rank: 0\nuse_cpu: true\n")
-    cmd = [launcher("accelerate"), "launch", "--config_file", str(conf), "--main_process_port", str(free_port()), str(JOB), "--out", str(out), "--tmp", str(tmp), "accelerate"]
+    cmd = [launcher("accelerate"), "launch", "--config_file", str(conf), "--main_process_port", str(free_port()),
+           str(JOB), "--out", str(out), "--tmp", str(tmp), "accelerate"]
     return _launch(cmd, out)
 
 

@@ -16,9 +16,9 @@ ZERO3 = "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3"
 
 def test_installed_deepspeed_matches_a_tested_release():
     version, diff = fence.installed_version(), fence.changed()
-    assert not diff, (f"DeepSpeed {version}'s source differs from {fence.reference()}'s in {len(diff)} methods coat_ds "
-                      "depends on; read each, re-state coat_ds's copy, then add the release's hashes (docs/versions.md):\n"
-                      + "\n".join(f"  {name}  ({fence.METHODS[name]})" for name in diff))
+    assert not diff, (f"DeepSpeed {version}'s source differs from {fence.reference()}'s in {len(diff)} methods "
+                      "coat_ds depends on; read each, re-state coat_ds's copy, then add the release's hashes "
+                      "(docs/versions.md):\n" + "\n".join(f"  {name}  ({fence.METHODS[name]})" for name in diff))
     assert version in fence.TESTED, (f"DeepSpeed {version}: its fenced sources match {fence.reference()}'s; add "
                                      "its hashes to fence.TESTED and raise setup.py's bound (docs/versions.md)")
 

@@ -24,7 +24,8 @@ NAMES = [f"{layout}_{intent}.json" for layout in presets.LAYOUTS for intent in p
 
 def launch_presets_job(tmp: Path, task: str) -> dict:
     out = tmp / "r.json"
-    cmd = [launcher("deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), str(JOB), "--out", str(out), "--tmp", str(tmp), task]
+    cmd = [launcher("deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), str(JOB), "--out", str(out),
+           "--tmp", str(tmp), task]
     return _launch(cmd, out)
 
 

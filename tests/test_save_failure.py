@@ -27,7 +27,8 @@ def test_a_file_size_limit_is_named_not_torchs_enforce_fail(tmp_path):
             print("TORCH:", str(exc).splitlines()[0])
             print("LINE:", write_failure({str(tmp_path / 'x.pt')!r}, exc))
     """)
-    out = subprocess.run([sys.executable, "-c", code], env=child_env(), capture_output=True, text=True, timeout=300).stdout
+    out = subprocess.run([sys.executable, "-c", code], env=child_env(), capture_output=True, text=True,
+                         timeout=300).stdout
     assert "TORCH: [enforce fail" in out, out
     line = next(l for l in out.splitlines() if l.startswith("LINE:"))
     assert line.startswith("LINE: file too large (the file size limit, `ulimit -f`) (") and "MiB free of" in line
@@ -66,7 +67,8 @@ def test_main_job_on_a_full_disk_says_why_and_keeps_latest(tmp_path):
     script = (f'mount -t tmpfs -o size=14m tmpfs "{run}" && "$@"; rc=$?; echo "LS:" $(ls "{run}/checkpoints"); '
               f'echo "LATEST:" $(cat "{run}/checkpoints/latest"); exit $rc')
     inner = ["unshare", "-rm", "sh", "-c", script, "sh", *job]
-    proc = subprocess.Popen(inner, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    proc = subprocess.Popen(inner, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True,
                             start_new_session=True)
     out = finish(proc)
     assert proc.returncode == 1, out[-3000:]

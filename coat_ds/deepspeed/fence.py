@@ -142,7 +142,8 @@ def _has_contents(cell) -> bool:
 
 
 def installed_version() -> str | None:
-    """The installed DeepSpeed's release without a local label (0.19.8+cu130: 0.19.8; changed() still compares its sources)."""
+    """The installed DeepSpeed's release without a local label (0.19.8+cu130: 0.19.8; changed() still compares its
+    sources)."""
     try:
         return Version(importlib.metadata.version("deepspeed")).public
     except importlib.metadata.PackageNotFoundError:
