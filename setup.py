@@ -25,10 +25,11 @@ setup(
     packages=find_packages(include=["coat_ds", "coat_ds.*"]),  # coat_ds.op_builder through its link
     package_data={"coat_ds": ["csrc/**/*.h", "csrc/**/*.cuh", "csrc/**/*.cpp", "csrc/**/*.cu"]},
     python_requires=">=3.10",
-    # the lowest versions something here ran and passed; no upper bounds: `.ci/drift newest` watches for breaks
+    # the lowest versions something here ran and passed; DeepSpeed also bounded above, by the newest release whose
+    # internals coat_ds re-states (coat_ds/deepspeed/fence.py); `.ci/drift newest` watches for breaks
     # (docs/versions.md says what runs where and why each bound)
-    install_requires=["torch>=2.11", "deepspeed>=0.19.8", "transformers>=5.2", "ninja", "pybind11", "tokenizers",
-                      "tqdm", "matplotlib", "numpy"],
+    install_requires=["torch>=2.11", "deepspeed>=0.19.8,<0.19.9", "transformers>=5.2", "ninja", "pybind11",
+                      "tokenizers", "tqdm", "matplotlib", "numpy"],
     extras_require={
         "dev": ["pytest", "pytest-benchmark", "accelerate", "datasets"],
         "bench": ["torchao", "bitsandbytes"],

@@ -29,12 +29,15 @@ def _versions() -> list[tuple[str, str]]:
     import coat_ds
     from torch.utils.cpp_extension import CUDA_HOME
 
+    from .deepspeed.fence import summary
+
     return [("python", f"{platform.python_version()} ({sys.executable})"),
             ("coat_ds", f"{coat_ds.__version__} ({os.path.dirname(coat_ds.__file__)})"),
             ("torch", f"{torch.__version__} ({os.path.dirname(torch.__file__)})"),
             ("CUDA (PyTorch's)", torch.version.cuda or "none: a CPU build of PyTorch"),
             ("CUDA toolkit", CUDA_HOME or "not found"),
             ("DeepSpeed", _dist("deepspeed")),
+            ("DeepSpeed internals", summary()),
             ("transformers", _dist("transformers"))]
 
 

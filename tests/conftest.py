@@ -1,9 +1,5 @@
 import glob
-import json
 import os
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -49,19 +45,3 @@ def _remove_leaked_shm_buffers():
                 os.unlink(path)
             except OSError:
                 pass
-
-
-def run_one_rank_job(tmp_path, source: str) -> dict:
-    """Run a job script (`source`) as a world of one without a launcher; what it printed last after "RESULT "."""
-    script = tmp_path / "job.py"
-    script.write_text(source)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
-               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT "):])

@@ -1,12 +1,13 @@
 """The per-parameter form of a checkpoint without DeepSpeed: two ranks' partitions cut through FP8 groups are
 gathered back into whole parameters exactly, and the universal file form round-trips (test_deepspeed.py runs the
-same code through real engines)."""
+same code through real engines). Files are read with DeepSpeed's classes only: one carrying code is refused unrun."""
 from dataclasses import astuple
 
 import pytest
 import torch
 
-from coat_ds.deepspeed.checkpoint_files import LAYOUTS, CheckpointError, ParamState, canonical
+from coat_ds.deepspeed.checkpoint_files import (LAYOUTS, CheckpointError, ParamState, canonical, check_contents,
+                                                ds_globals, torch_load)
 from coat_ds.deepspeed.layout import Segment, meta_offsets
 from coat_ds.formats import Fp8Moment, get_format, quantize
 from coat_ds.optim.coat_adamw import fp8_moments, fp8_zeros
@@ -74,3 +75,34 @@ def test_file_form_round_trips(as_bits):
     assert back.filled == 300 and torch.equal(back.master, c.master)
     for got, want in ((back.m, c.m), (back.v, c.v)):
         assert got.codes.dtype == want.fmt.dtype and torch.equal(got.dequantize(), want.dequantize())
+
+
+class _RunsCode:
+    """Unpickling it creates the file `marker`."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+def test_a_file_carrying_code_is_refused_unrun(tmp_path):
+    """DeepSpeed's own classes load; a file whose unpickling runs code is named in one line and never runs, though
+    DeepSpeed's torch.load(weights_only=False) would run it."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+
+    tag, marker = tmp_path / "t", tmp_path / "ran"
+    tag.mkdir()
+    good, bad = tag / "mp_rank_00_model_states.pt", tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    torch.save({"module": {"w": torch.ones(2)}, "loss_scaler": DynamicLossScaler(8.0, 4, 1.0, 1, False)}, good)
+    torch.save({"optimizer_state_dict": {"step": 3}, "extra": _RunsCode(marker)}, bad)
+    back = torch_load(str(good))
+    assert type(back["loss_scaler"]) in ds_globals() and back["loss_scaler"].cur_scale == 8.0
+    with pytest.raises(CheckpointError) as err:
+        check_contents(str(tmp_path))
+    assert str(err.value) == (f"checkpoint file refused: {bad} holds objects outside DeepSpeed's checkpoint contents "
+                              "(Unsupported global: GLOBAL io.open); unpickling it could run code")
+    assert not marker.exists()
+    torch.load(bad, weights_only=False)
+    assert marker.exists()

@@ -13,45 +13,32 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from harness import ROOT, child_env, free_port, launch_json, launcher
+
 pytest.importorskip("deepspeed")
 pytest.importorskip("transformers")
 
-ROOT = Path(__file__).resolve().parents[1]
 JOB = ROOT / "tests" / "ds_scripts" / "section_job.py"
 DS_TASKS = ["plain", "zero3_init", "refusals", "hf_trainer", "configs"]
 STEPS = 3
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(cmd: list[str], out: Path) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env = child_env()
     env.setdefault("COAT_JOB_TIMEOUT", "420")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    if not out.is_file():
-        pytest.fail(f"launch failed ({proc.returncode}): {' '.join(cmd)}\n{(proc.stdout + proc.stderr)[-6000:]}")
-    return json.loads(out.read_text())
+    return launch_json(cmd, out, env, exit_0=False)  # the results file decides
 
 
 @pytest.fixture(scope="module")
 def ds_job(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("section")
     out = tmp / "r.json"
-    cmd = [shutil.which("deepspeed") or str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2",
-           "--master_port", str(_port()), str(JOB), "--out", str(out), "--tmp", str(tmp), *DS_TASKS]
+    cmd = [launcher("deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), str(JOB), "--out", str(out),
+           "--tmp", str(tmp), *DS_TASKS]
     return _launch(cmd, out)
 
 
@@ -63,8 +50,8 @@ def acc_job(tmp_path_factory) -> dict:
     conf.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\ndeepspeed_config:\n"
                     f"  deepspeed_config_file: {ROOT / 'ds_configs' / 'zero2_coat.json'}\n  zero3_init_flag: false\n"
                     "num_machines: 1\nnum_processes: 2\nmachine_rank: 0\nuse_cpu: true\n")
-    cmd = [shutil.which("accelerate") or str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
-           str(conf), "--main_process_port", str(_port()), str(JOB), "--out", str(out), "--tmp", str(tmp), "accelerate"]
+    cmd = [launcher("accelerate"), "launch", "--config_file", str(conf), "--main_process_port", str(free_port()),
+           str(JOB), "--out", str(out), "--tmp", str(tmp), "accelerate"]
     return _launch(cmd, out)
 
 

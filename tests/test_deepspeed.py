@@ -3,7 +3,8 @@
 Four launched jobs (shared by all tests below, ~4 min on 2 cores after the one-off shm-op build):
   W1  world 1: stage-0 references (fp32; bf16 and fp16 as ZeRO-1/2 on one rank), 1-rank checkpoints
   W2  world 2: ZeRO-1/2/3 (fp32, bf16), fp16 ZeRO-2, Offload; same-world resume; 1 -> 2 resume;
-      refusal of truncated/foreign checkpoints; zero_to_fp32; an fp16 overflow step
+      refusal of truncated/foreign checkpoints and of a planted one carrying code; zero_to_fp32; an fp16
+      overflow step; the classes pickled in every saved file
   W1b world 1: 2 -> 1 resume (stages 1/2/3)
   MN  two "nodes" on this machine (--no_ssh --node_rank 0/1), ZeRO-2 across them
 A task in a dtype DeepSpeed's accelerator does not support here (fp16 on a CPU without oneDNN fp16) is
@@ -16,33 +17,25 @@ DeepSpeed's stage-0 bf16 path, which accumulates gradients in bf16, is compared 
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
-import socket
 import subprocess
-
-import functools
 
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from harness import ROOT, child_env, free_port, launch_json
+
 JOB = os.path.join(ROOT, "tests", "ds_scripts", "job.py")
 SAVE_AT, STEPS = 30, 50
 
 pytestmark = pytest.mark.slow
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _env() -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env = child_env()
     env.setdefault("COAT_JOB_TIMEOUT", "300")
     return env
 
@@ -66,13 +59,9 @@ def _dtype(task: str) -> str:
 
 def launch(out: str, ckpt: str, tasks: list[str], gpus: int, extra: list[str] = (), job: str = JOB) -> dict:
     tasks = [t for t in tasks if unsupported(_dtype(t)) is None]
-    cmd = [shutil.which("deepspeed"), "--num_gpus", str(gpus), "--master_port", str(_port()), *extra, job,
+    cmd = [shutil.which("deepspeed"), "--num_gpus", str(gpus), "--master_port", str(free_port()), *extra, job,
            "--out", out, "--ckpt", ckpt, *tasks]
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0 or not os.path.isfile(out):
-        pytest.fail(f"launch failed ({proc.returncode}): {' '.join(cmd)}\n{(proc.stdout + proc.stderr)[-6000:]}")
-    with open(out) as f:
-        return json.load(f)
+    return launch_json(cmd, out, _env())
 
 
 def two_nodes(out: str, ckpt: str, tasks: list[str], tmp: str) -> dict:
@@ -80,7 +69,7 @@ def two_nodes(out: str, ckpt: str, tasks: list[str], tmp: str) -> dict:
     hostfile = os.path.join(tmp, "hostfile")
     with open(hostfile, "w") as f:
         f.write("nodeA slots=1\nnodeB slots=1\n")
-    port = str(_port())
+    port = str(free_port())
     base = [shutil.which("deepspeed"), "--hostfile", hostfile, "--no_ssh", "--master_addr=127.0.0.1",
             "--master_port", port]
     tail = [JOB, "--out", out, "--ckpt", ckpt, *tasks]
@@ -101,7 +90,8 @@ def _require_launcher():
 W1 = ["train:0:fp32", "train:1:fp32", "train:2:fp32", "train:3:fp32", "train:1:bf16", "train:2:fp16"]
 W2 = ["train:1:fp32", "train:2:fp32", "train:3:fp32", "train:1:bf16", "train:2:bf16", "train:3:bf16",
       "train:2:fp16", "train:2:fp32:offload", "resume:1:fp32:1", "resume:2:fp32:1", "resume:3:fp32:1",
-      "refuse:2", "tofp32:2:fp32", "tofp32:3:fp32", "skip:2:fp16", "regroup:2:fp32", "universal:3:fp32:1"]
+      "refuse:2", "plant:2", "tofp32:2:fp32", "tofp32:3:fp32", "skip:2:fp16", "regroup:2:fp32", "universal:3:fp32:1",
+      "contents:0"]
 W1B = ["resume:1:fp32:2", "resume:2:fp32:2", "resume:3:fp32:2", "resume:2:bf16:2", "universal:2:fp32:2"]
 
 
@@ -224,6 +214,25 @@ def test_bad_checkpoints_refused_before_loading(runs):
     out = _task(runs, "w2", "refuse:2")
     assert "truncated or corrupt" in out["truncated"] and out["truncated_untouched"]
     assert "another optimizer" in out["foreign"] and out["foreign_untouched"]
+
+
+def test_planted_code_refused_before_deepspeed_unpickles_it(runs):
+    out = _task(runs, "w2", "plant:2")
+    assert out["planted"].startswith(f"checkpoint file refused: {out['victim']} holds objects outside DeepSpeed's "
+                                     "checkpoint contents (Unsupported global: GLOBAL io.open)"), out["planted"]
+    assert "\n" not in out["planted"] and out["untouched"]
+    assert not out["ran"] and out["live"], "the code ran under coat_ds's check, or the planted file runs none"
+
+
+def test_checkpoint_reader_allows_exactly_what_deepspeed_saves(runs):
+    """Every class pickled in the files of the ZeRO-0..3 fp32 / bf16 / fp16 / Offload checkpoints and universal
+    folders these jobs saved is allowed, and every class allowed was found (fp16's scaler only where fp16 ran)."""
+    out = _task(runs, "w2", "contents:0")
+    found, allowed = set(out["found"]), set(out["allowed"])
+    assert found <= allowed, {g: out["found"][g] for g in found - allowed}
+    missing = allowed - found
+    fp16_only = {"deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"} if unsupported("fp16") else set()
+    assert missing <= fp16_only, missing
 
 
 def test_zero_to_fp32_recovers_masters(runs):

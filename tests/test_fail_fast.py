@@ -2,7 +2,6 @@
 config and checkpoint checks, and the examples that exit 2 on them (--resume / --resume-from included)."""
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,8 +11,7 @@ import torch
 
 from coat_ds.deepspeed.check import check_config, check_tag, intact_tags
 from coat_ds.deepspeed.checkpoint import CheckpointError
-
-ROOT = Path(__file__).resolve().parents[1]
+from harness import ROOT, child_env, free_port, launcher
 COAT = {"type": "CoatAdamW", "params": {"lr": 1e-3}}
 TINY = ["--model-size", "tiny", "--seq-len", "64", "--micro-batch", "2", "--lr", "3e-3", "--eval-batches", "1",
         "--eval-every", "0"]
@@ -120,9 +118,7 @@ def test_check_tag_names_the_missing_or_truncated_file(tmp_path):
 
 # ---------------------------------------------------------------------------------------------- the examples
 def _env() -> dict:
-    e = dict(os.environ)
-    e.setdefault("COAT_DATA_CACHE", str(ROOT / ".cache" / "coat_data"))
-    e["PYTHONPATH"] = os.pathsep.join([str(ROOT), e.get("PYTHONPATH", "")])
+    e = child_env()
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
         e.pop(key, None)
     return e
@@ -144,9 +140,8 @@ def test_bad_config_exits_2_once_before_data_or_model(tmp_path):
     cfg = json.loads((ROOT / "ds_configs/zero2_coat.json").read_text())
     cfg["optimizer"]["params"]["group_size"] = 100
     (tmp_path / "bad.json").write_text(json.dumps(cfg))
-    launcher = shutil.which("deepspeed") or str(Path(sys.executable).parent / "deepspeed")
     common = ["--deepspeed", str(tmp_path / "bad.json"), "--data", str(tmp_path / "no_data")]
-    rc, out = _run([launcher, "--num_gpus", "2", "--master_port", str(29700 + os.getpid() % 200),
+    rc, out = _run([launcher(), "--num_gpus", "2", "--master_port", str(free_port()),
                     "examples/train.py", *common, "--save-dir", str(tmp_path / "run")])
     want = "error: optimizer.params.group_size=100 is invalid for CoatAdamW; allowed: one of [32, 64, 128, 256]"
     assert rc == 2 and _errors(out) == [want] and "Traceback" not in out, out[-3000:]

@@ -157,24 +157,9 @@ def test_zero3_engine_section_trains_like_the_stock_loss(tmp_path):
     """ZeRO-3 partitions lm_head's (tied) weight and gathers it for forward and backward around lm_head's own
     call, where the chunked loss runs; the "coat": {"loss": ...} section installs it from the engine."""
     pytest.importorskip("deepspeed")
-    import json
-    import os
-    import socket
-    import subprocess
-    import sys
+    from harness import run_one_rank_job
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
-               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    script = tmp_path / "job.py"
-    script.write_text(ZERO3_JOB)
-    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = json.loads(lines[-1][len("RESULT "):])
+    out = run_one_rank_job(tmp_path, ZERO3_JOB)
     assert out["chunked"]["no_logits"] == [True] * 2 and out["stock"]["no_logits"] == [False] * 2
     assert out["chunked"]["freed"] and out["stock"]["freed"]
     for ours, ref in zip(out["chunked"]["losses"], out["stock"]["losses"]):

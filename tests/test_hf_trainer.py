@@ -6,28 +6,22 @@
 """
 import json
 import os
-import shutil
 import signal
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from harness import ROOT, child_env, free_port, launcher
+
 HF_CONFIGS = sorted(p.name for p in (ROOT / "ds_configs" / "hf").glob("*.json"))
 
 
 @pytest.mark.slow
 def test_hf_trainer_with_coat_config(tmp_path):
-    env = dict(os.environ)
-    env.setdefault("COAT_DATA_CACHE", str(ROOT / ".cache" / "coat_data"))
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    deepspeed = shutil.which("deepspeed") or str(Path(sys.executable).parent / "deepspeed")
-    cmd = [deepspeed, "--num_gpus", "1", "--master_port", str(28500 + os.getpid() % 1000), "examples/hf_trainer.py",
+    cmd = [launcher(), "--num_gpus", "1", "--master_port", str(free_port()), "examples/hf_trainer.py",
            "--deepspeed", "ds_configs/zero2_coat.json", "--model-size", "tiny", "--seq-len", "64", "--steps", "3",
            "--eval-samples", "4", "--output-dir", str(tmp_path / "out")]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=600)

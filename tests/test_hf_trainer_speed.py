@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import run_one_rank_job
+from harness import run_one_rank_job
 
 pytest.importorskip("deepspeed")
 pytest.importorskip("accelerate")

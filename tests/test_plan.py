@@ -3,7 +3,6 @@ allocated memory within 10%), the per-layer activation bytes of llama_layer.json
 bytes, and the command line's one-line refusals."""
 import glob
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,8 +15,7 @@ from coat_ds.activation import ActivationConfig
 from coat_ds.deepspeed.master import MASTER_WEIGHTS
 from coat_ds.deepspeed.memory import MASTER_BYTES
 from coat_ds.recipes.shapes import ALIASES, SHAPES
-
-ROOT = Path(__file__).resolve().parents[1]
+from harness import ROOT, child_env
 RESULTS = ROOT / "benchmarks" / "results"
 GIB = 2 ** 30
 # CoatAdamW's own ZeRO step (56baab0, 2026-11-23 19:32 UTC): rows measured before it ran DeepSpeed's step, which
@@ -163,8 +161,7 @@ def test_a_hub_name_from_the_local_cache(tmp_path):
     (snap / "config.json").write_text(json.dumps(SHAPES["llama2-7b"]))
     (tmp_path / "hub" / "models--org--tiny" / "refs").mkdir()
     (tmp_path / "hub" / "models--org--tiny" / "refs" / "main").write_text("abc")
-    env = dict(os.environ, HF_HUB_CACHE=str(tmp_path / "hub"), HF_HUB_OFFLINE="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env = child_env(HF_HUB_CACHE=str(tmp_path / "hub"), HF_HUB_OFFLINE="1")
     out = subprocess.run([sys.executable, "-m", "coat_ds.plan", "--model", "org/tiny", "--micro-batch", "1"],
                          env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -172,7 +169,7 @@ def test_a_hub_name_from_the_local_cache(tmp_path):
 
 
 def test_train_plan_prints_before_building_anything():
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env = child_env()
     out = subprocess.run([sys.executable, "examples/train.py", "--plan", "--model-size", "1b", "--seq-len", "2048",
                           "--micro-batch", "8", "--save-dir", "/nonexistent/never"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=300)

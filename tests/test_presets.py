@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import sys
 from pathlib import Path
 
@@ -16,7 +15,8 @@ pytest.importorskip("deepspeed")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "ds_configs"))
 import presets  # noqa: E402
-from test_coat_section import _launch, _port, ranks  # noqa: E402  the 2-rank launcher harness
+from harness import free_port, launcher  # noqa: E402
+from test_coat_section import _launch, ranks  # noqa: E402
 
 JOB = ROOT / "tests" / "ds_scripts" / "presets_job.py"
 NAMES = [f"{layout}_{intent}.json" for layout in presets.LAYOUTS for intent in presets.INTENTS]
@@ -24,8 +24,8 @@ NAMES = [f"{layout}_{intent}.json" for layout in presets.LAYOUTS for intent in p
 
 def launch_presets_job(tmp: Path, task: str) -> dict:
     out = tmp / "r.json"
-    cmd = [shutil.which("deepspeed") or str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2",
-           "--master_port", str(_port()), str(JOB), "--out", str(out), "--tmp", str(tmp), task]
+    cmd = [launcher("deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), str(JOB), "--out", str(out),
+           "--tmp", str(tmp), task]
     return _launch(cmd, out)
 
 

@@ -31,6 +31,8 @@ def test_report_rows_without_building(tmp_path):
     assert rows["coat_ds"] == f"{coat_ds.__version__} ({os.path.dirname(coat_ds.__file__)})"
     assert rows["torch"].startswith(f"{torch.__version__} (")
     assert rows["DeepSpeed"] == importlib.metadata.version("deepspeed")
+    assert rows["DeepSpeed internals"] == ("the 20 methods coat_ds re-states, overrides or wraps match DeepSpeed "
+                                           f"{rows['DeepSpeed']}'s")
     assert rows["transformers"] == importlib.metadata.version("transformers")
     assert rows["CUDA (PyTorch's)"] == (torch.version.cuda or "none: a CPU build of PyTorch")
     assert rows["JIT cache"] == str(ext)

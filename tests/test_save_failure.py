@@ -2,19 +2,16 @@
 disk names no cause, so the reason comes from the OS. Real failures only: a file size limit (RLIMIT_FSIZE, no
 root needed) and a full tmpfs (a private mount namespace, where the machine allows one)."""
 import errno
-import os
 import shutil
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
 from coat_ds.deepspeed.save import write_failure
-from test_train import SMALL, env, finish
-
-ROOT = Path(__file__).resolve().parents[1]
+from harness import ROOT, child_env, free_port, launcher
+from test_train import SMALL, finish
 
 
 def test_a_file_size_limit_is_named_not_torchs_enforce_fail(tmp_path):
@@ -30,7 +27,8 @@ def test_a_file_size_limit_is_named_not_torchs_enforce_fail(tmp_path):
             print("TORCH:", str(exc).splitlines()[0])
             print("LINE:", write_failure({str(tmp_path / 'x.pt')!r}, exc))
     """)
-    out = subprocess.run([sys.executable, "-c", code], env=env(), capture_output=True, text=True, timeout=300).stdout
+    out = subprocess.run([sys.executable, "-c", code], env=child_env(), capture_output=True, text=True,
+                         timeout=300).stdout
     assert "TORCH: [enforce fail" in out, out
     line = next(l for l in out.splitlines() if l.startswith("LINE:"))
     assert line.startswith("LINE: file too large (the file size limit, `ulimit -f`) (") and "MiB free of" in line
@@ -62,15 +60,15 @@ def test_main_job_on_a_full_disk_says_why_and_keeps_latest(tmp_path):
     step 2, exit code 1."""
     run = tmp_path / "run"
     run.mkdir()
-    deepspeed = shutil.which("deepspeed") or str(Path(sys.executable).parent / "deepspeed")
-    job = [deepspeed, "--num_gpus", "2", "--master_port", str(29500 + (os.getpid() + 7) % 1000),
+    job = [launcher(), "--num_gpus", "2", "--master_port", str(free_port()),
            "examples/train.py", "--deepspeed", "ds_configs/zero2_coat.json", "--save-dir", str(run), *SMALL,
            "--steps", "4", "--save-every", "2", "--eval-every", "0"]
     # the listing is taken inside the namespace: the tmpfs is gone once it exits
     script = (f'mount -t tmpfs -o size=14m tmpfs "{run}" && "$@"; rc=$?; echo "LS:" $(ls "{run}/checkpoints"); '
               f'echo "LATEST:" $(cat "{run}/checkpoints/latest"); exit $rc')
     inner = ["unshare", "-rm", "sh", "-c", script, "sh", *job]
-    proc = subprocess.Popen(inner, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    proc = subprocess.Popen(inner, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True,
                             start_new_session=True)
     out = finish(proc)
     assert proc.returncode == 1, out[-3000:]

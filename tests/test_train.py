@@ -3,36 +3,25 @@ launcher on 2 ranks (DeepSpeed's CPU accelerator here): a few steps, then --resu
 signal. Tiny model and short sequences keep it within the CPU budget."""
 import json
 import os
-import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from coat_ds.recipes.causal_lm import MODEL_SIZES
-
-ROOT = Path(__file__).resolve().parents[1]
+from harness import ROOT, child_env, free_port, launcher
 pytestmark = pytest.mark.slow
 
 # the default model and data, shrunk for CI: tiny Llama, 64-token samples, 2 samples per rank
 SMALL = ["--model-size", "tiny", "--seq-len", "64", "--micro-batch", "2", "--lr", "3e-3", "--eval-batches", "2"]
 
 
-def env() -> dict:
-    e = dict(os.environ)
-    e.setdefault("COAT_DATA_CACHE", str(ROOT / ".cache" / "coat_data"))   # BPE + tokens built once per checkout
-    e["PYTHONPATH"] = os.pathsep.join([str(ROOT), e.get("PYTHONPATH", "")])
-    return e
-
-
 def launch(save_dir: Path, *extra: str, config: str = "ds_configs/zero2_coat.json"):
-    deepspeed = shutil.which("deepspeed") or str(Path(sys.executable).parent / "deepspeed")
-    cmd = [deepspeed, "--num_gpus", "2", "--master_port", str(29500 + os.getpid() % 1000),
+    cmd = [launcher(), "--num_gpus", "2", "--master_port", str(free_port()),
            "examples/train.py", "--deepspeed", config, "--save-dir", str(save_dir), *SMALL, *extra]
-    return subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    return subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)   # one process group: a timeout or a signal reaches every rank
 
 

@@ -1,5 +1,6 @@
 """The versions CI pins (.ci/constraints.txt) and the ranges setup.py admits cannot drift apart silently: every
-package setup.py asks for is pinned, and every pin is inside its range (docs/versions.md)."""
+package setup.py asks for is pinned, every pin is inside its range, and setup.py admits exactly the DeepSpeed releases
+whose internals coat_ds/deepspeed/fence.py records (docs/versions.md)."""
 from __future__ import annotations
 
 import importlib.util
@@ -9,6 +10,9 @@ ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("ci_versions", ROOT / ".ci" / "versions.py")
 versions = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(versions)
+_spec = importlib.util.spec_from_file_location("fence", ROOT / "coat_ds" / "deepspeed" / "fence.py")  # stdlib only
+fence = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(fence)
 
 
 def test_constraints_agree_with_setup_py():
@@ -35,3 +39,17 @@ def test_lowest_is_each_lower_bound_and_freeze_drops_local_labels():
     assert lowest == bounds and {"torch", "deepspeed", "transformers"} <= set(lowest)
     frozen = versions.freeze(["torch==2.13.0+cpu", "pip==23.2.1", "# Editable install", "Jinja2==3.1.6"])
     assert frozen.startswith(versions.HEADER) and frozen.endswith("\nJinja2==3.1.6\ntorch==2.13.0\n")
+
+
+def test_setup_py_admits_exactly_the_fenced_deepspeed_releases():
+    """From the oldest tested release to the newest, nothing newer (its next patch release is refused), and CI pins a
+    tested one."""
+    from packaging.version import Version
+
+    (spec,) = [r.specifier for r in versions.requirements() if r.name == "deepspeed"]
+    tested = sorted(fence.TESTED, key=Version)
+    newest = Version(tested[-1])
+    assert [s.version for s in spec if s.operator == ">="] == [tested[0]], spec
+    assert all(spec.contains(v) for v in tested), (spec, tested)
+    assert not spec.contains(f"{newest.major}.{newest.minor}.{newest.micro + 1}"), spec
+    assert versions.pins()["deepspeed"] in fence.TESTED

@@ -1,7 +1,7 @@
 """The FP8 weight cache follows optimizer steps, also when weights are written behind autograd's back."""
 import pytest
 import torch
-from conftest import run_one_rank_job
+from harness import run_one_rank_job
 
 from coat_ds.activation.weight_cache import WeightGroup
 from coat_ds.formats import E4M3

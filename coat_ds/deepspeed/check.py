@@ -128,8 +128,9 @@ _RANKED = re.compile(r"zero_pp_rank_\d+_")
 def check_tag(tag_dir: str) -> None:
     """Raise CheckpointError naming the first missing or unreadable file of a DeepSpeed checkpoint tag.
 
-    Every `*.pt` file is unpickled with its tensors memory-mapped, not read (cheap at any size), which
-    catches truncated and missing files; the engine's load still checks contents (checkpoint.py)."""
+    Every `*.pt` file is unpickled with its tensors memory-mapped, not read (cheap at any size), and with
+    DeepSpeed's classes only (checkpoint_files.torch_load), which catches truncated and missing files and
+    files carrying code; the engine's load still checks contents (checkpoint.py)."""
     if not os.path.isdir(tag_dir):
         raise CheckpointError(f"checkpoint missing: {tag_dir}")
     model = next((os.path.join(tag_dir, n) for n in ("mp_rank_00_model_states.pt",

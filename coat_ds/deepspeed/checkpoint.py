@@ -9,7 +9,9 @@ Reading saved files and the per-parameter form are checkpoint_files.py's (univer
 
 `engine.load_checkpoint` of a CoatAdamW engine runs load() (engine.py wraps DeepSpeedEngine.load_checkpoint):
   1. every file of the tag is opened and checked on every rank before anything is loaded; a missing,
-     truncated or foreign file (another optimizer) raises ValueError on all ranks, nothing half-loaded;
+     truncated or foreign file (another optimizer), or one holding objects outside DeepSpeed's checkpoint contents
+     (checkpoint_files.torch_load: a pickle that could run code when DeepSpeed unpickles it), raises ValueError on
+     all ranks, nothing half-loaded;
   2. same data-parallel world size: DeepSpeed's own load (bit-exact resume);
   3. another world size under ZeRO: DeepSpeed loads module weights, scheduler and client state, then
      masters and optimizer states are rebuilt per parameter from all saved ranks and cut to this rank.
@@ -27,8 +29,8 @@ from ..formats import Fp8Moment, bf16_weight
 from ..optim import CoatAdamW
 from ..optim.coat_adamw import FP8_STATE_KEYS, FP32_STATE_KEYS, MOMENTS, fp8_moments, fp32_zeros
 from .bind import partitions
-from .checkpoint_files import (LAYOUTS, CheckpointError, ParamState, base_and_flats, canonical, torch_load,
-                               zero_files)
+from .checkpoint_files import (LAYOUTS, CheckpointError, ParamState, base_and_flats, canonical, check_contents,
+                               torch_load, zero_files)
 from .layout import meta_offsets
 from .universal import read as read_universal
 
@@ -171,6 +173,7 @@ def load(engine, original, load_dir: str, tag: str | None = None, **kw):
         return original(load_dir, None, **kw)
     err, world, zsds = None, None, None
     try:
+        check_contents(os.path.join(load_dir, tag))  # every file DeepSpeed may unpickle, before it does
         world, zsds = _read(engine, load_dir, tag)
     except CheckpointError as exc:
         err = str(exc)
@@ -196,9 +199,10 @@ def _load_universal(engine, original, load_dir: str, tag: str | None, load_opt: 
     """DeepSpeed loads fp32 masters and steps from the universal folder; the FP8 states come from
     the coat_states.bin files that coat_ds.deepspeed.universal wrote beside them."""
     canon, err = None, None
-    if load_opt and tag is not None:
+    if tag is not None:
         try:
-            canon = read_universal(os.path.join(load_dir, tag))
+            check_contents(os.path.join(load_dir, tag))  # every file DeepSpeed may unpickle, before it does
+            canon = read_universal(os.path.join(load_dir, tag)) if load_opt else None
         except CheckpointError as exc:
             err = str(exc)
         _agree(err)

@@ -8,8 +8,11 @@ to its own partitions (the inverse, ParamState.scatter).
 """
 from __future__ import annotations
 
+import functools
 import glob
 import os
+import re
+import zipfile
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,15 +30,47 @@ class CheckpointError(ValueError):
 
 
 def torch_load(path: str, mmap: bool = False) -> Any:
-    """torch.load to the CPU (`mmap`: tensors mapped, not read); a missing or unreadable file is a CheckpointError."""
+    """torch.load to the CPU (`mmap`: tensors mapped, not read) of a file that may come from elsewhere: unpickled with
+    weights_only and only DeepSpeed's own classes allowed (ds_globals), so a file carrying code is refused, unrun.
+    A missing, unreadable or refused file is a CheckpointError."""
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint file missing: {path}")
     try:
-        return torch.load(path, map_location="cpu", mmap=mmap, weights_only=False)
+        with torch.serialization.safe_globals(ds_globals()):
+            return torch.load(path, map_location="cpu", mmap=mmap and zipfile.is_zipfile(path), weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unreadable file is refused the same way
-        first = str(exc).splitlines()[0] if str(exc) else ""
+        text = str(exc)
+        outside = _OUTSIDE.search(text)
+        if outside:
+            raise CheckpointError(f"checkpoint file refused: {path} holds objects outside DeepSpeed's checkpoint "
+                                  f"contents ({outside.group(1)}); unpickling it could run code") from None
+        first = text.splitlines()[0] if text else ""
         raise CheckpointError(f"checkpoint file unreadable (truncated or corrupt): {path} "
                               f"({type(exc).__name__}: {first})") from None
+
+
+# torch's weights_only refusal: "WeightsUnpickler error: Unsupported global: GLOBAL io.open was not an allowed ..."
+_OUTSIDE = re.compile(r"WeightsUnpickler error:\s*(Unsupported[^\n]*?)(?: was not an allowed global|\n|$)")
+
+
+@functools.cache
+def ds_globals() -> tuple[type, ...]:
+    """The classes DeepSpeed pickles into its checkpoint files besides tensors and plain containers: the loss scaler,
+    ZeRO's stage, the fragment addresses of its parameter slices (tests/test_deepspeed.py finds exactly these in the
+    files of real ZeRO-0..3 runs, bf16 / fp16 / fp32, Offload)."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address
+
+
+def check_contents(folder: str) -> None:
+    """Unpickle every checkpoint file under `folder` as torch_load does (tensors mapped, not read): a CheckpointError
+    names the first that is unreadable or holds objects outside DeepSpeed's checkpoint contents. Run before
+    DeepSpeed's own load, which unpickles with weights_only=False."""
+    for path in sorted(glob.glob(os.path.join(glob.escape(folder), "**", "*.pt"), recursive=True)):
+        torch_load(path, mmap=True)
 
 
 def zero_files(ckpt_dir: str, world: int) -> list[str]:

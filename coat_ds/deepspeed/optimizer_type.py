@@ -47,7 +47,9 @@ def register() -> None:
         from deepspeed.runtime.zero import utils as zero_utils
     except ImportError:  # DeepSpeed not installed: CoatAdamW still works as a plain torch optimizer
         return
+    from .fence import warn_if_untested
 
+    warn_if_untested()  # a release whose methods we re-state may differ from the tested ones (fence.py)
     setattr(torch.optim, NAME, coat_adamw_from_config)
     if CoatAdamW not in zero_utils.ZERO_SUPPORTED_OPTIMIZERS:
         zero_utils.ZERO_SUPPORTED_OPTIMIZERS.append(CoatAdamW)

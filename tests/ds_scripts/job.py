@@ -13,6 +13,8 @@ TASK (stage 0-3, dtype fp32|bf16|fp16):
   quick:S:D                12 steps, losses only
   regroup:S:D              resume DIR/w<world>_s<S>_<D> with group_size 64 instead of 32
   universal:S:D:W          convert DIR/w<W>_s<S>_<D> to a universal checkpoint, load it, train on
+  plant:S                  a file that runs code when unpickled, planted in a saved checkpoint: refused, never run
+  contents:S               (last) the classes pickled in every checkpoint file the jobs saved under DIR
 """
 from __future__ import annotations
 
@@ -171,6 +173,66 @@ def task_refuse(args, world, stage, dtype, rest):
     return out
 
 
+class RunsCode:
+    """Unpickling it creates the file `marker` (what a hostile checkpoint file could do with any code)."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+def task_plant(args, world, stage, dtype, rest):
+    """Rank world-1's optimizer file of a saved checkpoint (one that only that rank's DeepSpeed load reads) gets a
+    RunsCode: every rank refuses the load before DeepSpeed unpickles it, the code never runs; the same file under
+    DeepSpeed's own torch.load(weights_only=False) does run it."""
+    from coat_ds.deepspeed.checkpoint import CheckpointError
+
+    bad = os.path.join(args.ckpt, f"plant_w{world}_s{stage}")
+    marker = bad + ".ran"
+    victim = os.path.join(bad, "t", f"zero_pp_rank_{world - 1}_mp_rank_00_optim_states.pt")
+    if dist.get_rank() == 0:
+        shutil.rmtree(bad, ignore_errors=True)
+        shutil.copytree(ckpt_dir(args.ckpt, world, stage, "fp32"), bad)
+        sd = torch.load(victim, map_location="cpu", weights_only=False)  # saved by task_train: trusted
+        sd["extra"] = RunsCode(marker)
+        torch.save(sd, victim)
+    barrier()
+    engine = build(stage, "fp32", world)
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    try:
+        engine.load_checkpoint(bad, tag="t")
+        out = {"planted": "loaded"}
+    except CheckpointError as exc:
+        out = {"planted": str(exc)}
+    out["untouched"] = all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters()))
+    barrier()
+    out["ran"] = os.path.exists(marker)
+    barrier()
+    if dist.get_rank() == 0:
+        torch.load(victim, map_location="cpu", weights_only=False)
+    out["live"] = os.path.exists(marker)
+    out["victim"] = victim
+    return out
+
+
+def task_contents(args, world, stage, dtype, rest):
+    """The globals (other than what torch allows by default) pickled in the files of every checkpoint the jobs saved,
+    planted and truncated copies left out; and those coat_ds's reader allows."""
+    from coat_ds.deepspeed.checkpoint_files import ds_globals
+
+    found = {}
+    for root, _, files in os.walk(args.ckpt):
+        if os.path.basename(os.path.dirname(root)).startswith(("bad_", "plant_")):
+            continue
+        for name in files:
+            if name.endswith(".pt"):
+                for g in torch.serialization.get_unsafe_globals_in_checkpoint(os.path.join(root, name)):
+                    found.setdefault(g, os.path.join(root, name))
+    return {"found": found, "allowed": sorted(f"{c.__module__}.{c.__qualname__}" for c in ds_globals())}
+
+
 def task_tofp32(args, world, stage, dtype, rest):
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -191,7 +253,7 @@ def task_tofp32(args, world, stage, dtype, rest):
 
 
 TASKS = {"train": task_train, "quick": task_quick, "regroup": task_regroup, "universal": task_universal, "resume": task_resume, "skip": task_skip, "refuse": task_refuse,
-         "tofp32": task_tofp32}
+         "tofp32": task_tofp32, "plant": task_plant, "contents": task_contents}
 
 
 def main(tasks: dict = TASKS) -> None:
