@@ -48,6 +48,12 @@ METHODS: dict[str, str] = {
         "overridden: zero_step.Zero3Step",
     "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3._create_fp32_partitions":
         "re-stated (its branch for equal dtypes): master.use_bf16_master",
+    "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3.has_overflow":
+        "overridden: zero_step.Zero3Step (reads the flat gradient buffer GradPartitions empties)",
+    "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3.partition_grads":
+        "indexes the private gradient map that zero_step.GradPartitions replaces",
+    "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3.independent_gradient_partition_epilogue":
+        "indexes the private gradient map that zero_step.GradPartitions replaces",
     "deepspeed.runtime.bf16_optimizer:BF16_Optimizer.update_lp_params":
         "re-stated: zero_step.Bf16Step.update_lp_params",
     "deepspeed.runtime.engine:DeepSpeedEngine._configure_distributed_model": "wrapped: engine.hook",
@@ -89,6 +95,12 @@ TESTED: dict[str, dict[str, str]] = {
             "4e33833d717fd28b6ca98b8947dffed0b1d57f3df0640ea4f40813cba8ffb603",
         "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3._create_fp32_partitions":
             "2d22754c23f57f2968c8abdaa5aa3eaeb7b9e46c954fb4aa7684ac4cc4fc40ba",
+        "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3.has_overflow":
+            "1008a8e067cd7462b7225d87c15b897a67ece8c23cf49002797f8f7c0060f019",
+        "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3.partition_grads":
+            "93119b25314ec6d345ce60cb66ed87ba3519141e52885daa70b6c67839f7bbeb",
+        "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3.independent_gradient_partition_epilogue":
+            "f1575b87b3d6c08318c77ab7a15231ed71b6c35f494e1877ec08135d30a41b9c",
         "deepspeed.runtime.bf16_optimizer:BF16_Optimizer.update_lp_params":
             "128911db918ae80c578cc498078940ced1aa16ca181adefc3a3b805f3a0b4a8a",
         "deepspeed.runtime.engine:DeepSpeedEngine._configure_distributed_model":
