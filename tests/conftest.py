@@ -4,9 +4,12 @@ import os
 import pytest
 import torch
 
-# JIT builds land in one cache per checkout, shared by every test process (the launcher's ranks too)
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(os.path.dirname(os.path.dirname(__file__)), ".cache",
-                                                           "torch_extensions"))
+# JIT builds and inductor's compiled graphs land in one cache per checkout, shared by every test process (the
+# launcher's ranks too): torch's default inductor cache is one folder per user, and a graph compiled from another
+# checkout's custom ops (another signature) was reused here
+_CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache")
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(_CACHE, "torch_extensions"))
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(_CACHE, "inductor"))
 
 
 def pytest_collection_modifyitems(config, items):
