@@ -8,7 +8,7 @@ backward reduces (and release steps) the tiny model in several buckets, some par
 
 TASK (stage 1 or 2, master M: fp32 | fp32_remainder | bf16_sr):
   equal:S:M     50 steps, clipping off: "per_parameter" against "release": losses, every rank's final masters
-                and FP8 states equal, and the largest bf16 tensor a released step allocates
+                and FP8 states equal, and the gradient values held when the step begins
   spike:S:M     clipping 1.0, every gradient x1e4 at step SPIKE: the largest second moment after it, with
                 "release", "per_parameter" (exact clipping) and "per_parameter" without clipping
   nan:S:M       clipping 1.0; at step NAN_AT rank 0's gradient of the first layer's weight (reduced last) is NaN
@@ -28,7 +28,8 @@ import torch.nn as nn  # noqa: E402
 
 import common  # noqa: E402
 import job  # noqa: E402
-from zero_state_job import LargestAlloc, _all, _joined, build, config  # noqa: E402
+from zero_state_job import _all, _joined, build, config  # noqa: E402
+from coat_ds.deepspeed.layout import meta_offsets  # noqa: E402
 from coat_ds.optim.coat_adamw import fp8_moments  # noqa: E402
 
 STEPS, SAVE_AT = job.STEPS, job.SAVE_AT
@@ -83,20 +84,34 @@ def max_v(engine) -> float:
     for group in opt.param_groups:
         for p in group["params"]:
             _, v = fp8_moments(opt.state[p], group)
-            top = torch.maximum(top, v.dequantize().abs().max().float())
+            segments = opt.partition_of(p).segments
+            for seg, meta in zip(segments, meta_offsets(segments, group["group_size"])):
+                top = torch.maximum(top, seg.piece(v, meta).dequantize().abs().max().float())
     dist.all_reduce(top, op=dist.ReduceOp.MAX)
     return top.item()
+
+
+def grad_numel(engine) -> int:
+    """Gradient values this rank holds: the pieces ZeRO keeps for its step and every parameter's .grad."""
+    zo = engine.optimizer
+    pieces = [t for g in zo.averaged_gradients.values() for t in g or () if not hasattr(t, "_zero_padding")]
+    grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+    return sum(t.numel() for t in pieces + grads)
 
 
 def task_equal(args, world, stage, master, rest):
     out, final = {}, {}
     for gradients in ("per_parameter", "release"):
         engine = build(release_config(stage, world, master, gradients))
-        losses = train(engine, range(STEPS - 1))
-        probe = LargestAlloc(torch.bfloat16)
-        with probe:
-            losses += train(engine, range(STEPS - 1, STEPS))
-        out[gradients] = {"losses": losses, "largest_bf16": probe.numel}
+        zo, held = engine.optimizer, []
+        step = zo.step
+
+        def watched(*a, **kw):
+            held.append(grad_numel(engine))
+            return step(*a, **kw)
+
+        zo.step = watched
+        out[gradients] = {"losses": train(engine, range(STEPS)), "grads_at_step": max(held)}
         final[gradients] = (_joined(engine), states(engine))
     out["partition"] = final["release"][0].numel()
     out["masters_equal"] = _all(torch.equal(final["release"][0], final["per_parameter"][0]))
@@ -105,9 +120,10 @@ def task_equal(args, world, stage, master, rest):
 
 
 def task_spike(args, world, stage, master, rest):
-    out = {}
-    for name, gradients, clip in (("release", "release", CLIP), ("exact", "per_parameter", CLIP),
-                                  ("unclipped", "per_parameter", 0.0)):
+    beta2 = release_config(stage, world, master)["optimizer"]["params"]["betas"][1]
+    out = {"spike_at": SPIKE, "clip": CLIP, "beta2": beta2}
+    runs = (("release", "release", CLIP), ("exact", "per_parameter", CLIP), ("unclipped", "per_parameter", 0.0))
+    for name, gradients, clip in runs:
         engine = build(release_config(stage, world, master, gradients, clip))
         losses = train(engine, range(SPIKE))
         before = max_v(engine)
