@@ -8,6 +8,8 @@ reduction buffer), and drops every gradient of the bucket. The step of a set of 
 (layout.ShardLayout.step) restricted to them: the same kernel, per tensor, on the same whole groups, inputs
 and random bits, so with clipping off it is the per-partition step bit for bit. A group that a partition
 boundary cuts belongs to one parameter, so its owners reach it in the same bucket and swap it there.
+ZeRO-1 without overlap_comm reduces only after backward (its full gradients live until then): release saves
+the partition buffer there, ZeRO-2 the gradients too.
 
 Per bucket one scalar all-reduce gives the bucket's squared gradient norm (the global norm as it accumulates):
 - non-finite: that bucket and every later one of the step are skipped (their gradients dropped); pieces stepped
