@@ -21,7 +21,7 @@ JOB = os.path.join(ROOT, "tests", "ds_scripts", "release_job.py")
 ALLOWED = "allowed there: ['per_parameter', 'partition_buffer']"
 
 EQUAL_W1 = ["equal:1:fp32_remainder", "equal:2:bf16_sr"]
-EQUAL_W2 = ["equal:1:bf16_sr", "equal:2:bf16_sr", "equal:2:fp32_remainder", "equal:2:fp32"]
+EQUAL_W2 = ["equal:1:bf16_sr", "equal:2:bf16_sr", "equal:2:fp32_remainder", "equal:2:fp32", "equal:2:bf16_sr:overlap"]
 W2 = EQUAL_W2 + ["spike:2:bf16_sr", "nan:2:bf16_sr", "resume:2:fp32_remainder", "refuse:2"]
 
 

@@ -129,8 +129,9 @@ class ReleaseStep(Zero12Step):
         dtypes = [comm_dtype] if comm_dtype is not None else list(self.ipg_buckets.keys())
         params = [self.bit16_groups[g][k] for d in dtypes for g, k, _ in self.ipg_buckets[d].params]
         super().reduce_ipg_grads(comm_dtype)
-        if self.overlap_comm:  # the reductions (and DeepSpeed's own copies) ran on its reduction stream
-            get_accelerator().current_stream().wait_stream(self.reduction_stream)
+        here = get_accelerator().current_stream()  # None: an accelerator without streams (CPU)
+        if self.overlap_comm and here is not None:  # the reductions ran on ZeRO's reduction stream
+            here.wait_stream(self.reduction_stream)
         self._coat_release(params)
 
     def get_all_grad_tensors(self, tensor_list, dtype):

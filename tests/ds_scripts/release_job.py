@@ -7,7 +7,7 @@ common.batch(step), so 1 and 2 ranks see the same global batch; reduce buckets o
 backward reduces (and release steps) the tiny model in several buckets, some parameters alone.
 
 TASK (stage 1 or 2, master M: fp32 | fp32_remainder | bf16_sr):
-  equal:S:M     50 steps, clipping off: "per_parameter" against "release": losses, every rank's final masters
+  equal:S:M[:overlap]  50 steps, clipping off (overlap: overlap_comm on): "per_parameter" against "release": losses, every rank's final masters
                 and FP8 states equal, and the gradient values held when the step begins
   spike:S:M     clipping 1.0, every gradient x1e4 at step SPIKE: the largest second moment after it, with
                 "release", "per_parameter" (exact clipping) and "per_parameter" without clipping
@@ -102,7 +102,9 @@ def grad_numel(engine) -> int:
 def task_equal(args, world, stage, master, rest):
     out, final = {}, {}
     for gradients in ("per_parameter", "release"):
-        engine = build(release_config(stage, world, master, gradients))
+        cfg = release_config(stage, world, master, gradients)
+        cfg["zero_optimization"]["overlap_comm"] = "overlap" in rest
+        engine = build(cfg)
         zo, held = engine.optimizer, []
         step = zo.step
 
