@@ -43,7 +43,7 @@ def test_coat_section():
     with pytest.raises(ValueError, match=r"coat.optim: unknown key; allowed keys: \['activation', 'master_weights', 'loss', 'gradients'\]"):
         coat_section({"coat": {"optim": {}}})
     assert coat_section({}).gradients == coat_section({"coat": {}}).gradients == "per_parameter"
-    with pytest.raises(ValueError, match=r"^coat.gradients='flat' is invalid; allowed: \['per_parameter', 'partition_buffer'\]$"):
+    with pytest.raises(ValueError, match=r"^coat.gradients='flat' is invalid; allowed: \['per_parameter', 'partition_buffer', 'release'\]$"):
         check_config({"coat": {"gradients": "flat"}})
     with pytest.raises(ValueError, match="coat.activation"):
         coat_section({"coat": {"activation": {"no_such_key": 1}}})

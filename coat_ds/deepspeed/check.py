@@ -17,6 +17,7 @@ from typing import Any, Mapping
 
 from .checkpoint_files import CheckpointError, torch_load
 from .config import SECTION, CoatSection, coat_section
+from .gradients import config_refusal as gradients_refusal
 from .master import config_refusal
 from .optimizer_type import NAME, validate_params
 
@@ -60,9 +61,10 @@ def _check_coat(cfg: Mapping, hf_auto: bool) -> None:
         keys = [f.name for f in dataclasses.fields(CoatSection)]
         raise ValueError(f"{SECTION}={cfg[SECTION]!r} is invalid; allowed: an object with keys {keys}")
     coat_section(cfg)
-    reason = config_refusal(cfg, hf_auto)
-    if reason is not None:
-        raise ValueError(reason)
+    for refusal in (config_refusal, gradients_refusal):
+        reason = refusal(cfg, hf_auto)
+        if reason is not None:
+            raise ValueError(reason)
 
 
 def _check_zero(zero: Any, coat_opt: bool) -> None:

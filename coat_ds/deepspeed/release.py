@@ -1,0 +1,256 @@
+"""`"coat": {"gradients": "release"}`: ZeRO-1/2 steps each reduced gradient's slice of this rank's partition as
+soon as it is reduced, then frees it, so that no model-sized (nor partition-sized) gradient ever exists.
+
+DeepSpeed reduces gradients bucket by bucket as backward goes (`reduce_ipg_grads`, the same buckets in the same
+order on every rank). Right after a bucket's reduction, `ReleaseStep` steps the pieces of the bucket's
+parameters that lie in this rank's partition, reading each reduced gradient where it lies (DeepSpeed's
+reduction buffer), and drops every gradient of the bucket. The step of a set of pieces is the partition step
+(layout.ShardLayout.step) restricted to them: the same kernel, per tensor, on the same whole groups, inputs
+and random bits, so with clipping off it is the per-partition step bit for bit. A group that a partition
+boundary cuts belongs to one parameter, so its owners reach it in the same bucket and swap it there.
+ZeRO-1 without overlap_comm reduces only after backward (its full gradients live until then): release saves
+the partition buffer there, ZeRO-2 the gradients too.
+
+Per bucket one scalar all-reduce gives the bucket's squared gradient norm (the global norm as it accumulates):
+- non-finite: that bucket and every later one of the step are skipped (their gradients dropped); pieces stepped
+  before stay stepped (their gradients were finite). The step counts as overflowed (DeepSpeed's `overflow`,
+  skipped_steps, loss scale) and CoatAdamW counts a skipped step. No inf/NaN reaches weights or states.
+- clipping (`gradient_clipping` c > 0): the global norm is known only after backward, so a bucket's gradient is
+  multiplied by 1 / max(1, (N_prev + 1e-6) / c, (N_sofar + 1e-6) / c): N_prev the previous step's global
+  norm (DeepSpeed's formula with it; saved in checkpoints), N_sofar the norm of this step's gradients reduced
+  so far, this bucket included (a lower bound of this step's norm, so a spike is clipped at once, at least as
+  hard as its own size demands). Clipping off: DeepSpeed's own scale (1 / loss scale), exactly.
+
+Refused (one line naming the key, `refusal`): gradient accumulation, ZeRO-3, Offload, fp16, fp32 gradient
+accumulation dtypes, param groups without FP8 states.
+"""
+from __future__ import annotations
+
+import bisect
+import copy
+import math
+import warnings
+
+import torch
+from deepspeed import comm as dist
+from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.zero.stage_1_and_2 import (INITIAL_MICRO_STEP_ID, OPTIMIZER_ALLGATHER_TIMER,
+                                                  OPTIMIZER_STEP_TIMER, OPTIMIZER_TIMERS, all_gather_dp_groups)
+
+from .gradients import refused as _refuse
+from .layout import FlatPieces, ShardLayout
+from .zero_step import Zero12Step
+
+SAVED_NORM = "coat_release_norm"  # ZeRO state_dict key: the global norm the next step's clipping uses
+
+
+def refusal(zo) -> str | None:
+    """Why the ZeRO optimizer `zo` of a CoatAdamW engine cannot release gradients (the engine-side check)."""
+    if not hasattr(zo, "single_partition_of_fp32_groups"):
+        return _refuse(f"needs DeepSpeed's ZeRO-1/2 optimizer (this engine has {type(zo).__name__})")
+    if zo.cpu_offload:
+        return _refuse("runs on the device, not under Offload (zero_optimization.offload_optimizer)")
+    if zo.gradient_accumulation_steps > 1:
+        return _refuse(f"steps as gradients are reduced: gradient_accumulation_steps must be 1 "
+                       f"(it is {zo.gradient_accumulation_steps})")
+    if zo.dtype != torch.bfloat16 or zo.torch_autocast_gradscaler or zo.zenflow:
+        return _refuse(f"needs bf16 gradients (this engine's are {zo.dtype})")
+    opt = zo.optimizer
+    for i, master in enumerate(zo.single_partition_of_fp32_groups):
+        if zo._use_compact_grad_partition_buffer(i):
+            return _refuse("needs bf16 gradients (data_types.grad_accum_dtype is fp32)")
+        if not opt.param_groups[i]["fp8_state"] or opt.partition_of(master) is None:
+            return _refuse(f"needs FP8 optimizer states in every param group (param_groups[{i}] has fp8_state false)")
+    return None
+
+
+class SlicePieces(FlatPieces):
+    """Gradient slices of a flat partition by where they lie in it (gaps between them: not read)."""
+
+    def __init__(self, slices: dict[int, torch.Tensor]) -> None:
+        self.starts = sorted(slices)
+        self.tensors = [slices[s].reshape(-1) for s in self.starts]
+        self.numel = sum(t.numel() for t in self.tensors)
+
+
+class SubLayouts:
+    """ShardLayout.step restricted to the pieces of some parameters: the bodies, cut groups and random-bit keys
+    of those parameters (cut groups renumbered from the global numbering, so identically on every rank)."""
+
+    def __init__(self, layout: ShardLayout) -> None:
+        self.layout = layout
+        starts = [s.flat_start for s in layout.segments]
+        self.body_owner = [layout.segments[bisect.bisect_right(starts, b[0]) - 1].name for b in layout.bodies]
+        by_id = {cid: key for key, cid in layout.cut_index.items()}
+        self.cut_owner = [by_id[c[0]][0] for c in layout.cuts]
+        self._cache: dict[frozenset, ShardLayout] = {}
+
+    def of(self, names: frozenset) -> ShardLayout:
+        sub = self._cache.get(names)
+        if sub is None:
+            sub = self._cache[names] = self._build(names)
+        return sub
+
+    def _build(self, names: frozenset) -> ShardLayout:
+        full = self.layout
+        bodies = [k for k, o in enumerate(self.body_owner) if o in names]
+        cuts = [k for k, o in enumerate(self.cut_owner) if o in names]
+        keys = sorted(k for k in full.cut_index if k[0] in names)
+        renumber = {full.cut_index[k]: n for n, k in enumerate(keys)}
+        sub = copy.copy(full)
+        sub.cut_index = {k: renumber[full.cut_index[k]] for k in keys}
+        sub.bodies = [full.bodies[k] for k in bodies]
+        sub.cuts = [(renumber[full.cuts[k][0]], *full.cuts[k][1:]) for k in cuts]
+        sub.sr_keys = [full.sr_keys[k] for k in bodies] + [full.sr_keys[len(full.bodies) + k] for k in cuts]
+        sub._views_key = None  # its own per-parameter views (_body_views)
+        return sub
+
+
+class ReleaseStep(Zero12Step):
+    """Mixed into DeepSpeedZeroOptimizer (ZeRO-1/2) for coat.gradients 'release'; see the module docstring."""
+
+    _coat_release_norm: float | None = None  # the previous step's global gradient norm (clipping)
+
+    def _coat_ready(self) -> None:
+        if "_coat_subs" not in vars(self):  # first use: the layouts are bound by now
+            self._coat_subs = [SubLayouts(self.optimizer.partition_of(m)) for m in self.single_partition_of_fp32_groups]
+            self._coat_release_reset()
+
+    def _coat_release_reset(self) -> None:
+        self._coat_released: set[int] = set()  # param ids whose gradients were reduced (and dropped) this step
+        self._coat_begun: set[int] = set()  # groups whose step count advanced this step
+        self._coat_sumsq = 0.0
+        self._coat_bad = False
+
+    def copy_grads_in_partition(self, param, group_idx=None):
+        """Nothing to copy: the bucket's pieces are stepped from DeepSpeed's reduction buffer before it is reused."""
+
+    def reduce_ipg_grads(self, comm_dtype=None):
+        dtypes = [comm_dtype] if comm_dtype is not None else list(self.ipg_buckets.keys())
+        params = [self.bit16_groups[g][k] for d in dtypes for g, k, _ in self.ipg_buckets[d].params]
+        super().reduce_ipg_grads(comm_dtype)
+        here = get_accelerator().current_stream()  # None: an accelerator without streams (CPU)
+        if self.overlap_comm and here is not None:  # the reductions ran on ZeRO's reduction stream
+            here.wait_stream(self.reduction_stream)
+        self._coat_release(params)
+
+    def get_all_grad_tensors(self, tensor_list, dtype):
+        return []  # every gradient was stepped and dropped: nothing to gather (DeepSpeed would make zeros)
+
+    def get_flat_partition(self, *args, **kw):
+        return None
+
+    def _coat_slice(self, param) -> tuple[int, int, torch.Tensor] | None:
+        """(group, flat start, gradient slice) of this rank's piece of param, or None."""
+        if not self.is_param_in_current_partition[self.get_param_id(param)] or param.numel() == 0:
+            return None
+        grad = self.get_gradient_for_reduction(param)
+        m = param._hp_mapping
+        n, lp_start = m.lp_fragment_address.numel, m.lp_fragment_address.start
+        grad = torch.zeros(n, dtype=self.dtype, device=param.device) if grad is None else \
+            grad.reshape(-1).narrow(0, lp_start, n)
+        return self._get_param_group_idx(param), m.hp_fragment_address.start, grad
+
+    @torch.no_grad()
+    def _coat_release(self, params: list) -> None:
+        """Step this rank's pieces of `params` (the same list on every rank), then drop their gradients."""
+        if not params:
+            return
+        self._coat_ready()
+        self._coat_released.update(self.get_param_id(p) for p in params)
+        slices = [s for s in map(self._coat_slice, params) if s is not None]
+        if not self._coat_bad:
+            self._coat_step_slices(params, slices)
+        for p in params:
+            self.clear_grad_attribute(p)
+            p.grad = None
+
+    def _coat_step_slices(self, params: list, slices: list) -> None:
+        device = torch.device(get_accelerator().current_device_name())
+        sumsq = torch.zeros(1, dtype=torch.float32, device=device)
+        for _, _, g in slices:
+            sumsq += torch.linalg.vector_norm(g, dtype=torch.float32).square()
+        if dist.get_world_size(group=self.dp_process_group) > 1:
+            dist.all_reduce(sumsq, group=self.dp_process_group)
+        sumsq = float(sumsq.item())
+        if not math.isfinite(sumsq):
+            self._coat_bad = True
+            self.optimizer.skipped_steps += 1
+            warnings.warn("CoatAdamW: non-finite gradient on some rank (coat.gradients 'release'); the rest of "
+                          "this step is skipped on every rank, pieces stepped before it stay stepped", RuntimeWarning)
+            return
+        self._coat_sumsq += sumsq
+        scale = self._coat_release_scale(device)
+        opt = self.optimizer
+        names = {}
+        for p in params:
+            names.setdefault(self._get_param_group_idx(p), set()).add(self.param_names[p])
+        for i in sorted(names):  # every rank: the groups of the bucket's parameters, in order
+            master, group = self.single_partition_of_fp32_groups[i], opt.param_groups[i]
+            lp = self.parallel_partitioned_bit16_groups[i][dist.get_rank(group=self.real_dp_process_group[i])]
+            sub = self._coat_subs[i].of(frozenset(names[i]))
+            mine = {start: g for gi, start, g in slices if gi == i}
+            if not mine and not sub.cut_index:
+                continue
+            opt._init_state(master, group)
+            if i not in self._coat_begun:
+                self._coat_begun.add(i)
+                opt.state[master]["step"] += 1
+            sub.step(opt, master, group, int(opt.state[master]["step"].item()), SlicePieces(mine),
+                     grad_scale=scale, lp_out=None if master is lp else lp, finite=True)
+
+    def _coat_release_scale(self, device: torch.device) -> torch.Tensor:
+        """What this bucket's gradient is multiplied by (module docstring); with clipping off, DeepSpeed's own."""
+        if self.clip_grad <= 0:
+            return self._coat_grad_scale(None, device)
+        norms = [math.sqrt(self._coat_sumsq) / self.loss_scale]
+        if self._coat_release_norm is not None:
+            norms.append(self._coat_release_norm)
+        clip = max(1.0, *((n + 1e-6) / self.clip_grad for n in norms))
+        return torch.full((1,), 1.0 / (clip * self.loss_scale), dtype=torch.float32, device=device)
+
+    def step(self, closure=None):
+        """The end of a released step: pieces no gradient reached step with zeros (as DeepSpeed's zero-filled
+        partition would), then DeepSpeed's bookkeeping (norm, overflow, loss scale) and the all-gather."""
+        self._coat_ready()
+        self.micro_step_id = INITIAL_MICRO_STEP_ID
+        self.timers(OPTIMIZER_STEP_TIMER).start()
+        rest = [p for group in self.bit16_groups for p in group if self.get_param_id(p) not in self._coat_released]
+        self._coat_release(rest)
+        self.timers(OPTIMIZER_STEP_TIMER).stop()
+        self.overflow = self._coat_bad
+        prev_scale = self.loss_scale
+        self._update_scale(self.overflow)
+        if self.overflow:
+            self._global_grad_norm = float("inf")
+        else:
+            self._global_grad_norm = math.sqrt(self._coat_sumsq) / prev_scale
+            self._coat_release_norm = self._global_grad_norm
+        self._coat_release_reset()
+        self._lazy_init_hp_params_optimizer_state()
+        self.timers(OPTIMIZER_ALLGATHER_TIMER).start()  # pieces stepped before an overflow are gathered too
+        all_gather_dp_groups(groups_flat=self.bit16_groups_flat, partitioned_param_groups=self.parallel_partitioned_bit16_groups,
+                             dp_process_group=self.real_dp_process_group, start_alignment_factor=self.nccl_start_alignment_factor,
+                             allgather_bucket_size=self.allgather_bucket_size)
+        self.timers(OPTIMIZER_ALLGATHER_TIMER).stop()
+        for i in range(len(self.bit16_groups)):
+            self._update_model_bit16_weights(i)
+        self.timers.log(OPTIMIZER_TIMERS)
+
+    def state_dict(self):
+        sd = super().state_dict()
+        sd[SAVED_NORM] = self._coat_release_norm
+        return sd
+
+    def _load_legacy_checkpoint(self, state_dict_list, load_optimizer_states=True, load_from_fp32_weights=False):
+        super()._load_legacy_checkpoint(state_dict_list, load_optimizer_states, load_from_fp32_weights)
+        saved = state_dict_list[dist.get_rank(group=self.dp_process_group) % len(state_dict_list)]
+        self._coat_release_norm = saved.get(SAVED_NORM)
+
+
+def mixin(zo) -> type:
+    """The mixin zero_step.install gives `zo` for coat.gradients 'release', or a ValueError naming the key."""
+    why = refusal(zo)
+    if why is not None:
+        raise ValueError(why)
+    return ReleaseStep

@@ -1,0 +1,186 @@
+"""One launched DeepSpeed job for coat.gradients "release" (issue 36); results go to a JSON file.
+
+    deepspeed --num_gpus N tests/ds_scripts/release_job.py --out r.json --ckpt DIR TASK [TASK ...]
+
+Every run here has one micro-batch per step (release refuses accumulation): each rank trains on its share of
+common.batch(step), so 1 and 2 ranks see the same global batch; reduce buckets of 1,000 values, so that
+backward reduces (and release steps) the tiny model in several buckets, some parameters alone.
+
+TASK (stage 1 or 2, master M: fp32 | fp32_remainder | bf16_sr):
+  equal:S:M[:overlap]  50 steps, clipping off (overlap: overlap_comm on): "per_parameter" against "release": losses, every rank's final masters
+                and FP8 states equal, and the gradient values held when the step begins
+  spike:S:M     clipping 1.0, every gradient x1e4 at step SPIKE: the largest second moment after it, with
+                "release", "per_parameter" (exact clipping) and "per_parameter" without clipping
+  nan:S:M       clipping 1.0; at step NAN_AT rank 0's gradient of the first layer's weight (reduced last) is NaN
+  resume:S:M    clipping 1.0: 50 steps saved at 30, and the resumed tail
+  refuse:S      engines release refuses: the error of each
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn as nn  # noqa: E402
+
+import common  # noqa: E402
+import job  # noqa: E402
+from zero_state_job import _all, _joined, build, config  # noqa: E402
+from coat_ds.deepspeed.layout import meta_offsets  # noqa: E402
+from coat_ds.optim.coat_adamw import fp8_moments  # noqa: E402
+
+STEPS, SAVE_AT = job.STEPS, job.SAVE_AT
+SPIKE, NAN_AT, CLIP = 20, 20, 1.0
+
+
+def release_config(stage: int, world: int, master: str, gradients: str = "release", clip: float = 0.0) -> dict:
+    cfg = config(stage, "bf16", world, master_weights=master, gradients=gradients)
+    cfg.update(train_micro_batch_size_per_gpu=common.GLOBAL_BATCH // world, gradient_accumulation_steps=1,
+               gradient_clipping=clip)
+    cfg["zero_optimization"].update(reduce_bucket_size=1000, allgather_bucket_size=1000)
+    return cfg
+
+
+def train(engine, steps: range, spike: int | None = None, nan: int | None = None) -> list[float]:
+    """Mean loss of each step's global batch, one backward per step on each rank's share."""
+    rank, world, micro = engine.global_rank, engine.world_size, engine.train_micro_batch_size_per_gpu()
+    first = engine.module[0].weight
+    losses = []
+    for step in steps:
+        x, y = common.batch(step)
+        xb, yb = x[rank * micro:(rank + 1) * micro].to(engine.device, torch.bfloat16), y[rank * micro:(rank + 1) * micro]
+        loss = nn.functional.cross_entropy(engine(xb).float(), yb.to(engine.device))
+        handle = first.register_hook(lambda g: g * float("nan")) if step == nan and rank == 0 else None
+        engine.backward(loss * 1e4 if step == spike else loss)
+        if handle is not None:
+            handle.remove()
+        engine.step()
+        total = loss.detach().float()
+        if world > 1:
+            dist.all_reduce(total)
+        losses.append(total.item() / world)
+    return losses
+
+
+def states(engine) -> torch.Tensor:
+    """This rank's FP8 states of every partition, as bytes (codes, scales, exponents)."""
+    opt = engine.basic_optimizer
+    out = []
+    for group in opt.param_groups:
+        for p in group["params"]:
+            for t in opt.state[p].values():
+                if torch.is_tensor(t):
+                    out.append(t.detach().reshape(-1).view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8))
+    return torch.cat(out)
+
+
+def max_v(engine) -> float:
+    """The largest second moment (dequantized) over every rank's partitions."""
+    opt = engine.basic_optimizer
+    top = torch.zeros((), device=engine.device)
+    for group in opt.param_groups:
+        for p in group["params"]:
+            _, v = fp8_moments(opt.state[p], group)
+            segments = opt.partition_of(p).segments
+            for seg, meta in zip(segments, meta_offsets(segments, group["group_size"])):
+                top = torch.maximum(top, seg.piece(v, meta).dequantize().abs().max().float())
+    dist.all_reduce(top, op=dist.ReduceOp.MAX)
+    return top.item()
+
+
+def grad_numel(engine) -> int:
+    """Gradient values this rank holds: the pieces ZeRO keeps for its step and every parameter's .grad."""
+    zo = engine.optimizer
+    pieces = [t for g in zo.averaged_gradients.values() for t in g or () if not hasattr(t, "_zero_padding")]
+    grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+    return sum(t.numel() for t in pieces + grads)
+
+
+def task_equal(args, world, stage, master, rest):
+    out, final = {}, {}
+    for gradients in ("per_parameter", "release"):
+        cfg = release_config(stage, world, master, gradients)
+        cfg["zero_optimization"]["overlap_comm"] = "overlap" in rest
+        engine = build(cfg)
+        zo, held = engine.optimizer, []
+        step = zo.step
+
+        def watched(*a, **kw):
+            held.append(grad_numel(engine))
+            return step(*a, **kw)
+
+        zo.step = watched
+        out[gradients] = {"losses": train(engine, range(STEPS)), "grads_at_step": max(held)}
+        final[gradients] = (_joined(engine), states(engine))
+    out["partition"] = final["release"][0].numel()
+    out["masters_equal"] = _all(torch.equal(final["release"][0], final["per_parameter"][0]))
+    out["states_equal"] = _all(torch.equal(final["release"][1], final["per_parameter"][1]))
+    return out
+
+
+def task_spike(args, world, stage, master, rest):
+    beta2 = release_config(stage, world, master)["optimizer"]["params"]["betas"][1]
+    out = {"spike_at": SPIKE, "clip": CLIP, "beta2": beta2}
+    runs = (("release", "release", CLIP), ("exact", "per_parameter", CLIP), ("unclipped", "per_parameter", 0.0))
+    for name, gradients, clip in runs:
+        engine = build(release_config(stage, world, master, gradients, clip))
+        losses = train(engine, range(SPIKE))
+        before = max_v(engine)
+        losses += train(engine, range(SPIKE, SPIKE + 1), spike=SPIKE)
+        out[name] = {"v_before": before, "v_after": max_v(engine), "norm": float(engine.get_global_grad_norm()),
+                     "losses": losses + train(engine, range(SPIKE + 1, SPIKE + 11))}
+    return out
+
+
+def task_nan(args, world, stage, master, rest):
+    engine = build(release_config(stage, world, master, clip=CLIP))
+    train(engine, range(NAN_AT))
+    weights = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    kept = (_joined(engine), states(engine))
+    losses = train(engine, range(NAN_AT, NAN_AT + 1), nan=NAN_AT)
+    changed = {n: not torch.equal(p.detach(), weights[n]) for n, p in engine.module.named_parameters()}
+    finite = all(torch.isfinite(p).all().item() for p in engine.module.parameters())
+    finite = finite and torch.isfinite(_joined(engine)).all().item()
+    out = {"changed": changed, "finite": _all(finite), "skipped": engine.skipped_steps,
+           "coat_skipped": engine.basic_optimizer.skipped_steps, "norm": float(engine.get_global_grad_norm()),
+           "masters_moved": not _all(torch.equal(kept[0], _joined(engine)))}
+    out["losses_after"] = train(engine, range(NAN_AT + 1, NAN_AT + 11))
+    out["skipped_after"] = engine.skipped_steps
+    return out
+
+
+def task_resume(args, world, stage, master, rest):
+    cfg = release_config(stage, world, master, clip=CLIP)
+    engine = build(cfg)
+    losses = train(engine, range(SAVE_AT))
+    path = os.path.join(args.ckpt, f"release_w{world}_s{stage}_{master}")
+    engine.save_checkpoint(path, tag="t")
+    losses += train(engine, range(SAVE_AT, STEPS))
+    engine = build(cfg)
+    engine.load_checkpoint(path, tag="t")
+    return {"losses": losses, "resumed": train(engine, range(SAVE_AT, STEPS))}
+
+
+def task_refuse(args, world, stage, dtype, rest):
+    cases = {"accumulation": dict(release_config(stage, world, "fp32"), gradient_accumulation_steps=2,
+                                  train_micro_batch_size_per_gpu=common.GLOBAL_BATCH // world // 2),
+             "zero3": release_config(3, world, "fp32"),
+             "offload": release_config(stage, world, "fp32")}
+    cases["offload"]["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    out = {}
+    for name, cfg in cases.items():
+        try:
+            build(cfg)
+            out[name] = "built"
+        except ValueError as exc:
+            out[name] = str(exc)
+    return out
+
+
+TASKS = {"equal": task_equal, "spike": task_spike, "nan": task_nan, "resume": task_resume, "refuse": task_refuse}
+
+if __name__ == "__main__":
+    job.main(TASKS)

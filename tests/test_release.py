@@ -1,0 +1,125 @@
+"""coat.gradients "release" (issue 36): each reduced gradient stepped at once and dropped, ZeRO-1/2.
+
+The config refusals run here; the rest through the `deepspeed` launcher (CPU accelerator, gloo), one job per
+world size (tests/ds_scripts/release_job.py):
+  W1  world 1: release == per_parameter, ZeRO-1/2
+  W2  world 2: the same with cut groups swapped between ranks, all three masters; a gradient spike under
+      clipping, a NaN gradient midway through backward, a resume with clipping on, the engine's refusals
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from coat_ds.deepspeed.check import check_config
+from test_deepspeed import SAVE_AT, STEPS, _require_launcher, _task, launch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+JOB = os.path.join(ROOT, "tests", "ds_scripts", "release_job.py")
+ALLOWED = "allowed there: ['per_parameter', 'partition_buffer']"
+
+EQUAL_W1 = ["equal:1:fp32_remainder", "equal:2:bf16_sr"]
+EQUAL_W2 = ["equal:1:bf16_sr", "equal:2:bf16_sr", "equal:2:fp32_remainder", "equal:2:fp32", "equal:2:bf16_sr:overlap"]
+W2 = EQUAL_W2 + ["spike:2:bf16_sr", "nan:2:bf16_sr", "resume:2:fp32_remainder", "refuse:2"]
+
+
+def _config(**extra) -> dict:
+    cfg = {"optimizer": {"type": "CoatAdamW"}, "bf16": {"enabled": True}, "zero_optimization": {"stage": 2},
+           "coat": {"gradients": "release"}}
+    cfg.update(extra)
+    return cfg
+
+
+@pytest.mark.parametrize("extra,why", [
+    ({"gradient_accumulation_steps": 2}, "steps as gradients are reduced: gradient_accumulation_steps must be 1 (it is 2)"),
+    ({"zero_optimization": {"stage": 3}}, "needs ZeRO stage 1 or 2 (zero_optimization.stage is 3)"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
+     "runs on the device, not under Offload (zero_optimization.offload_optimizer)"),
+    ({"bf16": {"enabled": False}}, "needs bf16 gradients (bf16.enabled true)"),
+    ({"data_types": {"grad_accum_dtype": "fp32"}}, "needs bf16 gradients (data_types.grad_accum_dtype is 'fp32')"),
+])
+def test_config_refuses_what_release_cannot_run(extra, why):
+    """Before any model exists: one line naming the key, why, and the values allowed there."""
+    with pytest.raises(ValueError) as exc:
+        check_config(_config(**extra))
+    assert str(exc.value) == f"coat.gradients='release' {why}; {ALLOWED}"
+
+
+def test_config_accepts_release_and_hf_auto():
+    check_config(_config())
+    check_config(_config(gradient_accumulation_steps="auto", bf16={"enabled": "auto"}), hf_auto=True)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    _require_launcher()
+    if torch.cuda.is_available():
+        pytest.skip("CPU-accelerator runs")
+    tmp = str(tmp_path_factory.mktemp("release"))
+    ckpt = os.path.join(tmp, "ckpt")
+    os.makedirs(ckpt)
+    return {"w1": launch(os.path.join(tmp, "w1.json"), ckpt, EQUAL_W1, 1, job=JOB),
+            "w2": launch(os.path.join(tmp, "w2.json"), ckpt, W2, 2, job=JOB)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("job,task", [("w1", t) for t in EQUAL_W1] + [("w2", t) for t in EQUAL_W2])
+def test_release_steps_as_per_parameter_bit_for_bit(runs, job, task):
+    """Clipping off: 50 steps of losses, every rank's final masters and FP8 states equal per_parameter's, and
+    when the step begins no gradient is held (per_parameter holds the whole partition's)."""
+    out = _task(runs, job, task)
+    lean, ref = out["release"], out["per_parameter"]
+    assert len(lean["losses"]) == STEPS and lean["losses"] == ref["losses"]
+    assert out["masters_equal"] and out["states_equal"]
+    assert lean["grads_at_step"] == 0 and ref["grads_at_step"] >= out["partition"] // 2
+
+
+@pytest.mark.slow
+def test_release_clips_a_gradient_spike_at_once(runs):
+    """Every gradient x1e4 for one step, clipping 1.0: the second moment stays where exact clipping keeps it
+    (each clipped gradient value <= 1, so v <= beta2 v_max + (1 - beta2)), while unclipped it explodes."""
+    out = _task(runs, "w2", "spike:2:bf16_sr")
+    rel, exact, raw = out["release"], out["exact"], out["unclipped"]
+    # before the spike the norm stays under the clip, lagged or not: the runs are equal up to it
+    spike = out["spike_at"]
+    assert rel["losses"][:spike + 1] == exact["losses"][:spike + 1] and rel["v_before"] == exact["v_before"]
+    b2, clip = out["beta2"], out["clip"]
+    bound = b2 * rel["v_before"] + (1 - b2) * clip ** 2  # each clipped gradient value is at most the clip
+    assert rel["v_after"] <= bound * 1.07, (rel, bound)  # 7%: the FP8 v's rounding
+    assert exact["v_after"] <= bound * 1.07
+    assert raw["v_after"] > 1e4 * bound
+    assert rel["norm"] == pytest.approx(exact["norm"], rel=0.05) and rel["norm"] > 1e3  # logged: unclipped
+    assert all(x == x and x < 3 for x in rel["losses"])  # trains on, finite
+
+
+@pytest.mark.slow
+def test_release_nan_midway_skips_the_rest_of_the_step(runs):
+    """A NaN in rank 0's gradient of the first layer's weight (reduced last): the buckets reduced before it
+    were stepped, the first layer's weight not; nothing non-finite anywhere; the step counts as skipped once
+    (DeepSpeed and CoatAdamW), and training goes on."""
+    out = _task(runs, "w2", "nan:2:bf16_sr")
+    assert out["finite"]
+    assert out["changed"]["0.weight"] is False
+    assert out["changed"]["4.weight"] and out["changed"]["4.bias"]
+    assert out["skipped"] == 1 and out["coat_skipped"] == 1 and out["skipped_after"] == 1
+    assert out["norm"] == float("inf")
+    assert all(x == x and x < 3 for x in out["losses_after"])
+
+
+@pytest.mark.slow
+def test_release_resumes_exactly_with_clipping(runs):
+    """Clipping on (the previous step's norm is part of the saved state): the resumed tail == the run's."""
+    out = _task(runs, "w2", "resume:2:fp32_remainder")
+    assert len(out["losses"]) == STEPS and out["resumed"] == out["losses"][SAVE_AT:]
+
+
+@pytest.mark.slow
+def test_engine_refuses_what_release_cannot_run(runs):
+    out = _task(runs, "w2", "refuse:2")
+    assert out["accumulation"] == ("coat.gradients='release' steps as gradients are reduced: "
+                                   f"gradient_accumulation_steps must be 1 (it is 2); {ALLOWED}")
+    assert out["zero3"].startswith("coat.gradients='release' needs DeepSpeed's ZeRO-1/2 optimizer")
+    assert out["offload"] == ("coat.gradients='release' runs on the device, not under Offload "
+                              f"(zero_optimization.offload_optimizer); {ALLOWED}")
