@@ -26,6 +26,12 @@ METHODS: dict[str, str] = {
         "applied to a 1 for the kernel's scalar: zero_step.Zero12Step._coat_grad_scale",
     "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer.copy_grads_in_partition":
         "overridden: zero_step.Zero12Step",
+    "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer.reduce_ipg_grads":
+        "overridden: release.ReleaseStep (steps each bucket after its reduction)",
+    "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer.get_all_grad_tensors":
+        "overridden: release.ReleaseStep (released gradients are not gathered)",
+    "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer.get_flat_partition":
+        "overridden: release.ReleaseStep (released gradients are not flattened)",
     "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer.state_dict":
         "overridden: zero_step.Zero12Step.state_dict",
     "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer._load_legacy_checkpoint":
@@ -73,6 +79,12 @@ TESTED: dict[str, dict[str, str]] = {
             "6bf2ce6f97eafcc24c08a0355e7c180992c8e86da5b7f02026eef6fbd68efa74",
         "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer.copy_grads_in_partition":
             "110f723937b99fb9e25405a9d2b85f557a93fc0922447bec94cab940d8ce23ff",
+        "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer.reduce_ipg_grads":
+            "a41525b603f11247356982cea34cf85a3c4519f6ac2e737828a8f5d24abb204f",
+        "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer.get_all_grad_tensors":
+            "412137c5d2d69857063540520f8ea0423d07b7b5ba904427ed6feabec29ec332",
+        "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer.get_flat_partition":
+            "77f7f3dae63109ecb1819225ef11178abbffd3228a7d019d9b929fc40eb6b53f",
         "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer.state_dict":
             "2ad067a97760517b00d137f9320a481afd28033e971d09565f4dd68e537a87fb",
         "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer._load_legacy_checkpoint":
