@@ -202,3 +202,20 @@ def test_shipped_shapes_count_the_stock_models_parameters(name, capsys):
     assert P.resolve_shape(name).params == sum(p.numel() for p in model.parameters())
     assert P.main(["--model", name]) == 0
     assert capsys.readouterr().out.startswith(f"{name}: ")
+
+
+def test_the_gradient_path_decides_what_backward_and_the_step_hold():
+    """coat.gradients: DeepSpeed's partition buffer is alive at the first bucket; per-parameter gradients are not yet
+    (they grow as activations are freed) but all are at the step; released ones never outlive their bucket."""
+    cfg = json.loads((ROOT / "ds_configs" / "zero2_lowest_memory.json").read_text())
+    shape = P.resolve_shape("llama3.1-8b")
+    by = {g: P.phases(P.job_from_config({**cfg, "coat": {**cfg["coat"], "gradients": g}}, shape, 4096, 1), 4)
+          for g in ("partition_buffer", "per_parameter", "release")}
+    grads = {g: (p["first gradient bucket"].get("gradients", 0.0), p["optimizer step"]["gradients"])
+             for g, p in by.items()}
+    assert grads["partition_buffer"][0] == grads["partition_buffer"][1] > 14 * GIB
+    assert grads["per_parameter"] == (0.0, grads["partition_buffer"][1])
+    assert grads["release"] == (0.0, 0.0)
+    fits = {g: P.max_micro_batch(P.job_from_config({**cfg, "coat": {**cfg["coat"], "gradients": g}}, shape, 4096, 1),
+                                 80 * GIB) for g in by}
+    assert fits["partition_buffer"] < fits["per_parameter"] <= fits["release"]
