@@ -86,24 +86,28 @@ def test_rmsnorm_kernels(fmt):
         assert torch.allclose(kdw, rdw, rtol=1e-4, atol=1e-4 * rdw.abs().max().item())
 
 
+@pytest.mark.parametrize("act", R.GATED_ACTS)
 @pytest.mark.parametrize("fmt", FMTS)
-def test_silu_mul_kernels(fmt):
+def test_gated_mul_kernels(fmt, act, monkeypatch):
+    """act(g) * u for every gated activation (SwiGLU, GeGLU): the kernels run with the reference made
+    unreachable, so a fallback fails instead of passing as its own reference."""
     m, i = 160, 2752  # 11008 / 4: not a multiple of 64, so tiles hang over the edge
-    gu = _rand(m, 2 * i, 5)
-    k = quant.silu_mul_quant(gu, fmt, 16)
-    r = R.silu_mul_quant(gu, fmt, 16)
+    gu, da = _rand(m, 2 * i, 5), _rand(m, i, 6)
+    r = R.silu_mul_quant(gu, fmt, 16, act)
+    q, s, amax = r
+    scale = R.tensor_scale(amax, E4M3)
+    ra, _ = R.silu_mul_rebuild(q, s, scale, E4M3, 16, True, False, act)
+    rd, _ = R.silu_mul_backward(da, q, s, 16, act)
+    for name in ("silu_mul_quant", "silu_mul_rebuild", "silu_mul_backward"):
+        monkeypatch.setattr(R, name, lambda *a, _n=name: pytest.fail(f"quant.{_n} fell back to the reference"))
+    k = quant.silu_mul_quant(gu, fmt, 16, act)
     _codes_equal(k[0], r[0])
     assert torch.equal(k[1], r[1])
     assert torch.allclose(k[2], r[2], rtol=1e-5, atol=0)
-    q, s, amax = r
-    scale = R.tensor_scale(amax, E4M3)
-    ka, kat = quant.silu_mul_rebuild(q, s, scale, E4M3, 16, True, True)
-    ra, _ = R.silu_mul_rebuild(q, s, scale, E4M3, 16, True, False)
+    ka, kat = quant.silu_mul_rebuild(q, s, scale, E4M3, 16, True, True, act)
     _one_step(ka, ra, E4M3)
     _codes_equal(kat, ka.t().contiguous())
-    da = _rand(m, i, 6)
-    kd, kmax = quant.silu_mul_backward(da, q, s, 16)
-    rd, rmax = R.silu_mul_backward(da, q, s, 16)
+    kd, kmax = quant.silu_mul_backward(da, q, s, 16, act)
     _close_bf16(kd, rd)
     assert torch.equal(kmax, R.row_amax(kd))
 
