@@ -266,3 +266,33 @@ def test_kernel_layer_matches_reference_layer(monkeypatch):
     for i, (a, b) in enumerate(zip(got, want)):
         cos = torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), 0).item()
         assert cos >= (0.999 if i < 2 else 0.99), (i, cos)
+
+
+def test_gemma3_geglu_runs_the_kernels(monkeypatch):
+    """A default-config Gemma 3 (GeGLU) injected on the GPU: its MLPs run the gated-activation kernels (the
+    reference made unreachable for that run), and its logits and gradients match the same model on the
+    reference ops within the bounds of test_kernel_layer_matches_reference_layer."""
+    import coat_ds
+    from family_cases import SEQ, VOCAB, build
+
+    model = coat_ds.inject(build("gemma3_text").to("cuda", torch.bfloat16))
+    x = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3)).cuda()
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        out = model(input_ids=x, labels=x)
+        out.loss.backward()
+        return [out.logits.float()] + [p.grad.float() for p in model.parameters()]
+
+    with monkeypatch.context() as m:
+        for name in ("silu_mul_quant", "silu_mul_rebuild", "silu_mul_backward"):
+            m.setattr(R, name, lambda *a, _n=name: pytest.fail(f"quant.{_n} fell back to the reference"))
+        got = run()
+    monkeypatch.setenv("COAT_ACT_REFERENCE", "1")
+    for layer in model.model.layers:
+        layer.clear_weight_cache()
+    want = run()
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.isfinite(a).all() and torch.isfinite(b).all(), i
+        cos = torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), 0).item()
+        assert cos >= (0.999 if i == 0 else 0.99), (i, cos)

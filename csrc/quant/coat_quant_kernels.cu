@@ -78,7 +78,7 @@ template <>
 struct Gated<GatedAct::kGeluTanh> {
     static constexpr float kBeta = 0.7978845608028654f;  // sqrt(2 / pi)
     static constexpr float kKappa = 0.044715f, kKappa3 = 0.134145f;  // 3 kKappa rounded once, as the reference
-    // PyTorch's CUDA gelu(approximate="tanh") expression, contracted as nvcc contracts it there.
+    // The expression of PyTorch's CUDA gelu(approximate="tanh"), so that nvcc fuses it as it does there.
     static __device__ __forceinline__ float act(float g) {
         return 0.5f * g * (1.0f + tanhf(kBeta * (g + kKappa * (g * g * g))));
     }
