@@ -139,6 +139,24 @@ def test_gated_reference_matches_autograd(act):
     assert torch.equal(dmax, dgu.abs().amax(1))
 
 
+def test_kernels_name_each_gated_act_by_its_reference_index():
+    """quant.py hands the kernels an activation's index in R.GATED_ACTS: coat_quant.h's GatedAct lists them in
+    that order (kSilu = 0, kGeluTanh = 1), and a name outside it is refused before any kernel runs."""
+    import re
+    from pathlib import Path
+
+    from coat_ds.kernels import quant
+    from coat_ds.op_builder.builder import CSRC_DIR
+
+    header = (Path(CSRC_DIR) / "quant" / "coat_quant.h").read_text()
+    body = re.search(r"enum class GatedAct : int \{([^}]*)\}", header).group(1)
+    enum = {name.strip(): int(value) for name, value in (e.split("=") for e in body.split(","))}
+    assert enum == {"k" + act.title().replace("_", ""): i for i, act in enumerate(R.GATED_ACTS)}
+    assert [quant._act_index(act) for act in R.GATED_ACTS] == list(range(len(R.GATED_ACTS)))
+    with pytest.raises(ValueError, match="'relu' is not one of"):
+        quant._act_index("relu")
+
+
 @pytest.mark.parametrize("family,offset", [("qwen3", 0.0), ("gemma3", 1.0)])
 def test_rms_norm_fn_is_the_stock_norm_saving_fp8(family, offset):
     """RmsNormFn over rows = tokens x heads (per-head q/k norms) with the norm's weight (+1 for Gemma): stock's

@@ -86,24 +86,28 @@ def test_rmsnorm_kernels(fmt):
         assert torch.allclose(kdw, rdw, rtol=1e-4, atol=1e-4 * rdw.abs().max().item())
 
 
+@pytest.mark.parametrize("act", R.GATED_ACTS)
 @pytest.mark.parametrize("fmt", FMTS)
-def test_silu_mul_kernels(fmt):
+def test_gated_mul_kernels(fmt, act, monkeypatch):
+    """act(g) * u for every gated activation (SwiGLU, GeGLU): the kernels run with the reference made
+    unreachable, so a fallback fails instead of passing as its own reference."""
     m, i = 160, 2752  # 11008 / 4: not a multiple of 64, so tiles hang over the edge
-    gu = _rand(m, 2 * i, 5)
-    k = quant.silu_mul_quant(gu, fmt, 16)
-    r = R.silu_mul_quant(gu, fmt, 16)
+    gu, da = _rand(m, 2 * i, 5), _rand(m, i, 6)
+    r = R.silu_mul_quant(gu, fmt, 16, act)
+    q, s, amax = r
+    scale = R.tensor_scale(amax, E4M3)
+    ra, _ = R.silu_mul_rebuild(q, s, scale, E4M3, 16, True, False, act)
+    rd, _ = R.silu_mul_backward(da, q, s, 16, act)
+    for name in ("silu_mul_quant", "silu_mul_rebuild", "silu_mul_backward"):
+        monkeypatch.setattr(R, name, lambda *a, _n=name: pytest.fail(f"quant.{_n} fell back to the reference"))
+    k = quant.silu_mul_quant(gu, fmt, 16, act)
     _codes_equal(k[0], r[0])
     assert torch.equal(k[1], r[1])
     assert torch.allclose(k[2], r[2], rtol=1e-5, atol=0)
-    q, s, amax = r
-    scale = R.tensor_scale(amax, E4M3)
-    ka, kat = quant.silu_mul_rebuild(q, s, scale, E4M3, 16, True, True)
-    ra, _ = R.silu_mul_rebuild(q, s, scale, E4M3, 16, True, False)
+    ka, kat = quant.silu_mul_rebuild(q, s, scale, E4M3, 16, True, True, act)
     _one_step(ka, ra, E4M3)
     _codes_equal(kat, ka.t().contiguous())
-    da = _rand(m, i, 6)
-    kd, kmax = quant.silu_mul_backward(da, q, s, 16)
-    rd, rmax = R.silu_mul_backward(da, q, s, 16)
+    kd, kmax = quant.silu_mul_backward(da, q, s, 16, act)
     _close_bf16(kd, rd)
     assert torch.equal(kmax, R.row_amax(kd))
 
@@ -262,3 +266,33 @@ def test_kernel_layer_matches_reference_layer(monkeypatch):
     for i, (a, b) in enumerate(zip(got, want)):
         cos = torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), 0).item()
         assert cos >= (0.999 if i < 2 else 0.99), (i, cos)
+
+
+def test_gemma3_geglu_runs_the_kernels(monkeypatch):
+    """A default-config Gemma 3 (GeGLU) injected on the GPU: its MLPs run the gated-activation kernels (the
+    reference made unreachable for that run), and its logits and gradients match the same model on the
+    reference ops within the bounds of test_kernel_layer_matches_reference_layer."""
+    import coat_ds
+    from family_cases import SEQ, VOCAB, build
+
+    model = coat_ds.inject(build("gemma3_text").to("cuda", torch.bfloat16))
+    x = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3)).cuda()
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        out = model(input_ids=x, labels=x)
+        out.loss.backward()
+        return [out.logits.float()] + [p.grad.float() for p in model.parameters()]
+
+    with monkeypatch.context() as m:
+        for name in ("silu_mul_quant", "silu_mul_rebuild", "silu_mul_backward"):
+            m.setattr(R, name, lambda *a, _n=name: pytest.fail(f"quant.{_n} fell back to the reference"))
+        got = run()
+    monkeypatch.setenv("COAT_ACT_REFERENCE", "1")
+    for layer in model.model.layers:
+        layer.clear_weight_cache()
+    want = run()
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.isfinite(a).all() and torch.isfinite(b).all(), i
+        cos = torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), 0).item()
+        assert cos >= (0.999 if i == 0 else 0.99), (i, cos)

@@ -6,12 +6,14 @@ import pytest
 import torch
 
 from coat_ds.hf import loss as hf_loss
+from coat_ds.activation.loss import linear_cross_entropy
 from coat_ds.hf.loss import EXACT_MODEL_TYPES
 
 transformers = pytest.importorskip("transformers")
 
 SHAPE = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             intermediate_size=64, vocab_size=211, max_position_embeddings=64)
+             intermediate_size=64, vocab_size=211, max_position_embeddings=64,
+             head_dim=8)   # hidden / heads: Llama's own; Qwen3 and Gemma 3 default to a fixed 128 / 256
 
 
 def tiny(model_type: str = "llama", dtype=torch.float32, **extra):
@@ -43,7 +45,7 @@ def assert_same(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("model_type,dtype", [(t, torch.float32) for t in EXACT_MODEL_TYPES] +
-                         [("llama", torch.bfloat16)])
+                         [(t, torch.bfloat16) for t in ("llama", "qwen3", "gemma3_text")])
 def test_training_loss_and_gradients_equal_the_stock_ones(model_type, dtype):
     model = tiny(model_type, dtype)
     ids, labels = batch()
@@ -121,6 +123,27 @@ def test_refuses_models_whose_loss_it_would_change():
     assert not hf_loss.is_applied(gpt2)
     base = transformers.LlamaModel(transformers.LlamaConfig(**SHAPE))
     assert "nn.Linear" in hf_loss.refusal(base)
+
+
+def test_gemma3_logit_softcapping_keeps_the_stock_loss():
+    """With final_logit_softcapping set, Gemma 3's forward takes the loss of tanh(logits / c) c, not of the
+    linear's logits: apply keeps the stock loss, and a cap switched on after apply is seen at the call."""
+    cap = 0.05   # the tiny model's logits reach ~0.4: a cap this small moves the loss visibly
+    model = tiny("gemma3_text", final_logit_softcapping=cap)
+    ids, labels = batch()
+    ref_out, ref = loss_and_grads(model, input_ids=ids, labels=labels)
+    targets = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+    uncapped = linear_cross_entropy(model.model(input_ids=ids).last_hidden_state, model.lm_head.weight, targets)
+    assert (uncapped - ref_out.loss).abs() > 1e-3 * ref_out.loss   # what chunked would say: 100x its tolerance
+    assert "stock loss (its config soft-caps the logits" in hf_loss.apply(model)
+    assert not hf_loss.is_applied(model)
+    model.config.final_logit_softcapping = None
+    assert "chunked loss" in hf_loss.apply(model)
+    model.config.final_logit_softcapping = cap
+    out, ours = loss_and_grads(model, input_ids=ids, labels=labels)
+    assert out.logits is not None and torch.equal(out.loss, ref_out.loss)
+    for name in ref:
+        assert torch.equal(ours[name], ref[name]), name
 
 
 ZERO3_JOB = """

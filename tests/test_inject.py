@@ -170,6 +170,28 @@ def test_gradient_checkpointing(enable, reentrant):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
+def test_mistral_window_reaches_attention_from_its_policy(monkeypatch):
+    """MistralAttention keeps no window (its forward reads config.sliding_window): the policy's
+    attention_kwargs alone hand HF's attention function (flash-attention applies it; eager and sdpa get the
+    window through the mask) the stock layer's sliding_window."""
+    from transformers.models.mistral import modeling_mistral
+
+    seen, eager = [], modeling_mistral.eager_attention_forward
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs.get("sliding_window"))
+        return eager(*args, **kwargs)
+
+    monkeypatch.setattr(modeling_mistral, "eager_attention_forward", recording)
+    stock = _model("mistral", attn_implementation="eager")
+    injected = coat_ds.inject(copy.deepcopy(stock))
+    x = _batch()
+    stock(input_ids=x)
+    want, seen[:] = list(seen), []
+    injected(input_ids=x)
+    assert want == [8, 8] and seen == want
+
+
 def test_revert_restores_stock_modules():
     stock = _model("mistral")
     model = copy.deepcopy(stock)

@@ -73,7 +73,8 @@ class CoatDecoderLayer(_Base):
 
     def __init__(self, hf_layer: nn.Module, config: ActivationConfig | dict | None = None,
                  attention_kwargs: dict[str, Any] | None = None, norms: Norms | None = None) -> None:
-        """attention_kwargs: extra keyword arguments for HF's attention function (e.g. sliding_window).
+        """attention_kwargs: extra keyword arguments for HF's attention function, what the family's policy
+        hands over (Mistral's sliding_window, which its attention module does not keep).
         norms: the block's norm layout, from the family's policy (Llama's by default)."""
         super().__init__()
         self.attention_kwargs = dict(attention_kwargs or {})
@@ -182,9 +183,7 @@ class CoatDecoderLayer(_Base):
             fn = ALL_ATTENTION_FUNCTIONS.get_interface(impl, self._eager_attention)
         else:  # pragma: no cover - older transformers
             fn = self._eager_attention if impl in (None, "eager") else ALL_ATTENTION_FUNCTIONS[impl]
-        sliding = getattr(attn, "sliding_window", None)
-        if sliding is None and "mistral" in type(attn).__name__.lower():
-            sliding = getattr(attn.config, "sliding_window", None)
+        sliding = getattr(attn, "sliding_window", None)   # per layer (Qwen2, Gemma 3); Mistral's: attention_kwargs
         if sliding is not None:
             kwargs.setdefault("sliding_window", sliding)
         kwargs = {**kwargs, **self.attention_kwargs}

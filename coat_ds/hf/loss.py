@@ -19,9 +19,11 @@ from torch import nn
 
 from ..activation.loss import IGNORE_INDEX, LossConfig, linear_cross_entropy
 
-# Model types whose ForCausalLM forward applies lm_head and then the stock loss, with nothing in between
-# (no logit soft-capping or scaling); each one is checked against the stock loss in tests/test_hf_loss.py.
-EXACT_MODEL_TYPES = ("llama", "mistral", "qwen2")
+# Model types whose ForCausalLM forward applies lm_head and then the stock loss, with nothing in between but
+# Gemma 3's optional logit soft-capping, where `refusal` keeps the stock loss (Gemma 3's sqrt(hidden) scaling
+# is of the input embeddings, not the logits). Each one is checked against the stock loss in
+# tests/test_hf_loss.py.
+EXACT_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 ATTR = "_coat_chunked_loss"   # a plain attribute on the model: not in state_dict or config.json
 
 
@@ -81,7 +83,8 @@ def _stock_would_match(model: nn.Module, kwargs: Mapping[str, Any]) -> bool:
         return_dict = getattr(model.config, "return_dict", True)
     autocast = any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda"))
     return (model.training and torch.is_grad_enabled() and not autocast and return_dict is not False
-            and isinstance(keep, int) and keep == 0 and model.loss_function is LOSS_MAPPING["ForCausalLM"])
+            and isinstance(keep, int) and keep == 0 and model.loss_function is LOSS_MAPPING["ForCausalLM"]
+            and refusal(model) is None)   # e.g. soft-capping switched on in the config after apply
 
 
 def refusal(model: nn.Module) -> str | None:
@@ -94,7 +97,8 @@ def refusal(model: nn.Module) -> str | None:
     if type(head) is not nn.Linear or head.bias is not None:
         return f"its output embedding is a {type(head).__name__}, not a bias-free nn.Linear (no lm_head: a base model?)"
     if getattr(cfg, "final_logit_softcapping", None) is not None:
-        return "its config soft-caps the logits"
+        return (f"its config soft-caps the logits (final_logit_softcapping={cfg.final_logit_softcapping}: "
+                "the loss of tanh-capped logits is not a linear + cross-entropy)")
     return None
 
 

@@ -48,6 +48,13 @@ def _dtype(fmt: str) -> torch.dtype:
     return get_format(fmt).dtype
 
 
+def _act_index(act: str) -> int:
+    """The kernels' name for a gated activation: its index in R.GATED_ACTS (coat_quant.h's GatedAct)."""
+    if act not in R.GATED_ACTS:
+        raise ValueError(f"gated activation {act!r} is not one of {R.GATED_ACTS}")
+    return R.GATED_ACTS.index(act)
+
+
 def _pair(m: int, n: int, dtype, rowmajor: bool, transposed: bool, device) -> tuple[Tensor, Tensor]:
     """Outputs of a quantizer: [m, n] and [n, m], each an empty [0] tensor when not asked for."""
     q = torch.empty((m, n) if rowmajor else (0,), dtype=dtype, device=device)
@@ -195,20 +202,20 @@ def _(dy, xq, xs, rstd, w, group_size, dres=None):
 
 
 # ---------------------------------------------------------------- act(gate) * up (`act` in R.GATED_ACTS)
-# The kernels are SiLU's; another gated activation (Gemma's tanh-GELU) runs the reference.
+# One kernel family for every act: the kernels take its index in R.GATED_ACTS.
 
 @KernelOp
 def silu_mul_quant(gu: Tensor, fmt: str, group_size: int, act: str = "silu") -> tuple[Tensor, Tensor, Tensor]:
     f = get_format(fmt)
     op = _kernels(gu, group_size=group_size)
-    if op is None or gu.dtype != torch.bfloat16 or act != "silu":
+    if op is None or gu.dtype != torch.bfloat16:
         return R.silu_mul_quant(gu, f, group_size, act)
     m, n = gu.shape
     R.check_groups(n // 2, group_size)
     q = torch.empty(m, n, dtype=f.dtype, device=gu.device)
     s = torch.empty(m, n // group_size, dtype=torch.uint8, device=gu.device)
     amax = torch.empty(m, dtype=_F32, device=gu.device)
-    op.silu_mul_quant(gu.contiguous(), _u8(q), s, amax, f.name == "e5m2")
+    op.silu_mul_quant(gu.contiguous(), _u8(q), s, amax, f.name == "e5m2", _act_index(act))
     return q, s, amax
 
 
@@ -252,10 +259,11 @@ def silu_mul_rebuild(q: Tensor, s: Tensor, scale: Tensor, fmt: str, group_size: 
                      transposed: bool = False, act: str = "silu") -> tuple[Tensor, Tensor]:
     f = get_format(fmt)
     op = _kernels(q, group_size=group_size, rows=q.shape[0])
-    if op is None or act != "silu":
+    if op is None:
         return R.silu_mul_rebuild(q, s, scale, f, group_size, rowmajor, transposed, act)
     out, out_t = _pair(q.shape[0], q.shape[1] // 2, f.dtype, rowmajor, transposed, q.device)
-    op.silu_mul_rebuild(_u8(q), s, scale, _u8(out), _u8(out_t), q.dtype == torch.float8_e5m2, f.name == "e5m2")
+    op.silu_mul_rebuild(_u8(q), s, scale, _u8(out), _u8(out_t), q.dtype == torch.float8_e5m2, f.name == "e5m2",
+                        _act_index(act))
     return out, out_t
 
 
@@ -267,11 +275,11 @@ def _(q, s, scale, fmt, group_size, rowmajor=True, transposed=False, act="silu")
 @KernelOp
 def silu_mul_backward(da: Tensor, q: Tensor, s: Tensor, group_size: int, act: str = "silu") -> tuple[Tensor, Tensor]:
     op = _kernels(da, q, group_size=group_size)
-    if op is None or da.dtype != torch.bfloat16 or act != "silu":
+    if op is None or da.dtype != torch.bfloat16:
         return R.silu_mul_backward(da, q, s, group_size, act)
     dgu = torch.empty(q.shape, dtype=da.dtype, device=da.device)
     amax = torch.empty(q.shape[0], dtype=_F32, device=da.device)
-    op.silu_mul_backward(da.contiguous(), _u8(q), s, dgu, amax, q.dtype == torch.float8_e5m2)
+    op.silu_mul_backward(da.contiguous(), _u8(q), s, dgu, amax, q.dtype == torch.float8_e5m2, _act_index(act))
     return dgu, amax
 
 

@@ -28,20 +28,23 @@ void rmsnorm_rebuild(const uint8_t* xq, const uint8_t* xs, const float* rstd, co
 void rmsnorm_backward(const void* dy, const uint8_t* xq, const uint8_t* xs, const float* rstd, const void* w,
                       const void* dres, void* dx, float* dw, int64_t m, int64_t n, bool in_e5m2, cudaStream_t s);
 
-// SiLU*mul pass 1 on gu bf16 [m, 2i] = [gate | up]: q [m, 2i], s [m, 2i/16], amax [m] of silu(g) u
+// The gated activation act of act(gate) * up; values are indices into quant_reference.GATED_ACTS.
+enum class GatedAct : int { kSilu = 0, kGeluTanh = 1 };
+
+// act(g)*u pass 1 on gu bf16 [m, 2i] = [gate | up]: q [m, 2i], s [m, 2i/16], amax [m] of act(g) u
 void silu_mul_quant(const void* gu, uint8_t* q, uint8_t* sc, float* amax, int64_t m, int64_t i, bool e5m2,
-                    cudaStream_t s);
+                    GatedAct act, cudaStream_t s);
 
 // Group dequantisation: out bf16 [n] = fp8(q) 2^(s - bias), one uint8 exponent s per 16 codes; n % 16 == 0
 void group_dequant(const uint8_t* q, const uint8_t* sc, void* out, int64_t n, bool e5m2, cudaStream_t s);
 
-// SiLU*mul pass 2: a = silu(g) u as per-tensor FP8, [m, i] and/or [i, m]
+// act(g)*u pass 2: a = act(g) u as per-tensor FP8, [m, i] and/or [i, m]
 void silu_mul_rebuild(const uint8_t* q, const uint8_t* sc, const float* scale, uint8_t* out, uint8_t* out_t,
-                      int64_t m, int64_t i, bool in_e5m2, bool out_e5m2, cudaStream_t s);
+                      int64_t m, int64_t i, bool in_e5m2, bool out_e5m2, GatedAct act, cudaStream_t s);
 
-// SiLU*mul backward: dgu bf16 [m, 2i] and its row maxima from da bf16 [m, i]
+// act(g)*u backward: dgu bf16 [m, 2i] and its row maxima from da bf16 [m, i]
 void silu_mul_backward(const void* da, const uint8_t* q, const uint8_t* sc, void* dgu, float* amax, int64_t m,
-                       int64_t i, bool in_e5m2, cudaStream_t s);
+                       int64_t i, bool in_e5m2, GatedAct act, cudaStream_t s);
 
 // The per-tensor scale 2^p from per-row maxima (reference.tensor_scale): one block, no host sync
 void tensor_scale(const float* amax_rows, int64_t m, float* scale, bool e5m2, cudaStream_t s);

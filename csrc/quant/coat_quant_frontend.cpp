@@ -17,6 +17,12 @@ uint8_t* opt_u8(torch::Tensor& t) { return t.numel() ? t.data_ptr<uint8_t>() : n
 
 cudaStream_t stream() { return at::cuda::getCurrentCUDAStream(); }
 
+// act: the index of the activation in quant_reference.GATED_ACTS (coat_quant::GatedAct).
+coat_quant::GatedAct gated_act(int64_t act) {
+    TORCH_CHECK(act == 0 || act == 1, "gated activation index ", act, " is not 0 (silu) or 1 (gelu_tanh)");
+    return static_cast<coat_quant::GatedAct>(act);
+}
+
 void row_amax(torch::Tensor x, torch::Tensor out) {
     check(x, "x", at::kBFloat16);
     TORCH_CHECK(x.dim() == 2 && x.size(1) % 8 == 0, "x must be [m, n] with n % 8 == 0");
@@ -65,11 +71,11 @@ void rmsnorm_backward(torch::Tensor dy, torch::Tensor xq, torch::Tensor xs, torc
                                  dx.data_ptr(), dw.data_ptr<float>(), dy.size(0), dy.size(1), in_e5m2, stream());
 }
 
-void silu_mul_quant(torch::Tensor gu, torch::Tensor q, torch::Tensor s, torch::Tensor amax, bool e5m2) {
+void silu_mul_quant(torch::Tensor gu, torch::Tensor q, torch::Tensor s, torch::Tensor amax, bool e5m2, int64_t act) {
     check(gu, "gu", at::kBFloat16);
     TORCH_CHECK(gu.dim() == 2 && gu.size(1) % 32 == 0, "gu must be [m, 2i] with i % 16 == 0");
     coat_quant::silu_mul_quant(gu.data_ptr(), q.data_ptr<uint8_t>(), s.data_ptr<uint8_t>(), amax.data_ptr<float>(),
-                               gu.size(0), gu.size(1) / 2, e5m2, stream());
+                               gu.size(0), gu.size(1) / 2, e5m2, gated_act(act), stream());
 }
 
 void group_dequant(torch::Tensor q, torch::Tensor s, torch::Tensor out, bool e5m2) {
@@ -82,20 +88,21 @@ void group_dequant(torch::Tensor q, torch::Tensor s, torch::Tensor out, bool e5m
 }
 
 void silu_mul_rebuild(torch::Tensor q, torch::Tensor s, torch::Tensor scale, torch::Tensor out, torch::Tensor out_t,
-                      bool in_e5m2, bool out_e5m2) {
+                      bool in_e5m2, bool out_e5m2, int64_t act) {
     check(q, "q", at::kByte);
     TORCH_CHECK(q.size(0) % 16 == 0 && q.size(1) % 32 == 0, "q must be [m, 2i], m, i % 16 == 0");
     coat_quant::silu_mul_rebuild(q.data_ptr<uint8_t>(), s.data_ptr<uint8_t>(), scale.data_ptr<float>(),
-                                 opt_u8(out), opt_u8(out_t), q.size(0), q.size(1) / 2, in_e5m2, out_e5m2, stream());
+                                 opt_u8(out), opt_u8(out_t), q.size(0), q.size(1) / 2, in_e5m2, out_e5m2,
+                                 gated_act(act), stream());
 }
 
 void silu_mul_backward(torch::Tensor da, torch::Tensor q, torch::Tensor s, torch::Tensor dgu, torch::Tensor amax,
-                       bool in_e5m2) {
+                       bool in_e5m2, int64_t act) {
     check(da, "da", at::kBFloat16);
     check(q, "q", at::kByte);
     check(dgu, "dgu", at::kBFloat16);
     coat_quant::silu_mul_backward(da.data_ptr(), q.data_ptr<uint8_t>(), s.data_ptr<uint8_t>(), dgu.data_ptr(),
-                                  amax.data_ptr<float>(), q.size(0), q.size(1) / 2, in_e5m2, stream());
+                                  amax.data_ptr<float>(), q.size(0), q.size(1) / 2, in_e5m2, gated_act(act), stream());
 }
 
 void tensor_scale(torch::Tensor amax, torch::Tensor scale, bool e5m2) {
@@ -128,10 +135,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("rmsnorm_quant", &rmsnorm_quant, "RMSNorm pass 1: FP8 input, rstd, output row maxima");
     m.def("rmsnorm_rebuild", &rmsnorm_rebuild, "RMSNorm output as a per-tensor FP8 operand");
     m.def("rmsnorm_backward", &rmsnorm_backward, "RMSNorm backward from the saved FP8 input");
-    m.def("silu_mul_quant", &silu_mul_quant, "SiLU*mul pass 1: FP8 gate/up, output row maxima");
+    m.def("silu_mul_quant", &silu_mul_quant, "act(g)*u pass 1: FP8 gate/up, output row maxima");
     m.def("group_dequant", &group_dequant, "bf16 of FP8 codes with one power-of-two exponent per 16");
-    m.def("silu_mul_rebuild", &silu_mul_rebuild, "silu(g) u as a per-tensor FP8 operand");
-    m.def("silu_mul_backward", &silu_mul_backward, "SiLU*mul backward from the saved FP8 gate/up");
+    m.def("silu_mul_rebuild", &silu_mul_rebuild, "act(g) u as a per-tensor FP8 operand");
+    m.def("silu_mul_backward", &silu_mul_backward, "act(g)*u backward from the saved FP8 gate/up");
     m.def("tensor_scale", &tensor_scale, "per-tensor power-of-two scale from row maxima");
     m.def("rope_qkv", &rope_qkv, "RoPE of the fused q/k/v output into [b, h, s, d] q, k, v");
     m.def("rope_qkv_backward", &rope_qkv_backward, "RoPE backward into d(qkv)");

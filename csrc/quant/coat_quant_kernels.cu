@@ -5,11 +5,15 @@
 // its thread): rmsnorm_quant, silu_mul_quant, rmsnorm_backward, silu_mul_backward, row_amax.
 // Tile kernel (64 x 64 tiles, 256 threads, a thread owns one 16-wide group of one row): per-tensor FP8
 // quantization of a value produced on the fly (bf16 input, RMSNorm output rebuilt from its saved FP8
-// input, SiLU*mul rebuilt from saved FP8 gate/up), written row-major and/or transposed through shared
+// input, act(gate) * up rebuilt from saved FP8 gate/up), written row-major and/or transposed through shared
 // memory, so GEMM operands of either layout come out of the quantizing kernel itself.
+// The silu_mul_* kernels take the gated activation as a template parameter (GatedAct): SiLU (SwiGLU) or
+// tanh-GELU (GeGLU).
 #include "coat_quant.h"
 
 #include <cuda_bf16.h>
+
+#include <type_traits>
 
 #include "coat_fp8.cuh"
 
@@ -54,6 +58,51 @@ __device__ __forceinline__ void store_codes(uint8_t* p, const uint8_t* c) {
 }
 
 __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+// act(g) and the backward of act(g) * u, each in the reference's fp32 order of operations
+// (quant_reference._act, silu_mul_backward; tanh-GELU's forward as PyTorch's gelu(approximate="tanh")).
+template <GatedAct A>
+struct Gated;
+
+template <>
+struct Gated<GatedAct::kSilu> {
+    static __device__ __forceinline__ float act(float g) { return g * sigmoid(g); }
+    static __device__ __forceinline__ void backward(float d, float g, float u, float& dg, float& du) {
+        const float s = sigmoid(g);
+        dg = d * u * s * (1.0f + g * (1.0f - s));
+        du = d * g * s;
+    }
+};
+
+template <>
+struct Gated<GatedAct::kGeluTanh> {
+    static constexpr float kBeta = 0.7978845608028654f;  // sqrt(2 / pi)
+    static constexpr float kKappa = 0.044715f, kKappa3 = 0.134145f;  // 3 kKappa rounded once, as the reference
+    // The expression of PyTorch's CUDA gelu(approximate="tanh"), so that nvcc fuses it as it does there.
+    static __device__ __forceinline__ float act(float g) {
+        return 0.5f * g * (1.0f + tanhf(kBeta * (g + kKappa * (g * g * g))));
+    }
+    // The reference's _act_grad is one PyTorch op per step: the _rn intrinsics keep nvcc from fusing them
+    // into FMAs (near tanh = -1, one ulp of the tanh argument moves 1 + t by a large fraction).
+    static __device__ __forceinline__ void backward(float d, float g, float u, float& dg, float& du) {
+        const float g3 = __fmul_rn(__fmul_rn(g, g), g);
+        const float t = tanhf(__fmul_rn(kBeta, __fadd_rn(g, __fmul_rn(kKappa, g3))));
+        const float slope = __fmul_rn(__fmul_rn(__fmul_rn(0.5f, g), __fsub_rn(1.0f, __fmul_rn(t, t))), kBeta);
+        const float grad = __fadd_rn(__fmul_rn(0.5f, __fadd_rn(1.0f, t)),
+                                     __fmul_rn(slope, __fadd_rn(1.0f, __fmul_rn(__fmul_rn(kKappa3, g), g))));
+        dg = d * u * grad;
+        du = d * act(g);
+    }
+};
+
+// Runs f(std::integral_constant<GatedAct, A>{}) for the activation A named at run time.
+template <class F>
+void with_act(GatedAct act, F&& f) {
+    if (act == GatedAct::kGeluTanh)
+        f(std::integral_constant<GatedAct, GatedAct::kGeluTanh>{});
+    else
+        f(std::integral_constant<GatedAct, GatedAct::kSilu>{});
+}
 
 // Block-wide sum / max over kThreads threads; safe to call repeatedly (syncs before reusing smem).
 template <bool MAX>
@@ -191,7 +240,7 @@ __global__ void rmsnorm_backward_k(const bf16* dy, const uint8_t* xq, const uint
     }
 }
 
-template <bool E5M2>
+template <bool E5M2, GatedAct A>
 __global__ void silu_mul_quant_k(const bf16* gu, uint8_t* q, uint8_t* sc, float* amax, int64_t i) {
     const int64_t row = blockIdx.x;
     const int ngi = (int)(i / G);
@@ -216,7 +265,7 @@ __global__ void silu_mul_quant_k(const bf16* gu, uint8_t* q, uint8_t* sc, float*
             cg[j] = fp8_cast<E5M2>(gv[j] * ig);
             cu[j] = fp8_cast<E5M2>(uv[j] * iu);
             const float gd = fp8_to_f32<E5M2>(cg[j]) * sg, ud = fp8_to_f32<E5M2>(cu[j]) * su;
-            am = fmaxf(am, fabsf(gd * sigmoid(gd) * ud));
+            am = fmaxf(am, fabsf(Gated<A>::act(gd) * ud));
         }
         store_codes(q + row * 2 * i + g * G, cg);
         store_codes(q + row * 2 * i + i + g * G, cu);
@@ -241,7 +290,7 @@ __global__ void group_dequant_k(const uint8_t* q, const uint8_t* sc, bf16* out, 
     }
 }
 
-template <bool IN_E5M2>
+template <bool IN_E5M2, GatedAct A>
 __global__ void silu_mul_backward_k(const bf16* da, const uint8_t* q, const uint8_t* sc, bf16* dgu, float* amax,
                                     int64_t i) {
     const int64_t row = blockIdx.x;
@@ -260,9 +309,10 @@ __global__ void silu_mul_backward_k(const bf16* da, const uint8_t* q, const uint
 #pragma unroll
         for (int j = 0; j < G; ++j) {
             const float gv = fp8_to_f32<IN_E5M2>(cg[j]) * sg, uv = fp8_to_f32<IN_E5M2>(cu[j]) * su;
-            const float s = sigmoid(gv);
-            og[j] = __float2bfloat16_rn(d[j] * uv * s * (1.0f + gv * (1.0f - s)));
-            ou[j] = __float2bfloat16_rn(d[j] * gv * s);
+            float dg, du;
+            Gated<A>::backward(d[j], gv, uv, dg, du);
+            og[j] = __float2bfloat16_rn(dg);
+            ou[j] = __float2bfloat16_rn(du);
             am = fmaxf(am, fmaxf(fabsf(__bfloat162float(og[j])), fabsf(__bfloat162float(ou[j]))));
         }
         store16(dgu + row * 2 * i + g * G, og);
@@ -298,8 +348,8 @@ struct NormSrc {
     }
 };
 
-template <bool IN_E5M2>
-struct SiluSrc {
+template <bool IN_E5M2, GatedAct A>
+struct GatedSrc {
     const uint8_t* q;
     const uint8_t* s;
     int64_t i;  // output width; q rows are [gate | up] of 2i
@@ -313,7 +363,7 @@ struct SiluSrc {
 #pragma unroll
         for (int j = 0; j < G; ++j) {
             const float g = fp8_to_f32<IN_E5M2>(cg[j]) * sg, u = fp8_to_f32<IN_E5M2>(cu[j]) * su;
-            v[j] = g * sigmoid(g) * u;
+            v[j] = Gated<A>::act(g) * u;
         }
     }
 };
@@ -443,13 +493,15 @@ void rmsnorm_backward(const void* dy, const uint8_t* xq, const uint8_t* xs, cons
 }
 
 void silu_mul_quant(const void* gu, uint8_t* q, uint8_t* sc, float* amax, int64_t m, int64_t i, bool e5m2,
-                    cudaStream_t s) {
+                    GatedAct act, cudaStream_t s) {
     if (m == 0) return;
     auto g = static_cast<const bf16*>(gu);
-    if (e5m2)
-        silu_mul_quant_k<true><<<(unsigned)m, kThreads, 0, s>>>(g, q, sc, amax, i);
-    else
-        silu_mul_quant_k<false><<<(unsigned)m, kThreads, 0, s>>>(g, q, sc, amax, i);
+    with_act(act, [&](auto a) {
+        if (e5m2)
+            silu_mul_quant_k<true, decltype(a)::value><<<(unsigned)m, kThreads, 0, s>>>(g, q, sc, amax, i);
+        else
+            silu_mul_quant_k<false, decltype(a)::value><<<(unsigned)m, kThreads, 0, s>>>(g, q, sc, amax, i);
+    });
 }
 
 void group_dequant(const uint8_t* q, const uint8_t* sc, void* out, int64_t n, bool e5m2, cudaStream_t s) {
@@ -465,22 +517,26 @@ void group_dequant(const uint8_t* q, const uint8_t* sc, void* out, int64_t n, bo
 }
 
 void silu_mul_rebuild(const uint8_t* q, const uint8_t* sc, const float* scale, uint8_t* out, uint8_t* out_t,
-                      int64_t m, int64_t i, bool in_e5m2, bool out_e5m2, cudaStream_t s) {
-    if (in_e5m2)
-        launch_tile(SiluSrc<true>{q, sc, i}, scale, out, out_t, m, i, out_e5m2, s);
-    else
-        launch_tile(SiluSrc<false>{q, sc, i}, scale, out, out_t, m, i, out_e5m2, s);
+                      int64_t m, int64_t i, bool in_e5m2, bool out_e5m2, GatedAct act, cudaStream_t s) {
+    with_act(act, [&](auto a) {
+        if (in_e5m2)
+            launch_tile(GatedSrc<true, decltype(a)::value>{q, sc, i}, scale, out, out_t, m, i, out_e5m2, s);
+        else
+            launch_tile(GatedSrc<false, decltype(a)::value>{q, sc, i}, scale, out, out_t, m, i, out_e5m2, s);
+    });
 }
 
 void silu_mul_backward(const void* da, const uint8_t* q, const uint8_t* sc, void* dgu, float* amax, int64_t m,
-                       int64_t i, bool in_e5m2, cudaStream_t s) {
+                       int64_t i, bool in_e5m2, GatedAct act, cudaStream_t s) {
     if (m == 0) return;
     auto d = static_cast<const bf16*>(da);
     auto o = static_cast<bf16*>(dgu);
-    if (in_e5m2)
-        silu_mul_backward_k<true><<<(unsigned)m, kThreads, 0, s>>>(d, q, sc, o, amax, i);
-    else
-        silu_mul_backward_k<false><<<(unsigned)m, kThreads, 0, s>>>(d, q, sc, o, amax, i);
+    with_act(act, [&](auto a) {
+        if (in_e5m2)
+            silu_mul_backward_k<true, decltype(a)::value><<<(unsigned)m, kThreads, 0, s>>>(d, q, sc, o, amax, i);
+        else
+            silu_mul_backward_k<false, decltype(a)::value><<<(unsigned)m, kThreads, 0, s>>>(d, q, sc, o, amax, i);
+    });
 }
 
 }  // namespace coat_quant
