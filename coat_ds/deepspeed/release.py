@@ -34,8 +34,7 @@ import warnings
 import torch
 from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
-from deepspeed.runtime.zero.stage_1_and_2 import (INITIAL_MICRO_STEP_ID, OPTIMIZER_ALLGATHER_TIMER,
-                                                  OPTIMIZER_STEP_TIMER, OPTIMIZER_TIMERS, all_gather_dp_groups)
+from deepspeed.runtime.zero.stage_1_and_2 import INITIAL_MICRO_STEP_ID, OPTIMIZER_STEP_TIMER
 
 from .gradients import refused as _refuse
 from .layout import FlatPieces, ShardLayout
@@ -228,14 +227,7 @@ class ReleaseStep(Zero12Step):
             self._coat_release_norm = self._global_grad_norm
         self._coat_release_reset()
         self._lazy_init_hp_params_optimizer_state()
-        self.timers(OPTIMIZER_ALLGATHER_TIMER).start()  # pieces stepped before an overflow are gathered too
-        all_gather_dp_groups(groups_flat=self.bit16_groups_flat, partitioned_param_groups=self.parallel_partitioned_bit16_groups,
-                             dp_process_group=self.real_dp_process_group, start_alignment_factor=self.nccl_start_alignment_factor,
-                             allgather_bucket_size=self.allgather_bucket_size)
-        self.timers(OPTIMIZER_ALLGATHER_TIMER).stop()
-        for i in range(len(self.bit16_groups)):
-            self._update_model_bit16_weights(i)
-        self.timers.log(OPTIMIZER_TIMERS)
+        self._coat_gather_weights()  # pieces stepped before an overflow are gathered too
 
     def state_dict(self):
         sd = super().state_dict()

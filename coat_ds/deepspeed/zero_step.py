@@ -84,6 +84,10 @@ class Zero12Step:
         self._lazy_init_hp_params_optimizer_state()
         if self.cpu_offload:
             self.reset_cpu_buffers()
+        self._coat_gather_weights()
+
+    def _coat_gather_weights(self) -> None:
+        """The end of DeepSpeed's step: every rank's updated bf16 partitions all-gathered into the model."""
         self.timers(OPTIMIZER_ALLGATHER_TIMER).start()
         all_gather_dp_groups(groups_flat=self.bit16_groups_flat, partitioned_param_groups=self.parallel_partitioned_bit16_groups,
                              dp_process_group=self.real_dp_process_group, start_alignment_factor=self.nccl_start_alignment_factor,

@@ -28,7 +28,7 @@ import torch.nn as nn  # noqa: E402
 
 import common  # noqa: E402
 import job  # noqa: E402
-from zero_state_job import _all, _joined, build, config  # noqa: E402
+from zero_state_job import _all, _joined, build, build_outcomes, config  # noqa: E402
 from coat_ds.deepspeed.layout import meta_offsets  # noqa: E402
 from coat_ds.optim.coat_adamw import fp8_moments  # noqa: E402
 
@@ -170,14 +170,7 @@ def task_refuse(args, world, stage, dtype, rest):
              "zero3": release_config(3, world, "fp32"),
              "offload": release_config(stage, world, "fp32")}
     cases["offload"]["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
-    out = {}
-    for name, cfg in cases.items():
-        try:
-            build(cfg)
-            out[name] = "built"
-        except ValueError as exc:
-            out[name] = str(exc)
-    return out
+    return build_outcomes(cases)
 
 
 TASKS = {"equal": task_equal, "spike": task_spike, "nan": task_nan, "resume": task_resume, "refuse": task_refuse}
