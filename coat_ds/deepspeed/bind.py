@@ -21,6 +21,7 @@ from . import zero_step
 from .config import coat_section
 from .layout import Segment, ShardLayout, local_cut_keys
 from .master import master_weights, use_bf16_master
+from .zero_kind import BF16, ZERO3, ZERO12, zero_kind
 
 
 def _names(engine) -> dict:
@@ -56,14 +57,15 @@ def _z3_segments(params, names, rank: int) -> list[Segment]:
 def partitions(engine) -> list[tuple[torch.Tensor, list[Segment], object]]:
     """(flat fp32 tensor, its segments, its data-parallel group) for every flat tensor of the engine's optimizer."""
     zo, names = engine.optimizer, _names(engine)
-    if hasattr(zo, "fp32_partitioned_groups_flat"):  # ZeRO-3
+    kind = zero_kind(zo)
+    if kind == ZERO3:
         rank = dist.get_rank(group=zo.dp_process_group)
         return [(flat, _z3_segments(zo.fp16_groups[i], names, rank), zo.dp_process_group)
                 for i, flat in enumerate(zo.fp32_partitioned_groups_flat)]
-    if hasattr(zo, "single_partition_of_fp32_groups"):  # ZeRO-1/2
+    if kind == ZERO12:
         return [(flat, _hp_segments(zo.bit16_groups[i], names), zo.real_dp_process_group[i])
                 for i, flat in enumerate(zo.single_partition_of_fp32_groups)]
-    if hasattr(zo, "fp32_groups_flat_partition"):  # bf16 optimizer (stage 0 with bf16)
+    if kind == BF16:
         return [(flat, _hp_segments(zo.bf16_groups[i], names), zo.real_dp_process_group[i])
                 for i, flat in enumerate(zo.fp32_groups_flat_partition)]
     return []

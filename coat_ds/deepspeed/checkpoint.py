@@ -33,6 +33,7 @@ from .checkpoint_files import (LAYOUTS, CheckpointError, ParamState, base_and_fl
                                torch_load, zero_files)
 from .layout import meta_offsets
 from .universal import read as read_universal
+from .zero_kind import is_zero3
 
 
 # ------------------------------------------------------------------ optimizer hooks (torch's own API)
@@ -181,7 +182,7 @@ def load(engine, original, load_dir: str, tag: str | None = None, **kw):
     if not load_opt or not engine.zero_optimization() or (world == engine.seq_dp_world_size
                                                           and _group_sizes(zsds) == _current_sizes(engine)):
         return original(load_dir, tag, **kw)
-    if hasattr(engine.optimizer, "fp32_partitioned_groups_flat"):  # ZeRO-3: model files are per saved rank
+    if is_zero3(engine.optimizer):  # ZeRO-3: model files are per saved rank
         path, client = _engine_state(engine, load_dir, tag, kw.get("load_lr_scheduler_states", True))
     else:  # module weights, scheduler, counters and client state by DeepSpeed; the optimizer below
         path, client = original(load_dir, tag, **dict(kw, load_optimizer_states=False))
@@ -206,7 +207,7 @@ def _load_universal(engine, original, load_dir: str, tag: str | None, load_opt: 
         except CheckpointError as exc:
             err = str(exc)
         _agree(err)
-    if canon is not None and hasattr(engine.optimizer, "fp32_partitioned_groups_flat"):
+    if canon is not None and is_zero3(engine.optimizer):
         # DeepSpeed's ZeRO-3 universal loader reads exp_avg.pt/exp_avg_sq.pt per parameter: do it all here
         path, client = _engine_state(engine, load_dir, tag, kw.get("load_lr_scheduler_states", True))
     else:
@@ -317,7 +318,7 @@ def _restore_lp(engine, canon: dict[str, ParamState]) -> None:
     def lp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return bf16_weight(x.float()) if dtype == torch.bfloat16 else x.to(dtype)
 
-    if hasattr(zo, "fp32_partitioned_groups_flat"):  # ZeRO-3: each rank holds its slice of every parameter
+    if is_zero3(zo):  # ZeRO-3: each rank holds its slice of every parameter
         rank = dist.get_rank(group=zo.dp_process_group)
         for group in zo.fp16_groups:
             for p in group:

@@ -27,6 +27,8 @@ from typing import Mapping
 
 import torch
 
+from .zero_kind import ZERO12, is_zero3, zero_kind
+
 MASTER_WEIGHTS = ("fp32", "bf16_sr", "bf16_rn", "fp32_remainder")
 BF16_MASTERS = ("bf16_sr", "bf16_rn")  # the bf16 model partition is the whole master (rounded)
 KEY = "coat.master_weights"
@@ -103,10 +105,10 @@ def _refuse(engine, value: str) -> str | None:
     if value == "fp32_remainder" and (getattr(zo, "cpu_offload", False) or getattr(zo, "offload_optimizer", False)
                                       or getattr(zo, "offload_param", False)):
         return _remainder_offload(where)
-    if hasattr(zo, "fp32_partitioned_groups_flat"):
+    if is_zero3(zo):
         if zo.offload_optimizer or zo.offload_param or any(f is None for f in zo.fp16_partitioned_groups_flat):
             return _zero3_offload(where)
-    elif not hasattr(zo, "single_partition_of_fp32_groups"):
+    elif zero_kind(zo) != ZERO12:
         return (f"{where} needs DeepSpeed's ZeRO-1/2/3 optimizer; this engine runs {type(zo).__name__} "
                 f"(ZeRO stage {engine.zero_optimization_stage()}); allowed there: 'fp32'")
     if zo.dtype != torch.bfloat16:
@@ -114,11 +116,6 @@ def _refuse(engine, value: str) -> str | None:
     if any(not g["fp8_state"] for g in engine.basic_optimizer.param_groups):
         return f"{where} needs fp8_state=true in every CoatAdamW param group (fp32 moments keep an fp32 master)"
     return None
-
-
-def masters(zo) -> list:
-    """The master partitions of a ZeRO-1/2 or ZeRO-3 optimizer."""
-    return zo.fp32_partitioned_groups_flat if hasattr(zo, "fp32_partitioned_groups_flat") else zo.single_partition_of_fp32_groups
 
 
 @torch.no_grad()
@@ -133,7 +130,7 @@ def use_bf16_master(engine) -> None:
     from deepspeed.accelerator import get_accelerator
 
     zo = engine.optimizer
-    if hasattr(zo, "fp32_partitioned_groups_flat"):  # ZeRO-3: as DeepSpeed itself does when the dtypes agree
+    if is_zero3(zo):  # ZeRO-3: as DeepSpeed itself does when the dtypes agree
         for i, old in enumerate(zo.fp32_partitioned_groups_flat):
             new = zo.fp16_partitioned_groups_flat[i]
             new.ds_id, new.requires_grad = old.ds_id, True

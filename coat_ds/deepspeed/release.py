@@ -39,13 +39,14 @@ from deepspeed.runtime.zero.stage_1_and_2 import INITIAL_MICRO_STEP_ID, OPTIMIZE
 from .gradients import refused as _refuse
 from .layout import FlatPieces, ShardLayout
 from .zero_step import Zero12Step
+from .zero_kind import ZERO12, zero_kind
 
 SAVED_NORM = "coat_release_norm"  # ZeRO state_dict key: the global norm the next step's clipping uses
 
 
 def refusal(zo) -> str | None:
     """Why the ZeRO optimizer `zo` of a CoatAdamW engine cannot release gradients (the engine-side check)."""
-    if not hasattr(zo, "single_partition_of_fp32_groups"):
+    if zero_kind(zo) != ZERO12:
         return _refuse(f"needs DeepSpeed's ZeRO-1/2 optimizer (this engine has {type(zo).__name__})")
     if zo.cpu_offload:
         return _refuse("runs on the device, not under Offload (zero_optimization.offload_optimizer)")

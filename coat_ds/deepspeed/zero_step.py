@@ -40,6 +40,7 @@ from deepspeed.checkpoint.constants import FP32_FLAT_GROUPS, SINGLE_PARTITION_OF
 from ..formats.remainder import bf16_weight, check_finite
 from .gradients import DEFAULT as GRADIENTS_DEFAULT
 from .layout import FlatPieces
+from .zero_kind import ZERO3, ZERO12, zero_kind
 
 ENABLED = True  # False: DeepSpeed's own step for fp32 masters (what the tests compare with)
 
@@ -384,8 +385,7 @@ def _subclass(mixin: type, base: type) -> type:
 def install(zo, gradients: str = GRADIENTS_DEFAULT) -> None:
     """Give the ZeRO optimizer `zo` (stage 1, 2 or 3, or BF16_Optimizer) of a CoatAdamW engine the step of this
     module, its reduced gradients kept as coat.gradients says (gradients.py)."""
-    mixin = (Zero3Step if hasattr(zo, "fp32_partitioned_groups_flat") else
-             Zero12Step if hasattr(zo, "single_partition_of_fp32_groups") else Bf16Step)
+    mixin = {ZERO3: Zero3Step, ZERO12: Zero12Step}.get(zero_kind(zo), Bf16Step)
     if gradients == "release":  # release.py: its own step, or a one-line refusal where it cannot run
         from . import release
         mixin = release.mixin(zo)
