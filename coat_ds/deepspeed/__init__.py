@@ -2,6 +2,7 @@
 groups, Offload, checkpoints that resume and re-partition. `import coat_ds` registers everything."""
 from .config import CoatSection, coat_section
 from .engine import initialize
-from .optimizer_type import register, validate_params
+from .optimizer_type import validate_params
+from .registration import register
 
 __all__ = ["CoatSection", "coat_section", "initialize", "register", "validate_params"]

@@ -18,9 +18,9 @@ import torch.distributed as dist
 
 from ..optim import CoatAdamW
 from . import zero_step
-from .config import coat_section
+from .config import engine_section
 from .layout import Segment, ShardLayout, local_cut_keys
-from .master import master_weights, use_bf16_master
+from .master import use_bf16_master
 from .zero_kind import BF16, ZERO3, ZERO12, zero_kind
 
 
@@ -85,9 +85,10 @@ def bind(engine) -> int:
         return 0
     from deepspeed.accelerator import get_accelerator
 
-    master = master_weights(engine)
+    section = engine_section(engine)
+    master = section.master_weights
     if master != "fp32":
-        use_bf16_master(engine)
+        use_bf16_master(engine, master)
     comm_device = get_accelerator().current_device_name()
     zo = engine.optimizer
     sub_to_group = getattr(zo, "sub_group_to_group_id", None)
@@ -109,6 +110,6 @@ def bind(engine) -> int:
                                              stochastic=master == "bf16_sr", remainder=rem))
         bound += 1
     if bound and (zero_step.ENABLED or master != "fp32"):  # bound: ZeRO-1/2/3 or BF16_Optimizer (partitions())
-        zero_step.install(zo, coat_section(engine._config._param_dict).gradients)
+        zero_step.install(zo, section.gradients)
     engine._coat_bound = bound
     return bound

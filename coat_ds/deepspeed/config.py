@@ -13,7 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from ..activation import ActivationConfig
+from ..activation.loss import LossConfig
 from . import gradients as _gradients
+from .master import check_master_weights
 
 SECTION = "coat"
 _KEYS = ("activation", "master_weights", "loss", "gradients")
@@ -37,19 +40,19 @@ class CoatSection:
             if not isinstance(d["activation"], Mapping):
                 raise ValueError(f"coat.activation={d['activation']!r} is invalid; allowed: an object of "
                                  "ActivationConfig keys")
-            from ..activation import ActivationConfig
-
             try:
                 activation = ActivationConfig.from_dict(d["activation"])
             except ValueError as exc:  # ActivationConfig names its keys "activation.<key>": give the full path
                 msg = str(exc)
                 raise ValueError("coat." + msg if msg.startswith("activation.") else msg) from None
-        from ..activation.loss import LossConfig
-        from .master import check_master_weights
-
         return cls(activation=activation, master_weights=check_master_weights(d.get("master_weights", "fp32")),
                    loss=LossConfig.from_dict(d.get("loss")), gradients=_gradients.check_gradients(d.get("gradients", _gradients.DEFAULT)))
 
 
 def coat_section(config: Mapping[str, Any] | None) -> CoatSection:
     return CoatSection.from_dict((config or {}).get(SECTION))
+
+
+def engine_section(engine) -> CoatSection:
+    """The "coat" section of a DeepSpeed engine's config."""
+    return coat_section(engine._config._param_dict)

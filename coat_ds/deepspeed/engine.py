@@ -33,14 +33,16 @@ from typing import Any
 import torch
 
 from ..optim import CoatAdamW
-from .config import SECTION, coat_section
+from .config import SECTION, engine_section
+from .master import bf16_host_master
+from .optimizer_type import NAME
 
 SECTION_KEY = "coat.activation"
 
 
 def apply_section(engine, model: torch.nn.Module) -> None:
     """Apply the engine config's "coat" section to `model`; a ValueError naming coat.activation if it cannot."""
-    section = coat_section(engine._config._param_dict)
+    section = engine_section(engine)
     from deepspeed.utils import log_dist
 
     if section.activation is not None:
@@ -65,8 +67,6 @@ def _client_coat_adamw_offload(engine, client_optimizer: Any, *_: Any) -> None:
 
 
 def _will_run_coat_adamw(engine, client_optimizer: Any) -> bool:
-    from .optimizer_type import NAME
-
     if client_optimizer is None:
         return engine._config.optimizer_name == NAME
     return isinstance(client_optimizer, CoatAdamW)  # a callable's optimizer is not known yet: master.py swaps later
@@ -74,9 +74,8 @@ def _will_run_coat_adamw(engine, client_optimizer: Any) -> bool:
 
 def _bf16_host_master(engine, client_optimizer: Any, *_: Any) -> None:
     """A bf16 master of a CoatAdamW under ZeRO-1/2 Offload: ZeRO builds it (and the host gradient) in bf16."""
-    from .master import bf16_host_master
-
-    if _will_run_coat_adamw(engine, client_optimizer) and bf16_host_master(engine):
+    if _will_run_coat_adamw(engine, client_optimizer) and bf16_host_master(engine,
+                                                                          engine_section(engine).master_weights):
         engine._config.bfloat16_config.bf16_master_weights_and_grads = True
 
 
@@ -147,7 +146,7 @@ def _new_weight_step(engine, *_: Any) -> None:
 
 
 def hook(engine_cls) -> None:
-    """Idempotent; optimizer_type.register() calls it with DeepSpeedEngine."""
+    """Idempotent; registration.register() calls it with DeepSpeedEngine."""
     _wrap(engine_cls, "_configure_distributed_model", before=apply_section)
     _wrap(engine_cls, "_configure_optimizer", before=_configure_optimizer_before, after=_bind_partitions)
     _wrap(engine_cls, "_take_model_step", after=_new_weight_step)

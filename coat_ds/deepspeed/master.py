@@ -41,12 +41,6 @@ def check_master_weights(value) -> str:
     return value
 
 
-def master_weights(engine) -> str:
-    from .config import coat_section
-
-    return coat_section(engine._config._param_dict).master_weights
-
-
 def _zero3_offload(where: str) -> str:
     return (f"{where} under ZeRO-3 needs parameters and optimizer on the device (no Offload, no NVMe); "
             "allowed there: 'fp32'")
@@ -86,12 +80,11 @@ def config_refusal(cfg: Mapping, hf_auto: bool = False) -> str | None:
     return None
 
 
-def bf16_host_master(engine) -> bool:
-    """Whether ZeRO-1/2 is to build the host master and gradient of this CoatAdamW engine in bf16 (DeepSpeed's
-    bf16_master_weights_and_grads): a bf16 coat.master_weights under Offload. A ValueError where the config
-    asks DeepSpeed for that mode itself with an fp32 coat master."""
+def bf16_host_master(engine, value: str) -> bool:
+    """Whether ZeRO-1/2 is to build the host master and gradient of this CoatAdamW engine, whose
+    coat.master_weights is `value`, in bf16 (DeepSpeed's bf16_master_weights_and_grads): a bf16 master under
+    Offload. A ValueError where the config asks DeepSpeed for that mode itself with an fp32 coat master."""
     offload = engine.bfloat16_enabled() and engine.zero_cpu_offload() and engine.zero_optimization_stage() in (1, 2)
-    value = master_weights(engine)
     if value == "fp32" and offload and engine.bf16_master_weights_and_gradients():
         raise ValueError(f"bf16.bf16_master_weights_and_grads=true with CoatAdamW needs {KEY} 'bf16_sr' or "
                          "'bf16_rn' (CoatAdamW's step writes the bf16 master); this config has 'fp32'")
@@ -119,11 +112,10 @@ def _refuse(engine, value: str) -> str | None:
 
 
 @torch.no_grad()
-def use_bf16_master(engine) -> None:
-    """Make ZeRO's master partitions bf16 (the model partition itself on the device; under ZeRO-1/2 Offload
-    the host one ZeRO built in bf16, or its pinned bf16 staging buffer where it built an fp32 one) and free
-    what they replace. Call before anything has stepped."""
-    value = master_weights(engine)
+def use_bf16_master(engine, value: str) -> None:
+    """Make ZeRO's master partitions bf16 for coat.master_weights `value` (the model partition itself on the
+    device; under ZeRO-1/2 Offload the host one ZeRO built in bf16, or its pinned bf16 staging buffer where it
+    built an fp32 one) and free what they replace. Call before anything has stepped."""
     reason = _refuse(engine, value)
     if reason is not None:
         raise ValueError(reason)

@@ -1,10 +1,7 @@
-"""Make `"optimizer": {"type": "CoatAdamW", ...}` work through DeepSpeed's own extension points.
+"""`"optimizer": {"type": "CoatAdamW", ...}`: the name, its params' checks, and the factory DeepSpeed calls.
 
-DeepSpeed builds an optimizer it does not know by `getattr(torch.optim, name)(params, **params_cfg)`
-and lets ZeRO run any class listed in `ZERO_SUPPORTED_OPTIMIZERS`. We put a validating factory named
-CoatAdamW on `torch.optim` and CoatAdamW on that list, hook DeepSpeedEngine (engine.py: the "coat"
-section, partition layouts) and tell the FP8 layers what ZeRO-3 does (sharding.py); that covers
-deepspeed.initialize, the launcher, HF Trainer and accelerate alike.
+DeepSpeed builds an optimizer it does not know by `getattr(torch.optim, name)(params, **params_cfg)`;
+registration.py puts `coat_adamw_from_config` there under NAME.
 """
 from __future__ import annotations
 
@@ -37,24 +34,3 @@ def coat_adamw_from_config(model_parameters: Iterable, **params: Any) -> CoatAda
 
 coat_adamw_from_config.__name__ = coat_adamw_from_config.__qualname__ = NAME
 
-
-def register() -> None:
-    """Idempotent; `import coat_ds` calls it."""
-    import torch
-
-    try:
-        from deepspeed.runtime.engine import DeepSpeedEngine
-        from deepspeed.runtime.zero import utils as zero_utils
-    except ImportError:  # DeepSpeed not installed: CoatAdamW still works as a plain torch optimizer
-        return
-    from .fence import warn_if_untested
-
-    warn_if_untested()  # a release whose methods we re-state may differ from the tested ones (fence.py)
-    setattr(torch.optim, NAME, coat_adamw_from_config)
-    if CoatAdamW not in zero_utils.ZERO_SUPPORTED_OPTIMIZERS:
-        zero_utils.ZERO_SUPPORTED_OPTIMIZERS.append(CoatAdamW)
-    from .engine import hook
-    from .sharding import register as register_sharding
-
-    hook(DeepSpeedEngine)
-    register_sharding()  # what ZeRO-3 and the engine mean to the FP8 layers and the swap

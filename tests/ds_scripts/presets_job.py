@@ -23,7 +23,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import section_job  # noqa: E402  its launcher harness (main) and tiny Llama
 from section_job import LLAMA, ROOT, fp8_layers, tiny  # noqa: E402
-from coat_ds.deepspeed.master import master_weights  # noqa: E402
+from coat_ds.deepspeed.config import engine_section  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "ds_configs"))
 import presets  # noqa: E402
@@ -37,7 +37,7 @@ def _facts(engine, model) -> dict:
     flats = getattr(zo, "single_partition_of_fp32_groups", None) or getattr(zo, "fp32_partitioned_groups_flat", [])
     layers = [m for m in model.modules() if hasattr(m, "coat_config")]
     return {"fp8": fp8_layers(model), "attention_fp8": sorted({m.coat_config.attention_fp8 for m in layers}),
-            "optimizer": type(engine.basic_optimizer).__name__, "master_weights": master_weights(engine),
+            "optimizer": type(engine.basic_optimizer).__name__, "master_weights": engine_section(engine).master_weights,
             "fp32_master_values": sum(f.numel() for f in flats if f is not None and f.dtype == torch.float32)}
 
 
