@@ -10,6 +10,7 @@ import torch
 
 import coat_ds
 from coat_ds import op_builder
+from coat_ds.deepspeed import fence
 from coat_ds.kernels.loader import op_status
 
 
@@ -31,7 +32,8 @@ def test_report_rows_without_building(tmp_path):
     assert rows["coat_ds"] == f"{coat_ds.__version__} ({os.path.dirname(coat_ds.__file__)})"
     assert rows["torch"].startswith(f"{torch.__version__} (")
     assert rows["DeepSpeed"] == importlib.metadata.version("deepspeed")
-    assert rows["DeepSpeed internals"] == ("the 20 methods coat_ds re-states, overrides or wraps match DeepSpeed "
+    assert rows["DeepSpeed internals"] == (f"the {len(fence.METHODS)} methods coat_ds re-states, overrides or wraps "
+                                           "match DeepSpeed "
                                            f"{rows['DeepSpeed']}'s")
     assert rows["transformers"] == importlib.metadata.version("transformers")
     assert rows["CUDA (PyTorch's)"] == (torch.version.cuda or "none: a CPU build of PyTorch")
