@@ -461,14 +461,17 @@ class Worker:
         engine.backward(loss)
         self.sync()
         a2 = self.allocated()
-        grads = counter.add(grad_tensors(engine))
         fp8_cache = counter.add(t for m in engine.module.modules() for v in vars(m).values()
                                 if isinstance(getattr(v, "_codes", None), dict) for t in v._codes.values())
+        # what lives across the step (weights, masters, states, the FP8 weight cache); gradients are left out of
+        # it: one allocated as backward goes may sit where a freed activation was, at the same address
+        kept = set(counter.seen)
+        grads = counter.add(grad_tensors(engine))
         peak_fb = self.peak(reset=True)
         engine.step()
         self.sync()
         peak_step = self.peak(reset=False)
-        acts = sum(v for k, v in saved.items() if k not in counter.seen)
+        acts = sum(v for k, v in saved.items() if k not in kept)
         return {"weights_gb": (weights + master + fp8_cache) / GIB, "model_weights_gb": weights / GIB,
                 "master_weights_gb": master / GIB, "fp8_weight_cache_gb": fp8_cache / GIB,
                 "optimizer_state_gb": opt_state / GIB, "grads_gb": grads / GIB,
