@@ -53,6 +53,9 @@ from coat_ds.recipes.shapes import SHAPES  # noqa: E402  (public shapes: TinyLla
 MODELS = {
     "tiny": dict(hidden_size=256, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
                  intermediate_size=512, vocab_size=512),   # wide enough that the decoder layer's activations dominate
+    **{f"tiny-{family}": dict(model_type=family, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=64, intermediate_size=512, vocab_size=512)
+       for family in ("qwen3", "gemma3_text")},                  # the other families' smoke shapes
     "llama-125m": dict(MODEL_SIZES["125m"], vocab_size=32000),
     "llama-3b": dict(hidden_size=3200, num_hidden_layers=26, num_attention_heads=32, num_key_value_heads=32,
                      intermediate_size=8640, vocab_size=32000),
@@ -74,6 +77,8 @@ CONFIGS = {
     "exact": ("coat_ds exact preset: fp32 master as bf16 weights + int16 remainders", "ds_configs/zero2_exact.json"),
     "lowest_memory_grad_buffer": ("coat_ds lowest-memory preset with DeepSpeed's gradient partition buffer "
                                   "(before issue 34)", "ds_configs/zero2_lowest_memory.json"),
+    "largest_model": ("coat_ds largest-model preset: lowest memory with gradient release",
+                      "ds_configs/zero2_largest_model.json"),
 }
 # the peer a single-GPU user would pick instead: no DeepSpeed config, a plain loop (PeerWorker)
 PEERS = {"torchao_fp8": "torchao float8 (compiled, every linear but lm_head) + AdamWFp8 (bf16 stochastic "
@@ -151,24 +156,27 @@ def ds_config(name: str, *, micro_batch: int, zero_stage: int | None = None, on_
     return cfg
 
 
-def build_llama(model: str, device, dtype, seed: int, vocab_size: int | None = None):
-    """A randomly initialised Llama of shape `model`, built directly on `device` in `dtype` (a 7B model
-    built in fp32 on the host would take a minute per worker)."""
+def build_model(model: str, device, dtype, seed: int, vocab_size: int | None = None):
+    """A randomly initialised model of shape `model` (a Llama unless its shape names a `model_type`: HF's defaults
+    for that family otherwise, as AutoConfig.for_model gives them), built directly on `device` in `dtype` (a 7B
+    model built in fp32 on the host would take a minute per worker)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     if model not in MODELS:
         raise ValueError(f"--model {model!r} is unknown; allowed: {list(MODELS)}")
     shape = dict(MODELS[model])
     if vocab_size is not None:
         shape["vocab_size"] = vocab_size
-    cfg = LlamaConfig(max_position_embeddings=4096, tie_word_embeddings=False, rms_norm_eps=1e-5, **shape)
+    model_type = shape.pop("model_type", "llama")
+    llama = dict(tie_word_embeddings=False, rms_norm_eps=1e-5) if model_type == "llama" else {}
+    cfg = AutoConfig.for_model(model_type, max_position_embeddings=4096, **{**llama, **shape})
     torch.manual_seed(seed)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            net = LlamaForCausalLM(cfg)
+            net = AutoModelForCausalLM.from_config(cfg)
     finally:
         torch.set_default_dtype(prev)
     return net
@@ -372,7 +380,7 @@ class Worker:
         import torch
 
         args, accel = self.args, self.accel
-        net = build_llama(args.model, self.device, torch.bfloat16 if self.on_cuda else torch.float32, args.seed)
+        net = build_model(args.model, self.device, torch.bfloat16 if self.on_cuda else torch.float32, args.seed)
         n_params = sum(p.numel() for p in net.parameters())
         self.vocab = net.config.vocab_size
         cfg = ds_config(args.config, micro_batch=args.start_batch, zero_stage=args.zero_stage,
@@ -574,7 +582,7 @@ class PeerWorker(Worker):
         from torchao.optim import AdamWFp8
 
         args = self.args
-        net = build_llama(args.model, self.device, torch.bfloat16, args.seed)
+        net = build_model(args.model, self.device, torch.bfloat16, args.seed)
         n_params = sum(p.numel() for p in net.parameters())
         self.vocab = net.config.vocab_size
         convert_to_float8_training(net, module_filter_fn=lambda mod, fqn: fqn != "lm_head")

@@ -309,7 +309,7 @@ def engine_facts(engine) -> dict:
 def _model(run: dict, on_cuda: bool):
     import torch
 
-    return e2e.build_llama(run["model"], device_of(on_cuda), torch.bfloat16 if on_cuda else torch.float32, 1234)
+    return e2e.build_model(run["model"], device_of(on_cuda), torch.bfloat16 if on_cuda else torch.float32, 1234)
 
 
 def _sync_and_peak(on_cuda: bool):

@@ -89,7 +89,7 @@ def model_numels(model: str) -> tuple[list[int], int]:
 
     from coat_ds.recipes.causal_lm import param_groups
 
-    net = e2e.build_llama(model, "meta", torch.bfloat16, seed=0)
+    net = e2e.build_model(model, "meta", torch.bfloat16, seed=0)
     numels = [sum(p.numel() for p in g["params"]) for g in param_groups(net)]
     return numels, max(p.numel() for p in net.parameters())
 
@@ -207,7 +207,7 @@ class OffloadWorker(e2e.Worker):
 
         args = self.args
         self.rss = {"start": rss_bytes()}
-        net = e2e.build_llama(args.model, self.device, torch.bfloat16 if self.on_cuda else torch.float32, args.seed)
+        net = e2e.build_model(args.model, self.device, torch.bfloat16 if self.on_cuda else torch.float32, args.seed)
         self.n_params = sum(p.numel() for p in net.parameters())
         self.vocab = net.config.vocab_size
         self.rss["model_built"] = rss_bytes()

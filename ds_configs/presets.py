@@ -28,7 +28,12 @@ LAYOUTS = {  # preset prefix -> the measured config it starts from
 INTENTS = {  # what each intent lays over the "coat" section (master_weights None: EXACT_MASTER of the layout)
     "exact": {"master_weights": None},
     "lowest_memory": {"master_weights": "bf16_sr", "activation": {"attention_fp8": True, "cache_weights": False}},
+    # lowest memory with gradient release (each bucket stepped as it is reduced): no gradient kept until the step
+    "largest_model": {"master_weights": "bf16_sr", "gradients": "release",
+                      "activation": {"attention_fp8": True, "cache_weights": False}},
 }
+# Intents some layouts refuse: release steps inside ZeRO-1/2's reduction, on the device (coat_ds/deepspeed/release.py)
+ONLY_ON = {"largest_model": ("zero2",)}
 HF_TWINS = ("zero2_coat.json", "zero3_coat.json")  # hf/ twins of measured configs, beside the presets'
 
 # What HF Trainer fills from TrainingArguments ("auto"); the scheduler is left out so that the Trainer builds
@@ -46,8 +51,15 @@ def preset(layout: str, intent: str) -> dict:
     over = INTENTS[intent]
     coat = cfg.setdefault("coat", {})
     coat["master_weights"] = over["master_weights"] or EXACT_MASTER[layout]
+    if "gradients" in over:
+        coat["gradients"] = over["gradients"]
     coat["activation"] = {**coat.get("activation", {}), **over.get("activation", {})}
     return cfg
+
+
+def presets() -> list[tuple[str, str]]:
+    """Every (layout, intent) that has a preset."""
+    return [(layout, intent) for layout in LAYOUTS for intent in INTENTS if layout in ONLY_ON.get(intent, LAYOUTS)]
 
 
 def hf_twin(cfg: dict) -> dict:
@@ -68,11 +80,10 @@ def hf_twin(cfg: dict) -> dict:
 def rendered() -> dict[Path, str]:
     """Every generated file and its text."""
     out = {}
-    for layout in LAYOUTS:
-        for intent in INTENTS:
-            cfg = preset(layout, intent)
-            out[HERE / f"{layout}_{intent}.json"] = cfg
-            out[HERE / "hf" / f"{layout}_{intent}.json"] = hf_twin(cfg)
+    for layout, intent in presets():
+        cfg = preset(layout, intent)
+        out[HERE / f"{layout}_{intent}.json"] = cfg
+        out[HERE / "hf" / f"{layout}_{intent}.json"] = hf_twin(cfg)
     for name in HF_TWINS:
         out[HERE / "hf" / name] = hf_twin(json.loads((HERE / name).read_text()))
     return {path: json.dumps(cfg, indent=2) + "\n" for path, cfg in out.items()}

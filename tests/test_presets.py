@@ -19,7 +19,7 @@ from harness import free_port, launcher  # noqa: E402
 from test_coat_section import _launch, ranks  # noqa: E402
 
 JOB = ROOT / "tests" / "ds_scripts" / "presets_job.py"
-NAMES = [f"{layout}_{intent}.json" for layout in presets.LAYOUTS for intent in presets.INTENTS]
+NAMES = [f"{layout}_{intent}.json" for layout, intent in presets.presets()]
 
 
 def launch_presets_job(tmp: Path, task: str) -> dict:
@@ -37,18 +37,23 @@ def test_presets_differ_only_in_their_intent():
     from coat_ds.deepspeed import coat_section
     from coat_ds.deepspeed.check import check_config
 
-    for layout, source in presets.LAYOUTS.items():
-        base = json.loads((ROOT / "ds_configs" / source).read_text())
-        for intent, over in presets.INTENTS.items():
-            cfg = json.loads((ROOT / "ds_configs" / f"{layout}_{intent}.json").read_text())
-            check_config(cfg)
-            hf = json.loads((ROOT / "ds_configs" / "hf" / f"{layout}_{intent}.json").read_text())
-            check_config(hf, hf_auto=True)
-            assert {k: v for k, v in cfg.items() if k != "coat"} == {k: v for k, v in base.items() if k != "coat"}
-            section = coat_section(cfg)
-            assert section == coat_section(hf)
-            assert section.master_weights == (over["master_weights"] or presets.EXACT_MASTER[layout])
-            assert section.activation.attention_fp8 == (intent == "lowest_memory")
+    for layout, intent in presets.presets():
+        base = json.loads((ROOT / "ds_configs" / presets.LAYOUTS[layout]).read_text())
+        over = presets.INTENTS[intent]
+        cfg = json.loads((ROOT / "ds_configs" / f"{layout}_{intent}.json").read_text())
+        check_config(cfg)
+        hf = json.loads((ROOT / "ds_configs" / "hf" / f"{layout}_{intent}.json").read_text())
+        check_config(hf, hf_auto=True)
+        assert {k: v for k, v in cfg.items() if k != "coat"} == {k: v for k, v in base.items() if k != "coat"}
+        section = coat_section(cfg)
+        assert section == coat_section(hf)
+        assert section.master_weights == (over["master_weights"] or presets.EXACT_MASTER[layout])
+        assert section.activation.attention_fp8 == (intent != "exact")
+        assert section.gradients == over.get("gradients", "per_parameter")
+
+
+def test_largest_model_is_only_where_release_runs():
+    assert [lay for lay, intent in presets.presets() if intent == "largest_model"] == ["zero2"]
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +78,9 @@ def test_every_preset_trains_through_plain_deepspeed(plain_job):
         for name, r in res.items():
             cfg = json.loads((ROOT / "ds_configs" / name).read_text())
             assert_runs_as_configured(name, r, cfg)
-            lowest = "lowest_memory" in name
+            lowest = "exact" not in name
             layout = name.rsplit("_", 2 if lowest else 1)[0]
             assert r["master_weights"] == ("bf16_sr" if lowest else presets.EXACT_MASTER[layout]), (name, r)
+            assert r["gradients"] == cfg["coat"].get("gradients", "per_parameter"), (name, r)
             assert r["attention_fp8"] == [lowest], (name, r)
             assert r["losses"][-1] < r["losses"][0], (name, r)               # one fixed batch: it learns it

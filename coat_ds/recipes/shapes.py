@@ -20,9 +20,10 @@ SHAPES = {
     # per-head q/k norms; Qwen3-8B's config.json
     "qwen3-8b": dict(model_type="qwen3", hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
                      num_key_value_heads=8, head_dim=128, intermediate_size=12288, vocab_size=151936),
-    # four norms a layer, per-head q/k norms, tied embeddings; Gemma-3-4B's text_config
+    # four norms a layer, per-head q/k norms, tied embeddings, 5 local (1024-token window) : 1 global layers;
+    # Gemma-3-4B's text_config
     "gemma3-4b": dict(model_type="gemma3_text", hidden_size=2560, num_hidden_layers=34, num_attention_heads=8,
                       num_key_value_heads=4, head_dim=256, intermediate_size=10240, vocab_size=262208,
-                      tie_word_embeddings=True),
+                      tie_word_embeddings=True, sliding_window=1024),
 }
 ALIASES = {"llama3-8b": "llama3.1-8b", "llama3-70b": "llama3.1-70b"}

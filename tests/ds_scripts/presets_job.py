@@ -38,6 +38,7 @@ def _facts(engine, model) -> dict:
     layers = [m for m in model.modules() if hasattr(m, "coat_config")]
     return {"fp8": fp8_layers(model), "attention_fp8": sorted({m.coat_config.attention_fp8 for m in layers}),
             "optimizer": type(engine.basic_optimizer).__name__, "master_weights": engine_section(engine).master_weights,
+            "gradients": engine_section(engine).gradients,
             "fp32_master_values": sum(f.numel() for f in flats if f is not None and f.dtype == torch.float32)}
 
 
@@ -45,23 +46,22 @@ def task_plain(tmp: str) -> dict:
     """Every plain preset, `PLAIN_STEPS` steps on one fixed batch per rank."""
     out = {}
     x = torch.randint(0, LLAMA["vocab_size"], (2, SEQ), generator=torch.Generator().manual_seed(dist.get_rank()))
-    for layout in presets.LAYOUTS:
-        for intent in presets.INTENTS:
-            name = f"{layout}_{intent}.json"
-            cfg = json.loads((ROOT / "ds_configs" / name).read_text())
-            cfg["scheduler"]["params"].update(total_num_steps=PLAIN_STEPS, warmup_num_steps=1)
-            cfg["train_micro_batch_size_per_gpu"] = 2
-            model = tiny()
-            engine, *_ = deepspeed.initialize(model=model, config=cfg)
-            losses = []
-            for _ in range(PLAIN_STEPS):
-                loss = engine(input_ids=x.to(engine.device), labels=x.to(engine.device)).loss
-                engine.backward(loss)
-                engine.step()
-                losses.append(loss.item())
-            out[name] = {**_facts(engine, model), "losses": losses}
-            del engine, model
-            gc.collect()
+    for layout, intent in presets.presets():
+        name = f"{layout}_{intent}.json"
+        cfg = json.loads((ROOT / "ds_configs" / name).read_text())
+        cfg["scheduler"]["params"].update(total_num_steps=PLAIN_STEPS, warmup_num_steps=1)
+        cfg["train_micro_batch_size_per_gpu"] = 2
+        model = tiny()
+        engine, *_ = deepspeed.initialize(model=model, config=cfg)
+        losses = []
+        for _ in range(PLAIN_STEPS):
+            loss = engine(input_ids=x.to(engine.device), labels=x.to(engine.device)).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        out[name] = {**_facts(engine, model), "losses": losses}
+        del engine, model
+        gc.collect()
     return out
 
 
