@@ -30,7 +30,8 @@ GRADS = ["grads:1:bf16_sr", "grads:2:bf16_sr", "grads:2:fp32_remainder", "grads:
 W1 = ["master:2:bf16_sr", "master:3:bf16_sr", "grads:2:bf16_sr", "grads:3:bf16_sr"]
 W2 = EXACT + GRADS + ["master:2:bf16_sr", "master:1:bf16_sr:bf16grads", "master:3:bf16_sr", "master:2:bf16_rn",
               "master:2:bf16_sr:offload", "resume:2:bf16_sr:1", "resume:3:bf16_sr:1", "universal:2:bf16_sr:1",
-              "cross:2:fp32:bf16_sr", "cross:2:bf16_sr:fp32", "cross:3:bf16_sr:fp32", "refuse:2"]
+              "cross:2:fp32:bf16_sr", "cross:2:bf16_sr:fp32", "cross:3:bf16_sr:fp32", "refuse:2",
+              "master:2:fp32", "master:2:fp32_remainder"]
 
 
 @pytest.fixture(scope="module")
@@ -88,13 +89,16 @@ def test_bf16_sr_trains_resumes_and_keeps_no_fp32_partition(runs):
         assert out["fp32_partition_sized"] == [], f"{task}: the optimizer keeps {out['fp32_partition_sized']}"
 
 
-def test_bf16_sr_offload_never_builds_an_fp32_host_master(runs):
-    """Under ZeRO-Offload ZeRO builds the host master and gradient in bf16 from the start (DeepSpeed's
-    bf16_master_weights_and_grads): deepspeed.initialize allocates no fp32 tensor at all. On the device
-    the fp32 master is still built, then dropped: the probe sees it there."""
-    assert _task(runs, "w2", "master:2:bf16_sr:offload")["setup_fp32_alloc"] == 0
-    on_device = _task(runs, "w2", "master:2:bf16_sr")
-    assert on_device["setup_fp32_alloc"] >= on_device["partition"]
+def test_a_bf16_master_never_builds_an_fp32_partition(runs):
+    """ZeRO-1/2 builds a master that is not fp32 in bf16 from the start (DeepSpeed's
+    bf16_master_weights_and_grads), under Offload its host gradient too: deepspeed.initialize allocates no
+    fp32 tensor at all (a 13B model's 48 GiB fp32 partition kept it off one 80 GB GPU). "fp32" still builds
+    its fp32 master: the probe sees it there."""
+    for task in ("master:2:bf16_sr:offload", "master:2:bf16_sr", "master:1:bf16_sr:bf16grads",
+                 "master:2:fp32_remainder"):
+        assert _task(runs, "w2", task)["setup_fp32_alloc"] == 0, task
+    fp32 = _task(runs, "w2", "master:2:fp32")
+    assert fp32["setup_fp32_alloc"] >= fp32["partition"]
 
 
 def test_bf16_sr_is_world_size_invariant(runs):

@@ -9,20 +9,22 @@ DeepSpeedEngine from a config; `import coat_ds` wraps four of its methods (hook(
   and flattens the model that will run) and cache_weights "when_accumulating" is decided from the
   engine's own gradient_accumulation_steps (which DeepSpeed derives where the config leaves it out);
 - `_configure_optimizer`: a CoatAdamW *instance* may run under ZeRO-Offload (it has its own CPU kernel;
-  DeepSpeed's `zero_force_ds_cpu_optimizer` check targets slow torch optimizers); with a bf16 master
-  (`coat.master_weights`) under ZeRO-1/2 Offload, DeepSpeed's `bf16_master_weights_and_grads` is set so
-  that ZeRO builds its host master and gradient in bf16 from the start (an fp32 pair first would take
-  8 B/param more host memory at set-up, 16 once pinned); partition layouts are bound and checkpoint
-  hooks installed as soon as ZeRO has built its flat partitions;
+  DeepSpeed's `zero_force_ds_cpu_optimizer` check targets slow torch optimizers); with a master that is not
+  fp32 (`coat.master_weights`) under ZeRO-1/2, DeepSpeed's `bf16_master_weights_and_grads` is set so that
+  ZeRO builds its master (under Offload, its host gradient too) in bf16 from the start: an fp32 partition
+  first would take 4 B/param at set-up (13B on one 80 GB GPU did not get past it; under Offload 8 B/param
+  of host memory, 16 once pinned); partition layouts are bound and checkpoint hooks installed as soon as
+  ZeRO has built its flat partitions;
 - `_take_model_step`, the engine's optimizer step (every route's `engine.step()` at a gradient-accumulation
   boundary): the FP8 weight caches are keyed on a step counter that it advances, since DeepSpeed writes
   the updated weights where no autograd version shows it;
 - `load_checkpoint`: a CoatAdamW engine checks every file of the tag first and re-partitions to another
   world size (checkpoint.py).
 
-and one of ZeRO-1/2's: `DeepSpeedZeroOptimizer._configure_master_weights`, whose offload validator accepts
-only DeepSpeedCPUAdam for a bf16 master; CoatAdamW's CPU step reads bf16 gradients and writes a bf16
-master too (with stochastic rounding), so for a CoatAdamW under Offload that validator is left out.
+and one of ZeRO-1/2's: `DeepSpeedZeroOptimizer._configure_master_weights`, whose validator accepts a bf16
+master only for DeepSpeedCPUAdam under Offload (its concern: fp32 moments beside a bf16 master); CoatAdamW
+keeps FP8 moments and its steps (device and CPU) write a bf16 master themselves (with stochastic rounding),
+so for a CoatAdamW that validator is left out.
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ import torch
 
 from ..optim import CoatAdamW
 from .config import SECTION, engine_section
-from .master import bf16_host_master
+from .master import bf16_master_from_setup
 from .optimizer_type import NAME
 
 SECTION_KEY = "coat.activation"
@@ -72,22 +74,23 @@ def _will_run_coat_adamw(engine, client_optimizer: Any) -> bool:
     return isinstance(client_optimizer, CoatAdamW)  # a callable's optimizer is not known yet: master.py swaps later
 
 
-def _bf16_host_master(engine, client_optimizer: Any, *_: Any) -> None:
-    """A bf16 master of a CoatAdamW under ZeRO-1/2 Offload: ZeRO builds it (and the host gradient) in bf16."""
-    if _will_run_coat_adamw(engine, client_optimizer) and bf16_host_master(engine,
-                                                                          engine_section(engine).master_weights):
+def _bf16_master_from_setup(engine, client_optimizer: Any, *_: Any) -> None:
+    """A CoatAdamW master that is not fp32, under ZeRO-1/2: ZeRO builds it (under Offload the host gradient too)
+    in bf16."""
+    if _will_run_coat_adamw(engine, client_optimizer) and bf16_master_from_setup(
+            engine, engine_section(engine).master_weights):
         engine._config.bfloat16_config.bf16_master_weights_and_grads = True
 
 
 def _configure_optimizer_before(engine, client_optimizer: Any, *args: Any) -> None:
     _client_coat_adamw_offload(engine, client_optimizer)
-    _bf16_host_master(engine, client_optimizer)
+    _bf16_master_from_setup(engine, client_optimizer)
 
 
 def _coat_master_weights(zo, original, **kw: Any):
-    """DeepSpeedZeroOptimizer._configure_master_weights: its offload check wants DeepSpeedCPUAdam for a bf16
-    master; a CoatAdamW under Offload keeps one too (master.py)."""
-    if isinstance(zo.optimizer, CoatAdamW) and zo.cpu_offload:
+    """DeepSpeedZeroOptimizer._configure_master_weights: its check wants DeepSpeedCPUAdam under Offload for a
+    bf16 master; a CoatAdamW keeps one anywhere (master.py)."""
+    if isinstance(zo.optimizer, CoatAdamW):
         kw["bf16_offload_validator"] = None
     return original(**kw)
 

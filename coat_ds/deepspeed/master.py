@@ -13,10 +13,11 @@
   Device only (ZeRO-1/2/3): under Offload the host would keep as many bytes as DeepSpeed's fp32 master.
 
 With a bf16 master, ZeRO-1/2/3 on the device use the bf16 model partition itself as the master: the
-step updates it in place and DeepSpeed's fp32 partition is freed (master and model copy: 2 B/param
-instead of 6). Under ZeRO-1/2 Offload the master lives on the host in bf16: the engine hook turns on
-DeepSpeed's own `bf16_master_weights_and_grads`, so ZeRO builds its host master and gradient in bf16
-from the start (no fp32 pair at set-up), and the master also serves as DeepSpeed's bf16 staging buffer
+step updates it in place (master and model copy: 2 B/param instead of 6). Under ZeRO-1/2 the engine hook
+turns on DeepSpeed's own `bf16_master_weights_and_grads`, so ZeRO builds its master in bf16 from the start
+(no fp32 partition at set-up; on the device its bf16 copy is then dropped for the model partition). Under
+ZeRO-1/2 Offload the master lives on the host in bf16, with its gradient, and also serves as DeepSpeed's
+bf16 staging buffer
 (2 B/param less; the step copies the master to the device itself). ZeRO-3 with Offload or NVMe, stage 0 and
 DeepSpeed's BF16_Optimizer (what ZeRO-1 runs for a bf16 model with `"data_types": {"grad_accum_dtype":
 "fp32"}`) keep an fp32 master.
@@ -80,15 +81,20 @@ def config_refusal(cfg: Mapping, hf_auto: bool = False) -> str | None:
     return None
 
 
-def bf16_host_master(engine, value: str) -> bool:
-    """Whether ZeRO-1/2 is to build the host master and gradient of this CoatAdamW engine, whose
-    coat.master_weights is `value`, in bf16 (DeepSpeed's bf16_master_weights_and_grads): a bf16 master under
-    Offload. A ValueError where the config asks DeepSpeed for that mode itself with an fp32 coat master."""
-    offload = engine.bfloat16_enabled() and engine.zero_cpu_offload() and engine.zero_optimization_stage() in (1, 2)
-    if value == "fp32" and offload and engine.bf16_master_weights_and_gradients():
-        raise ValueError(f"bf16.bf16_master_weights_and_grads=true with CoatAdamW needs {KEY} 'bf16_sr' or "
-                         "'bf16_rn' (CoatAdamW's step writes the bf16 master); this config has 'fp32'")
-    return offload and value in BF16_MASTERS
+def bf16_master_from_setup(engine, value: str) -> bool:
+    """Whether ZeRO-1/2 is to build the master of this CoatAdamW engine, whose coat.master_weights is `value`, in
+    bf16 from the start (DeepSpeed's bf16_master_weights_and_grads; under Offload its host gradient too): no
+    master but "fp32" keeps an fp32 partition, and building one first costs 4 B/param at set-up (48 GiB for a
+    13B model on one GPU, beside its bf16 weights: what kept 13B off an 80 GB H100; under Offload 8 B/param of
+    host memory, 16 once pinned). A ValueError where the config asks DeepSpeed for that mode with an fp32 coat
+    master."""
+    zero12 = engine.bfloat16_enabled() and engine.zero_optimization_stage() in (1, 2)
+    offload = engine.zero_cpu_offload()
+    if value == "fp32" and zero12 and engine.bf16_master_weights_and_gradients():
+        allowed = "'bf16_sr' or 'bf16_rn'" if offload else "'bf16_sr', 'bf16_rn' or 'fp32_remainder'"
+        raise ValueError(f"bf16.bf16_master_weights_and_grads=true with CoatAdamW needs {KEY} {allowed} "
+                         "(CoatAdamW's step writes the bf16 master); this config has 'fp32'")
+    return zero12 and (value in BF16_MASTERS or (value == "fp32_remainder" and not offload))
 
 
 def _refuse(engine, value: str) -> str | None:
@@ -149,7 +155,7 @@ def _zero12_bf16_master(zo, opt) -> None:
     from deepspeed import comm as dist
     from deepspeed.accelerator import get_accelerator
 
-    if zo.cpu_offload and zo.master_weights_and_grads_dtype == torch.bfloat16:  # built in bf16 (bf16_host_master)
+    if zo.cpu_offload and zo.master_weights_and_grads_dtype == torch.bfloat16:  # built in bf16 (from set-up)
         zo.param_buffer_of_bit16_for_cpu_offload_groups[:] = zo.single_partition_of_fp32_groups
         return
     for i, old in enumerate(zo.single_partition_of_fp32_groups):
