@@ -52,6 +52,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--configs", help="comma-separated e2e.py configurations (default: the case's); the case's "
                    "other configurations keep their earlier rows")
     p.add_argument("--start-batch", type=int, default=1, help="the micro-batch each ladder starts at")
+    p.add_argument("--max-batch", type=int, default=256, help="the largest micro-batch the ladders try")
     p.add_argument("--max-rungs", type=int, default=4, help="micro-batch sizes tried per configuration")
     p.add_argument("--steps", type=int, default=3, help="timed steps per micro-batch size")
     p.add_argument("--time-budget", type=float, default=480.0, help="seconds for the case's configurations")
@@ -60,7 +61,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.smoke:
         args.case, args.steps, args.max_rungs = "tiny", 1, 2
-    e2e.check_positive(p, args, ("max_rungs", "steps", "start_batch"))
+    e2e.check_positive(p, args, ("max_rungs", "steps", "start_batch", "max_batch"))
     return args
 
 
@@ -68,10 +69,12 @@ def worker_args(args: argparse.Namespace) -> tuple[argparse.Namespace, list[str]
     """e2e.py's options for this case, and its configuration names (checked)."""
     case = CASES[args.case]
     argv = ["--model", case["model"], "--seq-len", str(case["seq_len"]), "--configs", args.configs or case["configs"],
-            "--equal-batch", str(args.start_batch), "--max-rungs", str(args.max_rungs), "--steps", str(args.steps),
+            "--equal-batch", str(args.start_batch), "--max-batch", str(args.max_batch), "--max-rungs",
+            str(args.max_rungs), "--steps", str(args.steps),
             "--time-budget", str(args.time_budget), "--out", args.out]
     if args.smoke:
-        argv += ["--max-batch", "2", "--warmup", "0"]
+        argv[argv.index("--max-batch") + 1] = "2"
+        argv += ["--warmup", "0"]
     p, eargs = e2e.parse_args(argv)
     return eargs, e2e.check_args(p, eargs, ())
 
