@@ -31,10 +31,16 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from coat_ds.recipes.causal_lm import FAMILIES  # noqa: E402
 from e2e import (CONFIGS, ROOT, WarningLog, base_optimizer, check_args, command, device_name, ds_config,  # noqa: E402
                  free_port, now, versions, write_results)
 
 TARGET_GAP = 0.005   # final validation loss within 0.5% of BF16
+
+
+def model_name(args: argparse.Namespace) -> str:
+    """The model as results name it: llama-125m, qwen3-125m, gemma3_text-125m."""
+    return f"{args.family}-{args.model_size}"
 
 
 class Worker:
@@ -52,7 +58,8 @@ class Worker:
         deepspeed.init_distributed()
         self.on_cuda = torch.cuda.is_available()
         tokens = data_lib.load(args.data, args.seq_len, vocab_size=args.vocab_size, max_bytes=args.data_bytes)
-        model = train_lib.build_model(argparse.Namespace(model=None, model_size=args.model_size, seed=args.seed),
+        model = train_lib.build_model(argparse.Namespace(model=None, model_size=args.model_size, family=args.family,
+                                                         seed=args.seed),
                                       tokens.vocab_size, args.seq_len)
         self.n_params = sum(p.numel() for p in model.parameters())
         self.cfg = ds_config(args.config, micro_batch=args.micro_batch, on_cpu=not self.on_cuda, lr=args.lr,
@@ -100,7 +107,7 @@ class Worker:
                "coat_warnings": self.wlog.messages}
         if args.dump_state and not self.status.startswith("diverged"):   # every evaluation: a stopped run still has one
             res["adam_state"] = dump_adam_state(self.engine, Path(args.dump_state), args.state_sample,
-                                                f"{args.config} run, llama-{args.model_size}, step {steps_done}")
+                                                f"{args.config} run, {model_name(args)}, step {steps_done}")
         tmp = Path(args.result + ".tmp")
         tmp.write_text(json.dumps(res))
         os.replace(tmp, args.result)
@@ -200,7 +207,8 @@ def launch(args: argparse.Namespace, name: str, out: Path,
     result, log = out / f"convergence_{tag or name}.json", out / f"convergence_{tag or name}.log"
     result.unlink(missing_ok=True)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--config", name,
-           "--model-size", args.model_size, "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch),
+           "--model-size", args.model_size, "--family", args.family, "--seq-len", str(args.seq_len),
+           "--micro-batch", str(args.micro_batch),
            "--steps", str(args.steps), "--lr", str(args.lr), "--warmup-steps", str(args.warmup_steps),
            "--log-every", str(args.log_every), "--eval-every", str(args.eval_every),
            "--eval-batches", str(args.eval_batches), "--seed", str(args.seed), "--vocab-size", str(args.vocab_size),
@@ -234,6 +242,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from {list(CONFIGS)}")
     p.add_argument("--model-size", default="125m", help="a size from coat_ds.recipes.causal_lm's MODEL_SIZES")
+    p.add_argument("--family", default="llama", choices=FAMILIES, help="the model family of that size")
     p.add_argument("--data", help="as examples/train.py --data (default: the standard-library corpus)")
     p.add_argument("--data-bytes", type=int, help="a --data text folder: use files up to this many bytes in all")
     p.add_argument("--vocab-size", type=int, default=8192)
@@ -306,7 +315,7 @@ def headline(args: argparse.Namespace, runs: dict[str, dict], tokens, t0: float)
     tail = lambda n: [v for _, v in (runs.get(n) or {}).get("train", [])[-5:]]  # noqa: E731
     n_train = len(tokens.train)
     return {
-        "device": device_name(), "model": f"llama-{args.model_size}",
+        "device": device_name(), "model": model_name(args),
         "params": next((r.get("params") for r in runs.values() if r.get("params")), None),
         "data": tokens.source.split(" (cache")[0], "train_tokens": n_train, "val_tokens": len(tokens.val),
         "vocab_size": tokens.vocab_size, "seq_len": args.seq_len, "micro_batch": args.micro_batch,

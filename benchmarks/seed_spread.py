@@ -52,6 +52,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, argparse.Nam
     p.add_argument("--time-budget", type=float, default=3600.0, help="seconds for the whole command")
     p.add_argument("--steps", type=int, help="default: convergence.py's 2000 (the smoke's 4)")
     p.add_argument("--long", action="store_true", help="seq 1024 x micro-batch 8 on --data: the long_data section")
+    p.add_argument("--family", default="llama", choices=convergence.FAMILIES,
+                   help="the 125M model's family; another than llama runs in its own section, named after it")
     p.add_argument("--data", help="with --long (default: the transformers package's source folder)")
     p.add_argument("--data-bytes", type=int, help=f"a --data folder's files up to this many bytes "
                                                   f"(--long default {LONG_DATA_BYTES:,})")
@@ -63,6 +65,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, argparse.Nam
         seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     except ValueError:
         p.error(f"--seeds={args.seeds!r} is invalid; allowed: comma-separated integers")
+    if args.long and args.family != "llama":
+        p.error(f"--family={args.family!r} runs the default recipe; allowed with --long: 'llama'")
     if args.data and not (args.long or args.smoke):
         p.error("--data applies to --long only (the default section is convergence.py's own corpus)")
     rec = recipe_args(args)
@@ -92,6 +96,7 @@ def recipe_args(args: argparse.Namespace) -> argparse.Namespace:
         if rec.data_bytes is None and Path(rec.data).is_dir():
             rec.data_bytes = LONG_DATA_BYTES
     rec.steps = args.steps or rec.steps
+    rec.family = args.family
     rec.state_sample = 0
     return rec
 
@@ -185,7 +190,7 @@ def summarize(section: dict) -> None:
 # The JSON: merged with what --out already holds
 # ---------------------------------------------------------------------------------------------------------
 def section_recipe(rec: argparse.Namespace, tokens, smoke: bool) -> dict:
-    return {"model": f"llama-{rec.model_size}", "data": tokens.source.split(" (cache")[0],
+    return {"model": convergence.model_name(rec), "data": tokens.source.split(" (cache")[0],
          "train_tokens": len(tokens.train), "val_tokens": len(tokens.val), "vocab_size": tokens.vocab_size,
          "seq_len": rec.seq_len, "micro_batch": rec.micro_batch, "tokens_per_step": rec.seq_len * rec.micro_batch,
          "steps": rec.steps, "epochs": rec.steps * rec.seq_len * rec.micro_batch / len(tokens.train),
@@ -278,7 +283,7 @@ def table(res: dict, keys: list[str]) -> str:
 def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     args, rec, names, seeds = parse_args(argv)
-    key = "long_data" if args.long else "default"
+    key = "long_data" if args.long else "default" if args.family == "llama" else args.family
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     from coat_ds.recipes import data as data_lib
@@ -298,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
                          "omp_num_threads": os.environ["OMP_NUM_THREADS"], "time_budget_s": args.time_budget,
                          "wall_s": time.time() - t0})
     merge(res[key], done, len(res["calls"]) - 1)
-    keys = [k for k in ("default", "long_data") if k in res]
+    keys = [k for k in ("default", "long_data", *convergence.FAMILIES) if k in res]
     for k in keys:
         summarize(res[k])
     res.update({k: res["calls"][-1][k] for k in ("device", "versions", "command", "date")})

@@ -32,20 +32,39 @@ def default_allocator() -> None:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
 
 
+# The main job's sizes in the other families: HF's defaults for each, but a head as wide as the Llama's (the
+# defaults are 128 for Qwen3, 256 for Gemma 3) and, for Gemma 3, a local window a quarter of the main job's
+# 512-token samples so that its local layers differ from its global ones.
+FAMILIES = ("llama", "qwen3", "gemma3_text")
+
+
+def _family_extra(family: str, size: dict, seq_len: int) -> dict:
+    head = size["hidden_size"] // size["num_attention_heads"]
+    if family == "gemma3_text":
+        return dict(head_dim=head, query_pre_attn_scalar=head, sliding_window=max(seq_len // 4, 16))
+    return dict(head_dim=head)
+
+
 def build_model(spec: Any, vocab_size: int, seq_len: int):
-    """An HF model to fine-tune (`spec.model`: name or path), or a freshly initialised Llama of
-    `spec.model_size` (no download); `spec.seed` seeds the initialisation. `spec`: the parsed flags of
-    examples/train.py or any object with those three attributes."""
+    """An HF model to fine-tune (`spec.model`: name or path), or a freshly initialised model of `spec.model_size`
+    (no download) in `spec.family` (FAMILIES; a Llama where unset); `spec.seed` seeds the initialisation.
+    `spec`: the parsed flags of examples/train.py or any object with those attributes."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(spec.seed)
     if spec.model:
         return AutoModelForCausalLM.from_pretrained(spec.model, dtype=torch.float32)
     vocab = (vocab_size + 63) // 64 * 64   # tensor-core and FP8-friendly width
-    cfg = LlamaConfig(vocab_size=vocab, max_position_embeddings=max(seq_len, 2048), tie_word_embeddings=False,
-                      rms_norm_eps=1e-5, **MODEL_SIZES[spec.model_size])
-    return LlamaForCausalLM(cfg)
+    size, family = MODEL_SIZES[spec.model_size], getattr(spec, "family", "llama")
+    if family == "llama":
+        return LlamaForCausalLM(LlamaConfig(vocab_size=vocab, max_position_embeddings=max(seq_len, 2048),
+                                            tie_word_embeddings=False, rms_norm_eps=1e-5, **size))
+    if family not in FAMILIES:
+        raise ValueError(f"family={family!r} is unknown; allowed: {list(FAMILIES)}")
+    cfg = AutoConfig.for_model(family, vocab_size=vocab, max_position_embeddings=max(seq_len, 2048),
+                               **size, **_family_extra(family, size, seq_len))
+    return AutoModelForCausalLM.from_config(cfg)
 
 
 def param_groups(model) -> list[dict]:
