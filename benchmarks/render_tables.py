@@ -61,7 +61,7 @@ def _configs(run: dict) -> dict:
 
 @table
 def results(res: Path):
-    """README: peak memory and tokens/s, BF16 vs torchao vs coat, end to end (benchmarks/e2e.py)."""
+    """docs/results.md: peak memory and tokens/s, BF16 vs torchao vs coat, end to end (benchmarks/e2e.py)."""
     header = ["model, GPU (file)", "configuration", "peak GiB at micro-batch N", "tokens/s at N",
               "largest micro-batch that fits", "tokens/s there"]
     rows = []
@@ -96,7 +96,7 @@ PRESET_ROWS = (  # intent -> (e2e run and config behind its state bytes, the Off
 
 @table
 def presets(res: Path):
-    """README: what each preset keeps per parameter and per token, and the measured rows behind it."""
+    """docs/presets.md: what each preset keeps per parameter and per token, and the measured rows behind it."""
     layer = load(res, "llama_layer.json")
     offload = {r["config"]: r for r in load(res, "offload.json")["rows"] if r["model"] == "llama-1b"}
     header = ["preset", "training state B/param (GPU, ZeRO-2, 1 GPU)", "host B/param under Offload",
@@ -130,11 +130,15 @@ def real_shapes(res: Path):
         if case["model"] == "tiny":
             continue
         bf16 = next((c for c in case["summary"] if c["name"] == "bf16"), None)
-        need = ("not run" if bf16 is None else f"does not fit (needs >= {num(bf16['needed_gb_at_1'])} GiB)"
-                if bf16["max_micro_batch"] == 0 else f"fits up to {bf16['max_micro_batch']}")
         gpu = next(name for name in plan.GPUS if name.upper() in case["device"].upper())
-        gpus = plan.fewest_gpus(plan.bf16_baseline(plan.read_config("zero2_bf16")[0]), case["model"],
-                                case["seq_len"], plan.GPUS[gpu] * 2 ** 30)
+        bf16_cfg = plan.bf16_baseline(plan.read_config("zero2_bf16")[0])
+        if bf16 is None:   # not run beside this case: the planner's peak at micro-batch 1
+            job = plan.job_from_config(bf16_cfg, plan.resolve_shape(case["model"]), case["seq_len"], 1)
+            need = f"does not fit (planner: {num(plan.plan(job, 1).peak / 2 ** 30)} GiB)"
+        else:
+            need = (f"does not fit (needs >= {num(bf16['needed_gb_at_1'])} GiB)" if bf16["max_micro_batch"] == 0
+                    else f"fits up to {bf16['max_micro_batch']}")
+        gpus = plan.fewest_gpus(bf16_cfg, case["model"], case["seq_len"], plan.GPUS[gpu] * 2 ** 30)
         where = f"{case['model']}, seq {case['seq_len']}, {case['device'].replace('NVIDIA ', '')}"
         rows += [[where, c["label"], c["max_micro_batch"], num(c["peak_alloc_gb"]), num(c["tokens_per_s"], 0), need,
                   gpus or "more than 64"] for c in case["summary"] if c["name"] != "bf16"]
@@ -260,6 +264,21 @@ def seed_spread(res: Path):
                      f"{s['best_mean']:.4f} +- {s['best_std']:.4f}",
                      "-" if key == "bf16" else f"{100 * s['gap_rel_mean']:+.2f}%",
                      "-" if key == "bf16" else ("yes" if s["within_bf16_spread"] else "no")])
+    return header, rows
+
+
+@table
+def seed_spread_families(res: Path):
+    """docs/results.md: the other families' seed spreads (125M, 3 seeds, bf16 against coat full)."""
+    run = load(res, "seed_spread.json")
+    header = ["family", "compared at step", "BF16 + FusedAdam", "coat_ds full", "gap of the mean", "inside BF16's spread"]
+    rows = []
+    for family in ("qwen3", "gemma3_text"):
+        sec = run[family]
+        b, c = sec["summary"]["bf16"], sec["summary"]["coat_full"]
+        rows.append([family, sec["steps_compared"], f"{b['final_mean']:.4f} +- {b['final_std']:.4f}",
+                     f"{c['final_mean']:.4f} +- {c['final_std']:.4f}", f"{100 * c['gap_rel_mean']:+.2f}%",
+                     "yes" if c["within_bf16_spread"] else "no"])
     return header, rows
 
 

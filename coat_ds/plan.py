@@ -23,7 +23,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping
 
+from .activation.loss import DEFAULT_CHUNK_TOKENS, LossConfig
+from .deepspeed.config import coat_section
 from .deepspeed.memory import ZeroJob, buffers, model_states, step_transient, zero_job
+from .formats import Fp8Moment
+from .recipes.causal_lm import MODEL_SIZES
+from .recipes.shapes import ALIASES, SHAPES
 
 GIB = 2 ** 30
 GPUS = {"h100": 79.18, "h200": 139.8, "a100-80": 79.15, "a100-40": 39.39}   # GiB torch reports as total
@@ -32,7 +37,6 @@ USABLE = 0.95   # of GPU memory for what the allocator reserves (benchmarks/e2e.
 # of freed activations) in benchmarks/results/e2e*.json; a fit needs peak + this reserve <= USABLE x memory
 RESERVE_FIXED, RESERVE_ACT = 2 * 2 ** 30, 0.10
 FINAL_NORM = 8.0   # B/token/hidden: the stock final RMSNorm's fp32 input and bf16 output, lm_head's input
-CHUNK_TOKENS = 1024   # coat.loss.chunk_tokens' default
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -97,8 +101,6 @@ def shape_from_hf(cfg: Mapping[str, Any], where: str) -> Shape:
 def resolve_shape(model: str, vocab: int | None = None) -> Shape:
     """A shipped shape (recipes.shapes.SHAPES, or the main job's MODEL_SIZES with `vocab`), a config.json (or
     its folder), or a hub name whose config.json is in the local HF cache."""
-    from .recipes.causal_lm import MODEL_SIZES
-    from .recipes.shapes import ALIASES, SHAPES
 
     name = ALIASES.get(model, model)
     if name in SHAPES or name in MODEL_SIZES:
@@ -119,8 +121,6 @@ def resolve_shape(model: str, vocab: int | None = None) -> Shape:
 
 
 def _cached_config(model: str) -> Path:
-    from .recipes.causal_lm import MODEL_SIZES
-    from .recipes.shapes import SHAPES
 
     found = None
     try:
@@ -259,7 +259,6 @@ def fewest_gpus(cfg: Mapping[str, Any], model: str, seq: int, memory: float, mos
 def coat_state_bytes(cfg: Mapping[str, Any]) -> float:
     """CoatAdamW's state bytes per parameter for the config's group_size and v_format: m and v as the
     optimizer allocates them (formats.Fp8Moment: codes + per-group scale and exponent)."""
-    from .formats import Fp8Moment
 
     params = (cfg.get("optimizer") or {}).get("params") or {}
     g = int(params.get("group_size", 128))
@@ -273,15 +272,17 @@ def loss_chunk(cfg: Mapping[str, Any]) -> int | None:
     coat = cfg.get("coat")
     if not isinstance(coat, Mapping):
         return None
-    loss = coat.get("loss") or {}
-    return None if loss.get("chunked", True) is False else int(loss.get("chunk_tokens", CHUNK_TOKENS))
+    try:
+        loss = LossConfig.from_dict(coat.get("loss"))
+    except ValueError as e:
+        raise PlanError(str(e)) from None
+    return loss.chunk_tokens if loss.chunked else None
 
 
 def job_from_config(cfg: Mapping[str, Any], shape: Shape, seq: int, world: int, *, chunk: Any = "config",
                     coat_step: bool = True) -> Job:
     """The Job of DeepSpeed config `cfg` (a dict) for `world` data-parallel ranks. `chunk`: "config" (what
     the config says), None (stock loss) or chunk tokens."""
-    from .deepspeed.config import coat_section
 
     try:
         section = coat_section({k: v for k, v in cfg.items() if k != "coat"} |
@@ -289,9 +290,7 @@ def job_from_config(cfg: Mapping[str, Any], shape: Shape, seq: int, world: int, 
     except ValueError as e:
         raise PlanError(str(e)) from None
     act = section.activation if section.activation is not None and section.activation.enabled else None
-    accum = cfg.get("gradient_accumulation_steps", 1)
-    cache = act is not None and (act.cache_weights is True or (act.cache_weights == "when_accumulating"
-                                                              and isinstance(accum, int) and accum > 1))
+    cache = act is not None and act.resolve(cfg.get("gradient_accumulation_steps", 1)).cache_enabled
     zero = replace(zero_job(cfg, world, coat_state_bytes(cfg), section.master_weights, section.gradients),
                    coat_step=coat_step)
     return Job(shape, seq, zero, act, loss_chunk(cfg) if chunk == "config" else chunk,
@@ -415,7 +414,7 @@ def report(model: str, cfg: dict, source: str, seq: int, micro_batch: str = "max
     """The planner's table for DeepSpeed config `cfg` (read from `source`) beside BF16 + FusedAdam."""
     shape = resolve_shape(model, vocab)
     world = gpus_per_node * nodes
-    chunk = {"config": "config", "chunked": CHUNK_TOKENS, "stock": None}[loss]
+    chunk = {"config": "config", "chunked": DEFAULT_CHUNK_TOKENS, "stock": None}[loss]
     base = job_from_config(bf16_baseline(cfg), shape, seq, world)
     jobs = {f"{Path(source).stem} ({(cfg.get('optimizer') or {}).get('type', 'client')})":
             job_from_config(cfg, shape, seq, world, chunk=chunk),

@@ -195,7 +195,7 @@ def test_check_config_names_the_loss_keys():
 
     check_config({"coat": {"loss": {"chunked": True, "chunk_tokens": 512}}})
     for bad, msg in (({"chunk_tokens": -1}, "coat.loss.chunk_tokens=-1 is invalid"),
-                     ({"chunks": 1}, "coat.loss has no key 'chunks'"), ("on", "coat.loss='on' is invalid")):
+                     ({"chunks": 1}, "coat.loss.chunks: unknown key"), ("on", "coat.loss='on' is invalid")):
         with pytest.raises(ValueError, match=msg):
             check_config({"coat": {"loss": bad}})
 

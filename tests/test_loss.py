@@ -99,7 +99,7 @@ def test_batched_hidden_and_no_weight_gradient():
 def test_config_defaults_and_one_line_errors():
     assert LossConfig.from_dict(None) == LossConfig(chunked=True, chunk_tokens=1024)
     assert LossConfig.from_dict({"chunked": False}).chunked is False
-    for bad, key in (({"chunk": 3}, "coat.loss has no key 'chunk'"), ({"chunk_tokens": 0}, "coat.loss.chunk_tokens=0"),
+    for bad, key in (({"chunk": 3}, "coat.loss.chunk: unknown key"), ({"chunk_tokens": 0}, "coat.loss.chunk_tokens=0"),
                      ({"chunk_tokens": True}, "coat.loss.chunk_tokens=True"), ({"chunked": "yes"}, "coat.loss.chunked"),
                      ([1], "coat.loss=[1] is invalid")):
         with pytest.raises(ValueError, match="^" + key.replace("[", r"\[").replace("]", r"\]")) as exc:

@@ -21,16 +21,17 @@ def test_every_table_is_shown_somewhere():
 
 
 def test_a_changed_measurement_is_caught(tmp_path):
-    """Re-measure one figure in a copy of the results: the committed README no longer agrees with it."""
+    """Re-measure one figure in a copy of the results: the committed docs/results.md no longer agrees with it."""
     results = tmp_path / "results"
     shutil.copytree(rt.RESULTS, results)
     run = (results / "e2e_llama-1b.json").read_text()
     assert '"peak_alloc_gb": 16.089115619659424' in run              # coat full's peak at micro-batch 4
     (results / "e2e_llama-1b.json").write_text(run.replace('"peak_alloc_gb": 16.089115619659424',
                                                             '"peak_alloc_gb": 17.089115619659424'))
-    assert rt.stale(results, [ROOT / "README.md"]) == ["README.md: results"]
-    readme = (ROOT / "README.md").read_text()
-    assert "| 17.1 (N=4) |" in rt.rewrite(readme, results) and "| 17.1 (N=4) |" not in readme
+    doc = ROOT / "docs" / "results.md"
+    assert rt.stale(results, [doc]) == ["docs/results.md: results", "docs/results.md: e2e_runs"]
+    text = doc.read_text()
+    assert "| 17.1 (N=4) |" in rt.rewrite(text, results) and "| 17.1 (N=4) |" not in text
 
 
 def test_a_region_naming_no_table_is_caught(tmp_path, monkeypatch):

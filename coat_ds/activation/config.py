@@ -5,6 +5,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Mapping
 
 from ..formats import FP8Format, get_format
+from ..keys import unknown_key
 
 MODES = ("linear", "full")
 ACT_GROUP_SIZES = (16, 32, 64, 128)
@@ -78,7 +79,7 @@ class ActivationConfig:
         allowed = [f.name for f in fields(cls)]
         for key in d:
             if key not in allowed:
-                raise ValueError(f"coat.activation has no key {key!r}; allowed keys: {allowed}")
+                raise ValueError(unknown_key("coat.activation", key, allowed))
         return cls(**d)
 
     def to_dict(self) -> dict[str, Any]:

@@ -17,6 +17,8 @@ from typing import Any, Mapping
 import torch
 import torch.nn.functional as F
 
+from ..keys import unknown_key
+
 IGNORE_INDEX = -100          # the targets left out of the loss (PyTorch's and HF's default)
 DEFAULT_CHUNK_TOKENS = 1024  # forward: 1024 x 128,256 logits, ~1.2 GiB of transients (bf16, fp32, exp)
 
@@ -45,7 +47,7 @@ class LossConfig:
         d = dict(d or {})
         for key in d:
             if key not in _keys():
-                raise ValueError(f"coat.loss has no key {key!r}; allowed keys: {_keys()}")
+                raise ValueError(unknown_key("coat.loss", key, _keys()))
         return cls(**d)
 
 

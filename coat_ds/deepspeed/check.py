@@ -20,6 +20,7 @@ from .config import SECTION, CoatSection, coat_section
 from .gradients import config_refusal as gradients_refusal
 from .master import config_refusal
 from .optimizer_type import NAME, validate_params
+from ..keys import unknown_key
 
 AUTO = "auto"  # HF Trainer / accelerate fill "auto" values themselves
 
@@ -91,7 +92,8 @@ def _pydantic_line(prefix: str, model: type, err: dict) -> str:
     """One pydantic error as `key=value is invalid; allowed: ...` (unknown keys: the keys allowed there)."""
     key = ".".join(str(part) for part in (prefix, *err["loc"]))
     if err["type"] == "extra_forbidden":
-        return f"{key}: unknown key; allowed keys: {_fields(model, err['loc'][:-1])}"
+        return unknown_key(".".join(str(part) for part in (prefix, *err["loc"][:-1])), err["loc"][-1],
+                           _fields(model, err["loc"][:-1]))
     cause = (err.get("ctx") or {}).get("error")
     msg = (str(cause) if cause is not None else err["msg"]).replace("Input should be ", "allowed: ")
     return f"{key}={err['input']!r} is invalid; {msg}" if err["loc"] else f"{key}: {msg}"

@@ -17,6 +17,7 @@ from ..activation import ActivationConfig
 from ..activation.loss import LossConfig
 from . import gradients as _gradients
 from .master import check_master_weights
+from ..keys import unknown_key
 
 SECTION = "coat"
 _KEYS = ("activation", "master_weights", "loss", "gradients")
@@ -34,7 +35,7 @@ class CoatSection:
         d = dict(d or {})
         for key in d:
             if key not in _KEYS:
-                raise ValueError(f"coat.{key}: unknown key; allowed keys: {list(_KEYS)}")
+                raise ValueError(unknown_key("coat", key, _KEYS))
         activation = None
         if "activation" in d:
             if not isinstance(d["activation"], Mapping):

@@ -9,6 +9,7 @@ from typing import Any, Iterable
 
 from ..optim import CoatAdamW
 from ..optim.coat_adamw import PARAM_RULES, check_param
+from ..keys import unknown_key
 
 NAME = "CoatAdamW"
 
@@ -18,7 +19,7 @@ def validate_params(params: dict | None) -> dict:
     params = dict(params or {})
     for key, value in params.items():
         if key not in PARAM_RULES:
-            raise ValueError(f"optimizer.params.{key}: unknown key for CoatAdamW; allowed keys: {sorted(PARAM_RULES)}")
+            raise ValueError(unknown_key("optimizer.params", key, sorted(PARAM_RULES)))
         check_param(key, value, where="optimizer.params.")
     if "betas" in params:
         params["betas"] = tuple(float(b) for b in params["betas"])
