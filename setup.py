@@ -28,7 +28,7 @@ setup(
     # the lowest versions something here ran and passed; DeepSpeed also bounded above, by the newest release whose
     # internals coat_ds re-states (coat_ds/deepspeed/fence.py); `.ci/drift newest` watches for breaks
     # (docs/versions.md says what runs where and why each bound)
-    install_requires=["torch>=2.11", "deepspeed>=0.19.8,<0.19.9", "transformers>=5.2", "ninja", "pybind11",
+    install_requires=["torch>=2.11", "deepspeed>=0.19.8,<0.19.9", "transformers>=5.3", "ninja", "pybind11",
                       "tokenizers", "tqdm", "matplotlib", "numpy"],
     extras_require={
         "dev": ["pytest", "pytest-benchmark", "accelerate", "datasets"],

@@ -23,7 +23,7 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer  # noqa: 
 def test_config_defaults_and_validation():
     c = ActivationConfig.from_dict({"mode": "linear", "group_size": 32})
     assert (c.mode, c.group_size, c.fwd, c.bwd) == ("linear", 32, E4M3, E5M2)
-    with pytest.raises(ValueError, match="'grp'.*allowed keys.*group_size"):
+    with pytest.raises(ValueError, match="coat.activation.grp: unknown key; allowed keys.*group_size"):
         ActivationConfig.from_dict({"grp": 16})
     with pytest.raises(ValueError, match="mode.*allowed.*full"):
         ActivationConfig.from_dict({"mode": "all"})

@@ -73,6 +73,16 @@ class ActivationConfig:
         return get_format(self.bwd_format)
 
     @classmethod
+    def coerce(cls, config: "ActivationConfig | Mapping[str, Any] | None") -> "ActivationConfig":
+        """What the FP8 layers and the swap accept as their config: one, its JSON section, or None (defaults)."""
+        if config is None or isinstance(config, cls):
+            return config or cls()
+        if isinstance(config, Mapping):
+            return cls.from_dict(config)
+        raise TypeError(f"config must be an ActivationConfig, a dict (the \"coat\": {{\"activation\": ...}} section) "
+                        f"or None, got {type(config).__name__}")
+
+    @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None) -> "ActivationConfig":
         """Build from the JSON section; an unknown key is a ValueError naming it and the allowed keys."""
         d = dict(d or {})

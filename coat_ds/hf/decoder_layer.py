@@ -33,14 +33,6 @@ _GATED_ACTS = {"SiLU": "silu", "SiLUActivation": "silu", "GELUTanh": "gelu_tanh"
                "NewGELUActivation": "gelu_tanh"}
 
 
-def _as_config(config: ActivationConfig | dict | None) -> ActivationConfig:
-    if config is None:
-        return ActivationConfig()
-    if isinstance(config, ActivationConfig):
-        return config
-    return ActivationConfig.from_dict(config)
-
-
 def _eps(norm: nn.Module) -> float:
     """An HF RMSNorm's epsilon (Llama's spelling, or Gemma's)."""
     return norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps
@@ -79,7 +71,7 @@ class CoatDecoderLayer(_Base):
         super().__init__()
         self.attention_kwargs = dict(attention_kwargs or {})
         self.norms = norms or Norms()
-        cfg = _as_config(config)
+        cfg = ActivationConfig.coerce(config)
         _check_layer(hf_layer, cfg, self.norms)
         self.coat_config = cfg
         for name, child in hf_layer.named_children():  # same names, same order: state_dict keys unchanged

@@ -41,15 +41,8 @@ def _decoder_layer() -> type:
 
 
 def _as_config(config: Any):
-    from ..activation import ActivationConfig as cfg_cls
-    if config is None:
-        return cfg_cls()
-    if isinstance(config, cfg_cls):
-        return config
-    if isinstance(config, dict):
-        return cfg_cls.from_dict(config)
-    raise TypeError(f"config must be an ActivationConfig, a dict (the \"coat\": {{\"activation\": ...}} section) "
-                    f"or None, got {type(config).__name__}")
+    from ..activation import ActivationConfig   # late, as _layer_class: this module imports without the layers
+    return ActivationConfig.coerce(config)
 
 
 def policy_for(model: nn.Module) -> InjectionPolicy:
