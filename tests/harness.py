@@ -1,7 +1,9 @@
-"""What the tests that start other processes share: a free port, the environment a child needs to import this
-checkout, the launchers' paths, a job script run as a world of one, and a launched job's JSON result."""
+"""What test modules share, kept here so that no test module imports another: starting jobs in other processes
+(a free port, the environment a child needs to import this checkout, the launchers' paths, a job script run as a
+world of one, a launched job's JSON result) and the tiny HF models that the injection tests build."""
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import shutil
@@ -11,6 +13,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from transformers import (LlamaConfig, LlamaForCausalLM, LlamaModel, MistralConfig, MistralForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM)
+
+from coat_ds.hf.contract import CACHE_ARGS
+from family_cases import SEQ, VOCAB
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,3 +63,97 @@ def launch_json(cmd: list[str], out: Path, env: dict | None = None, timeout: int
     if (exit_0 and proc.returncode != 0) or not Path(out).is_file():
         pytest.fail(f"launch failed ({proc.returncode}): {' '.join(cmd)}\n{(proc.stdout + proc.stderr)[-6000:]}")
     return json.loads(Path(out).read_text())
+
+
+# ------------------------------------------------------------------ tiny HF models, built in-process (no download)
+TINY_SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  max_position_embeddings=128)
+_LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+_TINY_CONFIGS = {
+    "llama2": (LlamaForCausalLM, LlamaConfig, dict(num_key_value_heads=4)),
+    # GQA (4 query heads on 2 kv heads), llama3 rope scaling, tied embeddings
+    "llama3-gqa": (LlamaForCausalLM, LlamaConfig, dict(num_key_value_heads=2, tie_word_embeddings=True,
+                                                       rope_parameters=_LLAMA3_ROPE)),
+    # a window (8) shorter than the sequence (24), so the window matters
+    "mistral": (MistralForCausalLM, MistralConfig, dict(num_key_value_heads=2, sliding_window=8)),
+    # q/k/v biases; layer 1 slides, layer 0 does not
+    "qwen2": (Qwen2ForCausalLM, Qwen2Config, dict(num_key_value_heads=2, use_sliding_window=True, sliding_window=8,
+                                                  max_window_layers=1)),
+}
+TINY_MODELS = list(_TINY_CONFIGS)
+
+
+def tiny_model(name: str, seed: int = 0, **kw) -> torch.nn.Module:
+    """The TINY_MODELS variant `name`, randomly initialized from `seed`; `kw` overrides its config."""
+    model_cls, config_cls, own = _TINY_CONFIGS[name]
+    torch.manual_seed(seed)
+    return model_cls(config_cls(**{**TINY_SHAPE, **own, **kw}))
+
+
+def tiny_batch(seed: int = 0, batch: int = 2) -> torch.Tensor:
+    """`batch` random sequences of SEQ tokens."""
+    return torch.randint(0, VOCAB, (batch, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b||, in fp32."""
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def assert_close_to_stock(stock, injected, x, loss_tol=2e-3, logits_tol=0.08, grad_max=0.25, grad_mean=0.15) -> dict:
+    """Forward + backward of both on `x`; checks the bounds (tests/test_inject.py says why these) and returns the
+    measured errors."""
+    ref, out = stock(input_ids=x, labels=x), injected(input_ids=x, labels=x)
+    ref.loss.backward()
+    out.loss.backward()
+    assert torch.isfinite(out.loss) and torch.isfinite(out.logits).all()
+    errs = {}
+    for (name, p), (name2, q) in zip(stock.named_parameters(), injected.named_parameters()):
+        assert name == name2
+        assert q.grad is not None and torch.isfinite(q.grad).all(), name
+        errs[name] = rel_error(q.grad, p.grad)
+    measured = {"loss": abs(out.loss.item() - ref.loss.item()) / ref.loss.item(),
+                "logits": rel_error(out.logits, ref.logits), "grad_max": max(errs.values()),
+                "grad_mean": sum(errs.values()) / len(errs)}
+    assert measured["loss"] < loss_tol, measured
+    assert 1e-3 < measured["logits"] < logits_tol, measured
+    assert measured["grad_max"] < grad_max, errs
+    assert measured["grad_mean"] < grad_mean, errs
+    return measured
+
+
+# The name under which this transformers release takes the cache (the other one is a deprecated alias or absent).
+CACHE_KW = next(n for n in CACHE_ARGS if n in inspect.signature(LlamaModel.forward).parameters)
+
+
+def cache_of(out):
+    """The KV cache an HF output carries (field `cache` or `past_key_values`, by release), or None."""
+    return next((getattr(out, n) for n in CACHE_ARGS if getattr(out, n, None) is not None), None)
+
+
+def memorizing(family: str, steps: int = 60, build=tiny_model):
+    """A tiny model (`build(family)`) trained to continue one sequence: peaked next-token logits, so that greedy
+    decoding is decided by a margin far above FP8 noise and the injected model must produce the stock tokens."""
+    model = build(family)
+    seq = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(3))[None, :SEQ]  # no token repeats
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(input_ids=seq, labels=seq).loss.backward()
+        opt.step()
+    return model.eval(), seq
+
+
+def kept_bytes(model, x) -> int:
+    """Bytes that a training forward leaves alive for backward: what autograd saves (unique storages, parameters
+    left out) plus what the output holds beside the loss (a KV cache)."""
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = model(input_ids=x, labels=x)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    cache = cache_of(out)
+    held = [t for layer in (cache.layers if cache is not None else []) for t in (layer.keys, layer.values)]
+    kept = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved + held}
+    out.loss.backward()
+    return sum(n for ptr, n in kept.items() if ptr not in params)
