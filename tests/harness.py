@@ -1,12 +1,15 @@
 """What test modules share, kept here so that no test module imports another: starting jobs in other processes
-(a free port, the environment a child needs to import this checkout, the launchers' paths, a job script run as a
-world of one, a launched job's JSON result) and the tiny HF models that the injection tests build."""
+(a free port, a child's environment, the launchers, a launched job's results, the worlds of one and two ranks a job
+script runs in) and the tiny HF models that the injection tests build."""
 from __future__ import annotations
 
+import functools
 import inspect
 import json
+import math
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -21,6 +24,7 @@ from coat_ds.hf.contract import CACHE_ARGS
 from family_cases import SEQ, VOCAB
 
 ROOT = Path(__file__).resolve().parents[1]
+DS_SCRIPTS = ROOT / "tests" / "ds_scripts"   # the job scripts the launched tests start
 
 
 def free_port() -> int:
@@ -63,6 +67,128 @@ def launch_json(cmd: list[str], out: Path, env: dict | None = None, timeout: int
     if (exit_0 and proc.returncode != 0) or not Path(out).is_file():
         pytest.fail(f"launch failed ({proc.returncode}): {' '.join(cmd)}\n{(proc.stdout + proc.stderr)[-6000:]}")
     return json.loads(Path(out).read_text())
+
+
+# examples/train.py's default model and data shrunk for CI: tiny Llama, 64-token samples, 2 samples per rank
+TRAIN_SMALL = ["--model-size", "tiny", "--seq-len", "64", "--micro-batch", "2", "--lr", "3e-3", "--eval-batches", "2"]
+
+
+def finish(proc: subprocess.Popen, timeout: int = 600) -> str:
+    """The output of a job started in a session of its own (`start_new_session=True`), once it exits (the first run
+    may JIT-build ops); on timeout the whole job is killed, not just the launcher, and the test fails."""
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"job timed out after {timeout} s:\n{out[-3000:]}")
+    return out
+
+
+# ------------------------------------------------------------------ ds_scripts/job.py and the job scripts built on it
+SAVE_AT, STEPS = 30, 50   # job.py's (release_job.py and zero_state_job.py take them): 50 steps, a checkpoint at 30
+
+
+def require_launcher() -> None:
+    """Skip where the `deepspeed` launcher is not installed."""
+    if shutil.which("deepspeed") is None:
+        pytest.skip("the deepspeed launcher is not installed")
+
+
+@functools.cache
+def unsupported(dtype: str) -> str | None:
+    """Why DeepSpeed would refuse `dtype` on this machine ("Type fp16 is not supported on your device"), or None."""
+    if dtype not in ("fp16", "bf16"):
+        return None
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    ok = getattr(acc, f"is_{dtype}_supported")()
+    return None if ok else (f"DeepSpeed's {acc.device_name()} accelerator has no {dtype} here "
+                            f"(is_{dtype}_supported() -> {ok!r})")
+
+
+def _dtype(task: str) -> str:
+    """The dtype field of a job.py task (kind:stage[:dtype...]); fp32 when left out."""
+    return (task.split(":")[2:] or ["fp32"])[0]
+
+
+def job_env() -> dict:
+    """child_env() with the job's own time limit (COAT_JOB_TIMEOUT, 300 s unless set)."""
+    env = child_env()
+    env.setdefault("COAT_JOB_TIMEOUT", "300")
+    return env
+
+
+def launch_job(out: str | Path, ckpt: str | Path, tasks: list[str], gpus: int, extra: list[str] = (),
+               job: str | Path = DS_SCRIPTS / "job.py") -> dict:
+    """`tasks` of a job script (job.py's kind:stage[:dtype...]) on `gpus` ranks through the `deepspeed` launcher,
+    checkpoints under `ckpt`; its results. A task in a dtype DeepSpeed's accelerator lacks here is left out."""
+    tasks = [t for t in tasks if unsupported(_dtype(t)) is None]
+    cmd = [shutil.which("deepspeed"), "--num_gpus", str(gpus), "--master_port", str(free_port()), *extra, str(job),
+           "--out", str(out), "--ckpt", str(ckpt), *tasks]
+    return launch_json(cmd, out, job_env())
+
+
+def launch_worlds(tmp_path_factory, name: str, job: str | Path, **worlds: tuple[list[str], int]) -> dict:
+    """A test module's launched runs of `job` on DeepSpeed's CPU accelerator, one per world and in order, sharing
+    one checkpoint folder (a later world loads what an earlier one saved): `w1=(tasks, 1), w2=(tasks, 2)` ->
+    {"w1": results, "w2": results}. Skipped where CUDA is (gpu-marked tests run there) or the launcher is not."""
+    require_launcher()
+    if torch.cuda.is_available():
+        pytest.skip("CPU-accelerator runs")
+    tmp = tmp_path_factory.mktemp(name)
+    ckpt = tmp / "ckpt"
+    ckpt.mkdir()
+    return {w: launch_job(tmp / f"{w}.json", ckpt, tasks, gpus, job=job) for w, (tasks, gpus) in worlds.items()}
+
+
+def task_result(res: dict, job: str, task: str) -> dict:
+    """What `task` returned in the run `job` of `res` ({job: results}); skipped where its dtype was left out, failed
+    with the task's error and trace where it raised."""
+    if task not in res[job]["tasks"] and unsupported(_dtype(task)):
+        pytest.skip(unsupported(_dtype(task)))
+    out = res[job]["tasks"][task]
+    assert "error" not in out, f"{job} {task}: {out.get('error')}\n{out.get('trace')}"
+    return out
+
+
+# ------------------------------------------------------------------ section_job.py and presets_job.py: 2 ranks
+def launch_results(cmd: list[str], out: Path) -> dict:
+    """Run a launcher command whose job writes each task's results per rank, or the error it raised, to `out`: the
+    file decides, not the exit status (COAT_JOB_TIMEOUT 420 s unless set)."""
+    env = child_env()
+    env.setdefault("COAT_JOB_TIMEOUT", "420")
+    return launch_json(cmd, out, env, exit_0=False)
+
+
+def ranks(result: dict, task: str) -> list[dict]:
+    """Both ranks' results of `task` in such a file; the test fails with a rank's trace where it raised."""
+    assert task in result, f"task {task} did not finish: {sorted(result)}"
+    per_rank = list(result[task].values())
+    for r in per_rank:
+        assert "error" not in r, r.get("trace", r["error"])
+    assert len(per_rank) == 2
+    return per_rank
+
+
+def launch_presets_job(tmp: Path, task: str) -> dict:
+    """presets_job.py's `task` on 2 ranks: "plain" (every ds_configs/ preset through deepspeed.initialize) or "hf"
+    (every ds_configs/hf/ config through HF Trainer)."""
+    out = tmp / "r.json"
+    cmd = [launcher("deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
+           str(DS_SCRIPTS / "presets_job.py"), "--out", str(out), "--tmp", str(tmp), task]
+    return launch_results(cmd, out)
+
+
+def assert_runs_as_configured(name: str, r: dict, cfg: dict) -> None:
+    """What presets_job recorded for one config on one rank is what the config asks for."""
+    master = cfg["coat"].get("master_weights", "fp32")
+    assert r["fp8"] == 2 and r["optimizer"] == "CoatAdamW", (name, r)          # both decoder layers are FP8
+    assert r["attention_fp8"] == [cfg["coat"]["activation"].get("attention_fp8", False)], (name, r)
+    assert r["master_weights"] == master, (name, r)
+    assert (r["fp32_master_values"] == 0) == (master != "fp32"), (name, r)  # only "fp32" keeps an fp32 copy
+    assert r["losses"] and all(math.isfinite(x) for x in r["losses"]), (name, r)
 
 
 # ------------------------------------------------------------------ tiny HF models, built in-process (no download)

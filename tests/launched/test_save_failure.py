@@ -10,8 +10,7 @@ import textwrap
 import pytest
 
 from coat_ds.deepspeed.save import write_failure
-from harness import ROOT, child_env, free_port, launcher
-from test_train import SMALL, finish
+from harness import ROOT, TRAIN_SMALL, child_env, finish, free_port, launcher
 
 
 def test_a_file_size_limit_is_named_not_torchs_enforce_fail(tmp_path):
@@ -52,7 +51,6 @@ def _tmpfs_ok() -> bool:
     return probe.returncode == 0
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(not _tmpfs_ok(), reason="needs `unshare -rm` and a tmpfs mount in a user namespace")
 def test_main_job_on_a_full_disk_says_why_and_keeps_latest(tmp_path):
     """The issue's case: the main job (2 CPU ranks) saves into a tmpfs that holds one checkpoint (~9 MiB for
@@ -61,7 +59,7 @@ def test_main_job_on_a_full_disk_says_why_and_keeps_latest(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     job = [launcher(), "--num_gpus", "2", "--master_port", str(free_port()),
-           "examples/train.py", "--deepspeed", "ds_configs/zero2_coat.json", "--save-dir", str(run), *SMALL,
+           "examples/train.py", "--deepspeed", "ds_configs/zero2_coat.json", "--save-dir", str(run), *TRAIN_SMALL,
            "--steps", "4", "--save-every", "2", "--eval-every", "0"]
     # the listing is taken inside the namespace: the tmpfs is gone once it exits
     script = (f'mount -t tmpfs -o size=14m tmpfs "{run}" && "$@"; rc=$?; echo "LS:" $(ls "{run}/checkpoints"); '
