@@ -90,7 +90,8 @@ def test_configs_share_everything_but_the_named_change():
     assert cfgs["coat_full"]["coat"]["activation"].get("enabled", True)
     for n, master in (("coat_full_bf16sr", "bf16_sr"), ("coat_full_bf16rn", "bf16_rn")):
         assert cfgs[n]["coat"] == dict(cfgs["coat_full"]["coat"], master_weights=master)
-        assert {k: v for k, v in cfgs[n].items() if k != "coat"} == {k: v for k, v in cfgs["coat_full"].items() if k != "coat"}
+        assert ({k: v for k, v in cfgs[n].items() if k != "coat"}
+                == {k: v for k, v in cfgs["coat_full"].items() if k != "coat"})
     assert "master_weights" not in cfgs["coat_full"]["coat"]
     with pytest.raises(ValueError, match="allowed"):
         ds_config("fp16", micro_batch=1)
@@ -110,7 +111,8 @@ def test_max_micro_batch_is_zero_with_what_one_needed_when_one_does_not_fit():
     got = max_micro_batch([oom], None)
     assert got["max_micro_batch"] == 0 and got["needed_gb_at_1"] == pytest.approx(91.0)
     over = {"kind": "rung", "micro_batch": 1, "fits": False, "peak_reserved_gb": 78.0}
-    assert max_micro_batch([over], None) == {"max_micro_batch": 0, "needed_gb_at_1": 78.0, "needed_from": "peak reserved"}
+    assert max_micro_batch([over], None) == {"max_micro_batch": 0, "needed_gb_at_1": 78.0,
+                                             "needed_from": "peak reserved"}
     assert max_micro_batch([], None) == {"max_micro_batch": None}
 
 

@@ -17,12 +17,15 @@ def _opt(**params) -> dict:
 
 
 BAD = [
-    (_opt(group_size=100), "optimizer.params.group_size=100 is invalid for CoatAdamW; allowed: one of [32, 64, 128, 256]"),
-    (_opt(v_format="e3m4"), "optimizer.params.v_format='e3m4' is invalid for CoatAdamW; allowed: one of ['e4m3', 'e5m2']"),
+    (_opt(group_size=100),
+     "optimizer.params.group_size=100 is invalid for CoatAdamW; allowed: one of [32, 64, 128, 256]"),
+    (_opt(v_format="e3m4"),
+     "optimizer.params.v_format='e3m4' is invalid for CoatAdamW; allowed: one of ['e4m3', 'e5m2']"),
     (_opt(group=32), "optimizer.params.group: unknown key for CoatAdamW; allowed keys: ['betas', "),
     (_opt(lr="auto"), "optimizer.params.lr='auto' is invalid for CoatAdamW; allowed: a finite number >= 0"),
     ({"optimizer": {"type": "coatadamw"}}, "optimizer.type='coatadamw' is invalid; allowed: 'CoatAdamW'"),
-    ({"coat": {"activation": {"mode": "half"}}}, "coat.activation.mode='half' is not supported; allowed: ['linear', 'full']"),
+    ({"coat": {"activation": {"mode": "half"}}},
+     "coat.activation.mode='half' is not supported; allowed: ['linear', 'full']"),
     ({"coat": {"activation": {"fwd_format": "e3m4"}}}, "coat.activation.fwd_format='e3m4' is not an FP8 format"),
     ({"coat": {"activation": {"modes": "full"}}}, "coat.activation has no key 'modes'; allowed keys: ['enabled', "),
     ({"coat": {"activations": {}}}, "coat.activations: unknown key; allowed keys: ['activation'"),
@@ -87,7 +90,8 @@ def _tag(root: Path, name: str, world: int = 2) -> Path:
     d.mkdir(parents=True)
     torch.save({"dp_world_size": world, "module": {"w": torch.ones(4)}}, d / "mp_rank_00_model_states.pt")
     for r in range(world):
-        torch.save({"optimizer_state_dict": {"x": torch.zeros(1000)}}, d / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt")
+        torch.save({"optimizer_state_dict": {"x": torch.zeros(1000)}},
+                   d / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt")
     return d
 
 

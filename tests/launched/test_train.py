@@ -31,7 +31,7 @@ def test_main_command_then_resume(tmp_path):
     train = records(run, "train")
     assert [r["step"] for r in train] == [1, 2, 3, 4]
     losses = [r["loss"] for r in train]
-    assert all(l == l and abs(l) < 100 for l in losses), losses                   # finite
+    assert all(x == x and abs(x) < 100 for x in losses), losses                   # finite
     assert sum(losses[-2:]) / 2 < losses[0], losses                                # falling
     assert [r["step"] for r in records(run, "eval")] == [2, 4]
     assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
