@@ -31,7 +31,7 @@ setup(
     install_requires=["torch>=2.11", "deepspeed>=0.19.8,<0.19.9", "transformers>=5.3", "ninja", "pybind11",
                       "tokenizers", "tqdm", "matplotlib", "numpy"],
     extras_require={
-        "dev": ["pytest", "pytest-benchmark", "accelerate", "datasets"],
+        "dev": ["pytest", "pytest-benchmark", "ruff", "accelerate", "datasets"],
         "bench": ["torchao", "bitsandbytes"],
     },
     ext_modules=ext_modules,

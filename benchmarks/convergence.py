@@ -333,7 +333,8 @@ def headline(args: argparse.Namespace, runs: dict[str, dict], tokens, t0: float)
         "target_gap_rel": TARGET_GAP,
         "within_target": None if gap(full) is None else abs(gap(full)) <= TARGET_GAP,
         "adam_state": (runs.get("bf16") or {}).get("adam_state"),
-        "runs": runs, "versions": versions(), "command": command(), "date": now(), "wall_s": time.time() - t0, "smoke": args.smoke,
+        "runs": runs, "versions": versions(), "command": command(), "date": now(), "wall_s": time.time() - t0,
+        "smoke": args.smoke,
     }
 
 

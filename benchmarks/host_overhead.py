@@ -55,8 +55,8 @@ def profile_counts(stack, x, cos, sin, grad, on_cuda: bool, top: int) -> dict:
     return {"launches_per_layer": launches / n, "aten_calls_per_layer": aten / n,
             "kernel_ms_per_layer": kernel_us / 1e3 / n,
             "kernels_per_layer": {k: v / n for k, v in kernels.most_common()},
-            "host_top_per_layer": [{"name": e.key[:90], "calls": e.count / n, "self_ms": e.self_cpu_time_total / 1e3 / n}
-                                   for e in host]}
+            "host_top_per_layer": [{"name": e.key[:90], "calls": e.count / n,
+                                    "self_ms": e.self_cpu_time_total / 1e3 / n} for e in host]}
 
 
 def measure(name: str, shape: str, base, x, cos, sin, iters: int, warmup: int, on_cuda: bool, top: int) -> dict:

@@ -72,20 +72,20 @@ def build_base(shape: str, seed: int = 0):
 
 
 def make_variant(name: str, layers):
-    layers = [copy.deepcopy(l) for l in layers]
+    layers = [copy.deepcopy(layer) for layer in layers]
     if name.startswith("coat"):
         from coat_ds.hf import CoatDecoderLayer
 
         cfg = {"mode": "linear" if name == "coat_linear" else "full", "attention_fp8": "attn_fp8" in name}
-        layers = [CoatDecoderLayer(l, cfg) for l in layers]
+        layers = [CoatDecoderLayer(layer, cfg) for layer in layers]
     if name.startswith("torchao"):
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-        layers = [convert_to_float8_training(l, config=Float8LinearConfig()) for l in layers]  # tensorwise
+        layers = [convert_to_float8_training(layer, config=Float8LinearConfig()) for layer in layers]  # tensorwise
     stack = Stack(layers)
     if name.endswith("compiled"):
-        for i, l in enumerate(stack.layers):  # one compiled graph, reused by the 4 layers
-            stack.layers[i] = torch.compile(l)
+        for i, layer in enumerate(stack.layers):  # one compiled graph, reused by the 4 layers
+            stack.layers[i] = torch.compile(layer)
     return stack
 
 
@@ -96,12 +96,12 @@ def coat_layers(stack):
 
 
 def clear_cache(stack):
-    for l in coat_layers(stack):
-        l.clear_weight_cache()
+    for layer in coat_layers(stack):
+        layer.clear_weight_cache()
 
 
 def cache_bytes(stack):
-    return sum(l.weight_cache_bytes() for l in coat_layers(stack))
+    return sum(layer.weight_cache_bytes() for layer in coat_layers(stack))
 
 
 def step(stack, x, cos, sin, grad, keep=()):
@@ -161,10 +161,10 @@ def measure(name, shape, cfg, base, x, cos, sin, iters, warmup):
         times = []
         for _ in range(iters):
             if not keep_cache:
-                clear_cache(stack)
+                clear_cache(stack)  # noqa: F821 (ruff's false positive on a name deleted after the closure ran)
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
-            step(stack, x, cos, sin, grad)
+            step(stack, x, cos, sin, grad)  # noqa: F821 (as above)
             b.record()
             torch.cuda.synchronize()
             times.append(a.elapsed_time(b) / N_LAYERS)
@@ -264,7 +264,8 @@ def account(shapes, variants, seq: int = 64):
         for name in (v for v in variants if not v.endswith("compiled")):
             stack, saved = make_variant(name, base), []
             skip = {t.untyped_storage().data_ptr() for t in (*stack.parameters(), cos, sin)}
-            with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            # noqa below: ruff's false positive on a name deleted after the closure ran
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):  # noqa: F821
                 out = stack(x.detach().requires_grad_(), cos, sin)
             kept = {t.untyped_storage().data_ptr(): t for t in saved if t.untyped_storage().data_ptr() not in skip}
             per = BATCH * SEQ * cfg.hidden_size

@@ -83,7 +83,6 @@ def copy_gbps(numel: int, device: str, runs: int) -> float:
     src = torch.randn(numel, device=device)
     dst = torch.empty_like(src)
     ms = median_ms(lambda: dst.copy_(src), device, 3, runs)
-    del src, dst
     return 2 * numel * 4 / (ms * 1e6)
 
 

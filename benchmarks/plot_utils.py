@@ -166,7 +166,8 @@ def plot_offload(res: dict, path: Path) -> None:
         ax.set_ylim(0, ax.get_ylim()[1] * 1.25)   # room for the labels above the tallest bar
         handles, labels = ax.get_legend_handles_labels()
         first = dict(zip(labels[::-1], handles[::-1]))   # one entry per category
-        ax.legend([first[c] for c in cats if c in first], [c for c in cats if c in first], fontsize=7, loc="upper right")
+        shown = [c for c in cats if c in first]
+        ax.legend([first[c] for c in shown], shown, fontsize=7, loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -12,7 +12,8 @@ seed_spread.json/png plus a tarball of the rest: a device call returns at most 8
 
     python benchmarks/seed_spread.py --configs bf16,coat_full --seeds 0,1 --time-budget 555 --out OUT
     python benchmarks/seed_spread.py --configs coat_opt,coat_full_bf16sr --seeds 0,1 --time-budget 555 --out OUT
-    python benchmarks/seed_spread.py --configs bf16,coat_opt,coat_full,coat_full_bf16sr --seeds 2 --time-budget 555 --out OUT
+    python benchmarks/seed_spread.py --configs bf16,coat_opt,coat_full,coat_full_bf16sr --seeds 2 --time-budget 555 \
+        --out OUT
     python benchmarks/seed_spread.py --long --seeds 0 --time-budget 555 --out OUT
     python benchmarks/seed_spread.py --smoke --out /tmp/seeds                       # CPU, tiny, < 60 s
 
@@ -256,7 +257,8 @@ def plot(res: dict, path: Path, keys: list[str]) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
         names = list(sec["runs"])
-        ax2.set(xlim=(-0.5, len(names) - 0.5), xticks=range(len(names)), xticklabels=[n.replace("_", "\n", 1) for n in names],
+        ax2.set(xlim=(-0.5, len(names) - 0.5), xticks=range(len(names)),
+                xticklabels=[n.replace("_", "\n", 1) for n in names],
                 ylabel=f"val loss at step {sec['steps_compared']}", title="each seed, mean +- std")
         ax2.grid(alpha=0.3)
     fig.tight_layout()

@@ -1,7 +1,7 @@
 """Writes the preset configs of ds_configs/ (named by what they give) and their HF Trainer ("auto") twins.
 
     python ds_configs/presets.py           # rewrite the files
-    python ds_configs/presets.py --check   # exit 1 naming the first file that differs (tests/test_presets.py)
+    python ds_configs/presets.py --check   # exit 1 naming the first file that differs (tests/launched/test_presets.py)
 
 Each preset is a measured config of this folder (the ZeRO layout, optimizer and FP8 activation flow the
 benchmarks ran) with one intent's "coat" settings laid over it; docs/presets.md says what each trades.

@@ -116,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     optimizer = type(getattr(engine, "basic_optimizer", None)).__name__
     fp8_layers = sum(type(m).__name__ == "CoatDecoderLayer" for m in trainer.model.modules())
     if trainer.is_world_process_zero():
-        print(json.dumps({"engine": type(engine).__name__, "optimizer": optimizer, "fp8_layers": fp8_layers,"train_loss_first": losses[0] if losses else None,
+        print(json.dumps({"engine": type(engine).__name__, "optimizer": optimizer, "fp8_layers": fp8_layers,
+                          "train_loss_first": losses[0] if losses else None,
                           "train_loss_last": losses[-1] if losses else None, "train_loss_mean": result.training_loss,
                           "eval_loss": metrics["eval_loss"], "steps": trainer.state.global_step}), flush=True)
     ok = all(math.isfinite(v) for v in losses + [metrics["eval_loss"]])

@@ -6,9 +6,9 @@
     python examples/train.py --deepspeed ds_configs/zero2_coat.json --steps 20     # one process, no launcher
 
 Everything about the optimizer, ZeRO stage, precision and FP8 activations comes from the JSON config; this
-script brings the loop, on the model and data builders of coat_ds.recipes (which the benchmarks share). Defaults run offline on any machine (DeepSpeed's CPU
-accelerator when there is no GPU): a small Llama built from a config, trained on the running interpreter's
-standard library sources. See docs/train.md for every flag and config key.
+script brings the loop, on the model and data builders of coat_ds.recipes (which the benchmarks share). Defaults
+run offline on any machine (DeepSpeed's CPU accelerator when there is no GPU): a small Llama built from a config,
+trained on the running interpreter's standard library sources. See docs/train.md for every flag and config key.
 
 Outputs in --save-dir: log.jsonl (one line per step and per evaluation), loss.png (train/val loss and
 memory), summary.json, checkpoints/ (DeepSpeed checkpoints; `latest` is only moved once a checkpoint is
@@ -47,7 +47,8 @@ DEFAULTS = dict(
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--deepspeed", "--deepspeed_config", dest="deepspeed", metavar="JSON",
                    help="DeepSpeed config (optimizer, ZeRO, precision, the coat section)")
     p.add_argument("--model", help="HF model name or path to fine-tune (default: a Llama built from --model-size)")

@@ -1,7 +1,7 @@
 """One small default-config model per registered family, built as users build them (AutoConfig.for_model +
 AutoModelForCausalLM.from_config): small sizes through config kwargs, HF's defaults otherwise (use_cache=True).
-Shared by tests/test_families.py and the 2-rank ZeRO-3 job it launches; a family registered without a case
-here fails that test."""
+Shared by tests/test_families.py and the 2-rank ZeRO-3 job of tests/launched/test_families_zero3.py; a family
+registered without a case here fails them."""
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -1,18 +1,30 @@
-"""What the tests that start other processes share: a free port, the environment a child needs to import this
-checkout, the launchers' paths, a job script run as a world of one, and a launched job's JSON result."""
+"""What test modules share, kept here so that no test module imports another: starting jobs in other processes
+(a free port, a child's environment, the launchers, a launched job's results, the worlds of one and two ranks a job
+script runs in) and the tiny HF models that the injection tests build."""
 from __future__ import annotations
 
+import functools
+import inspect
 import json
+import math
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+from transformers import (LlamaConfig, LlamaForCausalLM, LlamaModel, MistralConfig, MistralForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM)
+
+from coat_ds.hf.contract import CACHE_ARGS
+from family_cases import SEQ, VOCAB
 
 ROOT = Path(__file__).resolve().parents[1]
+DS_SCRIPTS = ROOT / "tests" / "ds_scripts"   # the job scripts the launched tests start
 
 
 def free_port() -> int:
@@ -55,3 +67,219 @@ def launch_json(cmd: list[str], out: Path, env: dict | None = None, timeout: int
     if (exit_0 and proc.returncode != 0) or not Path(out).is_file():
         pytest.fail(f"launch failed ({proc.returncode}): {' '.join(cmd)}\n{(proc.stdout + proc.stderr)[-6000:]}")
     return json.loads(Path(out).read_text())
+
+
+# examples/train.py's default model and data shrunk for CI: tiny Llama, 64-token samples, 2 samples per rank
+TRAIN_SMALL = ["--model-size", "tiny", "--seq-len", "64", "--micro-batch", "2", "--lr", "3e-3", "--eval-batches", "2"]
+
+
+def finish(proc: subprocess.Popen, timeout: int = 600) -> str:
+    """The output of a job started in a session of its own (`start_new_session=True`), once it exits (the first run
+    may JIT-build ops); on timeout the whole job is killed, not just the launcher, and the test fails."""
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"job timed out after {timeout} s:\n{out[-3000:]}")
+    return out
+
+
+# ------------------------------------------------------------------ ds_scripts/job.py and the job scripts built on it
+SAVE_AT, STEPS = 30, 50   # job.py's (release_job.py and zero_state_job.py take them): 50 steps, a checkpoint at 30
+
+
+def require_launcher() -> None:
+    """Skip where the `deepspeed` launcher is not installed."""
+    if shutil.which("deepspeed") is None:
+        pytest.skip("the deepspeed launcher is not installed")
+
+
+@functools.cache
+def unsupported(dtype: str) -> str | None:
+    """Why DeepSpeed would refuse `dtype` on this machine ("Type fp16 is not supported on your device"), or None."""
+    if dtype not in ("fp16", "bf16"):
+        return None
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    ok = getattr(acc, f"is_{dtype}_supported")()
+    return None if ok else (f"DeepSpeed's {acc.device_name()} accelerator has no {dtype} here "
+                            f"(is_{dtype}_supported() -> {ok!r})")
+
+
+def _dtype(task: str) -> str:
+    """The dtype field of a job.py task (kind:stage[:dtype...]); fp32 when left out."""
+    return (task.split(":")[2:] or ["fp32"])[0]
+
+
+def job_env() -> dict:
+    """child_env() with the job's own time limit (COAT_JOB_TIMEOUT, 300 s unless set)."""
+    env = child_env()
+    env.setdefault("COAT_JOB_TIMEOUT", "300")
+    return env
+
+
+def launch_job(out: str | Path, ckpt: str | Path, tasks: list[str], gpus: int, extra: list[str] = (),
+               job: str | Path = DS_SCRIPTS / "job.py") -> dict:
+    """`tasks` of a job script (job.py's kind:stage[:dtype...]) on `gpus` ranks through the `deepspeed` launcher,
+    checkpoints under `ckpt`; its results. A task in a dtype DeepSpeed's accelerator lacks here is left out."""
+    tasks = [t for t in tasks if unsupported(_dtype(t)) is None]
+    cmd = [shutil.which("deepspeed"), "--num_gpus", str(gpus), "--master_port", str(free_port()), *extra, str(job),
+           "--out", str(out), "--ckpt", str(ckpt), *tasks]
+    return launch_json(cmd, out, job_env())
+
+
+def launch_worlds(tmp_path_factory, name: str, job: str | Path, **worlds: tuple[list[str], int]) -> dict:
+    """A test module's launched runs of `job` on DeepSpeed's CPU accelerator, one per world and in order, sharing
+    one checkpoint folder (a later world loads what an earlier one saved): `w1=(tasks, 1), w2=(tasks, 2)` ->
+    {"w1": results, "w2": results}. Skipped where CUDA is (gpu-marked tests run there) or the launcher is not."""
+    require_launcher()
+    if torch.cuda.is_available():
+        pytest.skip("CPU-accelerator runs")
+    tmp = tmp_path_factory.mktemp(name)
+    ckpt = tmp / "ckpt"
+    ckpt.mkdir()
+    return {w: launch_job(tmp / f"{w}.json", ckpt, tasks, gpus, job=job) for w, (tasks, gpus) in worlds.items()}
+
+
+def task_result(res: dict, job: str, task: str) -> dict:
+    """What `task` returned in the run `job` of `res` ({job: results}); skipped where its dtype was left out, failed
+    with the task's error and trace where it raised."""
+    if task not in res[job]["tasks"] and unsupported(_dtype(task)):
+        pytest.skip(unsupported(_dtype(task)))
+    out = res[job]["tasks"][task]
+    assert "error" not in out, f"{job} {task}: {out.get('error')}\n{out.get('trace')}"
+    return out
+
+
+# ------------------------------------------------------------------ section_job.py and presets_job.py: 2 ranks
+def launch_results(cmd: list[str], out: Path) -> dict:
+    """Run a launcher command whose job writes each task's results per rank, or the error it raised, to `out`: the
+    file decides, not the exit status (COAT_JOB_TIMEOUT 420 s unless set)."""
+    env = child_env()
+    env.setdefault("COAT_JOB_TIMEOUT", "420")
+    return launch_json(cmd, out, env, exit_0=False)
+
+
+def ranks(result: dict, task: str) -> list[dict]:
+    """Both ranks' results of `task` in such a file; the test fails with a rank's trace where it raised."""
+    assert task in result, f"task {task} did not finish: {sorted(result)}"
+    per_rank = list(result[task].values())
+    for r in per_rank:
+        assert "error" not in r, r.get("trace", r["error"])
+    assert len(per_rank) == 2
+    return per_rank
+
+
+def launch_presets_job(tmp: Path, task: str) -> dict:
+    """presets_job.py's `task` on 2 ranks: "plain" (every ds_configs/ preset through deepspeed.initialize) or "hf"
+    (every ds_configs/hf/ config through HF Trainer)."""
+    out = tmp / "r.json"
+    cmd = [launcher("deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
+           str(DS_SCRIPTS / "presets_job.py"), "--out", str(out), "--tmp", str(tmp), task]
+    return launch_results(cmd, out)
+
+
+def assert_runs_as_configured(name: str, r: dict, cfg: dict) -> None:
+    """What presets_job recorded for one config on one rank is what the config asks for."""
+    master = cfg["coat"].get("master_weights", "fp32")
+    assert r["fp8"] == 2 and r["optimizer"] == "CoatAdamW", (name, r)          # both decoder layers are FP8
+    assert r["attention_fp8"] == [cfg["coat"]["activation"].get("attention_fp8", False)], (name, r)
+    assert r["master_weights"] == master, (name, r)
+    assert (r["fp32_master_values"] == 0) == (master != "fp32"), (name, r)  # only "fp32" keeps an fp32 copy
+    assert r["losses"] and all(math.isfinite(x) for x in r["losses"]), (name, r)
+
+
+# ------------------------------------------------------------------ tiny HF models, built in-process (no download)
+TINY_SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  max_position_embeddings=128)
+_LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+_TINY_CONFIGS = {
+    "llama2": (LlamaForCausalLM, LlamaConfig, dict(num_key_value_heads=4)),
+    # GQA (4 query heads on 2 kv heads), llama3 rope scaling, tied embeddings
+    "llama3-gqa": (LlamaForCausalLM, LlamaConfig, dict(num_key_value_heads=2, tie_word_embeddings=True,
+                                                       rope_parameters=_LLAMA3_ROPE)),
+    # a window (8) shorter than the sequence (24), so the window matters
+    "mistral": (MistralForCausalLM, MistralConfig, dict(num_key_value_heads=2, sliding_window=8)),
+    # q/k/v biases; layer 1 slides, layer 0 does not
+    "qwen2": (Qwen2ForCausalLM, Qwen2Config, dict(num_key_value_heads=2, use_sliding_window=True, sliding_window=8,
+                                                  max_window_layers=1)),
+}
+TINY_MODELS = list(_TINY_CONFIGS)
+
+
+def tiny_model(name: str, seed: int = 0, **kw) -> torch.nn.Module:
+    """The TINY_MODELS variant `name`, randomly initialized from `seed`; `kw` overrides its config."""
+    model_cls, config_cls, own = _TINY_CONFIGS[name]
+    torch.manual_seed(seed)
+    return model_cls(config_cls(**{**TINY_SHAPE, **own, **kw}))
+
+
+def tiny_batch(seed: int = 0, batch: int = 2) -> torch.Tensor:
+    """`batch` random sequences of SEQ tokens."""
+    return torch.randint(0, VOCAB, (batch, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b||, in fp32."""
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def assert_close_to_stock(stock, injected, x, loss_tol=2e-3, logits_tol=0.08, grad_max=0.25, grad_mean=0.15) -> dict:
+    """Forward + backward of both on `x`; checks the bounds (tests/test_inject.py says why these) and returns the
+    measured errors."""
+    ref, out = stock(input_ids=x, labels=x), injected(input_ids=x, labels=x)
+    ref.loss.backward()
+    out.loss.backward()
+    assert torch.isfinite(out.loss) and torch.isfinite(out.logits).all()
+    errs = {}
+    for (name, p), (name2, q) in zip(stock.named_parameters(), injected.named_parameters()):
+        assert name == name2
+        assert q.grad is not None and torch.isfinite(q.grad).all(), name
+        errs[name] = rel_error(q.grad, p.grad)
+    measured = {"loss": abs(out.loss.item() - ref.loss.item()) / ref.loss.item(),
+                "logits": rel_error(out.logits, ref.logits), "grad_max": max(errs.values()),
+                "grad_mean": sum(errs.values()) / len(errs)}
+    assert measured["loss"] < loss_tol, measured
+    assert 1e-3 < measured["logits"] < logits_tol, measured
+    assert measured["grad_max"] < grad_max, errs
+    assert measured["grad_mean"] < grad_mean, errs
+    return measured
+
+
+# The name under which this transformers release takes the cache (the other one is a deprecated alias or absent).
+CACHE_KW = next(n for n in CACHE_ARGS if n in inspect.signature(LlamaModel.forward).parameters)
+
+
+def cache_of(out):
+    """The KV cache an HF output carries (field `cache` or `past_key_values`, by release), or None."""
+    return next((getattr(out, n) for n in CACHE_ARGS if getattr(out, n, None) is not None), None)
+
+
+def memorizing(family: str, steps: int = 60, build=tiny_model):
+    """A tiny model (`build(family)`) trained to continue one sequence: peaked next-token logits, so that greedy
+    decoding is decided by a margin far above FP8 noise and the injected model must produce the stock tokens."""
+    model = build(family)
+    seq = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(3))[None, :SEQ]  # no token repeats
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(input_ids=seq, labels=seq).loss.backward()
+        opt.step()
+    return model.eval(), seq
+
+
+def kept_bytes(model, x) -> int:
+    """Bytes that a training forward leaves alive for backward: what autograd saves (unique storages, parameters
+    left out) plus what the output holds beside the loss (a KV cache)."""
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = model(input_ids=x, labels=x)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    cache = cache_of(out)
+    held = [t for layer in (cache.layers if cache is not None else []) for t in (layer.keys, layer.values)]
+    kept = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved + held}
+    out.loss.backward()
+    return sum(n for ptr, n in kept.items() if ptr not in params)

@@ -5,7 +5,6 @@ Where a kernel computes fp32 values in another order than the reference (rsqrt, 
 land on the neighbouring FP8 code: each element within one FP8 step (2^-3 relative for E4M3 output,
 2^-2 for E5M2) and >= 99% of them identical. bf16 outputs: 2 bf16 ulps (2^-7 relative) + 1e-6 absolute."""
 import copy
-import os
 
 import pytest
 import torch

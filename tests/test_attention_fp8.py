@@ -37,9 +37,9 @@ def _stack(attn="sdpa", device="cpu", **coat):
     cfg._attn_implementation = attn
     layers = [LlamaDecoderLayer(cfg, i).to(device, torch.bfloat16) for i in range(LAYERS)]
     with torch.no_grad():
-        for p in (p for l in layers for p in l.parameters()):
+        for p in (p for layer in layers for p in layer.parameters()):
             p.normal_(0, 0.05) if p.dim() > 1 else p.uniform_(0.5, 1.5)
-    return cfg, torch.nn.ModuleList([CoatDecoderLayer(l, coat) for l in layers])
+    return cfg, torch.nn.ModuleList([CoatDecoderLayer(layer, coat) for layer in layers])
 
 
 def _run(cfg, stack, saved=None):
@@ -48,7 +48,8 @@ def _run(cfg, stack, saved=None):
     x = torch.randn(B, S, H, generator=torch.Generator().manual_seed(7)).to(dev, torch.bfloat16).requires_grad_()
     pos = torch.arange(S, device=dev)[None].expand(B, S)
     pe = LlamaRotaryEmbedding(cfg).to(dev)(x, pos)
-    mask = None if cfg._attn_implementation == "sdpa" else torch.full((S, S), -torch.inf, device=dev).triu(1)[None, None]
+    causal = torch.full((S, S), -torch.inf, device=dev).triu(1)[None, None]
+    mask = None if cfg._attn_implementation == "sdpa" else causal
     pack = (lambda t: saved.append(t) or t) if saved is not None else (lambda t: t)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         y = x
@@ -200,7 +201,8 @@ def test_function_saves_fp8_and_matches_stock():
         assert torch.isfinite(a).all() and _cos(a, b) > 0.99, _cos(a, b)
 
 
-@pytest.mark.parametrize("attn,mode,device", [("sdpa", "full", "cpu"), ("eager", "full", "cpu"), ("sdpa", "linear", "cpu"),
+@pytest.mark.parametrize("attn,mode,device", [("sdpa", "full", "cpu"), ("eager", "full", "cpu"),
+                                              ("sdpa", "linear", "cpu"),
                                               pytest.param("sdpa", "full", "cuda", marks=pytest.mark.gpu),
                                               pytest.param("eager", "full", "cuda", marks=pytest.mark.gpu)])
 def test_stack_gradients_close(attn, mode, device):
@@ -217,7 +219,8 @@ def test_stack_gradients_close(attn, mode, device):
     _, dxb, gb, _ = _run(cfg, bf16)
     assert torch.equal(y0, y1)  # the forward is unchanged
     checks = {"dx": (dx1, dx0, dxb)}
-    checks.update({n: (g1[n], g0[n], gb[n]) for n in g0 if n.split(".")[-2] in ("q_proj", "k_proj", "v_proj", "o_proj")})
+    projections = ("q_proj", "k_proj", "v_proj", "o_proj")
+    checks.update({n: (g1[n], g0[n], gb[n]) for n in g0 if n.split(".")[-2] in projections})
     for name, (a, b, ref) in checks.items():
         assert torch.isfinite(a).all(), name
         assert _cos(a, b) > 0.99, (name, _cos(a, b))

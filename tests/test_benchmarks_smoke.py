@@ -90,7 +90,8 @@ def test_configs_share_everything_but_the_named_change():
     assert cfgs["coat_full"]["coat"]["activation"].get("enabled", True)
     for n, master in (("coat_full_bf16sr", "bf16_sr"), ("coat_full_bf16rn", "bf16_rn")):
         assert cfgs[n]["coat"] == dict(cfgs["coat_full"]["coat"], master_weights=master)
-        assert {k: v for k, v in cfgs[n].items() if k != "coat"} == {k: v for k, v in cfgs["coat_full"].items() if k != "coat"}
+        assert ({k: v for k, v in cfgs[n].items() if k != "coat"}
+                == {k: v for k, v in cfgs["coat_full"].items() if k != "coat"})
     assert "master_weights" not in cfgs["coat_full"]["coat"]
     with pytest.raises(ValueError, match="allowed"):
         ds_config("fp16", micro_batch=1)
@@ -110,7 +111,8 @@ def test_max_micro_batch_is_zero_with_what_one_needed_when_one_does_not_fit():
     got = max_micro_batch([oom], None)
     assert got["max_micro_batch"] == 0 and got["needed_gb_at_1"] == pytest.approx(91.0)
     over = {"kind": "rung", "micro_batch": 1, "fits": False, "peak_reserved_gb": 78.0}
-    assert max_micro_batch([over], None) == {"max_micro_batch": 0, "needed_gb_at_1": 78.0, "needed_from": "peak reserved"}
+    assert max_micro_batch([over], None) == {"max_micro_batch": 0, "needed_gb_at_1": 78.0,
+                                             "needed_from": "peak reserved"}
     assert max_micro_batch([], None) == {"max_micro_batch": None}
 
 
@@ -125,6 +127,7 @@ def test_grad_accum_dtype_reaches_every_config_and_only_when_asked():
 # ---------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def smoke_runs(tmp_path_factory):
+    """The four smokes side by side, ~3.5 min on 2 cores: the tests that read them are marked slow."""
     tmp = tmp_path_factory.mktemp("bench")
     env = dict(os.environ, COAT_DISABLE_OPS="1", COAT_DATA_CACHE=str(tmp / "data_cache"), PYTHONUNBUFFERED="1")
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
@@ -150,6 +153,7 @@ def smoke_runs(tmp_path_factory):
     return tmp, outs
 
 
+@pytest.mark.slow
 def test_e2e_smoke_writes_json_and_png(smoke_runs):
     tmp, outs = smoke_runs
     log, rc = outs["e2e"]
@@ -191,6 +195,7 @@ def test_e2e_smoke_writes_json_and_png(smoke_runs):
         assert prof["host_top"] and all(h["ms"] > 0 for h in prof["host_top"])
 
 
+@pytest.mark.slow
 def test_hf_trainer_smoke_compares_the_trainer_with_the_plain_loop_on_the_config_hf_fills(smoke_runs):
     """HF Trainer and the plain loop build the same engine from the HF config: one param group (HF's, for a
     config optimizer), reduce_bucket_size = hidden_size^2 where the config says "auto" and the tuned value
@@ -274,6 +279,7 @@ def test_hf_trainer_counts_device_synchronize_by_the_caller_outside_torch(monkey
     assert len(calls) == 4 and torch.cuda.synchronize is patched   # each call went through; the original is back
 
 
+@pytest.mark.slow
 def test_convergence_smoke_writes_json_png_and_a_state_quant_error_reads(smoke_runs):
     tmp, outs = smoke_runs
     log, rc = outs["convergence"]
@@ -320,6 +326,7 @@ def test_host_overhead_dry_run_reports_per_layer_host_time(tmp_path):
     assert bad.returncode == 2 and "--seq=100 is invalid; allowed: a multiple of 16" in bad.stderr
 
 
+@pytest.mark.slow  # ~15 s with warm caches, 20-45 s in a fresh clone
 def test_seed_spread_smoke_statistics_recompute_from_each_seed_and_merge_keeps_what_ran(tmp_path):
     import statistics
 
@@ -364,6 +371,7 @@ def test_seed_spread_smoke_statistics_recompute_from_each_seed_and_merge_keeps_w
     assert sec["summary"]["bf16"]["final"] == [st["bf16"]["final"][0], 0.5]
 
 
+@pytest.mark.slow
 def test_e2e_real_shapes_smoke_merges_its_case_and_records_the_loss_path(smoke_runs):
     """e2e_real_shapes.py --smoke: the tiny case's two configurations through e2e.py's workers; lowest_memory runs
     the chunked loss (a "coat" section), BF16 the stock one; a second case merges beside the first."""
@@ -393,6 +401,7 @@ def test_e2e_real_shapes_smoke_merges_its_case_and_records_the_loss_path(smoke_r
     assert (tmp / "real_shapes" / "e2e_real_shapes.png").stat().st_size > 10_000
 
 
+@pytest.mark.slow  # ~15 s with warm caches, 20-45 s in a fresh clone
 def test_offload_smoke_rows_account_for_every_host_byte(tmp_path):
     """benchmarks/offload.py --smoke (ZeRO-2 Offload on DeepSpeed's CPU accelerator): each row's host tensors add
     up by category, per parameter, to the bytes of the layout DeepSpeed and the bf16 master keep, and to the

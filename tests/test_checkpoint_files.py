@@ -1,6 +1,7 @@
 """The per-parameter form of a checkpoint without DeepSpeed: two ranks' partitions cut through FP8 groups are
-gathered back into whole parameters exactly, and the universal file form round-trips (test_deepspeed.py runs the
-same code through real engines). Files are read with DeepSpeed's classes only: one carrying code is refused unrun."""
+gathered back into whole parameters exactly, and the universal file form round-trips (launched/test_deepspeed.py
+runs the same code through real engines). Files are read with DeepSpeed's classes only: one carrying code is
+refused unrun."""
 from dataclasses import astuple
 
 import pytest

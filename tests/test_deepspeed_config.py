@@ -40,10 +40,12 @@ def test_unknown_param_is_an_error():
 
 def test_coat_section():
     assert coat_section({}).activation is None
-    with pytest.raises(ValueError, match=r"coat.optim: unknown key; allowed keys: \['activation', 'master_weights', 'loss', 'gradients'\]"):
+    with pytest.raises(ValueError, match=r"coat.optim: unknown key; allowed keys: "
+                                         r"\['activation', 'master_weights', 'loss', 'gradients'\]"):
         coat_section({"coat": {"optim": {}}})
     assert coat_section({}).gradients == coat_section({"coat": {}}).gradients == "per_parameter"
-    with pytest.raises(ValueError, match=r"^coat.gradients='flat' is invalid; allowed: \['per_parameter', 'partition_buffer', 'release'\]$"):
+    with pytest.raises(ValueError, match=r"^coat.gradients='flat' is invalid; allowed: "
+                                         r"\['per_parameter', 'partition_buffer', 'release'\]$"):
         check_config({"coat": {"gradients": "flat"}})
     with pytest.raises(ValueError, match="coat.activation"):
         coat_section({"coat": {"activation": {"no_such_key": 1}}})

@@ -1,9 +1,7 @@
 """Bad input is refused in one line before any model, data or device memory: coat_ds.deepspeed.check's
-config and checkpoint checks, and the examples that exit 2 on them (--resume / --resume-from included)."""
+config and checkpoint checks (the examples that exit 2 on them: launched/test_fail_fast_examples.py)."""
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,10 +9,7 @@ import torch
 
 from coat_ds.deepspeed.check import check_config, check_tag, intact_tags
 from coat_ds.deepspeed.checkpoint import CheckpointError
-from harness import ROOT, child_env, free_port, launcher
-COAT = {"type": "CoatAdamW", "params": {"lr": 1e-3}}
-TINY = ["--model-size", "tiny", "--seq-len", "64", "--micro-batch", "2", "--lr", "3e-3", "--eval-batches", "1",
-        "--eval-every", "0"]
+from harness import ROOT
 
 
 def _opt(**params) -> dict:
@@ -22,12 +17,15 @@ def _opt(**params) -> dict:
 
 
 BAD = [
-    (_opt(group_size=100), "optimizer.params.group_size=100 is invalid for CoatAdamW; allowed: one of [32, 64, 128, 256]"),
-    (_opt(v_format="e3m4"), "optimizer.params.v_format='e3m4' is invalid for CoatAdamW; allowed: one of ['e4m3', 'e5m2']"),
+    (_opt(group_size=100),
+     "optimizer.params.group_size=100 is invalid for CoatAdamW; allowed: one of [32, 64, 128, 256]"),
+    (_opt(v_format="e3m4"),
+     "optimizer.params.v_format='e3m4' is invalid for CoatAdamW; allowed: one of ['e4m3', 'e5m2']"),
     (_opt(group=32), "optimizer.params.group: unknown key; allowed keys: ['betas', "),
     (_opt(lr="auto"), "optimizer.params.lr='auto' is invalid for CoatAdamW; allowed: a finite number >= 0"),
     ({"optimizer": {"type": "coatadamw"}}, "optimizer.type='coatadamw' is invalid; allowed: 'CoatAdamW'"),
-    ({"coat": {"activation": {"mode": "half"}}}, "coat.activation.mode='half' is not supported; allowed: ['linear', 'full']"),
+    ({"coat": {"activation": {"mode": "half"}}},
+     "coat.activation.mode='half' is not supported; allowed: ['linear', 'full']"),
     ({"coat": {"activation": {"fwd_format": "e3m4"}}}, "coat.activation.fwd_format='e3m4' is not an FP8 format"),
     ({"coat": {"activation": {"modes": "full"}}}, "coat.activation.modes: unknown key; allowed keys: ['enabled', "),
     ({"coat": {"activations": {}}}, "coat.activations: unknown key; allowed keys: ['activation'"),
@@ -92,7 +90,8 @@ def _tag(root: Path, name: str, world: int = 2) -> Path:
     d.mkdir(parents=True)
     torch.save({"dp_world_size": world, "module": {"w": torch.ones(4)}}, d / "mp_rank_00_model_states.pt")
     for r in range(world):
-        torch.save({"optimizer_state_dict": {"x": torch.zeros(1000)}}, d / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt")
+        torch.save({"optimizer_state_dict": {"x": torch.zeros(1000)}},
+                   d / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt")
     return d
 
 
@@ -114,64 +113,3 @@ def test_check_tag_names_the_missing_or_truncated_file(tmp_path):
     (tmp_path / "global_step5.tmp").mkdir()  # a save killed midway: never a tag
     assert intact_tags(str(tmp_path)) == ["global_step20", "global_step4"]  # newest first, by step number
     assert intact_tags(str(tmp_path), exclude="global_step20") == ["global_step4"]
-
-
-# ---------------------------------------------------------------------------------------------- the examples
-def _env() -> dict:
-    e = child_env()
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
-        e.pop(key, None)
-    return e
-
-
-def _run(cmd: list[str], timeout: int = 600) -> tuple[int, str]:
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
-    return proc.returncode, proc.stdout + proc.stderr
-
-
-def _errors(out: str) -> list[str]:
-    return [line for line in out.splitlines() if line.startswith("error:")]
-
-
-@pytest.mark.slow
-def test_bad_config_exits_2_once_before_data_or_model(tmp_path):
-    """2 ranks through the launcher: one `error:` line (rank 0), exit 2, and it comes before the data (a
-    missing --data path would be reported otherwise) and the model (nothing is written to --save-dir)."""
-    cfg = json.loads((ROOT / "ds_configs/zero2_coat.json").read_text())
-    cfg["optimizer"]["params"]["group_size"] = 100
-    (tmp_path / "bad.json").write_text(json.dumps(cfg))
-    common = ["--deepspeed", str(tmp_path / "bad.json"), "--data", str(tmp_path / "no_data")]
-    rc, out = _run([launcher(), "--num_gpus", "2", "--master_port", str(free_port()),
-                    "examples/train.py", *common, "--save-dir", str(tmp_path / "run")])
-    want = "error: optimizer.params.group_size=100 is invalid for CoatAdamW; allowed: one of [32, 64, 128, 256]"
-    assert rc == 2 and _errors(out) == [want] and "Traceback" not in out, out[-3000:]
-    assert not (tmp_path / "run").exists()
-    rc, out = _run([sys.executable, "examples/hf_trainer.py", *common, "--output-dir", str(tmp_path / "hf")])
-    assert rc == 2 and _errors(out) == [want] and "Traceback" not in out, out[-3000:]
-
-
-@pytest.mark.slow
-def test_unreadable_latest_checkpoint_names_file_and_intact_tags_then_resume_from(tmp_path):
-    run, train = tmp_path / "run", [sys.executable, "examples/train.py", "--save-dir", str(tmp_path / "run"), *TINY]
-    rc, out = _run([*train, "--steps", "4", "--save-every", "2"])
-    assert rc == 0, out[-3000:]
-    log = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
-    ckpt = run / "checkpoints"
-    assert (ckpt / "latest").read_text() == "step0000004"
-    bad = sorted((ckpt / "step0000004").glob("*optim_states.pt"))[0]
-    os.truncate(bad, bad.stat().st_size // 2)
-
-    rc, out = _run([*train, "--steps", "4", "--resume"])
-    assert rc == 2 and "Traceback" not in out, out[-3000:]
-    [line] = _errors(out)
-    assert line.startswith(f"error: checkpoint step0000004 cannot be loaded: checkpoint file unreadable "
-                           f"(truncated or corrupt): {bad} ") and line.endswith(
-        "; intact tags: step0000002 (resume with --resume-from TAG)"), line
-
-    rc, out = _run([*train, "--steps", "4", "--resume-from", "step0000002"])
-    assert rc == 0, out[-3000:]
-    again = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
-    train_of = lambda recs: [(r["step"], r["loss"]) for r in recs if r["kind"] == "train"]  # noqa: E731
-    assert train_of(again) == train_of(log)  # steps 1-2 kept, 3-4 re-run from step 2: the same losses
-    assert (ckpt / "latest").read_text() == "step0000004"
-    check_tag(str(ckpt / "step0000004"))  # the bad tag was written anew

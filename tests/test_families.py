@@ -1,15 +1,8 @@
 """The contract every registered family passes (coat_ds.hf.supported_model_types()), on whole default-config
 models (tests/family_cases.py): every decoder layer swapped; training loss and gradients close to stock;
 cached decoding and greedy generate equal to the stock model's on peaked logits; revert restores the stock
-model; attention_fp8 keeps fewer bytes; ZeRO-3 under zero.Init with 2 ranks (slow)."""
+model; attention_fp8 keeps fewer bytes. ZeRO-3 under zero.Init with 2 ranks: launched/test_families_zero3.py."""
 import copy
-import json
-import os
-import shutil
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,8 +10,7 @@ import torch
 import coat_ds
 from coat_ds.hf import CoatDecoderLayer, get_policy, supported_model_types
 from family_cases import BOUNDS, SEQ, VOCAB, build
-from test_hf_contract import CACHE_KW, _cache_of, _kept_bytes, _memorizing
-from test_inject import _assert_close_to_stock, _rel
+from harness import CACHE_KW, assert_close_to_stock, cache_of, kept_bytes, memorizing, rel_error
 
 FAMILIES = supported_model_types()
 
@@ -39,12 +31,12 @@ def test_every_layer_swapped_and_training_close_to_stock(model_type):
     layers = _decoder_layers(injected, model_type)
     assert len(layers) == stock.config.num_hidden_layers
     assert all(isinstance(layer, CoatDecoderLayer) for layer in layers)
-    _assert_close_to_stock(stock.train(), injected.train(), _batch(), **BOUNDS.get(model_type, {}))
+    assert_close_to_stock(stock.train(), injected.train(), _batch(), **BOUNDS.get(model_type, {}))
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_cached_decoding_and_generate_equal_stock(model_type):
-    stock, seq = _memorizing(model_type, build=build)
+    stock, seq = memorizing(model_type, build=build)
     injected = coat_ds.inject(copy.deepcopy(stock)).eval()
     prompt = seq[:, :8]
     kw = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=SEQ - 8, do_sample=False, pad_token_id=0)
@@ -52,11 +44,11 @@ def test_cached_decoding_and_generate_equal_stock(model_type):
     assert torch.equal(ref[0, 8:], seq[0, 8:]), "the stock model did not memorize its sequence: logits not peaked"
     assert torch.equal(injected.generate(prompt, **kw), ref)
     with torch.no_grad():  # one step on HF's default cache against the whole sequence again, and against stock
-        cache = _cache_of(injected(input_ids=seq[:, :-1]))
+        cache = cache_of(injected(input_ids=seq[:, :-1]))
         step = injected(input_ids=seq[:, -1:], **{CACHE_KW: cache}).logits[:, -1]
         full = injected(input_ids=seq).logits[:, -1]
         stock_step = stock(input_ids=seq).logits[:, -1]
-    assert _rel(step, full) < 0.02 and step.argmax() == stock_step.argmax()
+    assert rel_error(step, full) < 0.02 and step.argmax() == stock_step.argmax()
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
@@ -79,36 +71,7 @@ def test_attention_fp8_keeps_fewer_bytes(model_type):
     kept = {}
     for flag in (False, True):
         model = coat_ds.inject(build(model_type), {"attention_fp8": flag}).train()
-        kept[flag] = _kept_bytes(model, x)
+        kept[flag] = kept_bytes(model, x)
     cfg = model.config
     q_bytes = cfg.num_hidden_layers * x.numel() * cfg.num_attention_heads * model.model.layers[0].self_attn.head_dim
     assert kept[True] < kept[False] - q_bytes, kept  # fp32 q, k, v and output saved as ~1-byte FP8 q, k, v
-
-
-@pytest.mark.slow
-def test_zero3_zero_init_two_ranks(tmp_path):
-    """Every family built under zero.Init, injected, trained by ZeRO-3 on 2 ranks (CPU accelerator, gloo):
-    partitioned before the swap, FP8 leaf layers, losses within 2% of the same weights trained by torch AdamW
-    (tests/ds_scripts/families_job.py)."""
-    pytest.importorskip("deepspeed")
-    root = Path(__file__).resolve().parents[1]
-    out = tmp_path / "r.json"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [shutil.which("deepspeed") or str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2",
-           "--master_port", str(port), str(root / "tests" / "ds_scripts" / "families_job.py"), "--out", str(out),
-           *FAMILIES]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
-    for rank in (0, 1):
-        path = Path(f"{out}.rank{rank}")
-        assert path.is_file(), (proc.stdout + proc.stderr)[-6000:]
-        result = json.loads(path.read_text())
-        for model_type in FAMILIES:
-            res = result[model_type]
-            assert "error" not in res, (model_type, res.get("trace"))
-            assert res["partitioned_before_inject"] and res["fp8"] and res["leaf"], (model_type, res)
-            for loss, ref in res["losses"]:
-                assert abs(loss - ref) / ref < 0.02, (model_type, res["losses"])
-            assert res["losses"][-1][0] < res["losses"][0][0], (model_type, res["losses"])

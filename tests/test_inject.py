@@ -15,90 +15,39 @@ import sys
 import pytest
 import torch
 from transformers import (AutoConfig, AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
-                          MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+                          Qwen2Config, Qwen2ForCausalLM)
 
 import coat_ds
 from coat_ds.activation import ActivationConfig
 from coat_ds.hf import CoatDecoderLayer
 from coat_ds.hf import InjectionPolicy, get_policy, is_injected, register_policy, supported_model_types
 from family_cases import SEQ, VOCAB
-
-_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-               max_position_embeddings=128)
-_LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
-_FAMILY_CONFIGS = {
-    "llama2": (LlamaForCausalLM, LlamaConfig, dict(num_key_value_heads=4)),
-    # GQA (4 query heads on 2 kv heads), llama3 rope scaling, tied embeddings
-    "llama3-gqa": (LlamaForCausalLM, LlamaConfig, dict(num_key_value_heads=2, tie_word_embeddings=True,
-                                                       rope_parameters=_LLAMA3_ROPE)),
-    # a window (8) shorter than the sequence (24), so the window matters
-    "mistral": (MistralForCausalLM, MistralConfig, dict(num_key_value_heads=2, sliding_window=8)),
-    # q/k/v biases; layer 1 slides, layer 0 does not
-    "qwen2": (Qwen2ForCausalLM, Qwen2Config, dict(num_key_value_heads=2, use_sliding_window=True, sliding_window=8,
-                                                  max_window_layers=1)),
-}
-FAMILIES = list(_FAMILY_CONFIGS)
-
-
-def _model(family, seed=0, **kw):
-    model_cls, config_cls, own = _FAMILY_CONFIGS[family]
-    torch.manual_seed(seed)
-    return model_cls(config_cls(**{**_COMMON, **own, **kw}))
-
-
-def _batch(seed=0, batch=2):
-    return torch.randint(0, VOCAB, (batch, SEQ), generator=torch.Generator().manual_seed(seed))
-
-
-def _rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+from harness import TINY_MODELS, TINY_SHAPE, assert_close_to_stock, rel_error, tiny_batch, tiny_model
 
 
 def _layers(model):
     return list(model.model.layers)
 
 
-def _assert_close_to_stock(stock, injected, x, loss_tol=2e-3, logits_tol=0.08, grad_max=0.25, grad_mean=0.15):
-    """Forward + backward of both; checks the bounds and returns the measured errors."""
-    ref, out = stock(input_ids=x, labels=x), injected(input_ids=x, labels=x)
-    ref.loss.backward()
-    out.loss.backward()
-    assert torch.isfinite(out.loss) and torch.isfinite(out.logits).all()
-    errs = {}
-    for (name, p), (name2, q) in zip(stock.named_parameters(), injected.named_parameters()):
-        assert name == name2
-        assert q.grad is not None and torch.isfinite(q.grad).all(), name
-        errs[name] = _rel(q.grad, p.grad)
-    measured = {"loss": abs(out.loss.item() - ref.loss.item()) / ref.loss.item(),
-                "logits": _rel(out.logits, ref.logits), "grad_max": max(errs.values()),
-                "grad_mean": sum(errs.values()) / len(errs)}
-    assert measured["loss"] < loss_tol, measured
-    assert 1e-3 < measured["logits"] < logits_tol, measured
-    assert measured["grad_max"] < grad_max, errs
-    assert measured["grad_mean"] < grad_mean, errs
-    return measured
-
-
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", TINY_MODELS)
 def test_forward_backward_close_to_stock(family):
-    stock = _model(family)
+    stock = tiny_model(family)
     injected = coat_ds.inject(copy.deepcopy(stock))
     assert all(isinstance(layer, CoatDecoderLayer) for layer in _layers(injected)) and is_injected(injected)
-    _assert_close_to_stock(stock, injected, _batch())
+    assert_close_to_stock(stock, injected, tiny_batch())
 
 
 @pytest.mark.parametrize("backend", ["eager", "sdpa"])
 def test_attention_backends(backend):
-    stock = _model("mistral", attn_implementation=backend)
+    stock = tiny_model("mistral", attn_implementation=backend)
     injected = coat_ds.inject(copy.deepcopy(stock), {"mode": "linear"})
     assert injected.config._attn_implementation == backend
-    _assert_close_to_stock(stock, injected, _batch(1))
+    assert_close_to_stock(stock, injected, tiny_batch(1))
 
 
 @pytest.mark.parametrize("family", ["llama3-gqa", "qwen2"])
 def test_same_parameters_and_state_dict_keys(family):
-    model = _model(family)
+    model = tiny_model(family)
     params = dict(model.named_parameters())
     keys = list(model.state_dict())
     coat_ds.inject(model, ActivationConfig(mode="full"))
@@ -109,9 +58,9 @@ def test_same_parameters_and_state_dict_keys(family):
 
 
 def test_save_pretrained_loads_into_stock_transformers(tmp_path):
-    model = coat_ds.inject(_model("llama3-gqa"))
+    model = coat_ds.inject(tiny_model("llama3-gqa"))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    x = _batch()
+    x = tiny_batch()
     for _ in range(2):  # train a little so the saved weights are not the init ones
         opt.zero_grad()
         model(input_ids=x, labels=x).loss.backward()
@@ -131,7 +80,7 @@ def test_save_pretrained_loads_into_stock_transformers(tmp_path):
         assert torch.equal(coat_ds.revert(model)(input_ids=x).logits, stock_logits)
         # from_pretrained -> inject: the same logits within FP8 tolerance
         injected_logits = coat_ds.inject(AutoModelForCausalLM.from_pretrained(tmp_path))(input_ids=x).logits
-    assert 1e-3 < _rel(injected_logits, stock_logits) < 0.08
+    assert 1e-3 < rel_error(injected_logits, stock_logits) < 0.08
 
 
 def _saved_tensor_count(model, x):
@@ -150,10 +99,10 @@ def _saved_tensor_count(model, x):
 
 @pytest.mark.parametrize("enable,reentrant", [("before_inject", False), ("after_inject", True)])
 def test_gradient_checkpointing(enable, reentrant):
-    x = _batch()
-    plain = coat_ds.inject(_model("qwen2"))
+    x = tiny_batch()
+    plain = coat_ds.inject(tiny_model("qwen2"))
     plain.train()
-    checkpointed = _model("qwen2")
+    checkpointed = tiny_model("qwen2")
     kwargs = {"gradient_checkpointing_kwargs": {"use_reentrant": reentrant}}
     if enable == "before_inject":
         checkpointed.gradient_checkpointing_enable(**kwargs)
@@ -183,9 +132,9 @@ def test_mistral_window_reaches_attention_from_its_policy(monkeypatch):
         return eager(*args, **kwargs)
 
     monkeypatch.setattr(modeling_mistral, "eager_attention_forward", recording)
-    stock = _model("mistral", attn_implementation="eager")
+    stock = tiny_model("mistral", attn_implementation="eager")
     injected = coat_ds.inject(copy.deepcopy(stock))
-    x = _batch()
+    x = tiny_batch()
     stock(input_ids=x)
     want, seen[:] = list(seen), []
     injected(input_ids=x)
@@ -193,7 +142,7 @@ def test_mistral_window_reaches_attention_from_its_policy(monkeypatch):
 
 
 def test_revert_restores_stock_modules():
-    stock = _model("mistral")
+    stock = tiny_model("mistral")
     model = copy.deepcopy(stock)
     originals = _layers(model)
     model.gradient_checkpointing_enable()
@@ -205,17 +154,17 @@ def test_revert_restores_stock_modules():
     # what the model set on the FP8 layers came back with the stock ones; inject's own hook did not
     assert all(layer.gradient_checkpointing and not layer.training for layer in _layers(model))
     assert all(not layer._forward_pre_hooks and not hasattr(layer, "_z3_leaf") for layer in _layers(model))
-    x = _batch()
+    x = tiny_batch()
     model.gradient_checkpointing_disable()
     with torch.no_grad():
         assert torch.equal(model(input_ids=x).logits, stock.eval()(input_ids=x).logits)
 
 
 def test_deepcopy_of_injected_model_is_independent():
-    model = coat_ds.inject(_model("qwen2"))
+    model = coat_ds.inject(tiny_model("qwen2"))
     clone = copy.deepcopy(model)
     assert all(isinstance(layer, CoatDecoderLayer) for layer in _layers(clone))
-    x = _batch()
+    x = tiny_batch()
     with torch.no_grad():
         torch.testing.assert_close(clone(input_ids=x).logits, model(input_ids=x).logits, rtol=0, atol=0)
     coat_ds.revert(clone)
@@ -225,12 +174,12 @@ def test_deepcopy_of_injected_model_is_independent():
 
 
 def test_inject_twice_and_disabled():
-    model = coat_ds.inject(_model("llama2"))
+    model = coat_ds.inject(tiny_model("llama2"))
     layers = _layers(model)
     assert _layers(coat_ds.inject(model)) == layers
     with pytest.raises(ValueError, match="revert"):
         coat_ds.inject(model, {"mode": "linear"})
-    stock = _model("llama2")
+    stock = tiny_model("llama2")
     assert not is_injected(coat_ds.inject(stock, {"enabled": False}))
     assert all(type(layer).__name__ == "LlamaDecoderLayer" for layer in _layers(stock))
 
@@ -244,7 +193,7 @@ def test_unknown_model_type_lists_supported():
     with pytest.raises(ValueError, match="model_type"):
         coat_ds.inject(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="mode"):
-        coat_ds.inject(_model("llama2"), {"mode": "fp4"})
+        coat_ds.inject(tiny_model("llama2"), {"mode": "fp4"})
 
 
 def test_unsupported_family_is_refused_in_one_line_saying_what_stays_stock():
@@ -263,20 +212,20 @@ def test_unsupported_family_is_refused_in_one_line_saying_what_stays_stock():
 def test_partial_swap_is_refused_and_a_swap_says_what_it_covers(caplog):
     """A model whose policy covers only some of its decoder layers is refused untouched; a full swap logs one
     line naming the FP8 layers and what stays stock."""
-    model = _model("llama2")
-    model.model.layers[1] = Qwen2ForCausalLM(Qwen2Config(**_COMMON)).model.layers[1]
+    model = tiny_model("llama2")
+    model.model.layers[1] = Qwen2ForCausalLM(Qwen2Config(**TINY_SHAPE)).model.layers[1]
     with pytest.raises(ValueError, match="Qwen2DecoderLayer x1.*stay stock; nothing swapped"):
         coat_ds.inject(model)
     assert not is_injected(model) and type(model.model.layers[0]).__name__ == "LlamaDecoderLayer"
     with caplog.at_level("INFO", logger="coat_ds.hf.swap"):
-        coat_ds.inject(_model("qwen2"))
+        coat_ds.inject(tiny_model("qwen2"))
     lines = [r.getMessage() for r in caplog.records if "FP8" in r.getMessage()]
     assert lines == ["coat_ds.inject: Qwen2ForCausalLM: FP8 (full): 2 Qwen2DecoderLayer; "
                      "stays stock: embeddings, final norm, lm_head, rotary embeddings"]
 
 
 def test_refused_layer_leaves_model_untouched():
-    model = _model("llama2", hidden_act="gelu")  # COAT's full mode fuses SiLU*mul only
+    model = tiny_model("llama2", hidden_act="gelu")  # COAT's full mode fuses SiLU*mul only
     with pytest.raises(ValueError, match="hidden_act"):
         coat_ds.inject(model, {"mode": "full"})
     assert all(type(layer).__name__ == "LlamaDecoderLayer" for layer in _layers(model)) and not is_injected(model)
@@ -285,15 +234,15 @@ def test_refused_layer_leaves_model_untouched():
 def test_other_heads_and_base_model():
     """The walk finds decoder layers under any head (and in a bare base model)."""
     from transformers import LlamaModel, Qwen2ForSequenceClassification
-    cls_model = Qwen2ForSequenceClassification(Qwen2Config(**_COMMON, num_key_value_heads=2, num_labels=3,
+    cls_model = Qwen2ForSequenceClassification(Qwen2Config(**TINY_SHAPE, num_key_value_heads=2, num_labels=3,
                                                             pad_token_id=0))
-    base = LlamaModel(LlamaConfig(**_COMMON, num_key_value_heads=2))
+    base = LlamaModel(LlamaConfig(**TINY_SHAPE, num_key_value_heads=2))
     for model, layers in ((cls_model, cls_model.model.layers), (base, base.layers)):
         coat_ds.inject(model)
         assert all(isinstance(layer, CoatDecoderLayer) for layer in layers)
-    x = _batch()
+    x = tiny_batch()
     assert cls_model(input_ids=x).logits.shape == (2, 3)
-    assert base(input_ids=x).last_hidden_state.shape == (2, SEQ, _COMMON["hidden_size"])
+    assert base(input_ids=x).last_hidden_state.shape == (2, SEQ, TINY_SHAPE["hidden_size"])
 
 
 def test_policy_registry():
@@ -307,15 +256,15 @@ def test_policy_registry():
 
 
 def test_output_hidden_states_and_generate():
-    stock = _model("llama3-gqa")
+    stock = tiny_model("llama3-gqa")
     model = coat_ds.inject(copy.deepcopy(stock)).eval()
-    x = _batch(2, batch=1)
+    x = tiny_batch(2, batch=1)
     with torch.no_grad():
         ref = stock.eval()(input_ids=x, output_hidden_states=True)
         out = model(input_ids=x, output_hidden_states=True)
     assert len(out.hidden_states) == len(ref.hidden_states) == model.config.num_hidden_layers + 1
     for h, r in zip(out.hidden_states[1:], ref.hidden_states[1:]):
-        assert _rel(h, r) < 0.08
+        assert rel_error(h, r) < 0.08
 
     gen = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=6, do_sample=False,
                          output_logits=True, return_dict_in_generate=True, pad_token_id=0)
@@ -325,7 +274,7 @@ def test_output_hidden_states_and_generate():
     with torch.no_grad():
         full = model(input_ids=gen.sequences).logits
     for step, logits in enumerate(gen.logits):  # measured 0 (activations scaled per 1 x 16 group, per token)
-        assert _rel(logits[0], full[0, SEQ - 1 + step]) < 0.02, step
+        assert rel_error(logits[0], full[0, SEQ - 1 + step]) < 0.02, step
 
 
 # ---------------------------------------------------------------------------------------------- GPU (bf16)
@@ -357,7 +306,7 @@ def _write_gpu_results():
 
 def _gpu_model(family, backend="sdpa", seed=0):
     window = dict(sliding_window=16) if family in ("mistral", "qwen2") else {}
-    return _model(family, seed, attn_implementation=backend, **GPU_SHAPE, **window).to("cuda", torch.bfloat16)
+    return tiny_model(family, seed, attn_implementation=backend, **GPU_SHAPE, **window).to("cuda", torch.bfloat16)
 
 
 def _gpu_batch(seed=0):
@@ -366,7 +315,7 @@ def _gpu_batch(seed=0):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["eager", "sdpa", "flash_attention_2"])
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", TINY_MODELS)
 def test_gpu_bf16_close_to_stock(family, backend):
     if backend == "flash_attention_2":
         from transformers.utils import is_flash_attn_2_available
@@ -374,7 +323,7 @@ def test_gpu_bf16_close_to_stock(family, backend):
             pytest.skip("flash_attn is not installed")
     stock = _gpu_model(family, backend)
     injected = coat_ds.inject(copy.deepcopy(stock))
-    measured = _assert_close_to_stock(stock, injected, _gpu_batch(), loss_tol=1e-2, logits_tol=0.1, grad_max=0.4,
+    measured = assert_close_to_stock(stock, injected, _gpu_batch(), loss_tol=1e-2, logits_tol=0.1, grad_max=0.4,
                                       grad_mean=0.25)
     _GPU_RESULTS.append({"test": "forward_backward", "family": family, "backend": backend, **measured})
 
@@ -392,7 +341,7 @@ def test_gpu_sdpa_flash_kernel(family):
             stock(input_ids=x)
         except RuntimeError as exc:
             pytest.skip(f"stock model cannot run on the flash kernel alone: {exc}")
-        measured = _assert_close_to_stock(stock, injected, x, loss_tol=1e-2, logits_tol=0.1, grad_max=0.4,
+        measured = assert_close_to_stock(stock, injected, x, loss_tol=1e-2, logits_tol=0.1, grad_max=0.4,
                                           grad_mean=0.25)
     _GPU_RESULTS.append({"test": "forward_backward", "family": family, "backend": "sdpa(flash kernel only)",
                          **measured})
@@ -407,7 +356,7 @@ def test_gpu_gradient_checkpointing_and_generate():
     for model in (plain, checkpointed):
         model.train()
         model(input_ids=x, labels=x).loss.backward()
-    worst = max(_rel(q.grad, p.grad) for p, q in zip(plain.parameters(), checkpointed.parameters()))
+    worst = max(rel_error(q.grad, p.grad) for p, q in zip(plain.parameters(), checkpointed.parameters()))
     assert worst < 1e-2
 
     model = checkpointed.eval()
@@ -417,7 +366,7 @@ def test_gpu_gradient_checkpointing_and_generate():
     assert gen.sequences.shape == (1, 24)
     with torch.no_grad():
         full = model(input_ids=gen.sequences).logits
-    cache_err = max(_rel(logits[0], full[0, 15 + i]) for i, logits in enumerate(gen.logits))
+    cache_err = max(rel_error(logits[0], full[0, 15 + i]) for i, logits in enumerate(gen.logits))
     assert cache_err < 0.05
     _GPU_RESULTS.append({"test": "checkpointing+generate", "family": "qwen2", "backend": "sdpa",
                          "grad_rel_err_checkpointed_vs_not": worst, "kv_cache_vs_full_logits_rel_err": cache_err})

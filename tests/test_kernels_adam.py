@@ -5,7 +5,6 @@ may differ by one step where a value sits on a rounding midpoint, and the expone
 whose floor(16 log2(R) / span) sits on an integer; everything else must agree."""
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch

@@ -1,6 +1,5 @@
 """CoatAdamW: validation, tracking torch's AdamW, exact resume, non-finite steps, fp32 opt-out groups."""
 import copy
-import warnings
 
 import pytest
 import torch
@@ -142,7 +141,6 @@ def test_bf16_params_train_through_an_fp32_copy():
     torch.manual_seed(0)
     p = torch.nn.Parameter(torch.randn(300, dtype=torch.bfloat16))
     opt = CoatAdamW([p], lr=1e-2)
-    sd = opt.state_dict()
     start = p.detach().clone()
     p.grad = torch.randn(300, dtype=torch.bfloat16)
     opt.step()

@@ -10,8 +10,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_optimizer_step_smoke_writes_a_row_per_case(tmp_path):
     out = tmp_path / "step.json"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "optimizer_step.py"), "--smoke", "--out", str(out)],
-                   check=True, cwd=ROOT, env=env, capture_output=True, text=True)
+    script = os.path.join(ROOT, "benchmarks", "optimizer_step.py")
+    subprocess.run([sys.executable, script, "--smoke", "--out", str(out)], check=True, cwd=ROOT, env=env,
+                   capture_output=True, text=True)
     rows = json.loads(out.read_text())["rows"]
     cases = {(r["grad_dtype"], r["master"]): r for r in rows}
     assert set(cases) == {("float32", "float32"), ("bfloat16", "float32"), ("bfloat16", "bfloat16_sr"),

@@ -70,6 +70,7 @@ def test_wheel_holds_only_coat_ds(wheel):
     assert wanted and wanted <= names, sorted(wanted - names)
 
 
+@pytest.mark.slow
 def test_installed_wheel_builds_and_runs_cpu_op(wheel, tmp_path):
     python, site = _fresh_venv(tmp_path / "venv")
     _run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", site, wheel])

@@ -1,7 +1,6 @@
 """`python -m coat_ds.plan` against what was measured: every end-to-end GPU row in benchmarks/results/ (its peak
 allocated memory within 10%), the per-layer activation bytes of llama_layer.json, the optimizer's own state
 bytes, and the command line's one-line refusals."""
-import glob
 import json
 import subprocess
 import sys

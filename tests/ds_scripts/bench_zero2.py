@@ -86,7 +86,8 @@ def main() -> None:
            "world_size": dist.get_world_size(), "stage": args.stage, "offload": args.offload, "dtype": args.dtype,
            "n_params": n, "state_bytes_per_rank": sb, "state_bytes_per_param_per_rank": sb / n,
            "step_ms_median": 1000 * sorted(times)[len(times) // 2], "step_ms_mean": 1000 * sum(times) / len(times),
-           "host_rss_growth_init_bytes": rss_a - rss0, "host_rss_growth_first_step_bytes": rss_b - rss_a, "loss": loss.item(),
+           "host_rss_growth_init_bytes": rss_a - rss0, "host_rss_growth_first_step_bytes": rss_b - rss_a,
+           "loss": loss.item(),
            "device": torch.cuda.get_device_name() if cuda else "cpu",
            "versions": {"torch": torch.__version__, "deepspeed": deepspeed.__version__,
                         "coat_ds": coat_ds.__version__}}

@@ -1,5 +1,5 @@
 """ZeRO-3 with every registered family's FP8 layers on models built under zero.Init, as HF builds them with an
-HfDeepSpeedConfig alive (tests/test_families.py).
+HfDeepSpeedConfig alive (tests/launched/test_families_zero3.py).
 
     deepspeed --num_gpus 2 tests/ds_scripts/families_job.py --out r.json llama qwen3 ...
 

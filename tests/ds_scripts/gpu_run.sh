@@ -10,7 +10,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/device.
 python3 -c "from deepspeed.ops.op_builder import FusedAdamBuilder; FusedAdamBuilder().load()" > "$OUT/build.log" 2>&1 &
 python3 -c "from coat_ds.kernels.loader import load_op; assert load_op('CoatAdamBuilder')" >> "$OUT/build.log" 2>&1 &
 wait
-COAT_ZERO_GPU_SUMMARY="$OUT/gpu_summary.json" timeout 160 python3 -m pytest tests/test_deepspeed.py -m gpu -q -x \
+COAT_ZERO_GPU_SUMMARY="$OUT/gpu_summary.json" timeout 160 python3 -m pytest tests/launched/test_deepspeed.py -m gpu -q -x \
   > "$OUT/pytest_gpu.log" 2>&1 || echo "pytest gpu failed: $?" >> "$OUT/errors.txt"
 for opt in coat fused; do
   timeout 90 deepspeed --num_gpus 2 --master_port 29700 tests/ds_scripts/bench_zero2.py --opt $opt \

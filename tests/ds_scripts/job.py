@@ -94,7 +94,8 @@ def task_regroup(args, world, stage, dtype, rest):
     engine.load_checkpoint(ckpt_dir(args.ckpt, world, stage, dtype), tag="t")
     st = next(iter(engine.basic_optimizer.state.values()))
     return {"resumed": common.train(engine, range(SAVE_AT, STEPS), dtype),
-            "n_meta": int(st["exp_avg_scale"].numel()), "group_size": engine.basic_optimizer.param_groups[0]["group_size"]}
+            "n_meta": int(st["exp_avg_scale"].numel()),
+            "group_size": engine.basic_optimizer.param_groups[0]["group_size"]}
 
 
 def task_universal(args, world, stage, dtype, rest):
@@ -252,8 +253,9 @@ def task_tofp32(args, world, stage, dtype, rest):
     return {"n": len(sd), "max_diff_fp32_model": diff}
 
 
-TASKS = {"train": task_train, "quick": task_quick, "regroup": task_regroup, "universal": task_universal, "resume": task_resume, "skip": task_skip, "refuse": task_refuse,
-         "tofp32": task_tofp32, "plant": task_plant, "contents": task_contents}
+TASKS = {"train": task_train, "quick": task_quick, "regroup": task_regroup, "universal": task_universal,
+         "resume": task_resume, "skip": task_skip, "refuse": task_refuse, "tofp32": task_tofp32, "plant": task_plant,
+         "contents": task_contents}
 
 
 def main(tasks: dict = TASKS) -> None:

@@ -1,4 +1,4 @@
-"""The shipped presets and HF configs, trained a few steps on 2 ranks (tests/test_presets.py).
+"""The shipped presets and HF configs, trained a few steps on 2 ranks (tests/launched/test_presets.py).
 
     deepspeed --num_gpus 2 tests/ds_scripts/presets_job.py --out r.json --tmp DIR plain hf
 

@@ -7,8 +7,9 @@ common.batch(step), so 1 and 2 ranks see the same global batch; reduce buckets o
 backward reduces (and release steps) the tiny model in several buckets, some parameters alone.
 
 TASK (stage 1 or 2, master M: fp32 | fp32_remainder | bf16_sr):
-  equal:S:M[:overlap]  50 steps, clipping off (overlap: overlap_comm on): "per_parameter" against "release": losses, every rank's final masters
-                and FP8 states equal, and the gradient values held when the step begins
+  equal:S:M[:overlap]  50 steps, clipping off (overlap: overlap_comm on): "per_parameter" against "release":
+                losses, every rank's final masters and FP8 states equal, and the gradient values held when the
+                step begins
   spike:S:M     clipping 1.0, every gradient x1e4 at step SPIKE: the largest second moment after it, with
                 "release", "per_parameter" (exact clipping) and "per_parameter" without clipping
   nan:S:M       clipping 1.0; at step NAN_AT rank 0's gradient of the first layer's weight (reduced last) is NaN
@@ -51,7 +52,8 @@ def train(engine, steps: range, spike: int | None = None, nan: int | None = None
     losses = []
     for step in steps:
         x, y = common.batch(step)
-        xb, yb = x[rank * micro:(rank + 1) * micro].to(engine.device, torch.bfloat16), y[rank * micro:(rank + 1) * micro]
+        mine = slice(rank * micro, (rank + 1) * micro)
+        xb, yb = x[mine].to(engine.device, torch.bfloat16), y[mine]
         loss = nn.functional.cross_entropy(engine(xb).float(), yb.to(engine.device))
         handle = first.register_hook(lambda g: g * float("nan")) if step == nan and rank == 0 else None
         engine.backward(loss * 1e4 if step == spike else loss)
@@ -140,7 +142,7 @@ def task_nan(args, world, stage, master, rest):
     train(engine, range(NAN_AT))
     weights = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     kept = (_joined(engine), states(engine))
-    losses = train(engine, range(NAN_AT, NAN_AT + 1), nan=NAN_AT)
+    train(engine, range(NAN_AT, NAN_AT + 1), nan=NAN_AT)
     changed = {n: not torch.equal(p.detach(), weights[n]) for n, p in engine.module.named_parameters()}
     finite = all(torch.isfinite(p).all().item() for p in engine.module.parameters())
     finite = finite and torch.isfinite(_joined(engine)).all().item()

@@ -1,4 +1,4 @@
-"""The "coat" section applied by DeepSpeed's engine wherever the config is read (tests/test_coat_section.py).
+"""The "coat" section applied by DeepSpeed's engine wherever the config is read (tests/launched/test_coat_section.py).
 
     deepspeed --num_gpus 2 tests/ds_scripts/section_job.py --out r.json --tmp DIR plain zero3_init ...
     accelerate launch --config_file A.yaml tests/ds_scripts/section_job.py --out r.json --tmp DIR accelerate

@@ -259,7 +259,8 @@ def task_cross(args, world, stage, src, rest):
     got = _masters(engine)[:saved.numel()]
     want = saved.to(torch.bfloat16).float() if dst != "fp32" else saved.float()
     return {"saved_dtype": str(saved.dtype), "master_dtype": str(masters(engine.optimizer)[0].dtype),
-            "master_exact": bool(torch.equal(got, want)), "resumed": common.train(engine, range(SAVE_AT, STEPS), "bf16")}
+            "master_exact": bool(torch.equal(got, want)),
+            "resumed": common.train(engine, range(SAVE_AT, STEPS), "bf16")}
 
 
 def task_resume(args, world, stage, master, rest):
@@ -403,7 +404,8 @@ def task_refuse_remainder(args, world, stage, dtype, rest):
     return build_outcomes(cases)
 
 
-TASKS = {"grads": task_grads, "remainder": task_remainder, "refuse_remainder": task_refuse_remainder, "exact": task_exact, "master": task_master, "cross": task_cross, "resume": task_resume,
+TASKS = {"grads": task_grads, "remainder": task_remainder, "refuse_remainder": task_refuse_remainder,
+         "exact": task_exact, "master": task_master, "cross": task_cross, "resume": task_resume,
          "universal": task_universal, "refuse": task_refuse}
 
 

@@ -17,7 +17,6 @@ DeepSpeed's stage-0 bf16 path, which accumulates gradients in bf16, is compared 
 """
 from __future__ import annotations
 
-import functools
 import json
 import os
 import shutil
@@ -26,42 +25,8 @@ import subprocess
 import pytest
 import torch
 
-from harness import ROOT, child_env, free_port, launch_json
-
-JOB = os.path.join(ROOT, "tests", "ds_scripts", "job.py")
-SAVE_AT, STEPS = 30, 50
-
-pytestmark = pytest.mark.slow
-
-
-def _env() -> dict:
-    env = child_env()
-    env.setdefault("COAT_JOB_TIMEOUT", "300")
-    return env
-
-
-@functools.cache
-def unsupported(dtype: str) -> str | None:
-    """Why DeepSpeed would refuse `dtype` on this machine ("Type fp16 is not supported on your device"), or None."""
-    if dtype not in ("fp16", "bf16"):
-        return None
-    from deepspeed.accelerator import get_accelerator
-
-    acc = get_accelerator()
-    ok = getattr(acc, f"is_{dtype}_supported")()
-    return None if ok else f"DeepSpeed's {acc.device_name()} accelerator has no {dtype} here (is_{dtype}_supported() -> {ok!r})"
-
-
-def _dtype(task: str) -> str:
-    """The dtype field of a job.py task (kind:stage[:dtype...]); fp32 when left out."""
-    return (task.split(":")[2:] or ["fp32"])[0]
-
-
-def launch(out: str, ckpt: str, tasks: list[str], gpus: int, extra: list[str] = (), job: str = JOB) -> dict:
-    tasks = [t for t in tasks if unsupported(_dtype(t)) is None]
-    cmd = [shutil.which("deepspeed"), "--num_gpus", str(gpus), "--master_port", str(free_port()), *extra, job,
-           "--out", out, "--ckpt", ckpt, *tasks]
-    return launch_json(cmd, out, _env())
+from harness import (DS_SCRIPTS, ROOT, SAVE_AT, STEPS, free_port, job_env, launch_job, require_launcher, task_result,
+                     unsupported)
 
 
 def two_nodes(out: str, ckpt: str, tasks: list[str], tmp: str) -> dict:
@@ -72,19 +37,14 @@ def two_nodes(out: str, ckpt: str, tasks: list[str], tmp: str) -> dict:
     port = str(free_port())
     base = [shutil.which("deepspeed"), "--hostfile", hostfile, "--no_ssh", "--master_addr=127.0.0.1",
             "--master_port", port]
-    tail = [JOB, "--out", out, "--ckpt", ckpt, *tasks]
-    procs = [subprocess.Popen([*base, f"--node_rank={r}", *tail], cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+    tail = [str(DS_SCRIPTS / "job.py"), "--out", out, "--ckpt", ckpt, *tasks]
+    procs = [subprocess.Popen([*base, f"--node_rank={r}", *tail], cwd=ROOT, env=job_env(), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for r in (1, 0)]
     logs = [p.communicate(timeout=600)[0] for p in procs]
     if any(p.returncode for p in procs) or not os.path.isfile(out):
         pytest.fail("two-node run failed:\n" + "\n".join(log[-4000:] for log in logs))
     with open(out) as f:
         return json.load(f)
-
-
-def _require_launcher():
-    if shutil.which("deepspeed") is None:
-        pytest.skip("the deepspeed launcher is not installed")
 
 
 W1 = ["train:0:fp32", "train:1:fp32", "train:2:fp32", "train:3:fp32", "train:1:bf16", "train:2:fp16"]
@@ -98,9 +58,9 @@ W1B = ["resume:1:fp32:2", "resume:2:fp32:2", "resume:3:fp32:2", "resume:2:bf16:2
 def run_all(tmp: str, gpus_per_world: dict[int, int], multinode: bool = True) -> dict:
     ckpt = os.path.join(tmp, "ckpt")
     os.makedirs(ckpt, exist_ok=True)
-    res = {"w1": launch(os.path.join(tmp, "w1.json"), ckpt, W1 + ["train:0:bf16"], gpus_per_world[1])}
-    res["w2"] = launch(os.path.join(tmp, "w2.json"), ckpt, W2, gpus_per_world[2])
-    res["w1b"] = launch(os.path.join(tmp, "w1b.json"), ckpt, W1B, gpus_per_world[1])
+    res = {"w1": launch_job(os.path.join(tmp, "w1.json"), ckpt, W1 + ["train:0:bf16"], gpus_per_world[1])}
+    res["w2"] = launch_job(os.path.join(tmp, "w2.json"), ckpt, W2, gpus_per_world[2])
+    res["w1b"] = launch_job(os.path.join(tmp, "w1b.json"), ckpt, W1B, gpus_per_world[1])
     if multinode:
         res["mn"] = two_nodes(os.path.join(tmp, "mn.json"), ckpt, ["quick:2:fp32"], tmp)
     return res
@@ -108,36 +68,28 @@ def run_all(tmp: str, gpus_per_world: dict[int, int], multinode: bool = True) ->
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    _require_launcher()
+    require_launcher()
     if torch.cuda.is_available():
         pytest.skip("CPU-accelerator runs; the gpu-marked test covers CUDA")
     return run_all(str(tmp_path_factory.mktemp("ds")), {1: 1, 2: 2})
 
 
-def _task(res: dict, job: str, task: str) -> dict:
-    if task not in res[job]["tasks"] and unsupported(_dtype(task)):
-        pytest.skip(unsupported(_dtype(task)))
-    out = res[job]["tasks"][task]
-    assert "error" not in out, f"{job} {task}: {out.get('error')}\n{out.get('trace')}"
-    return out
-
-
 def check_trajectories(res: dict) -> float:
     """ZeRO-1/2/3 on 2 ranks == stage 0 on 1 rank, bit for bit, 50 steps; returns the max |loss difference|."""
-    ref = _task(res, "w1", "train:0:fp32")["losses"]
+    ref = task_result(res, "w1", "train:0:fp32")["losses"]
     assert len(ref) == STEPS and all(x == x for x in ref)
     assert ref[-1] < ref[0] - 0.02, "the tiny model must actually learn"
     worst = 0.0
     for stage in (1, 2, 3):
         for job in ("w1", "w2"):
-            got = _task(res, job, f"train:{stage}:fp32")
+            got = task_result(res, job, f"train:{stage}:fp32")
             assert got["bound"] >= 1, "partition layouts were not bound"
             assert got["losses"] == ref, f"{job} ZeRO-{stage} fp32 diverged from stage 0"
-    bf16_ref = _task(res, "w1", "train:1:bf16")["losses"]  # one rank, nothing partitioned, fp32 grad accumulation
+    bf16_ref = task_result(res, "w1", "train:1:bf16")["losses"]  # one rank, nothing partitioned, fp32 grad accumulation
     for stage in (1, 2, 3):
-        got = _task(res, "w2", f"train:{stage}:bf16")["losses"]
+        got = task_result(res, "w2", f"train:{stage}:bf16")["losses"]
         assert got == bf16_ref, f"ZeRO-{stage} bf16 on 2 ranks diverged from 1 rank"
-    ddp_bf16 = _task(res, "w1", "train:0:bf16")["losses"]  # DeepSpeed's stage-0 bf16: bf16 gradient accumulation
+    ddp_bf16 = task_result(res, "w1", "train:0:bf16")["losses"]  # DeepSpeed's stage-0 bf16: bf16 gradient accumulation
     worst = max(abs(a - b) for a, b in zip(ddp_bf16, bf16_ref))
     assert worst < 3e-2
     return worst
@@ -147,8 +99,8 @@ def check_memory(res: dict) -> dict:
     """Optimizer-state bytes per parameter per rank: ~2 + metadata at world 1, half of it at world 2."""
     out = {}
     for stage in (1, 2, 3):
-        one = _task(res, "w1", f"train:{stage}:fp32")
-        two = _task(res, "w2", f"train:{stage}:fp32")
+        one = task_result(res, "w1", f"train:{stage}:fp32")
+        two = task_result(res, "w2", f"train:{stage}:fp32")
         n = one["n_params"]
         out[stage] = (one["state_bytes"] / n, two["state_bytes"] / n)
         assert one["state_bytes"] / n < 2.6  # 2 B of codes + 16 B per group of 32 (fp32 scale+expo, m and v)
@@ -161,12 +113,13 @@ def check_checkpoints(res: dict) -> None:
         for task, out in res[job]["tasks"].items():
             if task.startswith("train:") and "resumed" in out:
                 assert out["resumed"] == out["losses"][SAVE_AT:], f"{job} {task}: resume is not exact"
-    full = _task(res, "w1", "train:0:fp32")["losses"][SAVE_AT:]
+    full = task_result(res, "w1", "train:0:fp32")["losses"][SAVE_AT:]
     for stage in (1, 2, 3):
-        assert _task(res, "w2", f"resume:{stage}:fp32:1")["resumed"] == full, f"ZeRO-{stage}: 1 -> 2 ranks"
-        assert _task(res, "w1b", f"resume:{stage}:fp32:2")["resumed"] == full, f"ZeRO-{stage}: 2 -> 1 rank"
-        assert _task(res, "w1b", f"resume:{stage}:fp32:2")["global_steps"] == STEPS
-    assert _task(res, "w1b", "resume:2:bf16:2")["resumed"] == _task(res, "w1", "train:1:bf16")["losses"][SAVE_AT:]
+        assert task_result(res, "w2", f"resume:{stage}:fp32:1")["resumed"] == full, f"ZeRO-{stage}: 1 -> 2 ranks"
+        assert task_result(res, "w1b", f"resume:{stage}:fp32:2")["resumed"] == full, f"ZeRO-{stage}: 2 -> 1 rank"
+        assert task_result(res, "w1b", f"resume:{stage}:fp32:2")["global_steps"] == STEPS
+    bf16 = task_result(res, "w1", "train:1:bf16")["losses"]
+    assert task_result(res, "w1b", "resume:2:bf16:2")["resumed"] == bf16[SAVE_AT:]
 
 
 def test_zero_trajectories_equal_stage0(runs):
@@ -175,8 +128,8 @@ def test_zero_trajectories_equal_stage0(runs):
 
 def test_fp16_zero2_two_ranks_close_to_one(runs):
     """One rank sums the two micro-batches' gradients in fp16, two ranks reduce them in fp32: close, not equal."""
-    fp16 = max(abs(a - b) for a, b in zip(_task(runs, "w2", "train:2:fp16")["losses"],
-                                          _task(runs, "w1", "train:2:fp16")["losses"]))
+    fp16 = max(abs(a - b) for a, b in zip(task_result(runs, "w2", "train:2:fp16")["losses"],
+                                          task_result(runs, "w1", "train:2:fp16")["losses"]))
     assert fp16 < 2e-2
 
 
@@ -185,8 +138,8 @@ def test_state_memory_shrinks_with_world_size(runs):
 
 
 def test_offload_runs_fp8_states_on_host(runs):
-    off = _task(runs, "w2", "train:2:fp32:offload")
-    assert off["losses"] == _task(runs, "w1", "train:0:fp32")["losses"]
+    off = task_result(runs, "w2", "train:2:fp32:offload")
+    assert off["losses"] == task_result(runs, "w1", "train:0:fp32")["losses"]
     assert off["resumed"] == off["losses"][SAVE_AT:]
 
 
@@ -196,8 +149,8 @@ def test_checkpoints_resume_exactly_and_repartition(runs):
 
 def test_group_size_change_regroups_states(runs):
     """group_size 32 -> 64 on load: moments re-quantized once; the run goes on within FP8 rounding."""
-    out = _task(runs, "w2", "regroup:2:fp32")
-    full = _task(runs, "w1", "train:0:fp32")["losses"][SAVE_AT:]
+    out = task_result(runs, "w2", "regroup:2:fp32")
+    full = task_result(runs, "w1", "train:0:fp32")["losses"][SAVE_AT:]
     assert out["group_size"] == 64
     assert out["resumed"][0] == full[0]  # the loss before the first step after loading
     assert max(abs(a - b) for a, b in zip(out["resumed"], full)) < 1e-3
@@ -205,19 +158,19 @@ def test_group_size_change_regroups_states(runs):
 
 def test_universal_checkpoint_converter(runs):
     """coat_ds.deepspeed.universal: DeepSpeed's universal layout + FP8 states; loads at another world size."""
-    full = _task(runs, "w1", "train:0:fp32")["losses"][SAVE_AT:]
-    assert _task(runs, "w1b", "universal:2:fp32:2")["resumed"] == full  # ZeRO-2, 2 ranks -> 1
-    assert _task(runs, "w2", "universal:3:fp32:1")["resumed"] == full  # ZeRO-3, 1 rank -> 2
+    full = task_result(runs, "w1", "train:0:fp32")["losses"][SAVE_AT:]
+    assert task_result(runs, "w1b", "universal:2:fp32:2")["resumed"] == full  # ZeRO-2, 2 ranks -> 1
+    assert task_result(runs, "w2", "universal:3:fp32:1")["resumed"] == full  # ZeRO-3, 1 rank -> 2
 
 
 def test_bad_checkpoints_refused_before_loading(runs):
-    out = _task(runs, "w2", "refuse:2")
+    out = task_result(runs, "w2", "refuse:2")
     assert "truncated or corrupt" in out["truncated"] and out["truncated_untouched"]
     assert "another optimizer" in out["foreign"] and out["foreign_untouched"]
 
 
 def test_planted_code_refused_before_deepspeed_unpickles_it(runs):
-    out = _task(runs, "w2", "plant:2")
+    out = task_result(runs, "w2", "plant:2")
     assert out["planted"].startswith(f"checkpoint file refused: {out['victim']} holds objects outside DeepSpeed's "
                                      "checkpoint contents (Unsupported global: GLOBAL io.open)"), out["planted"]
     assert "\n" not in out["planted"] and out["untouched"]
@@ -227,7 +180,7 @@ def test_planted_code_refused_before_deepspeed_unpickles_it(runs):
 def test_checkpoint_reader_allows_exactly_what_deepspeed_saves(runs):
     """Every class pickled in the files of the ZeRO-0..3 fp32 / bf16 / fp16 / Offload checkpoints and universal
     folders these jobs saved is allowed, and every class allowed was found (fp16's scaler only where fp16 ran)."""
-    out = _task(runs, "w2", "contents:0")
+    out = task_result(runs, "w2", "contents:0")
     found, allowed = set(out["found"]), set(out["allowed"])
     assert found <= allowed, {g: out["found"][g] for g in found - allowed}
     missing = allowed - found
@@ -237,21 +190,21 @@ def test_checkpoint_reader_allows_exactly_what_deepspeed_saves(runs):
 
 def test_zero_to_fp32_recovers_masters(runs):
     for stage in (2, 3):
-        out = _task(runs, "w2", f"tofp32:{stage}:fp32")
+        out = task_result(runs, "w2", f"tofp32:{stage}:fp32")
         assert out["n"] == 6 and out["max_diff_fp32_model"] == 0.0
 
 
 def test_fp16_overflow_step_leaves_fp8_states(runs):
-    out = _task(runs, "w2", "skip:2:fp16")
+    out = task_result(runs, "w2", "skip:2:fp16")
     assert out["unchanged"] and out["skipped_steps"] >= 1
     assert out["scale_after"] < out["scale_before"]
     assert all(x == x and x < 10 for x in out["losses"])
 
 
 def test_two_nodes_zero2(runs):
-    out = _task(runs, "mn", "quick:2:fp32")
+    out = task_result(runs, "mn", "quick:2:fp32")
     assert out["world"] == 2
-    assert out["losses"] == _task(runs, "w1", "train:0:fp32")["losses"][:12]
+    assert out["losses"] == task_result(runs, "w1", "train:0:fp32")["losses"][:12]
 
 
 W1_GPU = ["train:0:fp32", "train:2:fp32", "train:1:bf16"]
@@ -266,27 +219,27 @@ def _diff(a: list, b: list) -> float:
 def test_gpu_two_ranks(tmp_path):
     """The launched jobs on 2 GPUs (NCCL), a smaller set than on CPU; the summary goes to
     $COAT_ZERO_GPU_SUMMARY when set (benchmarks/results/zero_multi_gpu.json is made from it)."""
-    _require_launcher()
+    require_launcher()
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     ckpt = str(tmp_path / "ckpt")
     os.makedirs(ckpt)
-    res = {"w1": launch(str(tmp_path / "w1.json"), ckpt, W1_GPU, 1),
-           "w2": launch(str(tmp_path / "w2.json"), ckpt, W2_GPU, 2)}
-    ref = _task(res, "w1", "train:0:fp32")["losses"]
-    bf16 = _task(res, "w1", "train:1:bf16")["losses"]
+    res = {"w1": launch_job(str(tmp_path / "w1.json"), ckpt, W1_GPU, 1),
+           "w2": launch_job(str(tmp_path / "w2.json"), ckpt, W2_GPU, 2)}
+    ref = task_result(res, "w1", "train:0:fp32")["losses"]
+    bf16 = task_result(res, "w1", "train:1:bf16")["losses"]
     summary = {"world_size": 2, "device": torch.cuda.get_device_name(), "steps": STEPS, "fp32": {}, "bf16": {}}
     for stage in (1, 2, 3):
-        summary["fp32"][stage] = _diff(_task(res, "w2", f"train:{stage}:fp32")["losses"], ref)
+        summary["fp32"][stage] = _diff(task_result(res, "w2", f"train:{stage}:fp32")["losses"], ref)
     for stage in (2, 3):
-        summary["bf16"][stage] = _diff(_task(res, "w2", f"train:{stage}:bf16")["losses"], bf16)
+        summary["bf16"][stage] = _diff(task_result(res, "w2", f"train:{stage}:bf16")["losses"], bf16)
     summary["resume_same_world_max_diff"] = max(_diff(o["resumed"], o["losses"][SAVE_AT:])
                                                 for job in ("w1", "w2") for t, o in res[job]["tasks"].items()
                                                 if t.startswith("train:") and "resumed" in o)
-    summary["resume_1_to_2_ranks_zero2"] = _diff(_task(res, "w2", "resume:2:fp32:1")["resumed"], ref[SAVE_AT:])
+    summary["resume_1_to_2_ranks_zero2"] = _diff(task_result(res, "w2", "resume:2:fp32:1")["resumed"], ref[SAVE_AT:])
     summary["state_bytes_per_param_per_rank"] = {
-        stage: _task(res, "w2", f"train:{stage}:fp32")["state_bytes"] / _task(res, "w2", f"train:{stage}:fp32")["n_params"]
-        for stage in (1, 2, 3)}
+        stage: out["state_bytes"] / out["n_params"]
+        for stage, out in ((st, task_result(res, "w2", f"train:{st}:fp32")) for st in (1, 2, 3))}
     summary["stages_passed"] = [st for st in (1, 2, 3) if summary["fp32"][st] == 0.0
                                 and summary["bf16"].get(st, 0.0) == 0.0]
     path = os.environ.get("COAT_ZERO_GPU_SUMMARY")

@@ -8,16 +8,12 @@ world size (tests/ds_scripts/release_job.py):
 """
 from __future__ import annotations
 
-import os
-
 import pytest
-import torch
 
 from coat_ds.deepspeed.check import check_config
-from test_deepspeed import SAVE_AT, STEPS, _require_launcher, _task, launch
+from harness import DS_SCRIPTS, SAVE_AT, STEPS, launch_worlds, task_result
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-JOB = os.path.join(ROOT, "tests", "ds_scripts", "release_job.py")
+JOB = DS_SCRIPTS / "release_job.py"
 ALLOWED = "allowed there: ['per_parameter', 'partition_buffer']"
 
 EQUAL_W1 = ["equal:1:fp32_remainder", "equal:2:bf16_sr"]
@@ -33,7 +29,8 @@ def _config(**extra) -> dict:
 
 
 @pytest.mark.parametrize("extra,why", [
-    ({"gradient_accumulation_steps": 2}, "steps as gradients are reduced: gradient_accumulation_steps must be 1 (it is 2)"),
+    ({"gradient_accumulation_steps": 2},
+     "steps as gradients are reduced: gradient_accumulation_steps must be 1 (it is 2)"),
     ({"zero_optimization": {"stage": 3}}, "needs ZeRO stage 1 or 2 (zero_optimization.stage is 3)"),
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
      "runs on the device, not under Offload (zero_optimization.offload_optimizer)"),
@@ -54,33 +51,24 @@ def test_config_accepts_release_and_hf_auto():
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    _require_launcher()
-    if torch.cuda.is_available():
-        pytest.skip("CPU-accelerator runs")
-    tmp = str(tmp_path_factory.mktemp("release"))
-    ckpt = os.path.join(tmp, "ckpt")
-    os.makedirs(ckpt)
-    return {"w1": launch(os.path.join(tmp, "w1.json"), ckpt, EQUAL_W1, 1, job=JOB),
-            "w2": launch(os.path.join(tmp, "w2.json"), ckpt, W2, 2, job=JOB)}
+    return launch_worlds(tmp_path_factory, "release", JOB, w1=(EQUAL_W1, 1), w2=(W2, 2))
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("job,task", [("w1", t) for t in EQUAL_W1] + [("w2", t) for t in EQUAL_W2])
 def test_release_steps_as_per_parameter_bit_for_bit(runs, job, task):
     """Clipping off: 50 steps of losses, every rank's final masters and FP8 states equal per_parameter's, and
     when the step begins no gradient is held (per_parameter holds the whole partition's)."""
-    out = _task(runs, job, task)
+    out = task_result(runs, job, task)
     lean, ref = out["release"], out["per_parameter"]
     assert len(lean["losses"]) == STEPS and lean["losses"] == ref["losses"]
     assert out["masters_equal"] and out["states_equal"]
     assert lean["grads_at_step"] == 0 and ref["grads_at_step"] >= out["partition"] // 2
 
 
-@pytest.mark.slow
 def test_release_clips_a_gradient_spike_at_once(runs):
     """Every gradient x1e4 for one step, clipping 1.0: the second moment stays where exact clipping keeps it
     (each clipped gradient value <= 1, so v <= beta2 v_max + (1 - beta2)), while unclipped it explodes."""
-    out = _task(runs, "w2", "spike:2:bf16_sr")
+    out = task_result(runs, "w2", "spike:2:bf16_sr")
     rel, exact, raw = out["release"], out["exact"], out["unclipped"]
     # before the spike the norm stays under the clip, lagged or not: the runs are equal up to it
     spike = out["spike_at"]
@@ -94,12 +82,11 @@ def test_release_clips_a_gradient_spike_at_once(runs):
     assert all(x == x and x < 3 for x in rel["losses"])  # trains on, finite
 
 
-@pytest.mark.slow
 def test_release_nan_midway_skips_the_rest_of_the_step(runs):
     """A NaN in rank 0's gradient of the first layer's weight (reduced last): the buckets reduced before it
     were stepped, the first layer's weight not; nothing non-finite anywhere; the step counts as skipped once
     (DeepSpeed and CoatAdamW), and training goes on."""
-    out = _task(runs, "w2", "nan:2:bf16_sr")
+    out = task_result(runs, "w2", "nan:2:bf16_sr")
     assert out["finite"]
     assert out["changed"]["0.weight"] is False
     assert out["changed"]["4.weight"] and out["changed"]["4.bias"]
@@ -108,16 +95,14 @@ def test_release_nan_midway_skips_the_rest_of_the_step(runs):
     assert all(x == x and x < 3 for x in out["losses_after"])
 
 
-@pytest.mark.slow
 def test_release_resumes_exactly_with_clipping(runs):
     """Clipping on (the previous step's norm is part of the saved state): the resumed tail == the run's."""
-    out = _task(runs, "w2", "resume:2:fp32_remainder")
+    out = task_result(runs, "w2", "resume:2:fp32_remainder")
     assert len(out["losses"]) == STEPS and out["resumed"] == out["losses"][SAVE_AT:]
 
 
-@pytest.mark.slow
 def test_engine_refuses_what_release_cannot_run(runs):
-    out = _task(runs, "w2", "refuse:2")
+    out = task_result(runs, "w2", "refuse:2")
     assert out["accumulation"] == ("coat.gradients='release' steps as gradients are reduced: "
                                    f"gradient_accumulation_steps must be 1 (it is 2); {ALLOWED}")
     assert out["zero3"].startswith("coat.gradients='release' needs DeepSpeed's ZeRO-1/2 optimizer")

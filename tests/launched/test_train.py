@@ -8,32 +8,15 @@ import subprocess
 import time
 from pathlib import Path
 
-import pytest
-
 from coat_ds.recipes.causal_lm import MODEL_SIZES
-from harness import ROOT, child_env, free_port, launcher
-pytestmark = pytest.mark.slow
-
-# the default model and data, shrunk for CI: tiny Llama, 64-token samples, 2 samples per rank
-SMALL = ["--model-size", "tiny", "--seq-len", "64", "--micro-batch", "2", "--lr", "3e-3", "--eval-batches", "2"]
+from harness import ROOT, TRAIN_SMALL, child_env, finish, free_port, launcher
 
 
 def launch(save_dir: Path, *extra: str, config: str = "ds_configs/zero2_coat.json"):
     cmd = [launcher(), "--num_gpus", "2", "--master_port", str(free_port()),
-           "examples/train.py", "--deepspeed", config, "--save-dir", str(save_dir), *SMALL, *extra]
+           "examples/train.py", "--deepspeed", config, "--save-dir", str(save_dir), *TRAIN_SMALL, *extra]
     return subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)   # one process group: a timeout or a signal reaches every rank
-
-
-def finish(proc, timeout=600) -> str:
-    """Wait for the job (the first run may JIT-build ops); on timeout kill the whole job, not just the launcher."""
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"job timed out after {timeout} s:\n{out[-3000:]}")
-    return out
 
 
 def records(save_dir: Path, kind: str) -> list[dict]:
@@ -48,7 +31,7 @@ def test_main_command_then_resume(tmp_path):
     train = records(run, "train")
     assert [r["step"] for r in train] == [1, 2, 3, 4]
     losses = [r["loss"] for r in train]
-    assert all(l == l and abs(l) < 100 for l in losses), losses                   # finite
+    assert all(x == x and abs(x) < 100 for x in losses), losses                   # finite
     assert sum(losses[-2:]) / 2 < losses[0], losses                                # falling
     assert [r["step"] for r in records(run, "eval")] == [2, 4]
     assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

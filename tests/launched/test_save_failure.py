@@ -10,8 +10,7 @@ import textwrap
 import pytest
 
 from coat_ds.deepspeed.save import write_failure
-from harness import ROOT, child_env, free_port, launcher
-from test_train import SMALL, finish
+from harness import ROOT, TRAIN_SMALL, child_env, finish, free_port, launcher
 
 
 def test_a_file_size_limit_is_named_not_torchs_enforce_fail(tmp_path):
@@ -30,7 +29,7 @@ def test_a_file_size_limit_is_named_not_torchs_enforce_fail(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=child_env(), capture_output=True, text=True,
                          timeout=300).stdout
     assert "TORCH: [enforce fail" in out, out
-    line = next(l for l in out.splitlines() if l.startswith("LINE:"))
+    line = next(ln for ln in out.splitlines() if ln.startswith("LINE:"))
     assert line.startswith("LINE: file too large (the file size limit, `ulimit -f`) (") and "MiB free of" in line
 
 
@@ -52,7 +51,6 @@ def _tmpfs_ok() -> bool:
     return probe.returncode == 0
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(not _tmpfs_ok(), reason="needs `unshare -rm` and a tmpfs mount in a user namespace")
 def test_main_job_on_a_full_disk_says_why_and_keeps_latest(tmp_path):
     """The issue's case: the main job (2 CPU ranks) saves into a tmpfs that holds one checkpoint (~9 MiB for
@@ -61,7 +59,7 @@ def test_main_job_on_a_full_disk_says_why_and_keeps_latest(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     job = [launcher(), "--num_gpus", "2", "--master_port", str(free_port()),
-           "examples/train.py", "--deepspeed", "ds_configs/zero2_coat.json", "--save-dir", str(run), *SMALL,
+           "examples/train.py", "--deepspeed", "ds_configs/zero2_coat.json", "--save-dir", str(run), *TRAIN_SMALL,
            "--steps", "4", "--save-every", "2", "--eval-every", "0"]
     # the listing is taken inside the namespace: the tmpfs is gone once it exits
     script = (f'mount -t tmpfs -o size=14m tmpfs "{run}" && "$@"; rc=$?; echo "LS:" $(ls "{run}/checkpoints"); '
@@ -72,12 +70,12 @@ def test_main_job_on_a_full_disk_says_why_and_keeps_latest(tmp_path):
                             start_new_session=True)
     out = finish(proc)
     assert proc.returncode == 1, out[-3000:]
-    errors = [l for l in out.splitlines() if l.startswith("error: ")]
+    errors = [ln for ln in out.splitlines() if ln.startswith("error: ")]
     assert len(errors) == 1, out[-3000:]
     assert errors[0].startswith(f"error: checkpoint step0000004 not saved to {run}/checkpoints: no space left on "
                                 f"device (") and f"MiB free of 14.0 MiB on {run})" in errors[0], errors
     assert errors[0].endswith("removed the partial step0000004.tmp; `latest` still names step0000002"), errors
-    listing = next(l for l in out.splitlines() if l.startswith("LS:")).split()[1:]
+    listing = next(ln for ln in out.splitlines() if ln.startswith("LS:")).split()[1:]
     assert "step0000002" in listing and not any(n.endswith(".tmp") for n in listing), listing
-    assert next(l for l in out.splitlines() if l.startswith("LATEST:")) == "LATEST: step0000002"
+    assert next(ln for ln in out.splitlines() if ln.startswith("LATEST:")) == "LATEST: step0000002"
     assert "Traceback" not in out, out[-3000:]

@@ -5,29 +5,22 @@
 - every ds_configs/hf/ config runs with TrainingArguments' defaults (2 ranks, tests/ds_scripts/presets_job.py).
 """
 import json
-import os
-import signal
 import subprocess
 
 import pytest
 
-from harness import ROOT, child_env, free_port, launcher
+from harness import ROOT, assert_runs_as_configured, child_env, finish, free_port, launch_presets_job, launcher, ranks
 
 HF_CONFIGS = sorted(p.name for p in (ROOT / "ds_configs" / "hf").glob("*.json"))
 
 
-@pytest.mark.slow
 def test_hf_trainer_with_coat_config(tmp_path):
     cmd = [launcher(), "--num_gpus", "1", "--master_port", str(free_port()), "examples/hf_trainer.py",
            "--deepspeed", "ds_configs/zero2_coat.json", "--model-size", "tiny", "--seq-len", "64", "--steps", "3",
            "--eval-samples", "4", "--output-dir", str(tmp_path / "out")]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=600)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail(f"hf_trainer.py timed out:\n{proc.communicate()[0][-3000:]}")
+    out = finish(proc)
     assert proc.returncode == 0, out[-3000:]
     result = json.loads([line for line in out.splitlines() if line.startswith('{"engine"')][-1])
     assert result["engine"] == "DeepSpeedEngine" and result["optimizer"] == "CoatAdamW"
@@ -58,21 +51,15 @@ def test_hf_configs_run_with_default_warmup():
 
 @pytest.fixture(scope="module")
 def hf_job(tmp_path_factory) -> dict:
-    from test_presets import launch_presets_job
-
     return launch_presets_job(tmp_path_factory.mktemp("hf_presets"), "hf")
 
 
-@pytest.mark.slow
 def test_every_hf_config_runs_with_default_training_arguments(hf_job):
-    from test_coat_section import ranks
-    from test_presets import assert_runs_as_configured
-
     for res in ranks(hf_job, "hf"):
         assert sorted(res) == HF_CONFIGS
         for name, r in res.items():
             assert_runs_as_configured(name, r, json.loads((ROOT / "ds_configs" / "hf" / name).read_text()))
-            assert r["bf16"] == (r["master_weights"] != "fp32"), (name, r)   # defaults, but bf16 for a bf16-based master
+            assert r["bf16"] == (r["master_weights"] != "fp32"), (name, r)   # defaults, bf16 for a bf16-based master
             assert len(r["losses"]) == 3, (name, r)
             steps = len(r["lr"])                                     # HF's default: linear decay, no warmup
             assert r["lr"] == pytest.approx([r["default_lr"] * (1 - k / steps) for k in range(1, steps + 1)]), r

@@ -13,24 +13,17 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 
-from harness import ROOT, child_env, free_port, launch_json, launcher
+from harness import DS_SCRIPTS, ROOT, free_port, launch_results, launcher, ranks
 
 pytest.importorskip("deepspeed")
 pytest.importorskip("transformers")
 
-JOB = ROOT / "tests" / "ds_scripts" / "section_job.py"
+JOB = DS_SCRIPTS / "section_job.py"
 DS_TASKS = ["plain", "zero3_init", "refusals", "hf_trainer", "configs"]
 STEPS = 3
-
-
-def _launch(cmd: list[str], out: Path) -> dict:
-    env = child_env()
-    env.setdefault("COAT_JOB_TIMEOUT", "420")
-    return launch_json(cmd, out, env, exit_0=False)  # the results file decides
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +32,7 @@ def ds_job(tmp_path_factory) -> dict:
     out = tmp / "r.json"
     cmd = [launcher("deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), str(JOB), "--out", str(out),
            "--tmp", str(tmp), *DS_TASKS]
-    return _launch(cmd, out)
+    return launch_results(cmd, out)
 
 
 @pytest.fixture(scope="module")
@@ -52,16 +45,7 @@ def acc_job(tmp_path_factory) -> dict:
                     "num_machines: 1\nnum_processes: 2\nmachine_rank: 0\nuse_cpu: true\n")
     cmd = [launcher("accelerate"), "launch", "--config_file", str(conf), "--main_process_port", str(free_port()),
            str(JOB), "--out", str(out), "--tmp", str(tmp), "accelerate"]
-    return _launch(cmd, out)
-
-
-def ranks(result: dict, task: str) -> list[dict]:
-    assert task in result, f"task {task} did not finish: {sorted(result)}"
-    per_rank = list(result[task].values())
-    for r in per_rank:
-        assert "error" not in r, r.get("trace", r["error"])
-    assert len(per_rank) == 2
-    return per_rank
+    return launch_results(cmd, out)
 
 
 def assert_trains_like_reference(r: dict, steps: int = STEPS) -> None:
@@ -70,7 +54,6 @@ def assert_trains_like_reference(r: dict, steps: int = STEPS) -> None:
     assert r["losses"] == r["reference"], r                         # bit-equal to coat_ds.deepspeed.initialize
 
 
-@pytest.mark.slow
 def test_plain_deepspeed_initialize_with_a_shipped_config(ds_job):
     for r in ranks(ds_job, "plain"):
         assert_trains_like_reference(r)
@@ -78,20 +61,17 @@ def test_plain_deepspeed_initialize_with_a_shipped_config(ds_job):
         assert r["cache"] == [False]                                # cache_weights: no accumulation, no cache
 
 
-@pytest.mark.slow
 def test_hf_trainer_with_an_auto_config(ds_job):
     for r in ranks(ds_job, "hf_trainer"):
         assert_trains_like_reference(r)
 
 
-@pytest.mark.slow
 def test_accelerate_with_a_deepspeed_config_file(acc_job):
     for r in ranks(acc_job, "accelerate"):
         assert r["config_file"] == str(ROOT / "ds_configs" / "zero2_coat.json")
         assert_trains_like_reference(r)
 
 
-@pytest.mark.slow
 def test_zero3_with_zero_init(ds_job):
     for r in ranks(ds_job, "zero3_init"):
         assert r["partitioned"]                                     # from_pretrained built it under zero.Init
@@ -100,7 +80,6 @@ def test_zero3_with_zero_init(ds_job):
         assert_trains_like_reference(r)                             # reference: the same weights, built whole
 
 
-@pytest.mark.slow
 def test_every_shipped_config_through_plain_deepspeed(ds_job):
     shipped = sorted(p.name for p in (ROOT / "ds_configs").glob("*.json"))
     for res in ranks(ds_job, "configs"):
@@ -114,7 +93,6 @@ def test_every_shipped_config_through_plain_deepspeed(ds_job):
             assert all(lr > 0 for lr in r["lr"]), (name, r)             # the scheduler ran on numbers
 
 
-@pytest.mark.slow
 def test_what_the_section_cannot_apply_to_is_refused(ds_job):
     for r in ranks(ds_job, "refusals"):
         for case, why in (("gpt2", "model_type='gpt2' has no coat_ds injection policy"),
@@ -128,7 +106,6 @@ def test_what_the_section_cannot_apply_to_is_refused(ds_job):
         assert r["bad_value"].startswith("ValueError: coat.activation.mode='half'"), r["bad_value"]
 
 
-@pytest.mark.slow
 def test_enabled_false_and_engines_without_a_config_optimizer(ds_job):
     for r in ranks(ds_job, "refusals"):
         assert r["disabled_fp8"] == 0                               # "enabled": false: the model stays stock

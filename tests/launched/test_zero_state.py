@@ -12,16 +12,12 @@ random bits are keyed by positions in parameters, not in partitions.
 """
 from __future__ import annotations
 
-import os
-
 import pytest
-import torch
 
 from coat_ds.deepspeed.master import MASTER_WEIGHTS
-from test_deepspeed import SAVE_AT, STEPS, _require_launcher, _task, launch
+from harness import DS_SCRIPTS, SAVE_AT, STEPS, launch_worlds, task_result as _task
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-JOB = os.path.join(ROOT, "tests", "ds_scripts", "zero_state_job.py")
+JOB = DS_SCRIPTS / "zero_state_job.py"
 
 pytestmark = pytest.mark.slow
 
@@ -36,15 +32,7 @@ W2 = EXACT + GRADS + ["master:2:bf16_sr", "master:1:bf16_sr:bf16grads", "master:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    _require_launcher()
-    if torch.cuda.is_available():
-        pytest.skip("CPU-accelerator runs")
-    tmp = str(tmp_path_factory.mktemp("zs"))
-    ckpt = os.path.join(tmp, "ckpt")
-    os.makedirs(ckpt)
-    res = {"w1": launch(os.path.join(tmp, "w1.json"), ckpt, W1, 1, job=JOB)}
-    res["w2"] = launch(os.path.join(tmp, "w2.json"), ckpt, W2, 2, job=JOB)
-    return res
+    return launch_worlds(tmp_path_factory, "zs", JOB, w1=(W1, 1), w2=(W2, 2))
 
 
 @pytest.mark.parametrize("task", EXACT)

@@ -13,27 +13,17 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 
-from test_deepspeed import _require_launcher, _task, launch
+from harness import DS_SCRIPTS, launch_job, launch_worlds, require_launcher, task_result
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-JOB = os.path.join(ROOT, "tests", "ds_scripts", "zero_state_job.py")
+JOB = DS_SCRIPTS / "zero_state_job.py"
 REMAINDER = [f"remainder:{s}:bf16" for s in (1, 2, 3)]
 TASKS = REMAINDER + ["refuse_remainder:2"]
-
-pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    _require_launcher()
-    if torch.cuda.is_available():
-        pytest.skip("CPU-accelerator runs")
-    tmp = str(tmp_path_factory.mktemp("rem"))
-    ckpt = os.path.join(tmp, "ckpt")
-    os.makedirs(ckpt)
-    return {"w2": launch(os.path.join(tmp, "w2.json"), ckpt, TASKS, 2, job=JOB)}
+    return launch_worlds(tmp_path_factory, "rem", JOB, w2=(TASKS, 2))
 
 
 def check_bit_identical(out: dict) -> None:
@@ -47,21 +37,21 @@ def check_bit_identical(out: dict) -> None:
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_remainder_master_trains_bit_identically_to_the_fp32_master(runs, stage):
-    check_bit_identical(_task(runs, "w2", f"remainder:{stage}:bf16"))
+    check_bit_identical(task_result(runs, "w2", f"remainder:{stage}:bf16"))
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_remainder_checkpoints_are_fp32_masters(runs, stage):
     """Saved as fp32 masters (bit-identical to the live ones); resume exact; the file loads into an fp32 engine
     exactly and into bf16_sr rounded once; an fp32-master checkpoint loads into remainders exactly."""
-    out = _task(runs, "w2", f"remainder:{stage}:bf16")
+    out = task_result(runs, "w2", f"remainder:{stage}:bf16")
     assert out["saved_dtypes"] == "torch.float32" and out["saved_exact"]
     assert out["resumed"] == out["fp32_remainder"][60:]
     assert out["into_fp32_exact"] and out["into_bf16_sr_exact"] and out["from_fp32_exact"]
 
 
 def test_remainder_refused_under_offload(runs):
-    out = _task(runs, "w2", "refuse_remainder:2")
+    out = task_result(runs, "w2", "refuse_remainder:2")
     for case in ("offload_z2", "offload_z3"):
         assert out[case] == ("coat.master_weights='fp32_remainder' keeps bf16 weights + int16 remainders on the "
                              "device; under Offload the host master would cost what DeepSpeed's fp32 one does (4 "
@@ -73,12 +63,12 @@ def test_remainder_refused_under_offload(runs):
 def test_remainder_master_is_the_fp32_master_on_one_gpu(tmp_path):
     """The same job on one GPU (the CUDA kernel, bf16): bit-identical to the fp32 master over 100 steps,
     ZeRO-1/2/3, and its checkpoints as on the CPU."""
-    _require_launcher()
+    require_launcher()
     ckpt = str(tmp_path / "ckpt")
     os.makedirs(ckpt)
-    res = {"g1": launch(str(tmp_path / "g1.json"), ckpt, REMAINDER, 1, job=JOB)}
+    res = {"g1": launch_job(str(tmp_path / "g1.json"), ckpt, REMAINDER, 1, job=JOB)}
     for task in REMAINDER:
-        out = _task(res, "g1", task)
+        out = task_result(res, "g1", task)
         check_bit_identical(out)
         assert out["saved_exact"] and out["resumed"] == out["fp32_remainder"][60:], task
         assert out["into_fp32_exact"] and out["into_bf16_sr_exact"] and out["from_fp32_exact"], task

@@ -1,32 +1,21 @@
 """The presets of ds_configs/ (ds_configs/presets.py, docs/presets.md): generated from one source, valid, and
 each one trains through plain deepspeed.initialize on 2 ranks (tests/ds_scripts/presets_job.py; its HF
-Trainer twins: tests/test_hf_trainer.py)."""
+Trainer twins: tests/launched/test_hf_trainer.py)."""
 from __future__ import annotations
 
 import json
-import math
 import sys
-from pathlib import Path
 
 import pytest
 
+from harness import ROOT, assert_runs_as_configured, launch_presets_job, ranks
+
 pytest.importorskip("deepspeed")
 
-ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "ds_configs"))
 import presets  # noqa: E402
-from harness import free_port, launcher  # noqa: E402
-from test_coat_section import _launch, ranks  # noqa: E402
 
-JOB = ROOT / "tests" / "ds_scripts" / "presets_job.py"
 NAMES = [f"{layout}_{intent}.json" for layout, intent in presets.presets()]
-
-
-def launch_presets_job(tmp: Path, task: str) -> dict:
-    out = tmp / "r.json"
-    cmd = [launcher("deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), str(JOB), "--out", str(out),
-           "--tmp", str(tmp), task]
-    return _launch(cmd, out)
 
 
 def test_preset_files_are_what_presets_py_writes():
@@ -59,16 +48,6 @@ def test_largest_model_is_only_where_release_runs():
 @pytest.fixture(scope="module")
 def plain_job(tmp_path_factory) -> dict:
     return launch_presets_job(tmp_path_factory.mktemp("presets"), "plain")
-
-
-def assert_runs_as_configured(name: str, r: dict, cfg: dict) -> None:
-    """What presets_job recorded for one config on one rank is what the config asks for."""
-    master = cfg["coat"].get("master_weights", "fp32")
-    assert r["fp8"] == 2 and r["optimizer"] == "CoatAdamW", (name, r)          # both decoder layers are FP8
-    assert r["attention_fp8"] == [cfg["coat"]["activation"].get("attention_fp8", False)], (name, r)
-    assert r["master_weights"] == master, (name, r)
-    assert (r["fp32_master_values"] == 0) == (master != "fp32"), (name, r)  # only "fp32" keeps an fp32 copy
-    assert r["losses"] and all(math.isfinite(x) for x in r["losses"]), (name, r)
 
 
 @pytest.mark.slow

@@ -1,0 +1,15 @@
+"""Every test under tests/launched/ starts jobs in other processes (the `deepspeed` or `accelerate` launcher, or an
+example's training run) and is marked `slow`: `.ci/run` runs them in its second lane, `pytest -m "not slow"` skips
+them."""
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.hookimpl(tryfirst=True)   # before `-m` deselects by marker
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if HERE in item.path.parents:
+            item.add_marker(pytest.mark.slow)

@@ -1,0 +1,70 @@
+"""The examples exit 2 on bad input with one `error:` line, before any model, data or device memory
+(--resume / --resume-from included); the checks themselves: tests/test_fail_fast.py."""
+import json
+import os
+import subprocess
+import sys
+
+from coat_ds.deepspeed.check import check_tag
+from harness import ROOT, child_env, free_port, launcher
+
+TINY = ["--model-size", "tiny", "--seq-len", "64", "--micro-batch", "2", "--lr", "3e-3", "--eval-batches", "1",
+        "--eval-every", "0"]
+
+
+def _env() -> dict:
+    e = child_env()
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        e.pop(key, None)
+    return e
+
+
+def _run(cmd: list[str], timeout: int = 600) -> tuple[int, str]:
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def _errors(out: str) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith("error:")]
+
+
+def test_bad_config_exits_2_once_before_data_or_model(tmp_path):
+    """2 ranks through the launcher: one `error:` line (rank 0), exit 2, and it comes before the data (a
+    missing --data path would be reported otherwise) and the model (nothing is written to --save-dir)."""
+    cfg = json.loads((ROOT / "ds_configs/zero2_coat.json").read_text())
+    cfg["optimizer"]["params"]["group_size"] = 100
+    (tmp_path / "bad.json").write_text(json.dumps(cfg))
+    common = ["--deepspeed", str(tmp_path / "bad.json"), "--data", str(tmp_path / "no_data")]
+    rc, out = _run([launcher(), "--num_gpus", "2", "--master_port", str(free_port()),
+                    "examples/train.py", *common, "--save-dir", str(tmp_path / "run")])
+    want = "error: optimizer.params.group_size=100 is invalid for CoatAdamW; allowed: one of [32, 64, 128, 256]"
+    assert rc == 2 and _errors(out) == [want] and "Traceback" not in out, out[-3000:]
+    assert not (tmp_path / "run").exists()
+    rc, out = _run([sys.executable, "examples/hf_trainer.py", *common, "--output-dir", str(tmp_path / "hf")])
+    assert rc == 2 and _errors(out) == [want] and "Traceback" not in out, out[-3000:]
+
+
+def test_unreadable_latest_checkpoint_names_file_and_intact_tags_then_resume_from(tmp_path):
+    run, train = tmp_path / "run", [sys.executable, "examples/train.py", "--save-dir", str(tmp_path / "run"), *TINY]
+    rc, out = _run([*train, "--steps", "4", "--save-every", "2"])
+    assert rc == 0, out[-3000:]
+    log = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+    ckpt = run / "checkpoints"
+    assert (ckpt / "latest").read_text() == "step0000004"
+    bad = sorted((ckpt / "step0000004").glob("*optim_states.pt"))[0]
+    os.truncate(bad, bad.stat().st_size // 2)
+
+    rc, out = _run([*train, "--steps", "4", "--resume"])
+    assert rc == 2 and "Traceback" not in out, out[-3000:]
+    [line] = _errors(out)
+    assert line.startswith(f"error: checkpoint step0000004 cannot be loaded: checkpoint file unreadable "
+                           f"(truncated or corrupt): {bad} ") and line.endswith(
+        "; intact tags: step0000002 (resume with --resume-from TAG)"), line
+
+    rc, out = _run([*train, "--steps", "4", "--resume-from", "step0000002"])
+    assert rc == 0, out[-3000:]
+    again = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+    train_of = lambda recs: [(r["step"], r["loss"]) for r in recs if r["kind"] == "train"]  # noqa: E731
+    assert train_of(again) == train_of(log)  # steps 1-2 kept, 3-4 re-run from step 2: the same losses
+    assert (ckpt / "latest").read_text() == "step0000004"
+    check_tag(str(ckpt / "step0000004"))  # the bad tag was written anew
