@@ -271,7 +271,8 @@ def seed_spread(res: Path):
 def seed_spread_families(res: Path):
     """docs/results.md: the other families' seed spreads (125M, 3 seeds, bf16 against coat full)."""
     run = load(res, "seed_spread.json")
-    header = ["family", "compared at step", "BF16 + FusedAdam", "coat_ds full", "gap of the mean", "inside BF16's spread"]
+    header = ["family", "compared at step", "BF16 + FusedAdam", "coat_ds full", "gap of the mean",
+              "inside BF16's spread"]
     rows = []
     for family in ("qwen3", "gemma3_text"):
         sec = run[family]
