@@ -136,7 +136,7 @@ def smoke_runs(tmp_path_factory):
         "e2e": [sys.executable, str(ROOT / "benchmarks" / "e2e.py"), "--smoke", "--profile", "--out", str(tmp / "e2e")],
         "convergence": [sys.executable, str(ROOT / "benchmarks" / "convergence.py"), "--smoke", "--parallel",
                         "--out", str(tmp / "convergence")],
-        "hf_trainer": [sys.executable, str(ROOT / "benchmarks" / "hf_trainer.py"), "--smoke", "--out",
+        "hf_trainer": [sys.executable, str(ROOT / "benchmarks" / "hf_trainer_speed.py"), "--smoke", "--out",
                        str(tmp / "hf_trainer")],
         "real_shapes": [sys.executable, str(ROOT / "benchmarks" / "e2e_real_shapes.py"), "--smoke",
                         "--out", str(tmp / "real_shapes")],
@@ -245,7 +245,7 @@ def _benchmark(name: str):
 
 
 def test_hf_trainer_runs_are_checked_before_any_process_starts():
-    parse_run = _benchmark("hf_trainer").parse_run
+    parse_run = _benchmark("hf_trainer_speed").parse_run
 
     assert parse_run("trainer:coat:llama-1b:4:tuned")["micro_batch"] == 4
     assert parse_run("plain:coat:llama-1b:4:tuned:profile")["profiled"] is True
@@ -260,7 +260,7 @@ def test_hf_trainer_runs_are_checked_before_any_process_starts():
 def test_hf_trainer_counts_device_synchronize_by_the_caller_outside_torch(monkeypatch):
     """The probe's count of explicit device syncs (which CUDA's sync debug mode does not report), by call site."""
     import torch
-    count_synchronize = _benchmark("hf_trainer").count_synchronize
+    count_synchronize = _benchmark("hf_trainer_speed").count_synchronize
 
     calls = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: calls.append(a))   # no device here: count only

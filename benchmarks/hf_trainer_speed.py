@@ -2,9 +2,9 @@
 where the Trainer's extra time goes (device syncs by Python line, Python functions, top host calls and GPU
 idle gaps of one step).
 
-    python benchmarks/hf_trainer.py --out benchmarks/results          # one H100, < 9 min: the plan "all"
-    python benchmarks/hf_trainer.py --runs trainer:coat:llama-1b:4:one_gpu:profile --out /tmp/hf
-    python benchmarks/hf_trainer.py --smoke --out /tmp/hf              # CPU, tiny: checks the script only
+    python benchmarks/hf_trainer_speed.py --out benchmarks/results          # one H100, < 9 min: the plan "all"
+    python benchmarks/hf_trainer_speed.py --runs trainer:coat:llama-1b:4:one_gpu:profile --out /tmp/hf
+    python benchmarks/hf_trainer_speed.py --smoke --out /tmp/hf              # CPU, tiny: checks the script only
 
 A run is path:preset:model:micro_batch:tuning[:profile], each in its own process (a DeepSpeed engine never
 gives its memory back); the plan lists them in order of priority and --time-budget skips what does not fit.
@@ -176,7 +176,7 @@ def python_top(stats, n: int = 40) -> list[dict]:
     the ranking, not the milliseconds), a function per file:line; the profiler's own frames left out."""
     rows = sorted(((ct, nc, tt, f"{Path(fn).parent.name}/{Path(fn).name}:{ln} {name}")
                    for (fn, ln, name), (_, nc, tt, ct, _) in stats.stats.items()
-                   if "hf_trainer.py" not in fn and "cProfile" not in fn and fn != "~"), reverse=True)
+                   if "hf_trainer_speed.py" not in fn and "cProfile" not in fn and fn != "~"), reverse=True)
     return [{"function": f, "calls": nc, "cum_ms": ct * 1e3, "self_ms": tt * 1e3} for ct, nc, tt, f in rows[:n]]
 
 
