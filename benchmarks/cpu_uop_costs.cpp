@@ -1,10 +1,10 @@
 // What one 16-value AVX-512 instruction costs on this CPU, next to the CPU op's FP8 encoder and decoder: the
-// figures behind the CPU step's compute floor (benchmarks/NOTES_adam.md, issue 17). One thread, L1-resident
+// figures behind the CPU step's compute floor (docs/notes_adam.md, issue 17). One thread, L1-resident
 // data, 5 dependent instructions per 16 values, minimum over 7 repetitions; cycles are derived from an FMA
 // chain (latency 4 cycles on both Zen 4 and Sapphire/Emerald Rapids).
 //
 //   g++ -O3 -std=c++20 -march=native -Icsrc/adam -Icsrc/includes benchmarks/cpu_uop_costs.cpp -o /tmp/uop_costs
-//   /tmp/uop_costs > benchmarks/results/cpu_uop_costs_<machine>.txt
+//   /tmp/uop_costs > benchmarks/logs/cpu_uop_costs_<machine>.txt
 #include <algorithm>
 #include <chrono>
 #include <cmath>
