@@ -1,20 +1,13 @@
 """Convergence: a ~125M Llama pretrained from scratch with BF16 + AdamW, coat_ds optimizer-only and coat_ds full
 (with an fp32 master, and with a bf16 master written by stochastic rounding or, as an ablation, to nearest).
 
-    python benchmarks/convergence.py --steps 2000 --parallel --out /tmp/conv     # one GPU, ~125M, 5 runs
-    python benchmarks/convergence.py --smoke --out /tmp/conv_smoke                # CPU, tiny, < 60 s
+    python -m benchmarks.convergence --steps 2000 --parallel --out /tmp/conv     # one GPU, ~125M, 5 runs
+    python -m benchmarks.convergence --smoke --out /tmp/conv_smoke                # CPU, tiny, < 60 s
 
-All runs start from the same weights (coat_ds.recipes.causal_lm's build_model with one seed) and read the
-same batches in the same order (coat_ds.recipes.data's Batches: the sample at an index depends only on the
-seed), on the default corpus (the interpreter's standard library, BPE-tokenized; built once by this
-process before the runs start). Each run is its own process, so `--parallel` can put all of them on one
-GPU at once: a 125M model leaves an H100 mostly idle, and the losses do not depend on the neighbours.
-The loop keeps the running loss on the device and reads it back only every --log-every steps.
-
-The BF16 run also saves samples of its final Adam moments (contiguous, 128-aligned windows of the flat
-exp_avg / exp_avg_sq, so quantization groups see real neighbours) for
-
-    python benchmarks/quant_error.py --state OUT/adam_state_bf16.pt
+All runs start from the same weights and read the same batches in the same order; each is its own process,
+so `--parallel` can put all of them on one GPU at once (the losses do not depend on the neighbours). The BF16
+run also saves samples of its final Adam moments for `python -m benchmarks.quant_error --state
+OUT/adam_state_bf16.pt`. docs/benchmarks.md says more.
 
 Output in --out: convergence.json (steps, bf16_val_loss, coat_val_loss, val_loss_gap_rel, the curves,
 versions, command, date), convergence.png, adam_state_bf16.pt, one log per run.
@@ -30,10 +23,14 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from coat_ds.recipes.causal_lm import FAMILIES  # noqa: E402
-from e2e import (CONFIGS, ROOT, WarningLog, base_optimizer, check_args, command, device_name, ds_config,  # noqa: E402
-                 free_port, now, versions, write_results)
+import deepspeed
+import torch
+
+from benchmarks.common import (RESULTS, ROOT, WarningLog, add_worker_args, free_port, module_cmd, provenance,
+                               worker_env, write_results)
+from benchmarks.e2e import CONFIGS, base_optimizer, check_args, ds_config
+from coat_ds.recipes import causal_lm as train_lib, data as data_lib
+from coat_ds.recipes.causal_lm import FAMILIES
 
 TARGET_GAP = 0.005   # final validation loss within 0.5% of BF16
 
@@ -47,11 +44,6 @@ class Worker:
     """One configuration's run: the engine, the fixed batches, the loss curves and the result file."""
 
     def __init__(self, args: argparse.Namespace):
-        import torch
-        import deepspeed
-
-        from coat_ds.recipes import causal_lm as train_lib, data as data_lib
-
         self.args, self.lm_loss = args, train_lib.lm_loss
         self.wlog = WarningLog()
         train_lib.set_single_process_env()
@@ -81,8 +73,6 @@ class Worker:
         return x, y
 
     def evaluate(self) -> float:
-        import torch
-
         self.engine.eval()
         total = torch.zeros((), device=self.dev)
         with torch.no_grad():
@@ -93,8 +83,6 @@ class Worker:
 
     def save(self) -> None:
         """The result so far; rewritten at every evaluation so a run killed by the time budget keeps its curves."""
-        import torch
-
         args, train_log, val_log = self.args, self.train_log, self.val_log
         steps_done = train_log[-1][0] if train_log else 0
         res = {"config": args.config, "label": CONFIGS[args.config][0], "config_source": self.source,
@@ -128,8 +116,6 @@ class Worker:
         return True
 
     def train(self) -> None:
-        import torch
-
         args, engine = self.args, self.engine
         acc = torch.zeros((), device=self.dev, dtype=torch.float32)
         engine.train()
@@ -169,9 +155,7 @@ def worker(args: argparse.Namespace) -> int:
 
 def dump_adam_state(engine, path: Path, sample: int, what: str) -> dict:
     """Save `sample` values of the final exp_avg / exp_avg_sq (fp32), in 64 contiguous 128-aligned windows
-    spread evenly over the flat state, in the format benchmarks/quant_error.py --state reads."""
-    import torch
-
+    spread evenly over the flat state, in the format quant_error's --state reads."""
     base = base_optimizer(engine)
     ms, vs = [], []
     for g in base.param_groups:
@@ -206,22 +190,20 @@ def launch(args: argparse.Namespace, name: str, out: Path,
     """Start one configuration's worker; its result and log are named after `tag` (default: the name)."""
     result, log = out / f"convergence_{tag or name}.json", out / f"convergence_{tag or name}.log"
     result.unlink(missing_ok=True)
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--config", name,
-           "--model-size", args.model_size, "--family", args.family, "--seq-len", str(args.seq_len),
-           "--micro-batch", str(args.micro_batch),
-           "--steps", str(args.steps), "--lr", str(args.lr), "--warmup-steps", str(args.warmup_steps),
-           "--log-every", str(args.log_every), "--eval-every", str(args.eval_every),
-           "--eval-batches", str(args.eval_batches), "--seed", str(args.seed), "--vocab-size", str(args.vocab_size),
-           "--result", str(result), "--deadline", str(args.deadline)]
+    cmd = module_cmd("benchmarks.convergence") + [
+        "--worker", "--config", name, "--model-size", args.model_size, "--family", args.family, "--seq-len",
+        str(args.seq_len), "--micro-batch", str(args.micro_batch), "--steps", str(args.steps), "--lr", str(args.lr),
+        "--warmup-steps", str(args.warmup_steps), "--log-every", str(args.log_every), "--eval-every",
+        str(args.eval_every), "--eval-batches", str(args.eval_batches), "--seed", str(args.seed), "--vocab-size",
+        str(args.vocab_size), "--result", str(result), "--deadline", str(args.deadline)]
     if args.data:
         cmd += ["--data", args.data]
     if args.data_bytes:
         cmd += ["--data-bytes", str(args.data_bytes)]
     if name == "bf16" and args.state_sample:
         cmd += ["--dump-state", str(out / "adam_state_bf16.pt"), "--state-sample", str(args.state_sample)]
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0",
-               WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
-    env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    env = worker_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
+                     LOCAL_WORLD_SIZE="1")
     print(f"== {name}: {' '.join(cmd)}  (log {log})", flush=True)
     fh = open(log, "w")
     proc = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
@@ -260,14 +242,11 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     p.add_argument("--parallel", action="store_true", help="run the configurations at the same time")
     p.add_argument("--time-budget", type=float, default=3600.0, help="seconds before the runs are killed")
     p.add_argument("--smoke", action="store_true", help="tiny model, few steps, small corpus (CPU is fine)")
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
-    # worker-only
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", default=str(RESULTS))
+    add_worker_args(p)
     p.add_argument("--config", help=argparse.SUPPRESS)
-    p.add_argument("--result", help=argparse.SUPPRESS)
     p.add_argument("--dump-state", help=argparse.SUPPRESS)
     p.add_argument("--deadline", type=float, default=0.0, help=argparse.SUPPRESS)
-    p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)
     return p, p.parse_args(argv)
 
 
@@ -315,7 +294,7 @@ def headline(args: argparse.Namespace, runs: dict[str, dict], tokens, t0: float)
     tail = lambda n: [v for _, v in (runs.get(n) or {}).get("train", [])[-5:]]  # noqa: E731
     n_train = len(tokens.train)
     return {
-        "device": device_name(), "model": model_name(args),
+        **provenance(), "model": model_name(args),
         "params": next((r.get("params") for r in runs.values() if r.get("params")), None),
         "data": tokens.source.split(" (cache")[0], "train_tokens": n_train, "val_tokens": len(tokens.val),
         "vocab_size": tokens.vocab_size, "seq_len": args.seq_len, "micro_batch": args.micro_batch,
@@ -333,8 +312,7 @@ def headline(args: argparse.Namespace, runs: dict[str, dict], tokens, t0: float)
         "target_gap_rel": TARGET_GAP,
         "within_target": None if gap(full) is None else abs(gap(full)) <= TARGET_GAP,
         "adam_state": (runs.get("bf16") or {}).get("adam_state"),
-        "runs": runs, "versions": versions(), "command": command(), "date": now(), "wall_s": time.time() - t0,
-        "smoke": args.smoke,
+        "runs": runs, "wall_s": time.time() - t0, "smoke": args.smoke,
     }
 
 
@@ -354,7 +332,6 @@ def main(argv: list[str] | None = None) -> int:
         smoke_recipe(args)
     names = check_args(p, args, ("seq_len", "micro_batch", "steps", "log_every", "eval_every", "eval_batches"))
 
-    from coat_ds.recipes import data as data_lib
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

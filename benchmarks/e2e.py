@@ -1,51 +1,38 @@
-"""End-to-end memory and speed: BF16 + FusedAdam vs coat_ds optimizer-only vs coat_ds full, one process each.
+"""End-to-end memory and speed: BF16 + FusedAdam vs coat_ds optimizer-only vs coat_ds full, one process each; the
+harness (workers, micro-batch ladder, memory breakdown) that e2e_real_shapes, hf_trainer_speed and offload reuse.
 
-    python benchmarks/e2e.py --model llama-1b --equal-batch 2 --out /tmp/e2e             # one GPU
-    python benchmarks/e2e.py --model llama2-7b --num-gpus 2 --zero-stage 2 --out /tmp/e2e  # ZeRO-2, 2 GPUs
-    python benchmarks/e2e.py --smoke --out /tmp/e2e_smoke                                # CPU, tiny, < 60 s
+    python -m benchmarks.e2e --model llama-1b --equal-batch 2 --out /tmp/e2e             # one GPU
+    python -m benchmarks.e2e --model llama2-7b --num-gpus 2 --zero-stage 2 --out /tmp/e2e  # ZeRO-2, 2 GPUs
+    python -m benchmarks.e2e --smoke --out /tmp/e2e_smoke                                # CPU, tiny, < 60 s
 
-Each configuration runs in its own worker process (`deepspeed --num_gpus N` when N > 1): a DeepSpeed
-engine never gives its memory back, so two engines in one process would measure each other. A worker
-builds one engine and climbs a ladder of micro-batch sizes on it, starting at the equal micro-batch:
-doubling, cut short by a linear fit of peak memory against batch size, then bisection between the
-largest size that fit and the smallest that did not. "Fits" means the peak reserved memory stays within
---mem-fraction of the device (a real OOM ends the worker; the parent restarts it once below the
-failing size). Peak *allocated* memory does not depend on which sizes ran before in the same process,
-so the rungs of one ladder are comparable with fresh processes; expandable segments keep the
-allocator from fragmenting between rungs. The data are random tokens: memory and speed do not depend
-on them.
-
-At the equal micro-batch each worker also breaks its memory down from the real tensors: weights (the
-16-bit model plus the fp32 master partition), optimizer state (every tensor in the base optimizer's
-state), gradients (the model's `.grad`s and the ZeRO optimizer's gradient buffers, after backward) and
-activations (the bytes autograd saves for backward, seen through `saved_tensors_hooks`); on CUDA the
-allocator's deltas around forward and backward, and its peaks in forward+backward and in the optimizer
-step, are reported beside them.
-
-Output in --out: e2e.json (device, model, memory_reduction, speedup_at_max_batch, one row per
-configuration, versions, command, date) and e2e.png.
+A DeepSpeed engine never gives its memory back, so each configuration runs in its own worker process, which
+climbs a ladder of micro-batch sizes on one engine (peak *allocated* memory does not depend on the sizes run
+before it). docs/benchmarks.md says how the ladder searches, what the memory breakdown counts and what
+e2e.json holds.
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
-import platform
-import signal
-import socket
-import subprocess
+import re
 import sys
 import time
-import warnings
 from pathlib import Path
 
 _T0 = time.time()   # process start: a worker's time budget counts its imports and engine set-up too
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))                    # coat_ds from a checkout
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import deepspeed  # noqa: E402
+import deepspeed.comm as dist  # noqa: E402
+import torch  # noqa: E402
+from deepspeed.accelerator import get_accelerator  # noqa: E402
+
+from benchmarks.common import (GIB, RESULTS, ROOT, SyncSites, WarningLog, add_worker_args, check_positive,  # noqa: E402
+                               command, device_name, module_cmd, names_of, now, run_worker, top_events, versions,
+                               write_results)
+from coat_ds.hf.loss import is_applied  # noqa: E402
+from coat_ds.recipes import causal_lm as train_lib  # noqa: E402  (engine initialisation and the loss)
 from coat_ds.recipes.causal_lm import MODEL_SIZES  # noqa: E402  (the main job's shapes)
 from coat_ds.recipes.shapes import SHAPES  # noqa: E402  (public shapes: TinyLlama's, Llama-2's, Llama-3.1's)
 
@@ -62,7 +49,7 @@ MODELS = {
     **SHAPES,
 }
 
-# The configurations, as shipped in ds_configs/. A file not there yet is derived from zero2_coat.json.
+# The configurations: a file of ds_configs/ and what COAT_OVERRIDES adds to it
 CONFIGS = {
     "bf16": ("BF16 + FusedAdam", "ds_configs/zero2_bf16.json"),
     "coat_opt": ("coat_ds optimizer-only", "ds_configs/zero2_coat_optimizer_only.json"),
@@ -93,11 +80,10 @@ COAT_OVERRIDES = {"coat_full_bf16sr": {"master_weights": "bf16_sr"}, "coat_full_
                   "lowest_memory_grad_buffer": {"gradients": "partition_buffer"}}
 E2E_CONFIGS = "bf16,coat_opt,coat_full,coat_full_bf16sr"   # e2e.py's default (round to nearest is for convergence)
 TARGETS = {"memory_reduction": 1.54, "speedup_at_max_batch": 1.43}   # COAT's paper, Llama-2-7B
-GIB = 2 ** 30
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Shared with convergence.py: configs, model, run metadata
+# Configurations and models (convergence, offload and hf_trainer_speed build theirs here too)
 # ---------------------------------------------------------------------------------------------------------
 def merge_into(section: dict, extra: dict) -> None:
     """`extra`'s keys into `section`, recursing into sub-sections both have."""
@@ -116,18 +102,7 @@ def ds_config(name: str, *, micro_batch: int, zero_stage: int | None = None, on_
     On CPU the BF16 baseline uses torch's AdamW (`torch_adam`): FusedAdam would JIT-build a C++ op there."""
     if name not in CONFIGS:
         raise ValueError(f"configuration {name!r} is unknown; allowed: {list(CONFIGS)}")
-    path = ROOT / CONFIGS[name][1]
-    if path.is_file():
-        cfg = json.loads(path.read_text())
-        source = CONFIGS[name][1]
-    else:  # derive from the full COAT config: same optimizer settings, so only the named change differs
-        cfg = json.loads((ROOT / CONFIGS["coat_full"][1]).read_text())
-        source = f"{CONFIGS['coat_full'][1]} (derived: {CONFIGS[name][1]} not found)"
-        if name == "bf16":
-            cfg.pop("coat", None)
-            cfg["optimizer"]["type"] = "AdamW"
-        elif name == "coat_opt":
-            cfg.pop("coat", None)
+    cfg = json.loads((ROOT / CONFIGS[name][1]).read_text())
     if name in COAT_OVERRIDES:
         merge_into(cfg.setdefault("coat", {}), COAT_OVERRIDES[name])
     cfg.pop("train_batch_size", None)
@@ -152,7 +127,7 @@ def ds_config(name: str, *, micro_batch: int, zero_stage: int | None = None, on_
             sched["total_num_steps"] = 10 ** 6
         if warmup_steps is not None:
             sched["warmup_num_steps"] = warmup_steps
-    cfg["_source"] = source
+    cfg["_source"] = CONFIGS[name][1]
     return cfg
 
 
@@ -160,7 +135,6 @@ def build_model(model: str, device, dtype, seed: int, vocab_size: int | None = N
     """A randomly initialised model of shape `model` (a Llama unless its shape names a `model_type`: HF's defaults
     for that family otherwise, as AutoConfig.for_model gives them), built directly on `device` in `dtype` (a 7B
     model built in fp32 on the host would take a minute per worker)."""
-    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if model not in MODELS:
@@ -182,103 +156,10 @@ def build_model(model: str, device, dtype, seed: int, vocab_size: int | None = N
     return net
 
 
-def git_commit() -> str | None:
-    """COAT_GIT_COMMIT where set (a GPU node's copy of the tree may carry stale git metadata), else git's."""
-    if os.environ.get("COAT_GIT_COMMIT"):
-        return os.environ["COAT_GIT_COMMIT"]
-    try:
-        out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
-                             timeout=10)
-        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10)
-        if out.returncode == 0:
-            return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return None
-
-
-def versions() -> dict:
-    """Versions of everything that shapes the numbers."""
-    import torch
-
-    v = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-         "coat_ds_commit": git_commit()}
-    for mod in ("deepspeed", "transformers", "coat_ds"):
-        try:
-            v[mod] = __import__(mod).__version__
-        except Exception as e:  # noqa: BLE001 - a version is informative, never fatal
-            v[mod] = f"unavailable ({type(e).__name__})"
-    if torch.cuda.is_available():
-        v["gpu"] = torch.cuda.get_device_name(0)
-        v["gpu_count"] = torch.cuda.device_count()
-    return v
-
-
-def device_name() -> str:
-    import torch
-
-    if torch.cuda.is_available():
-        n = torch.cuda.device_count()
-        return f"{n}x {torch.cuda.get_device_name(0)}" if n > 1 else torch.cuda.get_device_name(0)
-    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
-
-
-def now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-
-
-def command() -> str:
-    return " ".join([Path(sys.executable).name] + sys.argv)
-
-
-class WarningLog:
-    """Collects coat_ds's warnings (a kernel that fell back to the reference path changes every figure)."""
-
-    def __init__(self) -> None:
-        self.messages: list[str] = []
-        self._show = warnings.showwarning
-        warnings.showwarning = self._record
-
-    def _record(self, message, category, filename, lineno, file=None, line=None):
-        text = str(message)
-        if "coat" in text.lower() and text not in self.messages:
-            self.messages.append(text)
-        self._show(message, category, filename, lineno, file, line)
-
-
-def check_positive(p: argparse.ArgumentParser, args: argparse.Namespace, keys: tuple[str, ...]) -> None:
-    """p.error for any of these options below 1 (an optional one left unset passes)."""
-    for key in keys:
-        v = getattr(args, key)
-        if v is not None and v < 1:
-            p.error(f"--{key.replace('_', '-')}={v} is invalid; allowed: an integer >= 1")
-
-
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace, positive: tuple[str, ...]) -> list[str]:
     """The --configs names, each one known, after p.error for any unknown name or `positive` option below 1."""
-    names = [n.strip() for n in args.configs.split(",") if n.strip()]
-    for n in names:
-        if n not in LABELS:
-            p.error(f"--configs: {n!r} is unknown; allowed: {list(LABELS)}")
     check_positive(p, args, positive)
-    return names
-
-
-def device_time_attr(events) -> str:
-    """The profiler's per-event device-time attribute (older torch releases name it self_cuda_time_total)."""
-    return "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
-
-
-def is_device_event(e) -> bool:
-    """A kernel or memory op on the device: CPU-side ops carry a CPU device type."""
-    return getattr(e, "device_type", None) is None or "CUDA" in str(e.device_type)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return names_of(p, "configs", args.configs, LABELS)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -286,8 +167,6 @@ def free_port() -> int:
 # ---------------------------------------------------------------------------------------------------------
 def _tensors(obj, depth: int = 0):
     """Every tensor in a (nested) container."""
-    import torch
-
     if isinstance(obj, torch.Tensor):
         yield obj
     elif depth < 4 and isinstance(obj, dict):
@@ -352,14 +231,7 @@ class Worker:
     """One configuration's engine and the ladder's shared state: where records go, the memory limit, the data."""
 
     def __init__(self, args: argparse.Namespace):
-        import torch
-        import deepspeed
-        import deepspeed.comm as dist
-        from deepspeed.accelerator import get_accelerator
-
-        from coat_ds.recipes import causal_lm as train_lib   # engine initialisation (coat_ds.deepspeed glue) and the loss
-
-        self.args, self.train_lib, self.dist = args, train_lib, dist
+        self.args, self.train_lib, self.dist = args, train_lib, dist   # subclasses reach them here
         self.wlog = WarningLog()
         train_lib.set_single_process_env()
         deepspeed.init_distributed()
@@ -375,14 +247,16 @@ class Worker:
         self.engine = self.setup_engine()
         self.gen = torch.Generator(device="cpu").manual_seed(args.seed + self.rank)
 
+    def model(self, dtype=None):
+        """The randomly initialised model of --model on this device (bf16 on CUDA); sets vocab and n_params."""
+        dtype = dtype or (torch.bfloat16 if self.on_cuda else torch.float32)
+        net = build_model(self.args.model, self.device, dtype, self.args.seed)
+        self.vocab, self.n_params = net.config.vocab_size, sum(p.numel() for p in net.parameters())
+        return net
+
     def setup_engine(self):
         """Build the model and the engine; emit the set-up record (parameters, config, memory limit)."""
-        import torch
-
-        args, accel = self.args, self.accel
-        net = build_model(args.model, self.device, torch.bfloat16 if self.on_cuda else torch.float32, args.seed)
-        n_params = sum(p.numel() for p in net.parameters())
-        self.vocab = net.config.vocab_size
+        args, net = self.args, self.model()
         cfg = ds_config(args.config, micro_batch=args.start_batch, zero_stage=args.zero_stage,
                         on_cpu=not self.on_cuda, grad_accum_dtype=args.grad_accum_dtype)
         source = cfg.pop("_source")
@@ -390,16 +264,18 @@ class Worker:
             engine = self.train_lib.initialize(net, cfg)
         except torch.OutOfMemoryError as e:
             oom_exit(self.out, self.rank, args.start_batch, e, "engine set-up")
-        engine.train()
-        accel.empty_cache()   # set-up's transients (flat copies, fp32 partitions a bf16 master frees) are not the run's
-        self.limit = limit = args.mem_fraction * accel.total_memory() if self.on_cuda else float("inf")
-        from coat_ds.hf.loss import is_applied
+        return self.started(engine, config_source=source, chunked_loss=is_applied(engine.module), ds_config=cfg)
 
-        self.emit({"kind": "setup", "params": n_params, "world_size": self.world, "config_source": source,
-                   "chunked_loss": is_applied(engine.module),
-                   "ds_config": cfg, "setup_s": time.time() - self.t_start,
-                   "device_total_gb": accel.total_memory() / GIB,
-                   "limit_gb": limit / GIB if math.isfinite(limit) else None})
+    def started(self, engine, **rec):
+        """The engine in training mode, its set-up's transients (flat copies, fp32 partitions a bf16 master frees)
+        freed, the memory limit set; the set-up record emitted."""
+        engine.train()
+        self.accel.empty_cache()
+        total = self.accel.total_memory()
+        self.limit = self.args.mem_fraction * total if self.on_cuda else float("inf")
+        self.emit({"kind": "setup", "params": self.n_params, "world_size": self.world, **rec,
+                   "setup_s": time.time() - self.t_start, "device_total_gb": total / GIB,
+                   "limit_gb": self.limit / GIB if math.isfinite(self.limit) else None})
         return engine
 
     def emit(self, rec: dict) -> None:
@@ -409,12 +285,9 @@ class Worker:
 
     def sync(self) -> None:
         if self.on_cuda:
-            import torch
             torch.cuda.synchronize()
 
     def reduce_max(self, vals: list[float]) -> list[float]:
-        import torch
-
         t = torch.tensor(vals, dtype=torch.float64, device=self.device)
         self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX)
         return t.tolist()
@@ -439,8 +312,6 @@ class Worker:
 
     def breakdown(self, x, y) -> dict:
         """One instrumented step: tensors per category and the allocator's view around it."""
-        import torch
-
         engine, counter = self.engine, StorageCounter()
         weights = counter.add(p for p in engine.module.parameters())
         base = base_optimizer(engine)
@@ -491,8 +362,6 @@ class Worker:
                 "peak_optimizer_step_gb": peak_step / GIB if self.on_cuda else None}
 
     def rung_inputs(self, b: int):
-        import torch
-
         x_all = torch.randint(0, self.vocab, (b, self.args.seq_len + 1), generator=self.gen)
         return x_all[:, :-1].to(self.device), x_all[:, 1:].to(self.device)
 
@@ -521,8 +390,6 @@ class Worker:
 
     def climb(self) -> tuple[int | None, int | None]:
         """The ladder of micro-batch sizes -> (largest that fit, smallest that did not)."""
-        import torch
-
         args = self.args
         lo, hi = None, args.known_fail
         points: list[tuple[int, float]] = []
@@ -577,26 +444,16 @@ class PeerWorker(Worker):
     preset), HF's stock loss; no DeepSpeed."""
 
     def setup_engine(self):
-        import torch
         from torchao.float8 import convert_to_float8_training
         from torchao.optim import AdamWFp8
 
-        args = self.args
-        net = build_model(args.model, self.device, torch.bfloat16, args.seed)
-        n_params = sum(p.numel() for p in net.parameters())
-        self.vocab = net.config.vocab_size
+        net = self.model(torch.bfloat16)
         convert_to_float8_training(net, module_filter_fn=lambda mod, fqn: fqn != "lm_head")
         hp = json.loads((ROOT / CONFIGS["lowest_memory"][1]).read_text())["optimizer"]["params"]
         opt = AdamWFp8(net.parameters(), lr=hp["lr"], betas=tuple(hp["betas"]), eps=hp["eps"],
                        weight_decay=hp["weight_decay"], bf16_stochastic_round=True)
-        engine = PlainLoop(net, opt, self.device)
-        engine.train()
-        self.limit = args.mem_fraction * self.accel.total_memory() if self.on_cuda else float("inf")
-        self.emit({"kind": "setup", "params": n_params, "world_size": self.world, "config_source": "torchao",
-                   "chunked_loss": False, "ds_config": None, "setup_s": time.time() - self.t_start,
-                   "device_total_gb": self.accel.total_memory() / GIB,
-                   "limit_gb": self.limit / GIB if math.isfinite(self.limit) else None})
-        return engine
+        return self.started(PlainLoop(net, opt, self.device), config_source="torchao", chunked_loss=False,
+                            ds_config=None)
 
     def breakdown(self, x, y) -> dict:
         """The allocator's view only (torchao's FP8 states are tensor subclasses without one storage)."""
@@ -638,8 +495,6 @@ def oom_exit(out: Path, rank: int, b: int, e: Exception, phase: str) -> None:
 def oom_needed_gb(msg: str) -> float | None:
     """What the process needed when it ran out, from PyTorch's message: what PyTorch had allocated plus what it
     tried to allocate (a lower bound: the step would have gone on allocating)."""
-    import re
-
     unit = {"B": 1, "KiB": 2 ** 10, "MiB": 2 ** 20, "GiB": 2 ** 30, "TiB": 2 ** 40}
     size = r"([0-9.]+) (B|KiB|MiB|GiB|TiB)"
     tried = re.search(r"Tried to allocate " + size, msg)
@@ -649,29 +504,10 @@ def oom_needed_gb(msg: str) -> float | None:
     return sum(float(m.group(1)) * unit[m.group(2)] for m in (tried, held)) / GIB
 
 
-def rows_of(events, attr: str, keep, n: int) -> tuple[list[dict], float]:
-    """The n profiler events with the most `attr` time among those `keep` accepts, and the total over all of them (ms)."""
-    rows = sorted((e for e in events if getattr(e, attr, 0) > 0 and keep(e)), key=lambda e: -getattr(e, attr))
-    total = sum(getattr(e, attr) for e in rows) or 1.0
-    return [{"name": e.key[:120], "calls": e.count, "ms": getattr(e, attr) / 1e3,
-             "share": getattr(e, attr) / total} for e in rows[:n]], total / 1e3
-
-
-def sync_sites(caught) -> dict[str, int]:
-    """Device syncs by the Python line that made them, most first, from the warnings of CUDA's sync debug mode."""
-    syncs: dict[str, int] = {}
-    for w in caught:
-        if "synchroniz" in str(w.message):
-            where = f"{Path(w.filename).name}:{w.lineno}"
-            syncs[where] = syncs.get(where, 0) + 1
-    return dict(sorted(syncs.items(), key=lambda kv: -kv[1]))
-
-
 def profile_step(inputs, one_step, sync, on_cuda: bool, b: int, top: int = 15) -> dict:
     """One training step at micro-batch `b`, seen from both sides: the kernels by device time (what limits
     a GPU-bound step), the host-side calls by self CPU time and the device syncs with their Python call
     sites (what limits a host-bound one: a sync drains the launch queue, so the GPU then waits on Python)."""
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     try:
@@ -682,28 +518,16 @@ def profile_step(inputs, one_step, sync, on_cuda: bool, b: int, top: int = 15) -
         one_step(x, y)
         sync()
         wall_ms = (time.perf_counter() - t0) * 1e3
-        syncs: dict[str, int] = {}
-        if on_cuda:   # every synchronizing call of one step, by the Python line that made it
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                torch.cuda.set_sync_debug_mode("warn")
-                try:
-                    one_step(x, y)
-                    sync()
-                finally:
-                    torch.cuda.set_sync_debug_mode("default")
-            syncs = sync_sites(caught)
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
-        with profile(activities=acts) as prof:
+        with SyncSites(on_cuda) as syncs:   # every synchronizing call of one step, by the Python line that made it
             one_step(x, y)
             sync()
-        events = prof.key_averages()
-        attr = device_time_attr(events) if on_cuda else "self_cpu_time_total"
-        kernels, device_ms = rows_of(events, attr, is_device_event if on_cuda else (lambda e: True), top)
-        host, host_ms = rows_of(events, "self_cpu_time_total", lambda e: True, top)
-        return {"kind": "profile", "micro_batch": b, "time_source": attr, "total_ms": device_ms,
-                "step_wall_ms": wall_ms, "host_self_ms": host_ms, "top": kernels, "host_top": host,
-                "syncs": syncs}
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])) as prof:
+            one_step(x, y)
+            sync()
+        ev = top_events(prof, on_cuda, top)
+        return {"kind": "profile", "micro_batch": b, "time_source": ev["time_source"], "total_ms": ev["device_ms"],
+                "step_wall_ms": wall_ms, "host_self_ms": ev["host_ms"], "top": ev["kernels"], "host_top": ev["host"],
+                "syncs": syncs.sites}
     except Exception as e:  # noqa: BLE001 - a profile is a diagnostic; the measurements above stand without it
         return {"kind": "profile", "micro_batch": b, "error": f"{type(e).__name__}: {e}"}
 
@@ -740,59 +564,21 @@ def read_records(path: Path) -> list[dict]:
 
 def launch(args: argparse.Namespace, name: str, result: Path, start: int, known_fail: int | None,
            budget: float) -> tuple[int, str]:
-    """Run one worker (under `deepspeed --num_gpus N` when N > 1); returns its exit code and output tail."""
-    wargs = ["--worker", "--config", name, "--model", args.model, "--seq-len", str(args.seq_len),
-             "--start-batch", str(start), "--max-batch", str(args.max_batch), "--steps", str(args.steps),
-             "--warmup", str(args.warmup), "--mem-fraction", str(args.mem_fraction), "--seed", str(args.seed),
-             "--budget-s", str(max(budget - 20, 10)), "--max-rungs", str(args.max_rungs), "--result", str(result)]
-    if args.zero_stage is not None:
-        wargs += ["--zero-stage", str(args.zero_stage)]
-    if args.grad_accum_dtype is not None:
-        wargs += ["--grad-accum-dtype", args.grad_accum_dtype]
+    """Run one worker (under `deepspeed --num_gpus N` when N > 1); returns its exit code and output tail. The
+    worker stops climbing at `budget - 20` s; `budget + 30` s is the hard stop."""
+    cmd = module_cmd("benchmarks.e2e", args.num_gpus) + [
+        "--worker", "--config", name, "--model", args.model, "--seq-len", str(args.seq_len),
+        "--start-batch", str(start), "--max-batch", str(args.max_batch), "--steps", str(args.steps),
+        "--warmup", str(args.warmup), "--mem-fraction", str(args.mem_fraction), "--seed", str(args.seed),
+        "--budget-s", str(max(budget - 20, 10)), "--max-rungs", str(args.max_rungs), "--result", str(result)]
+    for flag, value in (("--zero-stage", args.zero_stage), ("--grad-accum-dtype", args.grad_accum_dtype),
+                        ("--profile-batch", args.profile_batch), ("--known-fail", known_fail)):
+        if value is not None:
+            cmd += [flag, str(value)]
     if args.profile:
-        wargs.append("--profile")
-    if args.profile_batch is not None:
-        wargs += ["--profile-batch", str(args.profile_batch)]
-    if known_fail is not None:
-        wargs += ["--known-fail", str(known_fail)]
-    if args.num_gpus > 1:
-        cmd = ["deepspeed", "--num_gpus", str(args.num_gpus), "--master_port", str(free_port()),
-               str(Path(__file__).resolve())] + wargs
-    else:
-        cmd = [sys.executable, str(Path(__file__).resolve())] + wargs
-    env = dict(os.environ)
-    env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    env.pop("RANK", None)
-    env.pop("WORLD_SIZE", None)
+        cmd.append("--profile")
     print(f"== {name}: {' '.join(cmd)}", flush=True)
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    tail: list[str] = []
-    deadline = time.time() + budget + 30     # the worker stops climbing at `budget - 20` s; this is the hard stop
-    try:
-        import selectors
-        sel = selectors.DefaultSelector()
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        while True:
-            if time.time() > deadline:
-                raise subprocess.TimeoutExpired(cmd, budget)
-            if not sel.select(timeout=1.0):
-                if proc.poll() is not None:
-                    break
-                continue
-            line = proc.stdout.readline()
-            if not line:
-                break
-            if args.verbose or line.startswith("[") or "Error" in line or "error" in line:
-                print(line, end="", flush=True)
-            tail = (tail + [line])[-40:]
-        rc = proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        rc = 124
-        tail.append(f"killed after {budget:.0f} s (time budget)\n")
-    return rc, "".join(tail)
+    return run_worker(cmd, budget + 30, echo=lambda line: args.verbose or line.startswith("[") or "rror" in line)
 
 
 def summarize_config(name: str, records: list[dict], equal_batch: int, errors: list[str]) -> dict:
@@ -866,21 +652,18 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     p.add_argument("--time-budget", type=float, default=420.0, help="seconds for all configurations together")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--smoke", action="store_true", help="tiny model, few steps (CPU is fine)")
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--profile", action="store_true",
                    help="record one step's top kernels, top host-side calls and device syncs (at the largest batch)")
     p.add_argument("--profile-batch", type=int, help="profile at this micro-batch instead of the largest that fits")
     p.add_argument("--grad-accum-dtype", choices=["fp32", "bf16"],
                    help="set DeepSpeed's data_types.grad_accum_dtype in every configuration (default: the configs')")
     p.add_argument("--verbose", action="store_true", help="echo the workers' whole output")
-    # worker-only
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    add_worker_args(p)
     p.add_argument("--config", help=argparse.SUPPRESS)
     p.add_argument("--start-batch", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--known-fail", type=int, help=argparse.SUPPRESS)
     p.add_argument("--budget-s", type=float, default=1e9, help=argparse.SUPPRESS)
-    p.add_argument("--result", help=argparse.SUPPRESS)
-    p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)
     return p, p.parse_args(argv)
 
 
@@ -957,20 +740,6 @@ def headline(args: argparse.Namespace, rows: list[dict], t0: float) -> dict:
         "configs": rows, "versions": versions(), "command": command(), "date": now(),
         "wall_s": time.time() - t0, "smoke": args.smoke,
     }
-
-
-def write_results(res: dict, out: Path, name: str) -> Path:
-    """`name`.json and `name`.png, drawn by plot_utils.plot_`name` (the JSON names the PNG once it exists)."""
-    path = out / f"{name}.json"
-    path.write_text(json.dumps(res, indent=1))
-    try:
-        import plot_utils
-        getattr(plot_utils, f"plot_{name}")(res, out / f"{name}.png")
-        res["png"] = str(out / f"{name}.png")
-    except ImportError as e:   # no matplotlib on this node: `python benchmarks/plot_utils.py e2e.json` later
-        print(f"warning: no plot ({e}); render it later with benchmarks/plot_utils.py {path}", file=sys.stderr)
-    path.write_text(json.dumps(res, indent=1))
-    return path
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,22 +1,17 @@
 """Today's model shapes on one GPU, no offload (issue 30): the largest micro-batch and its tokens/s.
 
-    . .whl/prelude.sh && python3 benchmarks/e2e_real_shapes.py --case llama3.1-8b   # one 80 GB H100, ~5 min
-    . .whl/prelude.sh && python3 benchmarks/e2e_real_shapes.py --case llama2-13b    # one H200 (141 GB), ~5 min
-    python benchmarks/e2e_real_shapes.py --smoke --out /tmp/real_shapes                # CPU, tiny, ~1 min
+    . .whl/prelude.sh && python3 -m benchmarks.e2e_real_shapes --case llama3.1-8b   # one 80 GB H100, ~5 min
+    . .whl/prelude.sh && python3 -m benchmarks.e2e_real_shapes --case llama2-13b    # one H200 (141 GB), ~5 min
+    python -m benchmarks.e2e_real_shapes --smoke --out /tmp/real_shapes                # CPU, tiny, ~1 min
 
-A case is a shape at seq 4096 and the configurations run on it, each in its own e2e.py worker (a process
-per configuration; the model built on the GPU in bf16; random tokens; the micro-batch ladder from 1 up to
-what fits, "fits" being peak reserved <= 0.95 x the device). `lowest_memory` is the shipped preset
-ds_configs/zero2_lowest_memory.json (bf16 master with stochastic rounding, attention saved in FP8) and so
-computes the chunked loss (on by default with a "coat" section); `bf16` is BF16 + FusedAdam with the stock
-loss, whose need at micro-batch 1 comes from its OOM message when it does not fit; `torchao_fp8` is the peer a
-single-GPU user would pick instead (torchao float8 compiled + AdamWFp8, a plain loop, HF's stock loss). Cases
-run on different machines: each is merged into e2e_real_shapes.json under its name, and e2e_real_shapes.png is
-redrawn from all of them. `--configs` re-runs some configurations of a case (e.g. a peer whose compile takes
-minutes, with its own --start-batch); the case keeps its other rows, each saying where and how it was measured:
+A case is a shape at seq 4096 and the configurations run on it, each in its own e2e worker (docs/benchmarks.md
+says which and why). Cases run on different machines: each is merged into e2e_real_shapes.json under its name,
+and e2e_real_shapes.png is redrawn from all of them. `--configs` re-runs some configurations of a case (e.g. a
+peer whose compile takes minutes, with its own --start-batch); the case keeps its other rows, each saying where
+and how it was measured:
 
-    python3 benchmarks/e2e_real_shapes.py --case llama3.1-8b --configs lowest_memory --start-batch 4
-    python3 benchmarks/e2e_real_shapes.py --case llama3.1-8b --configs torchao_fp8 --start-batch 2 --max-rungs 2
+    python3 -m benchmarks.e2e_real_shapes --case llama3.1-8b --configs lowest_memory --start-batch 4
+    python3 -m benchmarks.e2e_real_shapes --case llama3.1-8b --configs torchao_fp8 --start-batch 2 --max-rungs 2
 """
 from __future__ import annotations
 
@@ -26,8 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import e2e  # noqa: E402  (its workers, ladder, memory breakdown and metadata)
+from benchmarks import e2e
+from benchmarks.common import RESULTS, check_positive, command, device_name, git_commit, now, versions, write_results
 
 NAME = "e2e_real_shapes"
 # target: the lowest-memory preset's largest micro-batch (issue 30: 2; issue 34, with per-parameter gradients: 6
@@ -56,12 +51,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-rungs", type=int, default=4, help="micro-batch sizes tried per configuration")
     p.add_argument("--steps", type=int, default=3, help="timed steps per micro-batch size")
     p.add_argument("--time-budget", type=float, default=480.0, help="seconds for the case's configurations")
-    p.add_argument("--out", default=str(e2e.ROOT / "benchmarks" / "results"))
+    p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--smoke", action="store_true", help="the tiny case, one step per size (CPU is fine)")
     args = p.parse_args(argv)
     if args.smoke:
         args.case, args.steps, args.max_rungs = "tiny", 1, 2
-    e2e.check_positive(p, args, ("max_rungs", "steps", "start_batch", "max_batch"))
+    check_positive(p, args, ("max_rungs", "steps", "start_batch", "max_batch"))
     return args
 
 
@@ -94,7 +89,7 @@ def case_result(args: argparse.Namespace, eargs: argparse.Namespace, rows: list[
                         for n in (case.get("coat", "lowest_memory"), "bf16", "torchao_fp8"))
     mb = coat and coat.get("max_micro_batch")
     best = lambda row: (row.get("max_batch") or {}).get("tokens_per_s") if row else None  # noqa: E731
-    return {"case": args.case, "target_gpu": case["gpu"], "device": e2e.device_name(), "model": case["model"],
+    return {"case": args.case, "target_gpu": case["gpu"], "device": device_name(), "model": case["model"],
             "params": next((r["params"] for r in rows if r.get("params")), None), "shape": e2e.MODELS[case["model"]],
             "seq_len": case["seq_len"], "target_micro_batch": case["target"],
             "meets_target": None if mb is None else mb >= case["target"],
@@ -104,7 +99,7 @@ def case_result(args: argparse.Namespace, eargs: argparse.Namespace, rows: list[
             "bf16_fits_at_1": None if bf16 is None or bf16.get("max_micro_batch") is None else
             bf16["max_micro_batch"] >= 1,
             "summary": [summary(r) for r in rows], "fit_rule": f"peak reserved <= {eargs.mem_fraction} x device memory",
-            "configs": rows, "versions": e2e.versions(), "command": e2e.command(), "date": e2e.now(),
+            "configs": rows, "versions": versions(), "command": command(), "date": now(),
             "wall_s": time.time() - t0, "smoke": args.smoke}
 
 
@@ -136,11 +131,10 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     rows = e2e.run_configs(eargs, names, out, f"{NAME}_{args.case}")
     for r in rows:
-        r["measured"] = {"device": e2e.device_name(), "date": e2e.now(), "command": e2e.command(),
-                         "commit": e2e.git_commit()}
+        r["measured"] = {"device": device_name(), "date": now(), "command": command(), "commit": git_commit()}
     cases = earlier(out)
     res = case_result(args, eargs, with_earlier_rows(rows, cases.get(args.case)), t0)
-    path = e2e.write_results(with_provenance({**cases, args.case: res}), out, NAME)
+    path = write_results(with_provenance({**cases, args.case: res}), out, NAME)
     for s in res["summary"]:
         tps = "-" if s["tokens_per_s"] is None else f"{s['tokens_per_s']:,.0f} tokens/s"
         need = "" if s["needed_gb_at_1"] is None else f", needs >= {s['needed_gb_at_1']:.1f} GiB at 1"

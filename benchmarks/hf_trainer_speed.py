@@ -2,42 +2,40 @@
 where the Trainer's extra time goes (device syncs by Python line, Python functions, top host calls and GPU
 idle gaps of one step).
 
-    python benchmarks/hf_trainer_speed.py --out benchmarks/results          # one H100, < 9 min: the plan "all"
-    python benchmarks/hf_trainer_speed.py --runs trainer:coat:llama-1b:4:one_gpu:profile --out /tmp/hf
-    python benchmarks/hf_trainer_speed.py --smoke --out /tmp/hf              # CPU, tiny: checks the script only
+    python -m benchmarks.hf_trainer_speed --out benchmarks/results          # one H100, < 9 min: the plan "all"
+    python -m benchmarks.hf_trainer_speed --runs trainer:coat:llama-1b:4:one_gpu:profile --out /tmp/hf
+    python -m benchmarks.hf_trainer_speed --smoke --out /tmp/hf              # CPU, tiny: checks the script only
 
 A run is path:preset:model:micro_batch:tuning[:profile], each in its own process (a DeepSpeed engine never
 gives its memory back); the plan lists them in order of priority and --time-budget skips what does not fit.
-Presets: the shipped HF config ds_configs/hf/zero2_coat.json ("coat"), the same with AdamW and no "coat"
-section ("bf16"), the lowest-memory one ("coat_lowmem": bf16 master with stochastic rounding, attention
-saved in FP8). Tunings (docs/deepspeed.md, "HF Trainer speed"): "hf_auto" (the issue's case: default
-TrainingArguments and reduce_bucket_size "auto", which HF fills with hidden_size^2), "tuned"
-(reduce_bucket_size 5e7, no per-step NaN check of the loss, non-blocking input copies) and "one_gpu"
-(tuned, and overlap_comm off).
-The plain loop (benchmarks/e2e.py's harness) runs the config exactly as HF Trainer fills it (HF's own
+The plain loop (e2e's harness) runs the config exactly as HF Trainer fills it (HF's own
 HfTrainerDeepSpeedConfig), on the model as the Trainer runs it (use_cache off, one param group). Step time:
-the median interval between consecutive step ends after the warm-up (Trainer: an on_step_end callback),
-beside the mean over the timed steps between two device syncs. Random tokens.
-
-Output: hf_trainer.json (device, versions, command, date, one row per run, the ratios the targets name)
-and hf_trainer.png.
+the median interval between consecutive step ends after the warm-up, beside the mean over the timed steps
+between two device syncs. docs/deepspeed.md ("HF Trainer speed") says what each tuning changes.
+Output: hf_trainer.json (one row per run, the ratios the targets name) and hf_trainer.png.
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import statistics
 import subprocess
 import sys
 import time
-import warnings
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import e2e  # noqa: E402  (the plain-loop harness, model shapes, run metadata)
+import deepspeed
+import torch
+from torch.profiler import ProfilerActivity, profile
 
-ROOT = e2e.ROOT
+from benchmarks import e2e
+from benchmarks.common import (GIB, RESULTS, ROOT, SyncSites, WarningLog, add_worker_args, check_positive,
+                               chrome_trace, gpu_gaps, module_cmd, provenance, run_worker, top_events, write_results)
+from coat_ds.recipes import causal_lm as train_lib
+
 HF_CONFIG = "ds_configs/hf/zero2_coat.json"
 PRESETS = {  # name: (label, its own HF config file if shipped, else what it adds to or removes from HF_CONFIG)
     "bf16": ("BF16 + FusedAdam", None, None),
@@ -68,7 +66,6 @@ PLANS = {  # runs in order of priority (the time budget skips the last ones); ":
 }
 NEEDS_S = {"llama2-7b": 150, "tiny": 10}   # a run's wall time on one H100 (1.1B: 45 s): don't start one that can't end
 TARGETS = {"trainer_over_plain_coat": 0.9, "coat_over_bf16_trainer_mb4": 1.3}
-GIB = 2 ** 30
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -111,7 +108,6 @@ def hf_ds_config(preset: str, tuning: str, on_cpu: bool) -> dict:
 
 def training_args(run: dict, cfg: dict, steps: int, out_dir: str):
     """Default TrainingArguments but for what the benchmark fixes (steps, batch, warm-up, no saving or reports)."""
-    import torch
     from transformers import TrainingArguments
 
     on_cuda = torch.cuda.is_available()
@@ -132,8 +128,6 @@ class RandomTokens:
         return self.n
 
     def __getitem__(self, i: int) -> dict:
-        import torch
-
         g = torch.Generator().manual_seed(self.seed + i)
         ids = torch.randint(0, self.vocab, (self.seq_len,), generator=g)
         return {"input_ids": ids, "labels": ids}
@@ -171,13 +165,18 @@ class StepClock:
                 "tokens_per_s_mean": tokens_per_step / mean, "step_times_s": intervals}
 
 
-def python_top(stats, n: int = 40) -> list[dict]:
-    """The Python functions of one step with the most cumulative time (cProfile, which slows Python ~2x: read
-    the ranking, not the milliseconds), a function per file:line; the profiler's own frames left out."""
+def python_stats(cprof, n: int = 40) -> dict:
+    """One step's Python functions with the most cumulative time (cProfile, which slows Python ~2x: read the
+    ranking, not the milliseconds), a function per file:line, the profiler's own frames left out; and the ZeRO-1/2
+    gradient reductions (buckets) of that step."""
+    stats = pstats.Stats(cprof).stats
     rows = sorted(((ct, nc, tt, f"{Path(fn).parent.name}/{Path(fn).name}:{ln} {name}")
-                   for (fn, ln, name), (_, nc, tt, ct, _) in stats.stats.items()
+                   for (fn, ln, name), (_, nc, tt, ct, _) in stats.items()
                    if "hf_trainer_speed.py" not in fn and "cProfile" not in fn and fn != "~"), reverse=True)
-    return [{"function": f, "calls": nc, "cum_ms": ct * 1e3, "self_ms": tt * 1e3} for ct, nc, tt, f in rows[:n]]
+    return {"python_top": [{"function": f, "calls": nc, "cum_ms": ct * 1e3, "self_ms": tt * 1e3}
+                           for ct, nc, tt, f in rows[:n]],
+            "zero_reductions": sum(v[1] for (fn, _, name), v in stats.items()
+                                   if name == "average_tensor" and "stage_1_and_2" in fn)}
 
 
 class count_synchronize:
@@ -186,8 +185,6 @@ class count_synchronize:
     gradient bucket under overlap_comm where use_multi_rank_bucket_allreduce is false)."""
 
     def __init__(self) -> None:
-        import torch
-
         self.sites: dict[str, int] = {}
         self._orig = torch.cuda.synchronize
 
@@ -201,8 +198,6 @@ class count_synchronize:
         torch.cuda.synchronize = counted
 
     def stop(self) -> dict[str, int]:
-        import torch
-
         torch.cuda.synchronize = self._orig
         return dict(sorted(self.sites.items(), key=lambda kv: -kv[1]))
 
@@ -215,82 +210,62 @@ class Probe:
     def __init__(self, first: int, on_cuda: bool, sync, top: int = 15) -> None:
         self.first, self.on_cuda, self.sync, self.top = first, on_cuda, sync, top
         self.result: dict = {}
-        self._caught = self._prof = None
 
     def step_end(self, k: int) -> None:
-        import torch
-
         if k == self.first:
-            import cProfile
-
-            if self.on_cuda:
-                self._warn = warnings.catch_warnings(record=True)
-                self._caught = self._warn.__enter__()
-                warnings.simplefilter("always")
-                torch.cuda.set_sync_debug_mode("warn")
-            self._sync_sites = count_synchronize() if self.on_cuda else None
+            self._syncs = SyncSites(self.on_cuda).__enter__()
+            self._sync_calls = count_synchronize() if self.on_cuda else None
             self._cprof = cProfile.Profile()
             self._cprof.enable()
         elif k == self.first + 1:
-            import pstats
-
             self._cprof.disable()
-            stats = pstats.Stats(self._cprof)
-            self.result["python_top"] = python_top(stats)
-            self.result["zero_reductions"] = sum(v[1] for (fn, _, name), v in stats.stats.items()
-                                                 if name == "average_tensor" and "stage_1_and_2" in fn)
-            if self._sync_sites is not None:
-                self.result["device_synchronize"] = self._sync_sites.stop()
-            if self._caught is not None:
-                torch.cuda.set_sync_debug_mode("default")
-                self._warn.__exit__(None, None, None)
-                self.result["syncs"] = e2e.sync_sites(self._caught)
-            self.result.setdefault("syncs", {})
+            if self._sync_calls is not None:
+                self.result["device_synchronize"] = self._sync_calls.stop()
+            self._syncs.__exit__(None, None, None)
+            self.result.update(python_stats(self._cprof), syncs=self._syncs.sites)
             self._start_profile()
-        elif k == self.first + 2 and self._prof is not None:
+        elif k == self.first + 2:
             self.sync()
             self._prof.__exit__(None, None, None)
             self.result.update(self._summary(self._prof, time.perf_counter() - self._t0))
 
     def _start_profile(self) -> None:
-        from torch.profiler import ProfilerActivity, profile
-
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.on_cuda else [])
-        self._prof = profile(activities=acts)
+        self._prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.on_cuda else []))
         self._prof.__enter__()
         self._t0 = time.perf_counter()
 
     def _summary(self, prof, wall_s: float) -> dict:
-        import tempfile
-
-        events = prof.key_averages()
-        attr = e2e.device_time_attr(events) if self.on_cuda else "self_cpu_time_total"
-        kernels, device_ms = e2e.rows_of(events, attr, e2e.is_device_event if self.on_cuda else (lambda e: True),
-                                         self.top)
-        host, host_ms = e2e.rows_of(events, "self_cpu_time_total", lambda e: True, self.top)
-        with tempfile.TemporaryDirectory() as d:
-            prof.export_chrome_trace(f"{d}/trace.json")
-            trace = json.loads(Path(f"{d}/trace.json").read_text())
-        from llama_layer import gpu_gaps
-        return {"step_wall_ms": wall_s * 1e3, "device_ms": device_ms if self.on_cuda else None,
-                "host_self_ms": host_ms, "top_kernels": kernels if self.on_cuda else [], "host_top": host,
-                "gpu_gaps": gpu_gaps(trace).splitlines()}
+        ev = top_events(prof, self.on_cuda, self.top)
+        return {"step_wall_ms": wall_s * 1e3, "device_ms": ev["device_ms"] if self.on_cuda else None,
+                "host_self_ms": ev["host_ms"], "top_kernels": ev["kernels"] if self.on_cuda else [],
+                "host_top": ev["host"], "gpu_gaps": gpu_gaps(chrome_trace(prof)).splitlines()}
 
 
-def device_of(on_cuda: bool):
-    import torch
+class Meter:
+    """The clock, and for a profiled run the probe, driven at each step's end by either path."""
 
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if on_cuda else torch.device("cpu")
+    def __init__(self, run: dict, args: argparse.Namespace, on_cuda: bool) -> None:
+        self.run, self.args, self.on_cuda = run, args, on_cuda
+        sync = torch.cuda.synchronize if on_cuda else (lambda: None)
+        self.clock = StepClock(args.warmup, args.steps, sync, torch.cuda.reset_peak_memory_stats if on_cuda
+                               else (lambda: None))
+        self.probe = Probe(args.warmup + args.steps, on_cuda, sync) if run["profiled"] else None
+        self.total = args.warmup + args.steps + (2 if run["profiled"] else 0)
 
+    def step_end(self, k: int) -> None:
+        self.clock.step_end(k)
+        if self.probe is not None:
+            self.probe.step_end(k)
 
-def memory(on_cuda: bool, limit_fraction: float) -> dict:
-    import torch
-
-    if not on_cuda:
-        return {"peak_alloc_gb": None, "peak_reserved_gb": None, "fits": True}
-    res = torch.cuda.max_memory_reserved()
-    return {"peak_alloc_gb": torch.cuda.max_memory_allocated() / GIB, "peak_reserved_gb": res / GIB,
-            "fits": res <= limit_fraction * torch.cuda.get_device_properties(0).total_memory}
+    def result(self, engine, loss: float) -> dict:
+        """The run's row: step times, memory, what the engine was built with, the last loss, the probe's."""
+        mem = {"peak_alloc_gb": None, "peak_reserved_gb": None, "fits": True}
+        if self.on_cuda:
+            res = torch.cuda.max_memory_reserved()
+            mem = {"peak_alloc_gb": torch.cuda.max_memory_allocated() / GIB, "peak_reserved_gb": res / GIB,
+                   "fits": res <= self.args.mem_fraction * torch.cuda.get_device_properties(0).total_memory}
+        return {**self.clock.summary(self.run["micro_batch"] * self.args.seq_len), **mem, **engine_facts(engine),
+                "loss": loss, "profile": self.probe.result if self.probe is not None else None}
 
 
 def engine_facts(engine) -> dict:
@@ -305,98 +280,64 @@ def engine_facts(engine) -> dict:
 # ---------------------------------------------------------------------------------------------------------
 # Workers: one run each
 # ---------------------------------------------------------------------------------------------------------
-def _model(run: dict, on_cuda: bool):
-    import torch
-
-    return e2e.build_model(run["model"], device_of(on_cuda), torch.bfloat16 if on_cuda else torch.float32, 1234)
-
-
-def _sync_and_peak(on_cuda: bool):
-    import torch
-
-    if not on_cuda:
-        return (lambda: None), (lambda: None)
-    return torch.cuda.synchronize, torch.cuda.reset_peak_memory_stats
-
-
 def trainer_worker(run: dict, args: argparse.Namespace) -> dict:
-    """HF Trainer with the run's config and TrainingArguments; clock and probe in an on_step_end callback."""
-    import torch
-
-    from coat_ds.recipes import causal_lm as train_lib
-
+    """HF Trainer with the run's config and TrainingArguments; the meter in an on_step_end callback."""
     train_lib.set_single_process_env()
     import coat_ds  # noqa: F401  DeepSpeed's engine now knows "CoatAdamW" and the "coat" section
     from transformers import Trainer, TrainerCallback
 
     on_cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if on_cuda else torch.device("cpu")
     if on_cuda:
-        torch.cuda.set_device(device_of(True))
-    sync, reset_peak = _sync_and_peak(on_cuda)
-    total = args.warmup + args.steps + (2 if run["profiled"] else 0)
-    clock = StepClock(args.warmup, args.steps, sync, reset_peak)
-    probe = Probe(args.warmup + args.steps, on_cuda, sync) if run["profiled"] else None
+        torch.cuda.set_device(device)
+    meter = Meter(run, args, on_cuda)
 
     class Measure(TrainerCallback):
         def on_step_end(self, targs, state, control, **kw):
-            clock.step_end(state.global_step)
-            if probe is not None:
-                probe.step_end(state.global_step)
+            meter.step_end(state.global_step)
 
-    model = _model(run, on_cuda)
-    cfg = hf_ds_config(run["preset"], run["tuning"], not on_cuda)
-    targs = training_args(run, cfg, total, args.scratch)
-    data = RandomTokens(total * run["micro_batch"], args.seq_len, model.config.vocab_size, 1234)
+    model = e2e.build_model(run["model"], device, torch.bfloat16 if on_cuda else torch.float32, 1234)
+    targs = training_args(run, hf_ds_config(run["preset"], run["tuning"], not on_cuda), meter.total, args.scratch)
+    data = RandomTokens(meter.total * run["micro_batch"], args.seq_len, model.config.vocab_size, 1234)
     trainer = Trainer(model=model, args=targs, train_dataset=data, callbacks=[Measure()])
     out = trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h] or [out.training_loss]
-    return {**clock.summary(run["micro_batch"] * args.seq_len), **memory(on_cuda, args.mem_fraction),
-            **engine_facts(trainer.model_wrapped), "loss": losses[-1],
-            "profile": probe.result if probe is not None else None}
+    return meter.result(trainer.model_wrapped, losses[-1])
+
+
+class PlainWorker(e2e.Worker):
+    """e2e's loop (forward, engine.backward, engine.step) on the config HF Trainer would fill, the model as the
+    Trainer runs it (use_cache off) and one param group of every trainable parameter (HF's, for a config
+    "optimizer")."""
+
+    def setup_engine(self):
+        run, total = self.args.run, self.args.total
+        net = self.model()
+        net.config.use_cache = False
+        self.limit = float("inf")
+        targs = training_args(run, hf_ds_config(run["preset"], run["tuning"], not self.on_cuda), total,
+                              self.args.scratch)
+        targs.hf_deepspeed_config.trainer_config_finalize(targs, net, total)   # HF's own fill of the "auto" values
+        engine, *_ = deepspeed.initialize(model=net, config=targs.hf_deepspeed_config.config,
+                                          model_parameters=[q for q in net.parameters() if q.requires_grad])
+        engine.train()
+        return engine
 
 
 def plain_worker(run: dict, args: argparse.Namespace) -> dict:
-    """benchmarks/e2e.py's loop (forward, engine.backward, engine.step) on the config HF Trainer would fill."""
-    import torch
-
-    on_cuda = torch.cuda.is_available()
-    total = args.warmup + args.steps + (2 if run["profiled"] else 0)
-
-    class Plain(e2e.Worker):
-        def setup_engine(self):
-            net = _model(run, self.on_cuda)
-            net.config.use_cache = False        # as HF Trainer runs it (TrainingArguments.use_cache)
-            self.vocab, self.limit = net.config.vocab_size, float("inf")
-            cfg = hf_ds_config(run["preset"], run["tuning"], not self.on_cuda)
-            targs = training_args(run, cfg, total, args.scratch)   # HF's own fill of the "auto" values
-            targs.hf_deepspeed_config.trainer_config_finalize(targs, net, total)
-            import deepspeed
-            # as HF Trainer builds it: one param group of every trainable parameter (a config "optimizer")
-            engine, *_ = deepspeed.initialize(model=net, config=targs.hf_deepspeed_config.config,
-                                              model_parameters=[q for q in net.parameters() if q.requires_grad])
-            engine.train()
-            return engine
-
-    w = Plain(argparse.Namespace(result=args.result, seed=1234, seq_len=args.seq_len))
-    sync, reset_peak = _sync_and_peak(on_cuda)
-    clock = StepClock(args.warmup, args.steps, sync, reset_peak)
-    probe = Probe(args.warmup + args.steps, on_cuda, sync) if run["profiled"] else None
+    meter = Meter(run, args, torch.cuda.is_available())
+    w = PlainWorker(argparse.Namespace(result=args.result, seed=1234, seq_len=args.seq_len, model=run["model"],
+                                       run=run, total=meter.total, scratch=args.scratch))
     x, y = w.rung_inputs(run["micro_batch"])
-    for k in range(1, total + 1):
+    for k in range(1, meter.total + 1):
         loss = w.one_step(x, y)
-        clock.step_end(k)
-        if probe is not None:
-            probe.step_end(k)
-    return {**clock.summary(run["micro_batch"] * args.seq_len), **memory(on_cuda, args.mem_fraction),
-            **engine_facts(w.engine), "loss": float(loss.detach().float()),
-            "profile": probe.result if probe is not None else None}
+        meter.step_end(k)
+    return meter.result(w.engine, float(loss.detach().float()))
 
 
 def worker(args: argparse.Namespace) -> int:
-    import torch
-
     run = parse_run(args.run)
-    t0, wlog = time.time(), e2e.WarningLog()
+    t0, wlog = time.time(), WarningLog()
     try:
         rec = (trainer_worker if run["path"] == "trainer" else plain_worker)(run, args)
     except torch.OutOfMemoryError as e:
@@ -411,33 +352,18 @@ def worker(args: argparse.Namespace) -> int:
 # Parent: one worker per run, then the ratios and the chart
 # ---------------------------------------------------------------------------------------------------------
 def launch(spec: str, args: argparse.Namespace, result: Path, timeout: float) -> dict:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--run", spec, "--result", str(result),
-           "--seq-len", str(args.seq_len), "--warmup", str(args.warmup), "--steps", str(args.steps),
-           "--mem-fraction", str(args.mem_fraction), "--scratch", str(result.parent / "trainer_out")]
-    env = dict(os.environ)
-    env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
+    cmd = module_cmd("benchmarks.hf_trainer_speed") + [
+        "--worker", "--run", spec, "--result", str(result), "--seq-len", str(args.seq_len), "--warmup",
+        str(args.warmup), "--steps", str(args.steps), "--mem-fraction", str(args.mem_fraction), "--scratch",
+        str(result.parent / "trainer_out")]
     print(f"== {spec}", flush=True)
     result.unlink(missing_ok=True)
-    try:
-        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              timeout=timeout)
-        tail, rc = proc.stdout[-3000:], proc.returncode
-    except subprocess.TimeoutExpired as e:
-        tail, rc = (e.stdout or b"")[-3000:], 124
-        tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
-    if rc == 0 and result.exists():
-        rec = json.loads(result.read_text())
-    else:
-        rec = {**parse_run(spec), "error": f"worker exit {rc}: {tail}"}
+    rc, tail = run_worker(cmd, timeout)
+    rec = json.loads(result.read_text()) if rc == 0 and result.exists() else \
+        {**parse_run(spec), "error": f"worker exit {rc}: {tail[-3000:]}"}
     if args.verbose or "error" in rec:
         print(tail, flush=True)
     return rec
-
-
-def ratio(a, b):
-    return a / b if a and b else None
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -447,9 +373,9 @@ def summarize(rows: list[dict]) -> dict:
     for (path, preset, model, mb, tuning), v in tps.items():
         key = f"{preset}:{model}:{mb}:{tuning}"
         if path == "trainer" and ("plain", preset, model, mb, tuning) in tps:
-            trainer_over_plain[key] = ratio(v, tps[("plain", preset, model, mb, tuning)])
+            trainer_over_plain[key] = e2e.ratio(v, tps[("plain", preset, model, mb, tuning)])
         if preset == "coat" and (path, "bf16", model, mb, tuning) in tps:
-            coat_over_bf16[f"{path}:{model}:{mb}:{tuning}"] = ratio(v, tps[(path, "bf16", model, mb, tuning)])
+            coat_over_bf16[f"{path}:{model}:{mb}:{tuning}"] = e2e.ratio(v, tps[(path, "bf16", model, mb, tuning)])
     return {"trainer_over_plain": trainer_over_plain, "coat_over_bf16": coat_over_bf16}
 
 
@@ -459,29 +385,6 @@ def targets_met(summary: dict) -> dict:
     cob = summary["coat_over_bf16"].get("trainer:llama-1b:4:one_gpu")
     return {"trainer_over_plain_coat_1b_mb4": None if top is None else top >= TARGETS["trainer_over_plain_coat"],
             "coat_over_bf16_trainer_1b_mb4": None if cob is None else cob >= TARGETS["coat_over_bf16_trainer_mb4"]}
-
-
-def plot(res: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [r for r in res["runs"] if r.get("tokens_per_s")]
-    labels = [f"{r['path']}\n{r['preset']}\n{r['model']} mb{r['micro_batch']}\n{r['tuning']}" for r in rows]
-    colors = [("#1f77b4" if r["path"] == "trainer" else "#aec7e8") if r["preset"] == "bf16" else
-              ("#d62728" if r["path"] == "trainer" else "#ff9896") for r in rows]
-    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(rows)), 4.5))
-    ax.bar(range(len(rows)), [r["tokens_per_s"] / 1e3 for r in rows], color=colors)
-    for i, r in enumerate(rows):
-        mem = r.get("peak_alloc_gb")
-        ax.text(i, r["tokens_per_s"] / 1e3, f"{r['tokens_per_s'] / 1e3:.1f}k" + (f"\n{mem:.1f} GiB" if mem else ""),
-                ha="center", va="bottom", fontsize=7)
-    ax.set_xticks(range(len(rows)), labels, fontsize=6)
-    ax.set_ylabel("tokens/s (thousands, median step)")
-    ax.set_title(f"HF Trainer vs plain deepspeed.initialize loop, {res['device']}, seq {res['seq_len']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def prebuild() -> dict:
@@ -509,14 +412,13 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
                    help="seconds for everything (JIT builds included); runs that would start later are skipped")
     p.add_argument("--merge", action="store_true", help="keep the rows of an existing hf_trainer.json not rerun now")
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU: checks the script only")
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--verbose", action="store_true")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    add_worker_args(p)
     p.add_argument("--run", help=argparse.SUPPRESS)
-    p.add_argument("--result", help=argparse.SUPPRESS)
     p.add_argument("--scratch", default="/tmp/hf_trainer_out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    e2e.check_positive(p, args, ("seq_len", "warmup", "steps"))
+    check_positive(p, args, ("seq_len", "warmup", "steps"))
     return p, args
 
 
@@ -534,6 +436,22 @@ def specs_of(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
     return specs
 
 
+def run_all(specs: list[str], args: argparse.Namespace, out: Path, t0: float) -> list[dict]:
+    """One worker per run, in order, skipping those the time budget no longer leaves room for -> their rows."""
+    rows = []
+    for spec in specs:
+        left = args.time_budget - (time.time() - t0)
+        if left < NEEDS_S.get(parse_run(spec)["model"], 45):
+            rows.append({**parse_run(spec), "error": f"skipped: time budget ({args.time_budget:.0f} s) spent"})
+            continue
+        rows.append(r := launch(spec, args, out / "hf_trainer_run.json", left))
+        if "tokens_per_s" in r:
+            print(f"   {r['tokens_per_s']:,.0f} tok/s (median), {r['tokens_per_s_mean']:,.0f} (mean), peak "
+                  f"{r['peak_alloc_gb'] or 0:.2f} GiB, {r['wall_s']:.0f} s", flush=True)
+    (out / "hf_trainer_run.json").unlink(missing_ok=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p, args = parse_args(argv)
     if args.worker:
@@ -542,34 +460,16 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    import torch
     built = prebuild() if torch.cuda.is_available() else None
     print(f"prebuild: {built}", flush=True)
-    rows = []
-    for i, spec in enumerate(specs):
-        left = args.time_budget - (time.time() - t0)
-        if left < NEEDS_S.get(parse_run(spec)["model"], 45):
-            rows.append({**parse_run(spec), "error": f"skipped: time budget ({args.time_budget:.0f} s) spent"})
-            continue
-        rows.append(launch(spec, args, out / "hf_trainer_run.json", left))
-        r = rows[-1]
-        if "tokens_per_s" in r:
-            print(f"   {r['tokens_per_s']:,.0f} tok/s (median), {r['tokens_per_s_mean']:,.0f} (mean), peak "
-                  f"{r['peak_alloc_gb'] or 0:.2f} GiB, {r['wall_s']:.0f} s", flush=True)
-    (out / "hf_trainer_run.json").unlink(missing_ok=True)
-    path = out / "hf_trainer.json"
-    if args.merge and path.exists():
-        rows = [r for r in json.loads(path.read_text())["runs"] if r["spec"] not in specs] + rows
-    res = {"device": e2e.device_name(), "seq_len": args.seq_len, "warmup_steps": args.warmup,
-           "timed_steps": args.steps, "hf_config": HF_CONFIG, "tunings": TUNINGS,
-           "presets": {k: v[0] for k, v in PRESETS.items()}, "runs": rows, **summarize(rows), "targets": TARGETS}
-    res.update(targets_met=targets_met(res), versions=e2e.versions(), command=e2e.command(), date=e2e.now(),
-               wall_s=time.time() - t0, smoke=args.smoke, prebuild=built)
-    path.write_text(json.dumps(res, indent=1))
-    try:
-        plot(res, out / "hf_trainer.png")
-    except ImportError as e:
-        print(f"warning: no plot ({e})", file=sys.stderr)
+    rows = run_all(specs, args, out, t0)
+    if args.merge and (out / "hf_trainer.json").exists():
+        rows = [r for r in json.loads((out / "hf_trainer.json").read_text())["runs"] if r["spec"] not in specs] + rows
+    res = {"seq_len": args.seq_len, "warmup_steps": args.warmup, "timed_steps": args.steps, "hf_config": HF_CONFIG,
+           "tunings": TUNINGS, "presets": {k: v[0] for k, v in PRESETS.items()}, "runs": rows, **summarize(rows),
+           "targets": TARGETS, **provenance()}
+    res.update(targets_met=targets_met(res), wall_s=time.time() - t0, smoke=args.smoke, prebuild=built)
+    path = write_results(res, out, "hf_trainer")
     print(json.dumps({k: res[k] for k in ("trainer_over_plain", "coat_over_bf16", "targets_met")}, indent=1))
     print(f"-> {path}")
     return 0 if all("error" not in r and "oom" not in r for r in rows) else 1

@@ -5,15 +5,14 @@ forward+backward is the host's: Python, autograd, allocations and kernel launche
 each variant, beside the layer's kernel time (which shows the GPU is idle), its kernel launches and
 aten calls (torch.profiler), the kernels it launches by name and the host calls with the most self time.
 A small-batch step of a real model adds DeepSpeed's per-parameter hooks and its optimizer step on top
-(benchmarks/e2e.py --profile).
+(e2e --profile).
 
-    python benchmarks/host_overhead.py --out benchmarks/results/host_overhead.json
-    python benchmarks/host_overhead.py --dry-run --out /tmp/host.json          # CPU, tiny: the script only
+    python -m benchmarks.host_overhead --out benchmarks/results/host_overhead.json
+    python -m benchmarks.host_overhead --dry-run --out /tmp/host.json          # CPU, tiny: the script only
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import statistics
 import sys
@@ -23,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import llama_layer as L  # noqa: E402  (the stack of layers, the variants, the dry-run patches)
-from e2e import MODELS, check_positive, device_time_attr, is_device_event  # noqa: E402
+from benchmarks import llama_layer as L   # the stack of layers, the variants, the dry-run patches
+from benchmarks.common import check_positive, device_time_attr, is_device_event, provenance
+from benchmarks.e2e import MODELS
 
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
 SHAPES = {name: {k: MODELS[name][k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
@@ -102,9 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         L.dry_run()
     L.BATCH, L.SEQ = (L.BATCH, L.SEQ) if args.dry_run else (args.batch, args.seq)
     on_cuda = L.DEV == "cuda"
-    meta = dict(device=torch.cuda.get_device_name(), versions=L.versions(), command=" ".join(sys.argv),
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                layers=L.N_LAYERS, batch=L.BATCH, seq=L.SEQ)
+    meta = dict(**provenance(None, "torchao"), layers=L.N_LAYERS, batch=L.BATCH, seq=L.SEQ)
     rows = []
     for shape in args.shapes:
         _, base, x, cos, sin = L.build_base(shape)

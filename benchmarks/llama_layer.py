@@ -1,34 +1,25 @@
 """Activation memory and step time of one Llama decoder layer: bf16 / torchao float8 / coat_ds FP8 flow.
 
-Each variant runs a stack of 4 identical-shape layers on the same weights and input, so what a layer keeps
-of its input is counted the way it is in a real model. Activation memory per layer is
-(torch.cuda.memory_allocated after the stack's forward - before) / 4, taken with coat's FP8 weight cache
-emptied before that forward (the first micro-batch of a step); the cache's own size is reported beside it.
-Time: forward + backward of the stack / 4, median over CUDA-event-timed iterations after warm-up; coat
-variants are timed with the cache emptied every iteration (first micro-batch) and, as `fwd_bwd_ms_cached`,
-with it kept (later micro-batches). Gradient quality: cosine to bf16_eager's of the stack's input gradient and
-of the first layer's q_proj, o_proj and down_proj weight gradients (`grad_cos_vs_bf16`).
+Each variant runs a stack of 4 identical-shape layers on the same weights and input, so what a layer keeps of
+its input is counted the way it is in a real model; docs/benchmarks.md says how memory, time and gradient
+quality are measured.
 
-    python benchmarks/llama_layer.py --out benchmarks/results/llama_layer.json [--shapes 7b 8b] [--variants ...]
-    python benchmarks/llama_layer.py --account [--variants ...]   # CPU: what each layer keeps, tensor by tensor
+    python -m benchmarks.llama_layer --out benchmarks/results/llama_layer.json [--shapes 7b 8b] [--variants ...]
+    python -m benchmarks.llama_layer --account [--variants ...]   # CPU: what each layer keeps, tensor by tensor
 """
 from __future__ import annotations
 
 import argparse
-import collections
 import copy
-import datetime
 import json
-import os
-import platform
 import statistics
-import sys
-import tempfile
 import time
 import traceback
 
 import torch
 from torch import nn
+
+from benchmarks.common import SyncSites, chrome_trace, gpu_gaps, provenance
 
 SHAPES = {
     "llama2-7b": dict(hidden_size=4096, intermediate_size=11008, num_attention_heads=32, num_key_value_heads=32),
@@ -188,42 +179,6 @@ def measure(name, shape, cfg, base, x, cos, sin, iters, warmup):
     return row
 
 
-def gpu_gaps(trace: dict, top: int = 8) -> str:
-    """Where the GPU idles inside a profiled step (chrome trace): the device events' span, busy and idle
-    time, and the longest gaps with the kernels on either side (a gap is a launch the host had not made yet,
-    or a synchronisation)."""
-    dev = sorted(((e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in trace["traceEvents"]
-                  if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda t: t[0])
-    if not dev:
-        return "no device events\n"
-    gaps, end = [], dev[0][1]
-    for (_, e0, n0), (s1, e1, n1) in zip(dev, dev[1:]):
-        if s1 > end:
-            gaps.append((s1 - end, n0[:50], n1[:50]))
-        end = max(end, e1)
-    span, idle = dev[-1][1] - dev[0][0], sum(g for g, *_ in gaps)
-    lines = [f"GPU span {span / 1e3:.2f} ms, busy {(span - idle) / 1e3:.2f}, idle {idle / 1e3:.2f} in {len(gaps)} gaps"]
-    lines += [f"  {g:8.1f} us  after {a}  before {b}" for g, a, b in sorted(gaps, reverse=True)[:top]]
-    return "\n".join(lines) + "\n"
-
-
-def syncs_of(fn) -> dict:
-    """The synchronising calls fn makes, by Python line (CUDA's sync debug mode)."""
-    import warnings
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-            torch.cuda.synchronize()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    found = collections.Counter(f"{os.path.basename(w.filename)}:{w.lineno}" for w in caught
-                                if "synchroniz" in str(w.message))
-    return dict(found)
-
-
 def profile(shape, base, x, cos, sin, path, variant="coat_full"):
     """Top CUDA kernels of one forward+backward of a variant (cache emptied), the GPU's idle gaps and the
     host syncs, for the write-up."""
@@ -236,19 +191,18 @@ def profile(shape, base, x, cos, sin, path, variant="coat_full"):
         step(stack, x, cos, sin, grad)
     torch.cuda.synchronize()
     clear_cache(stack)
-    syncs = syncs_of(lambda: step(stack, x, cos, sin, grad))
+    with SyncSites(True) as syncs:
+        step(stack, x, cos, sin, grad)
+        torch.cuda.synchronize()
     clear_cache(stack)
     with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
         step(stack, x, cos, sin, grad)
         torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as d:
-        p.export_chrome_trace(os.path.join(d, "trace.json"))
-        with open(os.path.join(d, "trace.json")) as f:
-            gaps = gpu_gaps(json.load(f))
+    gaps = gpu_gaps(chrome_trace(p))
     with open(path, "a") as f:
         f.write(f"== {shape} {variant}, 4 layers, one fwd+bwd\n")
         f.write(p.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70))
-        f.write(f"\n{gaps}host syncs: {syncs or 'none'}\n\n")
+        f.write(f"\n{gaps}host syncs: {syncs.sites or 'none'}\n\n")
 
 
 def account(shapes, variants, seq: int = 64):
@@ -282,16 +236,6 @@ def account(shapes, variants, seq: int = 64):
     return rows
 
 
-def versions():
-    out = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version()}
-    for mod in ("transformers", "torchao", "deepspeed"):
-        try:
-            out[mod] = __import__(mod).__version__
-        except Exception:  # noqa: BLE001
-            out[mod] = None
-    return out
-
-
 def dry_run():
     """Swap CUDA for the CPU and the shapes for tiny ones (memory and events read as 0)."""
     global DEV, BATCH, SEQ
@@ -314,7 +258,6 @@ def dry_run():
     for fn in ("synchronize", "reset_peak_memory_stats", "empty_cache"):
         setattr(torch.cuda, fn, lambda *a, **k: None)
     torch.cuda.memory_allocated = torch.cuda.max_memory_allocated = lambda *a, **k: 0
-    torch.cuda.get_device_name = lambda *a, **k: "cpu (dry run)"
 
 
 def main():
@@ -336,9 +279,7 @@ def main():
         return
     if args.dry_run:
         dry_run()
-    meta = dict(device=torch.cuda.get_device_name(), versions=versions(), command=" ".join(sys.argv),
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                layers=N_LAYERS, batch=BATCH, seq=SEQ)
+    meta = dict(**provenance(None, "torchao"), layers=N_LAYERS, batch=BATCH, seq=SEQ)
     rows = []
     for shape in args.shapes:
         cfg, base, x, cos, sin = build_base(shape)

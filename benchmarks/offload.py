@@ -1,18 +1,12 @@
 """ZeRO-2 + ZeRO-Offload (optimizer on the host): host memory per parameter, GPU peak, tokens/s; one process per row.
 
-    python benchmarks/offload.py --models llama-1b --out $OUT/offload              # 1 GPU; rows merge into offload.json
-    python benchmarks/offload.py --smoke --out /tmp/offload_smoke                  # CPU, tiny model, < 60 s
+    python -m benchmarks.offload --models llama-1b --out $OUT/offload              # 1 GPU; rows merge into offload.json
+    python -m benchmarks.offload --smoke --out /tmp/offload_smoke                  # CPU, tiny model, < 60 s
 
-Rows: (model, config) for models llama-1b, llama2-7b, llama2-13b and configs bf16 (DeepSpeedCPUAdam), coat_full,
-coat_full_bf16sr (`"coat": {"master_weights": "bf16_sr"}`), all with `"offload_optimizer": {"device": "cpu",
-"pin_memory": true}`. Each row runs in its own process (e2e.py's Worker: the model is built on the GPU in bf16,
-never in fp32 on the host) and reports every host tensor the ZeRO optimizer and the base optimizer hold, by
-category, in bytes and per parameter; the process RSS at each stage (steady state after the warm-up steps, and
-the peak); on CUDA the pinned allocator's own count (torch rounds every pinned block up to a power of two).
-
-Before a row runs, its host memory is predicted from DeepSpeed 0.19.8's allocations (`predict_host`); a row whose
-predicted peak exceeds the host's available memory is skipped (`fits: false` with the predicted bytes) instead of
+A row is a (model, config) pair in its own e2e worker; before it runs, its host memory is predicted from
+DeepSpeed 0.19.8's allocations (`predict_host`), and a row predicted not to fit the host is skipped instead of
 taking the node down. Finished rows are written as they finish, so a time-budget stop keeps them.
+docs/benchmarks.md says what a row reports; docs/notes_offload.md where every host byte goes.
 """
 from __future__ import annotations
 
@@ -20,15 +14,17 @@ import argparse
 import json
 import os
 import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import e2e  # noqa: E402  (the shared harness: models, configs, Worker, metadata)
+import torch
 
-GIB = 2 ** 30
+from benchmarks import e2e
+from benchmarks.common import (GIB, RESULTS, add_worker_args, check_positive, command, device_name, module_cmd,
+                               names_of, now, run_worker, versions, write_results)
+from coat_ds.recipes.causal_lm import param_groups
+
 CONFIGS = {"bf16": "BF16 + DeepSpeedCPUAdam", "coat_full": "coat_ds full (fp32 master)",
            "coat_full_bf16sr": "coat_ds full, bf16 master (stochastic rounding)"}
 MODELS = ("llama-1b", "llama2-7b", "llama2-13b")
@@ -85,10 +81,6 @@ def predict_host(group_numels: list[int], largest_param: int, config: str, pinne
 
 def model_numels(model: str) -> tuple[list[int], int]:
     """(numel of each of the main job's param groups, largest parameter) from the model built on the meta device."""
-    import torch
-
-    from coat_ds.recipes.causal_lm import param_groups
-
     net = e2e.build_model(model, "meta", torch.bfloat16, seed=0)
     numels = [sum(p.numel() for p in g["params"]) for g in param_groups(net)]
     return numels, max(p.numel() for p in net.parameters())
@@ -200,16 +192,12 @@ def host_accounting(engine, n_params: int) -> dict:
 
 
 class OffloadWorker(e2e.Worker):
-    """e2e.py's worker with the offload config; records RSS at each stage of its life."""
+    """e2e's worker with the offload config; records RSS at each stage of its life."""
 
     def setup_engine(self):
-        import torch
-
         args = self.args
         self.rss = {"start": rss_bytes()}
-        net = e2e.build_model(args.model, self.device, torch.bfloat16 if self.on_cuda else torch.float32, args.seed)
-        self.n_params = sum(p.numel() for p in net.parameters())
-        self.vocab = net.config.vocab_size
+        net = self.model()
         self.rss["model_built"] = rss_bytes()
         cfg = offload_config(args.config, args.micro_batch, args.pin_memory)
         cfg.pop("_source")
@@ -223,8 +211,6 @@ class OffloadWorker(e2e.Worker):
 
 def pinned_stats() -> dict | None:
     """torch's pinned host allocator: bytes it holds (rounded blocks, live and cached)."""
-    import torch
-
     if not torch.cuda.is_available():
         return None
     s = torch.cuda.host_memory_stats()
@@ -234,8 +220,6 @@ def pinned_stats() -> dict | None:
 
 def run_row(w: OffloadWorker) -> dict:
     """Warm-up steps, timed steps (cut short by the time budget), then the accounting at steady state."""
-    import torch
-
     args, b = w.args, w.args.micro_batch
     x, y = w.rung_inputs(b)
     w.one_step(x, y)
@@ -265,12 +249,10 @@ def run_row(w: OffloadWorker) -> dict:
             "gpu_peak_reserved_gb": torch.cuda.max_memory_reserved() / GIB if w.on_cuda else None,
             "pinned_allocator": pinned_stats(), "host_accounting": acc, "basic_optimizer":
             type(w.engine.basic_optimizer).__name__, "ds_config": w.ds_cfg, "fits": True, "why_not": None,
-            "coat_warnings": w.wlog.messages, "device": e2e.device_name(), "versions": e2e.versions()}
+            "coat_warnings": w.wlog.messages, "device": device_name(), "versions": versions()}
 
 
 def worker(args: argparse.Namespace) -> int:
-    import torch
-
     args.start_batch, args.zero_stage, args.grad_accum_dtype, args.mem_fraction = args.micro_batch, 2, None, 1.0
     w = OffloadWorker(args)
     try:
@@ -290,31 +272,22 @@ def launch(args: argparse.Namespace, model: str, config: str, micro_batch: int, 
     """One row's worker process -> its row (or why it has none)."""
     result = Path(args.out) / f"offload_{model}_{config}.row.json"
     result.unlink(missing_ok=True)
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--models", model, "--configs", config,
-           "--micro-batch", str(micro_batch), "--seq-len", str(args.seq_len), "--steps", str(args.steps),
-           "--warmup", str(args.warmup), "--seed", str(args.seed), "--budget-s", str(max(budget - 30, 10)),
-           "--result", str(result)] + ([] if args.pin_memory else ["--no-pin-memory"])
-    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=os.environ.get("PYTORCH_CUDA_ALLOC_CONF",
-                                                                  "expandable_segments:True"))
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        env.pop(k, None)
+    cmd = module_cmd("benchmarks.offload") + [
+        "--worker", "--models", model, "--configs", config, "--micro-batch", str(micro_batch), "--seq-len",
+        str(args.seq_len), "--steps", str(args.steps), "--warmup", str(args.warmup), "--seed", str(args.seed),
+        "--budget-s", str(max(budget - 30, 10)), "--result", str(result)] + ([] if args.pin_memory else
+                                                                            ["--no-pin-memory"])
     print(f"== {model} / {config}, micro-batch {micro_batch}: {' '.join(cmd)}", flush=True)
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=budget)
-        rc, tail = proc.returncode, (proc.stdout + proc.stderr)[-1500:]
-    except subprocess.TimeoutExpired:
-        rc, tail = 124, f"killed after {budget:.0f} s (time budget)"
+    rc, tail = run_worker(cmd, budget)
     if result.exists():
         return json.loads(result.read_text())
     why = "host OOM: killed by SIGKILL" if rc in (-9, 137) else f"worker exit {rc}"
     return {"model": model, "config": config, "micro_batch": micro_batch, "fits": False, "why_not": why,
-            "error_tail": tail}
+            "error_tail": tail[-1500:]}
 
 
 def plan_row(args: argparse.Namespace, model: str, config: str, avail: int) -> dict:
     """The predicted host memory of a row, and whether it is worth trying on this host."""
-    import torch
-
     groups, largest = model_numels(model)
     on_cuda = torch.cuda.is_available()
     pred = predict_host(groups, largest, config, pinned=args.pin_memory and on_cuda,
@@ -373,7 +346,7 @@ def merge_files(paths: list[Path], out: Path) -> int:
         invocations = part.pop("invocations", [])
         res = merge(res, part.pop("rows"), part)
         res["invocations"] = res["invocations"][:-1] + invocations
-    e2e.write_results(res, out, "offload")
+    write_results(res, out, "offload")
     print(table(res["rows"]))
     return 0
 
@@ -411,20 +384,14 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     p.add_argument("--time-budget", type=float, default=560.0, help="seconds for all rows together")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--smoke", action="store_true", help="tiny model, seq 32, CPU is fine")
-    p.add_argument("--out", default=str(e2e.ROOT / "benchmarks" / "results"))
+    p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--merge", nargs="+", metavar="JSON", help="no runs: merge these offload.json files into --out")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    add_worker_args(p)
     p.add_argument("--budget-s", type=float, default=1e9, help=argparse.SUPPRESS)
-    p.add_argument("--result", help=argparse.SUPPRESS)
-    p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    for key, allowed in (("models", list(e2e.MODELS)), ("configs", list(CONFIGS))):
-        names = [n.strip() for n in getattr(args, key).split(",") if n.strip()]
-        bad = [n for n in names if n not in allowed]
-        if bad or not names:
-            p.error(f"--{key}: {bad or names!r} is invalid; allowed: a comma-separated list from {allowed}")
-        setattr(args, key, names)
-    e2e.check_positive(p, args, ("micro_batch", "seq_len", "steps", "warmup"))
+    args.models = names_of(p, "models", args.models, e2e.MODELS)
+    args.configs = names_of(p, "configs", args.configs, CONFIGS)
+    check_positive(p, args, ("micro_batch", "seq_len", "steps", "warmup"))
     return p, args
 
 
@@ -448,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             rows.append(row)
             res = merge(before, rows, meta(args, rows, avail))
-            e2e.write_results(res, out, "offload")
+            write_results(res, out, "offload")
     if not rows:
         return 1
     print(table(res["rows"]))
@@ -461,10 +428,10 @@ def meta(args: argparse.Namespace, rows: list[dict], avail: int) -> dict:
     on the GPU beside the workers)."""
     ran = next((r for r in reversed(rows) if r.get("device")), None)
     return {"what": "ZeRO-2 + offload_optimizer cpu, 1 rank: host memory per parameter, GPU peak, tokens/s",
-            "device": ran["device"] if ran else e2e.device_name(), "versions": ran["versions"] if ran else
-            e2e.versions(), "host_available_gb": avail / GIB, "pin_memory": args.pin_memory,
+            "device": ran["device"] if ran else device_name(), "versions": ran["versions"] if ran else
+            versions(), "host_available_gb": avail / GIB, "pin_memory": args.pin_memory,
             "pin_backend": os.environ.get("DS_PIN_MEMORY_BACKEND", "torch"), "seq_len": args.seq_len,
-            "command": e2e.command(), "date": e2e.now(), "wall_s": time.time() - args.t0, "smoke": args.smoke}
+            "command": command(), "date": now(), "wall_s": time.time() - args.t0, "smoke": args.smoke}
 
 
 if __name__ == "__main__":

@@ -1,70 +1,67 @@
 """One optimizer step over one flat master tensor (as ZeRO hands it over): CoatAdamW against its peers.
 
-GPU (default): 1e8 and 1e9 values; rows for fp32 and bf16 grads on an fp32 master, and for bf16 grads on a
-bf16 master written by stochastic rounding (issue 16's training state, `master: bfloat16_sr`). Contenders:
-CoatAdamW (kernel step `coat_ms`, and the optimizer's full step with its non-finite-grad check
-`coat_step_ms`), DeepSpeed FusedAdam, torch fused AdamW, torchao AdamWFp8 / AdamW8bit and bitsandbytes
-AdamW8bit. Each: median ms over CUDA-event timings after warm-up, bytes it must move (master read+write,
-grad read, state read+write, counted from the real tensors; `coat_bytes_per_param`), GB/s and its fraction
-of the device's copy bandwidth (measured in the same run), optimizer-state bytes per param. Peers run one
-at a time and are freed in between. Peers take grads and master in fp32 only, so the other rows time
-CoatAdamW alone.
-
-    python benchmarks/optimizer_step.py                   # -> benchmarks/results/optimizer_step.json
-    python benchmarks/optimizer_step.py --device cpu      # CPU op vs DeepSpeedCPUAdam, 1e7 values, and the
+    python -m benchmarks.optimizer_step                   # GPU -> benchmarks/results/optimizer_step.json
+    python -m benchmarks.optimizer_step --device cpu      # CPU op vs DeepSpeedCPUAdam, 1e7 values, and the
                                                           # op's quantize / dequantize of both moments alone
                                                           # (the file's `machines` keeps one headline per CPU)
-    python benchmarks/optimizer_step.py --smoke           # tiny sizes on CPU, seconds; prints the JSON
+    python -m benchmarks.optimizer_step --smoke           # tiny sizes on CPU, seconds; prints the JSON
+
+Rows per size: fp32 and bf16 grads on an fp32 master, bf16 grads on a bf16 master written by stochastic
+rounding, and the exact fp32 master held as bf16 + int16 remainder; peers take grads and master in fp32 only,
+so the other rows time CoatAdamW alone. docs/benchmarks.md says what each row reports.
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import os
-import platform
 import statistics
 import subprocess
-import sys
 import time
 import traceback
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from coat_ds import kernels as ops  # noqa: E402
-from coat_ds.formats import E4M3, get_format, n_groups  # noqa: E402
-from coat_ds.optim import CoatAdamW  # noqa: E402
-from e2e import git_commit  # noqa: E402  (COAT_GIT_COMMIT, else git's)
+from benchmarks.common import RESULTS, command, cpu_info, device_name, now, versions
+from coat_ds import kernels as ops
+from coat_ds.formats import E4M3, get_format, n_groups
+from coat_ds.optim import CoatAdamW
 
 HP = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+# (grad dtype, master): the fp32 master with fp32 or bf16 grads, a bf16 master (stochastic rounding), and the
+# exact fp32 master held as bf16 + int16 remainder (coat.master_weights 'fp32_remainder')
+CASES = ((torch.float32, "float32"), (torch.bfloat16, "float32"), (torch.bfloat16, "bfloat16_sr"),
+         (torch.bfloat16, "float32_remainder"))
+PEERS_NEED = "needs grads and master in fp32 (the param's dtype)"
 
 
 # ---------------------------------------------------------------- measuring
 
-def median_ms(fn, device: str, warmup: int, runs: int) -> float:
-    for _ in range(warmup):
-        fn()
+def call_ms(fn, device: str) -> float:
+    """One call's milliseconds; on the GPU between two CUDA events (the kernels' time, not the launch's)."""
     if device == "cuda":
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(runs):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        return statistics.median(times)
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
         fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def timings(fns: dict, device: str, warmup: int, runs: int) -> dict[str, list[float]]:
+    """Each contender's timed calls (ms), in interleaved rounds (each contender once per round), so a shared
+    host's changing load falls on all of them alike."""
+    times = {name: [] for name in fns}
+    for i in range(warmup + runs):
+        for name, fn in fns.items():
+            ms = call_ms(fn, device)
+            if i >= warmup:
+                times[name].append(ms)
+    return times
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
@@ -82,7 +79,7 @@ def state_bytes(opt: torch.optim.Optimizer) -> int:
 def copy_gbps(numel: int, device: str, runs: int) -> float:
     src = torch.randn(numel, device=device)
     dst = torch.empty_like(src)
-    ms = median_ms(lambda: dst.copy_(src), device, 3, runs)
+    ms = statistics.median(timings({"copy": lambda: dst.copy_(src)}, device, 3, runs)["copy"])
     return 2 * numel * 4 / (ms * 1e6)
 
 
@@ -93,20 +90,6 @@ def free(device: str) -> None:
         torch.cuda.empty_cache()
 
 
-# ---------------------------------------------------------------- contenders
-
-# (grad dtype, master): the fp32 master with fp32 or bf16 grads, a bf16 master (stochastic rounding), and the
-# exact fp32 master held as bf16 + int16 remainder (coat.master_weights 'fp32_remainder')
-CASES = ((torch.float32, "float32"), (torch.bfloat16, "float32"), (torch.bfloat16, "bfloat16_sr"),
-         (torch.bfloat16, "float32_remainder"))
-
-
-def case_tensors(p: torch.Tensor, g32: torch.Tensor, grad_dtype: torch.dtype, master: str):
-    """The master (p itself, or a bf16 copy: the high halves of a remainder master) and the grads of one case."""
-    g = g32 if grad_dtype == torch.float32 else g32.to(grad_dtype)
-    return (p if master == "float32" else p.to(torch.bfloat16)), g
-
-
 def moved_bytes(master: torch.Tensor, g: torch.Tensor, state_bytes: int, remainder: bool = False) -> int:
     """What one step must move: master read + write (a remainder's 2 bytes each way too), grad read, state
     read + write."""
@@ -114,20 +97,7 @@ def moved_bytes(master: torch.Tensor, g: torch.Tensor, state_bytes: int, remaind
     return master.numel() * (2 * per + g.element_size()) + 2 * state_bytes
 
 
-def case_row(device: str, numel: int, grad_dtype: torch.dtype, master: str, copy_bw: float) -> dict:
-    return dict(device=device_name(device), numel=numel, grad_dtype=str(grad_dtype).replace("torch.", ""),
-                master=master, copy_gbps=round(copy_bw, 1), errors={})
-
-
-def coat_fields(ms: float, moved: int, numel: int, sbytes: int, copy_bw: float) -> dict:
-    gbps = moved / (ms * 1e6)
-    return dict(coat_ms=round(ms, 4), coat_bytes=moved, coat_bytes_per_param=round(moved / numel, 3),
-                coat_gbps=round(gbps, 1), coat_frac_of_copy=round(gbps / copy_bw, 3),
-                state_bytes_per_param=round(sbytes / numel, 4))
-
-
-PEERS_NEED = "needs grads and master in fp32 (the param's dtype)"
-
+# ---------------------------------------------------------------- contenders
 
 def coat_kernel(p: torch.Tensor, g: torch.Tensor, group_size: int = 128, v_format: str = "e4m3",
                 remainder: bool = False):
@@ -209,126 +179,93 @@ def make_optimizer(name: str, p: torch.nn.Parameter) -> torch.optim.Optimizer:
     raise ValueError(f"unknown optimizer {name!r}")
 
 
-def time_optimizer(name: str, p: torch.nn.Parameter, device: str, warmup: int, runs: int):
-    opt = make_optimizer(name, p)
-    ms = median_ms(opt.step, device, warmup, runs)
-    sb = state_bytes(opt)
-    del opt
-    return ms, sb
-
-
 # ---------------------------------------------------------------- runs
 
-def bench_size(numel: int, device: str, peers: list[str], warmup: int, runs: int, copy_bw: float) -> list[dict]:
-    rows = []
-    p = torch.nn.Parameter(torch.randn(numel, device=device) * 0.02)
-    g32 = torch.randn(numel, device=device) * 1e-3
-    for grad_dtype, master in CASES:
-        pm, g = case_tensors(p.data, g32, grad_dtype, master)
-        row = case_row(device, numel, grad_dtype, master, copy_bw)
-        rem = master == "float32_remainder"
-        step, sbytes = coat_kernel(pm, g, remainder=rem)
-        ms = median_ms(step, device, warmup, runs)
-        row.update(coat_fields(ms, moved_bytes(pm, g, sbytes, rem), numel, sbytes, copy_bw))
-        del step, pm
+def attempt(row: dict, name: str, fn):
+    """fn(), or None with the error in the row: a peer that fails is reported, the run goes on."""
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001
+        row[f"{name}_ms"] = None
+        row["errors"][name] = f"{type(exc).__name__}: {exc}"[:300]
+        traceback.print_exc()
+        return None
+
+
+def time_peers(p, peers: list[str], row: dict, fns: dict, device: str, warmup: int, runs: int):
+    """(timings, state bytes) of the coat step in `fns` and each peer. On the CPU every contender is built first
+    and the timed steps interleave; on the GPU each peer is built, timed and freed in turn (its state is GBs)."""
+    if device == "cpu":
+        opts = {n: o for n in peers if (o := attempt(row, n, lambda n=n: make_optimizer(n, p))) is not None}
+        times = timings({**fns, **{n: o.step for n, o in opts.items()}}, device, warmup, runs)
+        return times, {n: state_bytes(o) for n, o in opts.items()}
+    times, states = timings(fns, device, warmup, runs), {}
+    for name in peers:
+        def run(name=name):
+            opt = make_optimizer(name, p)
+            return timings({name: opt.step}, device, warmup, runs), state_bytes(opt)
+        got = attempt(row, name, run)
         free(device)
-        for name in peers:
-            key = name
-            if grad_dtype != torch.float32 or master != "float32":
-                row[f"{key}_ms"] = None
-                row["errors"][key] = PEERS_NEED
-                continue
-            p.grad = g
-            try:
-                ms, sb = time_optimizer(name, p, device, warmup, runs)
-                moved = moved_bytes(p.data, g, sb)
-                row.update({f"{key}_ms": round(ms, 4), f"{key}_gbps": round(moved / (ms * 1e6), 1),
-                            f"{key}_state_bytes_per_param": round(sb / numel, 4)})
-            except Exception as exc:  # noqa: BLE001 - a peer that fails is reported, the run goes on
-                row[f"{key}_ms"] = None
-                row["errors"][key] = f"{type(exc).__name__}: {exc}"[:300]
-                traceback.print_exc()
-            p.grad = None
-            free(device)
-        for name in peers:
-            if row.get(f"{name}_ms"):
-                row[f"speedup_vs_{name}"] = round(row[f"{name}_ms"] / row["coat_ms"], 2)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-    del p, g32
-    free(device)
-    return rows
+        if got is not None:
+            times.update(got[0])
+            states[name] = got[1]
+    return times, states
 
 
-def paired(times: dict, a: str, b: str) -> float:
-    """Median of the per-round ratios a / b: a load change between rounds (a shared host) falls on both sides."""
-    return round(statistics.median(x / y for x, y in zip(times[a], times[b])), 2)
-
-
-def peer_fields(name: str, times: dict, moved: int, state_per_param: float) -> dict:
-    """A CPU peer's row fields from the interleaved timings (ms lists per contender)."""
-    pms = statistics.median(times[name])
-    fields = {f"{name}_ms": round(pms, 4), f"{name}_min_ms": round(min(times[name]), 4),
-              f"{name}_gbps": round(moved / (pms * 1e6), 1), f"{name}_state_bytes_per_param": round(state_per_param, 4),
-              f"speedup_vs_{name}": round(pms / statistics.median(times["coat"]), 2),
-              f"speedup_vs_{name}_paired": paired(times, name, "coat")}
-    if "coat_encode" in times:  # > 1: re-encoding the moments alone outlasts the peer's whole step
-        fields[f"encode_over_{name}_paired"] = paired(times, "coat_encode", name)
+def peer_fields(name: str, times: dict, moved: int, state_per_param: float, paired: bool) -> dict:
+    """A peer's row fields; with interleaved timings (`paired`) its fastest step and the medians of the
+    per-round ratios too, as a load change between rounds falls on both sides."""
+    pms, coat = statistics.median(times[name]), statistics.median(times["coat"])
+    ratio = lambda a, b: round(statistics.median(x / y for x, y in zip(times[a], times[b])), 2)  # noqa: E731
+    fields = {f"{name}_ms": round(pms, 4), f"{name}_gbps": round(moved / (pms * 1e6), 1),
+              f"{name}_state_bytes_per_param": round(state_per_param, 4), f"speedup_vs_{name}": round(pms / coat, 2)}
+    if paired:
+        fields.update({f"{name}_min_ms": round(min(times[name]), 4), f"speedup_vs_{name}_paired": ratio(name, "coat")})
+        if "coat_encode" in times:  # > 1: re-encoding the moments alone outlasts the peer's whole step
+            fields[f"encode_over_{name}_paired"] = ratio("coat_encode", name)
     return fields
 
 
-def bench_size_cpu(numel: int, peers: list[str], warmup: int, runs: int, copy_bw: float) -> list[dict]:
-    """CPU rows: every contender is built first, then the timed steps are interleaved (coat kernel, then each
-    peer, repeated), so a shared host's changing load falls on all of them alike. Median and min per
-    contender; speed-ups are ratios of medians, and (`_paired`) medians of the per-round ratios."""
+def bench_case(p, g32, grad_dtype, master: str, peers: list[str], device: str, warmup: int, runs: int,
+               copy_bw: float) -> dict:
+    """One case's row: CoatAdamW's kernel step, its moment passes alone (CPU, fp32 case) and each peer that
+    takes the case."""
+    numel, rem = p.numel(), master == "float32_remainder"
+    g = g32 if grad_dtype == torch.float32 else g32.to(grad_dtype)
+    pm = p.data if master == "float32" else p.data.to(torch.bfloat16)   # a bf16 master: a remainder's high halves
+    row = dict(device=device_name(device), numel=numel, grad_dtype=str(grad_dtype).replace("torch.", ""),
+               master=master, copy_gbps=round(copy_bw, 1), errors={})
+    step, sbytes = coat_kernel(pm, g, remainder=rem)
+    fp32 = grad_dtype == torch.float32 and master == "float32"
+    fns = {"coat": step, **(moment_passes(numel) if fp32 and device == "cpu" else {})}
+    for name in ([] if fp32 else peers):
+        row[f"{name}_ms"] = None
+        row["errors"][name] = PEERS_NEED
+    p.grad = g if fp32 else None
+    times, states = time_peers(p, peers if fp32 else [], row, fns, device, warmup, runs)
+    p.grad = None
+    ms = statistics.median(times["coat"])
+    gbps = moved_bytes(pm, g, sbytes, rem) / (ms * 1e6)
+    row.update(coat_ms=round(ms, 4), coat_bytes=moved_bytes(pm, g, sbytes, rem),
+               coat_bytes_per_param=round(moved_bytes(pm, g, sbytes, rem) / numel, 3), coat_gbps=round(gbps, 1),
+               coat_frac_of_copy=round(gbps / copy_bw, 3), state_bytes_per_param=round(sbytes / numel, 4))
+    if device == "cpu":
+        row["coat_min_ms"] = round(min(times["coat"]), 4)
+        row.update({f"{n}_ms": round(statistics.median(times[n]), 4) for n in ("coat_encode", "coat_decode")
+                    if n in times})
+    for name, sb in states.items():
+        row.update(peer_fields(name, times, moved_bytes(p.data, g, sb), sb / numel, paired=device == "cpu"))
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def bench_size(numel: int, device: str, peers: list[str], warmup: int, runs: int, copy_bw: float) -> list[dict]:
+    p = torch.nn.Parameter(torch.randn(numel, device=device) * 0.02)
+    g32 = torch.randn(numel, device=device) * 1e-3
     rows = []
-    p = torch.nn.Parameter(torch.randn(numel) * 0.02)
-    g32 = torch.randn(numel) * 1e-3
     for grad_dtype, master in CASES:
-        pm, g = case_tensors(p.data, g32, grad_dtype, master)
-        row = case_row("cpu", numel, grad_dtype, master, copy_bw)
-        rem = master == "float32_remainder"
-        step, sbytes = coat_kernel(pm, g, remainder=rem)
-        fns = {"coat": step}
-        if grad_dtype == torch.float32 and master == "float32":
-            fns.update(moment_passes(numel))
-        opts = {}
-        for name in peers:
-            if grad_dtype != torch.float32 or master != "float32":
-                row[f"{name}_ms"] = None
-                row["errors"][name] = PEERS_NEED
-                continue
-            p.grad = g
-            try:
-                opts[name] = make_optimizer(name, p)
-                fns[name] = opts[name].step
-            except Exception as exc:  # noqa: BLE001 - a peer that fails is reported, the run goes on
-                row[f"{name}_ms"] = None
-                row["errors"][name] = f"{type(exc).__name__}: {exc}"[:300]
-                traceback.print_exc()
-        times = {name: [] for name in fns}
-        for i in range(warmup + runs):
-            for name, fn in fns.items():
-                t0 = time.perf_counter()
-                fn()
-                if i >= warmup:
-                    times[name].append((time.perf_counter() - t0) * 1e3)
-        ms = statistics.median(times["coat"])
-        row.update(coat_fields(ms, moved_bytes(pm, g, sbytes, rem), numel, sbytes, copy_bw),
-                   coat_min_ms=round(min(times["coat"]), 4))
-        for name in ("coat_encode", "coat_decode"):
-            if name in times:
-                row[f"{name}_ms"] = round(statistics.median(times[name]), 4)
-        for name, opt in opts.items():
-            sb = state_bytes(opt)
-            row.update(peer_fields(name, times, moved_bytes(p.data, g, sb), sb / numel))
-        p.grad = None
-        del step, fns, opts, pm
-        free("cpu")
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-    del p, g32
-    free("cpu")
+        rows.append(bench_case(p, g32, grad_dtype, master, peers, device, warmup, runs, copy_bw))
+        free(device)
     return rows
 
 
@@ -336,17 +273,11 @@ def host_info() -> dict:
     """What a CPU figure depends on: the CPU model and its SIMD, threads, the compiler, and the load."""
     info = {"threads": torch.get_num_threads(), "cores": os.cpu_count(), "nproc": len(os.sched_getaffinity(0)),
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
-    try:
-        with open("/proc/cpuinfo") as f:
-            text = f.read()
-        first = {k.strip(): v for k, v in (line.split(":", 1) for line in text.split("\n\n")[0].splitlines()
-                                            if ":" in line)}
-        info["cpu_model"] = first.get("model name", "").strip() or None
-        flags = set(first.get("flags", "").split())
-        info["simd"] = [f for f in ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16",
-                                    "avx512_fp16", "amx_bf16") if f in flags]
-    except OSError:
-        info["cpu_model"] = platform.processor() or None
+    cpu = cpu_info()
+    flags = set(cpu.get("flags", "").split())
+    info["cpu_model"] = cpu.get("model name") or None
+    info["simd"] = [f for f in ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16",
+                                "avx512_fp16", "amx_bf16") if f in flags]
     try:
         info["cxx"] = subprocess.run(["c++", "--version"], capture_output=True, text=True).stdout.splitlines()[0]
     except (OSError, IndexError):
@@ -387,29 +318,6 @@ def with_machines(result: dict, out: str) -> dict:
     return {**result, "machines": [m for m in machines if any(m[k] != new[k] for k in same)] + [new]}
 
 
-def device_name(device: str) -> str:
-    if device == "cuda":
-        return torch.cuda.get_device_name()
-    model = None
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
-    except OSError:
-        pass
-    return f"{model or platform.processor() or platform.machine()} x{torch.get_num_threads()} threads"
-
-
-def versions() -> dict:
-    out = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
-    for mod in ("deepspeed", "torchao", "bitsandbytes"):
-        try:
-            out[mod] = __import__(mod).__version__
-        except Exception:  # noqa: BLE001
-            out[mod] = None
-    out["coat_ds_commit"] = git_commit()
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -422,25 +330,18 @@ def main() -> None:
     if device == "cuda":
         sizes = args.sizes or [1e8, 1e9]
         peers = ["coat_step", "fused_adam", "torch_adamw", "torchao_fp8", "torchao_8bit", "bnb_8bit"]
-        out = args.out or os.path.join(RESULTS, "optimizer_step.json")
+        out = args.out or str(RESULTS / "optimizer_step.json")
     else:
         sizes = args.sizes or ([1e5] if args.smoke else [1e7])
         peers = ["coat_step"] + ([] if args.smoke else ["cpu_adam"])
-        out = args.out or (None if args.smoke else os.path.join(RESULTS, "optimizer_step_cpu.json"))
+        out = args.out or (None if args.smoke else str(RESULTS / "optimizer_step_cpu.json"))
     runs = args.runs or (3 if args.smoke else 20)
     torch.manual_seed(0)
     copy_bw = copy_gbps(int(max(sizes)), device, runs)
-    rows = []
     host = host_info() if device == "cpu" else None
-    for n in sizes:
-        if device == "cpu":
-            rows += bench_size_cpu(int(n), peers, warmup=2 if args.smoke else 3, runs=runs, copy_bw=copy_bw)
-        else:
-            rows += bench_size(int(n), device, peers, warmup=2 if args.smoke else 3, runs=runs, copy_bw=copy_bw)
-    result = dict(command=" ".join([os.path.basename(sys.executable)] + sys.argv), device=device_name(device),
-                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  versions=versions(), hyperparams=HP, group_size=128, v_format="e4m3", copy_gbps=round(copy_bw, 1),
-                  rows=rows)
+    rows = [row for n in sizes for row in bench_size(int(n), device, peers, 2 if args.smoke else 3, runs, copy_bw)]
+    result = dict(command=command(), device=device_name(device), date=now(), versions=versions("torchao", "bitsandbytes"),
+                  hyperparams=HP, group_size=128, v_format="e4m3", copy_gbps=round(copy_bw, 1), rows=rows)
     if host is not None:
         host["loadavg_end"] = list(os.getloadavg())
         result["host"] = host

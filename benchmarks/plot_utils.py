@@ -1,7 +1,6 @@
-"""Charts for e2e.json and convergence.json; also re-renders them from the JSON alone.
+"""The benchmarks' charts; also redraws one from its JSON alone (README.md's tables: render_tables.py).
 
-    python benchmarks/plot_utils.py benchmarks/results/e2e.json benchmarks/results/convergence.json
-    python benchmarks/plot_utils.py --table benchmarks/results/*.json      # the README's markdown rows
+    python -m benchmarks.plot_utils benchmarks/results/e2e.json benchmarks/results/convergence.json
 
 The JSON files hold every number a chart shows, so a node without matplotlib can run the benchmark and
 the chart can be drawn later anywhere.
@@ -9,6 +8,7 @@ the chart can be drawn later anywhere.
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -25,12 +25,17 @@ def _plt():
     return plt
 
 
+def save(fig, path: Path, dpi: int = 110) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    _plt().close(fig)
+
+
 def plot_e2e(res: dict, path: Path) -> None:
     """Memory breakdown at the equal micro-batch, the largest micro-batch, and tokens/s there."""
-    plt = _plt()
     rows = res["configs"]
     labels = [r["label"].replace(" + ", "\n+ ").replace("coat_ds ", "coat_ds\n") for r in rows]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.8))
+    fig, axes = _plt().subplots(1, 3, figsize=(15, 4.8))
     ax = axes[0]
     for i, r in enumerate(rows):
         bd = r.get("breakdown") or {}
@@ -73,17 +78,14 @@ def plot_e2e(res: dict, path: Path) -> None:
     fig.suptitle(f"{res['model']} ({(res.get('params') or 0) / 1e9:.2f}B params), seq {res['seq_len']}, "
                  f"ZeRO-{res.get('zero_stage')}, {res['world_size']} rank(s), {res['device']}" +
                  ("" if ga == "config default" else f", grad_accum_dtype {ga}"), fontsize=11)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 def plot_e2e_real_shapes(res: dict, path: Path) -> None:
     """e2e_real_shapes.json: per case, each configuration's peak at its largest micro-batch (or, where micro-batch
     1 did not fit, what it needed), against the device."""
-    plt = _plt()
     cases = list(res["cases"].values())
-    fig, axes = plt.subplots(1, len(cases), figsize=(5.5 * len(cases), 4.8), squeeze=False)
+    fig, axes = _plt().subplots(1, len(cases), figsize=(5.5 * len(cases), 4.8), squeeze=False)
     for ax, case in zip(axes[0], cases):
         rows, top = case["summary"], 0.0
         for i, r in enumerate(rows):
@@ -97,15 +99,12 @@ def plot_e2e_real_shapes(res: dict, path: Path) -> None:
             top = max(top, v)
         ax.set(xticks=range(len(rows)), xticklabels=[r["name"] for r in rows], ylabel="GiB (peak reserved)",
                title=f"{case['model']}, seq {case['seq_len']}\n{case['device']}", ylim=(0, 1.2 * top or 1.0))
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 def plot_convergence(res: dict, path: Path) -> None:
     """Train (thin) and validation (markers) loss of every configuration, and the validation gap to BF16."""
-    plt = _plt()
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [2, 1]})
+    fig, (ax, ax2) = _plt().subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [2, 1]})
     runs = res["runs"]
     base = {s: v for s, v in (runs.get("bf16") or {}).get("val", [])}
     for name, run in runs.items():
@@ -134,16 +133,13 @@ def plot_convergence(res: dict, path: Path) -> None:
     ax2.set(xlabel="step", ylabel="val loss vs BF16 (%)", title="validation loss gap to BF16")
     ax2.grid(alpha=0.3)
     ax2.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 def plot_offload(res: dict, path: Path) -> None:
     """offload.json: host bytes per parameter by category (measured; predicted where a row did not run), per model."""
-    plt = _plt()
     models = list(dict.fromkeys(r["model"] for r in res["rows"]))
-    fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4.8), squeeze=False)
+    fig, axes = _plt().subplots(1, len(models), figsize=(5.5 * len(models), 4.8), squeeze=False)
     cats = ["master", "optimizer_states", "master_grads", "bf16_staging", "grad_staging", "accumulated_grads"]
     for ax, model in zip(axes[0], models):
         rows = [r for r in res["rows"] if r["model"] == model]
@@ -168,51 +164,85 @@ def plot_offload(res: dict, path: Path) -> None:
         first = dict(zip(labels[::-1], handles[::-1]))   # one entry per category
         shown = [c for c in cats if c in first]
         ax.legend([first[c] for c in shown], shown, fontsize=7, loc="upper right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
-def markdown(res: dict) -> str:
-    """The README rows of one result file."""
-    f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
-    if "runs" in res:
-        lines = [f"Convergence: {res['model']} ({f((res.get('params') or 0) / 1e6, '.0f')}M), {res['steps']} steps x "
-                 f"{res['tokens_per_step']} tokens, {res['device']} ({res['date'][:10]})", "",
-                 "| configuration | final val loss | gap to BF16 | tokens/s |", "|---|---|---|---|"]
-        base = res.get("bf16_val_loss")
-        for name, run in res["runs"].items():
-            v = run.get("final_val_loss")
-            gap = (v - base) / base if v is not None and base else None
-            lines.append(f"| {run.get('label', name)} | {f(v, '.4f')} | {f(gap, '+.2%')} | "
-                         f"{f(run.get('tokens_per_s'), ',.0f')} |")
-        return "\n".join(lines)
-    lines = [f"End to end: {res['model']}, seq {res['seq_len']}, ZeRO-{res.get('zero_stage')}, {res['world_size']} "
-             f"rank(s), {res['device']} ({res['date'][:10]})", "",
-             f"| configuration | peak GiB @ mb {res['equal_micro_batch']} | weights | optimizer | grads | "
-             "activations | max micro-batch | tokens/s @ max |", "|---|---|---|---|---|---|---|---|"]
-    for r in res["configs"]:
-        bd, eq, mx = r.get("breakdown") or {}, r.get("equal_batch") or {}, r.get("max_batch") or {}
-        lines.append(f"| {r['label']} | {f(eq.get('peak_alloc_gb'), '.2f')} | {f(bd.get('weights_gb'), '.2f')} | "
-                     f"{f(bd.get('optimizer_state_gb'), '.2f')} | {f(bd.get('grads_gb'), '.2f')} | "
-                     f"{f(bd.get('activations_gb'), '.2f')} | {mx.get('micro_batch', '-')} | "
-                     f"{f(mx.get('tokens_per_s'), ',.0f')} |")
-    lines.append(f"\nmemory reduction {f(res.get('memory_reduction'), '.2f')}x (target 1.54x), speedup at max batch "
-                 f"{f(res.get('speedup_at_max_batch'), '.2f')}x (target 1.43x)")
-    return "\n".join(lines)
+def plot_hf_trainer(res: dict, path: Path) -> None:
+    """hf_trainer.json: tokens/s and peak memory of every run that finished, Trainer beside the plain loop."""
+    rows = [r for r in res["runs"] if r.get("tokens_per_s")]
+    labels = [f"{r['path']}\n{r['preset']}\n{r['model']} mb{r['micro_batch']}\n{r['tuning']}" for r in rows]
+    colors = [("#1f77b4" if r["path"] == "trainer" else "#aec7e8") if r["preset"] == "bf16" else
+              ("#d62728" if r["path"] == "trainer" else "#ff9896") for r in rows]
+    fig, ax = _plt().subplots(figsize=(max(6, 1.3 * len(rows)), 4.5))
+    ax.bar(range(len(rows)), [r["tokens_per_s"] / 1e3 for r in rows], color=colors)
+    for i, r in enumerate(rows):
+        mem = r.get("peak_alloc_gb")
+        ax.text(i, r["tokens_per_s"] / 1e3, f"{r['tokens_per_s'] / 1e3:.1f}k" + (f"\n{mem:.1f} GiB" if mem else ""),
+                ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(rows)), labels, fontsize=6)
+    ax.set_ylabel("tokens/s (thousands, median step)")
+    ax.set_title(f"HF Trainer vs plain deepspeed.initialize loop, {res['device']}, seq {res['seq_len']}", fontsize=9)
+    save(fig, path, dpi=120)
+
+
+def plot_seed_spread(res: dict, path: Path) -> None:
+    """Per section: the validation curves (seeds thin, mean thick) and each seed's final loss with BF16's band."""
+    from benchmarks.e2e import LABELS
+
+    keys = sorted((k for k, v in res.items() if isinstance(v, dict) and "summary" in v),
+                  key=lambda k: (k != "default", k != "long_data"))
+    fig, axes = _plt().subplots(len(keys), 2, figsize=(14, 4.8 * len(keys)), squeeze=False,
+                                gridspec_kw={"width_ratios": [2, 1]})
+    for (ax, ax2), key in zip(axes, keys):
+        sec = res[key]
+        for i, (name, runs) in enumerate(sec["runs"].items()):
+            c = COLORS.get(name, f"C{i + 3}")
+            curves = [e["val"] for e in runs.values() if e["val"]]
+            for v in curves:
+                ax.plot([s for s, _ in v], [x for _, x in v], lw=0.7, alpha=0.5, color=c)
+            common = sorted(set.intersection(*[{s for s, _ in v} for v in curves])) if curves else []
+            mean = [statistics.mean(dict(v)[s] for v in curves) for s in common]
+            ax.plot(common, mean, lw=2.2, color=c, label=f"{LABELS[name]} (mean of {len(curves)})")
+            st = sec["summary"][name]
+            ax2.scatter([i] * len(st["final"]), st["final"], color=c, s=14)
+            if st["final_std"] is not None:
+                ax2.errorbar(i, st["final_mean"], yerr=st["final_std"], fmt="_", color=c, capsize=6, ms=16)
+        _seed_spread_axes(key, sec, ax, ax2)
+    save(fig, path)
+
+
+def _seed_spread_axes(key: str, sec: dict, ax, ax2) -> None:
+    if sec.get("bf16_band"):
+        ax2.axhspan(*sec["bf16_band"], color="gray", alpha=0.15, label="BF16 [min, max] +- 1 std")
+        ax2.legend(fontsize=8)
+    rc = sec["recipe"]
+    ax.set(xlabel="step", ylabel="validation loss", title=f"{key}: {rc['model']}, seq {rc['seq_len']} x "
+           f"{rc['micro_batch']}, {rc['data']}"[:100])
+    finals = [x for st in sec["summary"].values() for x in st["final"]]
+    if finals:
+        ax.set_ylim(min(finals) * 0.97, min(finals) * 1.5)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    names = list(sec["runs"])
+    ax2.set(xlim=(-0.5, len(names) - 0.5), xticks=range(len(names)), xticklabels=[n.replace("_", "\n", 1) for n in names],
+            ylabel=f"val loss at step {sec['steps_compared']}", title="each seed, mean +- std")
+    ax2.grid(alpha=0.3)
+
+
+def kind(res: dict) -> str:
+    """Which benchmark wrote a results file, from its fields."""
+    for key, name in (("hf_config", "hf_trainer"), ("calls", "seed_spread"), ("runs", "convergence"),
+                      ("cases", "e2e_real_shapes"), ("rows", "offload")):
+        if key in res:
+            return name
+    return "e2e"
 
 
 def main(paths: list[str]) -> int:
-    table = "--table" in paths
-    for p in (Path(x) for x in paths if x != "--table"):
+    for p in map(Path, paths):
         res = json.loads(p.read_text())
-        if table:
-            print(markdown(res) + "\n")
-            continue
-        out = p.with_suffix(".png")
-        plot = plot_convergence if "runs" in res else plot_e2e_real_shapes if "cases" in res else plot_e2e
-        plot(res, out)
-        print(f"wrote {out}")
+        globals()[f"plot_{kind(res)}"](res, p.with_suffix(".png"))
+        print(f"wrote {p.with_suffix('.png')}")
     return 0
 
 

@@ -1,19 +1,20 @@
 """Quantization error of Adam's moments: E4M3 / E5M2, with and without range expansion, and torchao's scheme.
 
-The moments come from a real AdamW run on a small MLP (CPU, seconds) or from a saved state (--state).
-Prints a table and writes benchmarks/results/quant_error.json.
+The moments come from a real AdamW run on a small MLP (CPU, seconds) or from a saved state (--state, as
+convergence's BF16 run saves it). Prints a table and writes benchmarks/results/quant_error.json.
+
+    python -m benchmarks.quant_error [--state OUT/adam_state_bf16.pt] [--out FILE]
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import platform
-import sys
 from pathlib import Path
 
 import torch
 
+from benchmarks.common import RESULTS, command, now
 from coat_ds.formats import relative_error
 
 SCHEMES = [  # name, format, group size, expansion
@@ -54,7 +55,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--state", help="a torch.save'd dict with 'exp_avg' and 'exp_avg_sq' flat tensors")
     ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "quant_error.json"))
+    ap.add_argument("--out", default=str(RESULTS / "quant_error.json"))
     args = ap.parse_args()
     if args.state:
         st = torch.load(args.state)
@@ -67,8 +68,7 @@ def main() -> None:
     for r in rows:
         print(f"{r['scheme']:44s} {r['m_rel_err']:10.4%} {r['v_rel_err']:10.4%}")
     out = {"device": "cpu", "source": source, "numel": m.numel(), "rows": rows, "torch": torch.__version__,
-           "python": platform.python_version(), "command": " ".join(sys.argv),
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+           "python": platform.python_version(), "command": command(), "date": now()}
     Path(args.out).write_text(json.dumps(out, indent=2))
 
 

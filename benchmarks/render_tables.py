@@ -1,7 +1,7 @@
 """Renders the measured tables of README.md and docs/*.md from benchmarks/results/*.json.
 
-    python benchmarks/render_tables.py           # rewrite every marked region
-    python benchmarks/render_tables.py --check   # exit 1 naming each region that differs (tests/test_render_tables.py)
+    python -m benchmarks.render_tables           # rewrite every marked region
+    python -m benchmarks.render_tables --check   # exit 1 naming each region that differs (tests/test_render_tables.py)
 
 A region is `<!-- table:NAME -->` ... `<!-- /table -->` in a Markdown file; NAME is a function below decorated
 with @table. A new table: one function that reads its JSON with load() and returns (header, rows).
@@ -401,7 +401,7 @@ def main(argv: list[str]) -> int:
     if argv == ["--check"]:
         bad = stale()
         for line in bad:
-            print(f"{line}: differs from benchmarks/results; run benchmarks/render_tables.py")
+            print(f"{line}: differs from benchmarks/results; run python -m benchmarks.render_tables")
         return 1 if bad else 0
     for path in DOCS:
         text = path.read_text()

@@ -1,26 +1,18 @@
 """Seed spread: is coat's validation loss inside BF16's own seed-to-seed spread? Every (configuration, seed)
-is one benchmarks/convergence.py worker (the seed sets the initial weights and the data order alike), up to
---max-parallel of them at once on one GPU, on convergence.py's default recipe (125M Llama, seq 512,
-micro-batch 16, 2000 steps, the standard-library corpus, tokenized once here before the runs).
+is one convergence worker (the seed sets the initial weights and the data order alike), up to --max-parallel
+at once on one GPU, on convergence's default recipe, the corpus tokenized once here before the runs.
 
-One H100, 600 s per command: the runs share the GPU, which saturates near 165k tokens/s together (measured:
-six runs at once reached steps 1660-1770 of 2000 in 550 s), so four runs fit one command (~410 s of
-training). Calls merge into one seed_spread.json (a later run of a pair replaces it); a last one adds the
-`long_data` section (seq 1024 x micro-batch 8, the same tokens per step, on a larger corpus: the
-transformers package's own source, files up to --data-bytes). Write --out outside $OUT and bring back
-seed_spread.json/png plus a tarball of the rest: a device call returns at most 8 files.
+    python -m benchmarks.seed_spread --configs bf16,coat_full --seeds 0,1 --time-budget 555 --out OUT
+    python -m benchmarks.seed_spread --configs coat_opt,coat_full_bf16sr --seeds 0,1 --time-budget 555 --out OUT
+    python -m benchmarks.seed_spread --configs bf16,coat_opt,coat_full,coat_full_bf16sr --seeds 2 --time-budget 555 --out OUT
+    python -m benchmarks.seed_spread --long --seeds 0 --time-budget 555 --out OUT
+    python -m benchmarks.seed_spread --smoke --out /tmp/seeds                       # CPU, tiny, < 60 s
 
-    python benchmarks/seed_spread.py --configs bf16,coat_full --seeds 0,1 --time-budget 555 --out OUT
-    python benchmarks/seed_spread.py --configs coat_opt,coat_full_bf16sr --seeds 0,1 --time-budget 555 --out OUT
-    python benchmarks/seed_spread.py --configs bf16,coat_opt,coat_full,coat_full_bf16sr --seeds 2 --time-budget 555 \
-        --out OUT
-    python benchmarks/seed_spread.py --long --seeds 0 --time-budget 555 --out OUT
-    python benchmarks/seed_spread.py --smoke --out /tmp/seeds                       # CPU, tiny, < 60 s
-
-Workers still running at the deadline stop themselves (evaluate, save) and are killed shortly after; every
-worker rewrites its result at each evaluation, so a stopped run keeps its curve ("partial"). The statistics
-compare every run of a section at the last step all of them evaluated (`steps_compared`).
-Output in --out: seed_spread.json, seed_spread.png, one result and log per run.
+Calls merge into one seed_spread.json (a later run of a pair replaces it); docs/benchmarks.md says how the
+calls split one H100's 600 s commands, what `long_data` and the family sections run, and how a run stopped
+by the deadline keeps its curve. The statistics compare every run of a section at the last step all of
+them evaluated (`steps_compared`). Output in --out: seed_spread.json, seed_spread.png, one result and log
+per run.
 """
 from __future__ import annotations
 
@@ -33,9 +25,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import convergence  # noqa: E402
-from e2e import CONFIGS, ROOT, check_args, check_positive, command, device_name, now, versions  # noqa: E402
+from benchmarks import convergence
+from benchmarks.common import RESULTS, check_positive, provenance, write_results
+from benchmarks.e2e import CONFIGS, check_args
+from coat_ds.recipes import data as data_lib
 
 DEFAULT_CONFIGS = "bf16,coat_opt,coat_full,coat_full_bf16sr"
 LONG_CONFIGS = "bf16,coat_full"
@@ -59,7 +52,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, argparse.Nam
     p.add_argument("--data-bytes", type=int, help=f"a --data folder's files up to this many bytes "
                                                   f"(--long default {LONG_DATA_BYTES:,})")
     p.add_argument("--smoke", action="store_true", help="tiny model, few steps, 2 configs x 2 seeds (CPU is fine)")
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args(argv)
     check_positive(p, args, ("max_parallel", "steps"))
     try:
@@ -222,50 +215,8 @@ def merge(section: dict, done: dict[tuple[str, int], dict], call: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Chart and table
+# Table
 # ---------------------------------------------------------------------------------------------------------
-def plot(res: dict, path: Path, keys: list[str]) -> None:
-    """Per section: the validation curves (seeds thin, mean thick) and each seed's final loss with BF16's band."""
-    import plot_utils
-
-    plt = plot_utils._plt()
-    fig, axes = plt.subplots(len(keys), 2, figsize=(14, 4.8 * len(keys)), squeeze=False,
-                             gridspec_kw={"width_ratios": [2, 1]})
-    for (ax, ax2), key in zip(axes, keys):
-        sec = res[key]
-        for i, (name, runs) in enumerate(sec["runs"].items()):
-            c = plot_utils.COLORS.get(name, f"C{i + 3}")
-            curves = [e["val"] for e in runs.values() if e["val"]]
-            for v in curves:
-                ax.plot([s for s, _ in v], [x for _, x in v], lw=0.7, alpha=0.5, color=c)
-            common = sorted(set.intersection(*[{s for s, _ in v} for v in curves])) if curves else []
-            mean = [statistics.mean(dict(v)[s] for v in curves) for s in common]
-            ax.plot(common, mean, lw=2.2, color=c, label=f"{CONFIGS[name][0]} (mean of {len(curves)})")
-            st = sec["summary"][name]
-            ax2.scatter([i] * len(st["final"]), st["final"], color=c, s=14)
-            if st["final_std"] is not None:
-                ax2.errorbar(i, st["final_mean"], yerr=st["final_std"], fmt="_", color=c, capsize=6, ms=16)
-        if sec.get("bf16_band"):
-            ax2.axhspan(*sec["bf16_band"], color="gray", alpha=0.15, label="BF16 [min, max] +- 1 std")
-            ax2.legend(fontsize=8)
-        rc = sec["recipe"]
-        ax.set(xlabel="step", ylabel="validation loss", title=f"{key}: {rc['model']}, seq {rc['seq_len']} x "
-               f"{rc['micro_batch']}, {rc['data']}"[:100])
-        finals = [x for st in sec["summary"].values() for x in st["final"]]
-        if finals:
-            ax.set_ylim(min(finals) * 0.97, min(finals) * 1.5)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        names = list(sec["runs"])
-        ax2.set(xlim=(-0.5, len(names) - 0.5), xticks=range(len(names)),
-                xticklabels=[n.replace("_", "\n", 1) for n in names],
-                ylabel=f"val loss at step {sec['steps_compared']}", title="each seed, mean +- std")
-        ax2.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def table(res: dict, keys: list[str]) -> str:
     f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     lines = []
@@ -288,7 +239,6 @@ def main(argv: list[str] | None = None) -> int:
     key = "long_data" if args.long else "default" if args.family == "llama" else args.family
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    from coat_ds.recipes import data as data_lib
 
     tokens = data_lib.load(rec.data, rec.seq_len, vocab_size=rec.vocab_size, max_bytes=rec.data_bytes)
     print(f"data: {tokens.source}: {len(tokens.train):,} train / {len(tokens.val):,} val tokens "
@@ -300,8 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     rec.deadline = t0 + args.time_budget - STOP_MARGIN_S
     pairs = [(n, s) for s in seeds for n in names]          # seed-major: a short budget still covers every config
     done = run_pairs(rec, pairs, out, args.max_parallel, kill_at=t0 + args.time_budget - KILL_MARGIN_S)
-    res["calls"].append({"section": key, "configs": names, "seeds": seeds, "command": command(), "date": now(),
-                         "device": device_name(), "versions": versions(), "max_parallel": args.max_parallel,
+    res["calls"].append({"section": key, "configs": names, "seeds": seeds, **provenance(), "max_parallel": args.max_parallel,
                          "omp_num_threads": os.environ["OMP_NUM_THREADS"], "time_budget_s": args.time_budget,
                          "wall_s": time.time() - t0})
     merge(res[key], done, len(res["calls"]) - 1)
@@ -313,11 +262,7 @@ def main(argv: list[str] | None = None) -> int:
                    "steps_compared; std is the sample std (n - 1); within_bf16_spread: the config's final mean "
                    "lies in [min, max] of BF16's seeds widened by one BF16 std each side; long_data keeps the "
                    "default recipe's tokens per step (seq 1024 x micro-batch 8 = 512 x 16)")
-    path.write_text(json.dumps(res, indent=1))
-    try:
-        plot(res, out / "seed_spread.png", keys)
-    except ImportError as e:
-        print(f"warning: no plot ({e})", file=sys.stderr)
+    path = write_results(res, out, "seed_spread")
     print(table(res, keys) + f"\n-> {path}", flush=True)
     return 0 if done and all(r.get("status") == "ok" for r in done.values()) else 1
 

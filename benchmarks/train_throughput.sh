@@ -3,8 +3,9 @@
 # (zero2_bf16) and FP8 optimizer states only (zero2_coat_optimizer_only), on one device, each run in its own process.
 #   OUT=out bash benchmarks/train_throughput.sh                  # 125M Llama, 1024-token samples, 16 per step
 #   SIZE=tiny SEQ=64 MB=2 STEPS=8 OUT=/tmp/o bash benchmarks/train_throughput.sh    # CPU smoke
-# Writes $OUT/train_throughput.json (device, versions, commands, date, per-run tokens/s, memory, losses) and each
-# run's console log. tokens/s is the median step after the first 3 (a step: data, fwd, bwd, optimizer, loss all-reduce).
+# Run it from the repository root (its summary imports benchmarks.common). Writes $OUT/train_throughput.json (device,
+# versions, commands, date, per-run tokens/s, memory, losses) and each run's console log. tokens/s is the median
+# step after the first 3 (a step: data, fwd, bwd, optimizer, loss all-reduce).
 set -u
 SIZE=${SIZE:-125m} SEQ=${SEQ:-1024} MB=${MB:-16} STEPS=${STEPS:-60} OUT=${OUT:-benchmarks/results}
 CONFIGS=${CONFIGS:-"zero2_bf16 zero2_coat zero2_coat_optimizer_only"}
@@ -18,8 +19,8 @@ for c in $CONFIGS; do
   echo "$c rc=$?"
 done
 python3 - "$DATE" "$SIZE" "$SEQ" "$MB" "$STEPS" "$CONFIGS" <<'PY'
-import json, os, platform, sys
-import torch, deepspeed, transformers
+import json, os, sys
+from benchmarks.common import device_name, versions
 date, size, seq, mb, steps, configs = sys.argv[1:]
 runs = {}
 for c in configs.split():
@@ -38,11 +39,8 @@ for c in configs.split():
                if late else None,
                "step_time_s": [round(r["step_time_s"], 4) for r in train], "loss": [round(r["loss"], 4) for r in train]}
 bf16, coat = (runs.get(c, {}).get("tokens_per_s") for c in ("zero2_bf16", "zero2_coat"))
-out = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"cpu ({os.cpu_count()} cores)",
-       "date": date, "command": f"CONFIGS=\"{configs}\" SIZE={size} SEQ={seq} MB={mb} STEPS={steps} bash benchmarks/train_throughput.sh",
-       "versions": {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-                    "deepspeed": deepspeed.__version__, "transformers": transformers.__version__,
-                    "coat_ds_commit": os.environ.get("COAT_GIT_COMMIT")},
+out = {"device": device_name(), "versions": versions(), "date": date,
+       "command": f"CONFIGS=\"{configs}\" SIZE={size} SEQ={seq} MB={mb} STEPS={steps} bash benchmarks/train_throughput.sh",
        "tokens_per_s": "median over steps after the first 3; each step = data + fwd + bwd + optimizer + loss all-reduce",
        "coat_over_bf16_tokens_per_s": coat / bf16 if bf16 and coat else None, "runs": runs}
 json.dump(out, open(os.path.join(os.environ.get("OUT", "."), "train_throughput.json"), "w"), indent=1)

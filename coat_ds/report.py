@@ -25,20 +25,30 @@ def _yes(flag: bool) -> str:
     return "yes" if flag else "no"
 
 
+def versions(*extra: str) -> dict[str, str | None]:
+    """What results files record as `versions`: python, torch, CUDA (None on a CPU build), coat_ds, DeepSpeed,
+    transformers and each distribution named in `extra` (benchmarks/common.py adds the rest)."""
+    import coat_ds
+
+    return {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+            "coat_ds": coat_ds.__version__, **{name: _dist(name) for name in ("deepspeed", "transformers", *extra)}}
+
+
 def _versions() -> list[tuple[str, str]]:
     import coat_ds
     from torch.utils.cpp_extension import CUDA_HOME
 
     from .deepspeed.fence import summary
 
-    return [("python", f"{platform.python_version()} ({sys.executable})"),
-            ("coat_ds", f"{coat_ds.__version__} ({os.path.dirname(coat_ds.__file__)})"),
-            ("torch", f"{torch.__version__} ({os.path.dirname(torch.__file__)})"),
-            ("CUDA (PyTorch's)", torch.version.cuda or "none: a CPU build of PyTorch"),
+    v = versions()
+    return [("python", f"{v['python']} ({sys.executable})"),
+            ("coat_ds", f"{v['coat_ds']} ({os.path.dirname(coat_ds.__file__)})"),
+            ("torch", f"{v['torch']} ({os.path.dirname(torch.__file__)})"),
+            ("CUDA (PyTorch's)", v["cuda"] or "none: a CPU build of PyTorch"),
             ("CUDA toolkit", CUDA_HOME or "not found"),
-            ("DeepSpeed", _dist("deepspeed")),
+            ("DeepSpeed", v["deepspeed"]),
             ("DeepSpeed internals", summary()),
-            ("transformers", _dist("transformers"))]
+            ("transformers", v["transformers"])]
 
 
 def _hardware() -> list[tuple[str, str]]:

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT))
 
-from e2e import CONFIGS, E2E_CONFIGS, ds_config, max_micro_batch, next_batch, oom_needed_gb  # noqa: E402
+from benchmarks.e2e import CONFIGS, E2E_CONFIGS, ds_config, max_micro_batch, next_batch, oom_needed_gb  # noqa: E402
 
 GIB = 2 ** 30
 
@@ -129,16 +129,17 @@ def test_grad_accum_dtype_reaches_every_config_and_only_when_asked():
 def smoke_runs(tmp_path_factory):
     """The four smokes side by side, ~3.5 min on 2 cores: the tests that read them are marked slow."""
     tmp = tmp_path_factory.mktemp("bench")
-    env = dict(os.environ, COAT_DISABLE_OPS="1", COAT_DATA_CACHE=str(tmp / "data_cache"), PYTHONUNBUFFERED="1")
+    env = dict(os.environ, COAT_DISABLE_OPS="1", COAT_DATA_CACHE=str(tmp / "data_cache"), PYTHONUNBUFFERED="1",
+               PYTHONPATH=str(ROOT))
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     runs = {
-        "e2e": [sys.executable, str(ROOT / "benchmarks" / "e2e.py"), "--smoke", "--profile", "--out", str(tmp / "e2e")],
-        "convergence": [sys.executable, str(ROOT / "benchmarks" / "convergence.py"), "--smoke", "--parallel",
+        "e2e": [sys.executable, "-m", "benchmarks.e2e", "--smoke", "--profile", "--out", str(tmp / "e2e")],
+        "convergence": [sys.executable, "-m", "benchmarks.convergence", "--smoke", "--parallel",
                         "--out", str(tmp / "convergence")],
-        "hf_trainer": [sys.executable, str(ROOT / "benchmarks" / "hf_trainer_speed.py"), "--smoke", "--out",
+        "hf_trainer": [sys.executable, "-m", "benchmarks.hf_trainer_speed", "--smoke", "--out",
                        str(tmp / "hf_trainer")],
-        "real_shapes": [sys.executable, str(ROOT / "benchmarks" / "e2e_real_shapes.py"), "--smoke",
+        "real_shapes": [sys.executable, "-m", "benchmarks.e2e_real_shapes", "--smoke",
                         "--out", str(tmp / "real_shapes")],
     }
     procs = {k: subprocess.Popen(cmd, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -233,19 +234,8 @@ def test_hf_trainer_smoke_compares_the_trainer_with_the_plain_loop_on_the_config
     assert (tmp / "hf_trainer" / "hf_trainer.png").stat().st_size > 10_000
 
 
-def _benchmark(name: str):
-    """benchmarks/`name`.py as a module, by path: examples/ holds a script of the same name (hf_trainer.py), and
-    whichever a test imported first would answer a plain `import`."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", ROOT / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_hf_trainer_runs_are_checked_before_any_process_starts():
-    parse_run = _benchmark("hf_trainer_speed").parse_run
+    from benchmarks.hf_trainer_speed import parse_run
 
     assert parse_run("trainer:coat:llama-1b:4:tuned")["micro_batch"] == 4
     assert parse_run("plain:coat:llama-1b:4:tuned:profile")["profiled"] is True
@@ -260,7 +250,7 @@ def test_hf_trainer_runs_are_checked_before_any_process_starts():
 def test_hf_trainer_counts_device_synchronize_by_the_caller_outside_torch(monkeypatch):
     """The probe's count of explicit device syncs (which CUDA's sync debug mode does not report), by call site."""
     import torch
-    count_synchronize = _benchmark("hf_trainer_speed").count_synchronize
+    from benchmarks.hf_trainer_speed import count_synchronize
 
     calls = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: calls.append(a))   # no device here: count only
@@ -303,8 +293,8 @@ def test_convergence_smoke_writes_json_png_and_a_state_quant_error_reads(smoke_r
 
     state = out / "adam_state_bf16.pt"
     assert res["adam_state"]["path"] == str(state)
-    qe = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "quant_error.py"), "--state", str(state),
-                         "--out", str(tmp / "quant_error.json")], capture_output=True, text=True, timeout=120)
+    qe = subprocess.run([sys.executable, "-m", "benchmarks.quant_error", "--state", str(state),
+                         "--out", str(tmp / "quant_error.json")], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert qe.returncode == 0, qe.stderr[-3000:]
     table = json.loads((tmp / "quant_error.json").read_text())
     assert table["numel"] == res["adam_state"]["numel"] > 0
@@ -313,16 +303,16 @@ def test_convergence_smoke_writes_json_png_and_a_state_quant_error_reads(smoke_r
 
 def test_host_overhead_dry_run_reports_per_layer_host_time(tmp_path):
     out = tmp_path / "host.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "host_overhead.py"), "--dry-run", "--shapes", "llama-1b",
+    cmd = [sys.executable, "-m", "benchmarks.host_overhead", "--dry-run", "--shapes", "llama-1b",
            "--variants", "bf16_eager", "coat_full", "--iters", "2", "--warmup", "1", "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = json.loads(out.read_text())
     assert [r["variant"] for r in rows] == ["bf16_eager", "coat_full"]
     for r in rows:
         assert r["host_ms_per_layer"] > 0 and r["aten_calls_per_layer"] > 0
         assert r["host_top_per_layer"] and r["date"] and r["command"] and r["versions"]["torch"]
-    bad = subprocess.run(cmd[:2] + ["--seq", "100"], capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(cmd[:3] + ["--seq", "100"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--seq=100 is invalid; allowed: a multiple of 16" in bad.stderr
 
 
@@ -330,12 +320,13 @@ def test_host_overhead_dry_run_reports_per_layer_host_time(tmp_path):
 def test_seed_spread_smoke_statistics_recompute_from_each_seed_and_merge_keeps_what_ran(tmp_path):
     import statistics
 
-    import seed_spread
+    from benchmarks import seed_spread
 
-    env = dict(os.environ, COAT_DISABLE_OPS="1", COAT_DATA_CACHE=str(tmp_path / "data_cache"), PYTHONUNBUFFERED="1")
+    env = dict(os.environ, COAT_DISABLE_OPS="1", COAT_DATA_CACHE=str(tmp_path / "data_cache"), PYTHONUNBUFFERED="1",
+               PYTHONPATH=str(ROOT))
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "seed_spread.py"), "--smoke", "--out",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.seed_spread", "--smoke", "--out",
                            str(tmp_path / "out")], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     res = json.loads((tmp_path / "out" / "seed_spread.json").read_text())
@@ -373,9 +364,9 @@ def test_seed_spread_smoke_statistics_recompute_from_each_seed_and_merge_keeps_w
 
 @pytest.mark.slow
 def test_e2e_real_shapes_smoke_merges_its_case_and_records_the_loss_path(smoke_runs):
-    """e2e_real_shapes.py --smoke: the tiny case's two configurations through e2e.py's workers; lowest_memory runs
+    """e2e_real_shapes --smoke: the tiny case's two configurations through e2e's workers; lowest_memory runs
     the chunked loss (a "coat" section), BF16 the stock one; a second case merges beside the first."""
-    import e2e_real_shapes
+    from benchmarks import e2e_real_shapes
 
     tmp, outs = smoke_runs
     log, rc = outs["real_shapes"]
@@ -403,15 +394,15 @@ def test_e2e_real_shapes_smoke_merges_its_case_and_records_the_loss_path(smoke_r
 
 @pytest.mark.slow  # ~15 s with warm caches, 20-45 s in a fresh clone
 def test_offload_smoke_rows_account_for_every_host_byte(tmp_path):
-    """benchmarks/offload.py --smoke (ZeRO-2 Offload on DeepSpeed's CPU accelerator): each row's host tensors add
+    """benchmarks.offload --smoke (ZeRO-2 Offload on DeepSpeed's CPU accelerator): each row's host tensors add
     up by category, per parameter, to the bytes of the layout DeepSpeed and the bf16 master keep, and to the
     prediction the benchmark skips rows by."""
-    import offload
+    from benchmarks import offload
 
-    env = dict(os.environ, COAT_DISABLE_OPS="1", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, COAT_DISABLE_OPS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "offload.py"), "--smoke", "--configs",
+    cmd = [sys.executable, "-m", "benchmarks.offload", "--smoke", "--configs",
            "coat_full,coat_full_bf16sr", "--out", str(tmp_path)]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -444,7 +435,7 @@ def test_offload_smoke_rows_account_for_every_host_byte(tmp_path):
 
 def test_llama_layer_gpu_gaps_of_a_trace():
     """llama_layer's idle-time read-out: overlapping device events count once, gaps between them are idle."""
-    from llama_layer import gpu_gaps
+    from benchmarks.llama_layer import gpu_gaps
 
     ev = [("kernel", 0, 10, "a"), ("kernel", 5, 10, "b"), ("gpu_memset", 40, 5, "c"), ("cpu_op", 0, 100, "x"),
           ("kernel", 50, 10, "d")]

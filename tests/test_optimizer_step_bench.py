@@ -1,4 +1,4 @@
-"""Smoke test of benchmarks/optimizer_step.py: a CPU dry run writes every case's row with its bytes moved."""
+"""Smoke test of `python -m benchmarks.optimizer_step`: a CPU dry run writes every case's row with its bytes moved."""
 import json
 import os
 import subprocess
@@ -10,9 +10,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_optimizer_step_smoke_writes_a_row_per_case(tmp_path):
     out = tmp_path / "step.json"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    script = os.path.join(ROOT, "benchmarks", "optimizer_step.py")
-    subprocess.run([sys.executable, script, "--smoke", "--out", str(out)], check=True, cwd=ROOT, env=env,
-                   capture_output=True, text=True)
+    subprocess.run([sys.executable, "-m", "benchmarks.optimizer_step", "--smoke", "--out", str(out)], check=True,
+                   cwd=ROOT, env=env, capture_output=True, text=True)
     rows = json.loads(out.read_text())["rows"]
     cases = {(r["grad_dtype"], r["master"]): r for r in rows}
     assert set(cases) == {("float32", "float32"), ("bfloat16", "float32"), ("bfloat16", "bfloat16_sr"),

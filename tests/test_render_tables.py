@@ -1,4 +1,4 @@
-"""The measured tables of README.md and docs/*.md are what benchmarks/render_tables.py renders from
+"""The measured tables of README.md and docs/*.md are what `python -m benchmarks.render_tables` renders from
 benchmarks/results/*.json: a figure edited by hand, or a JSON re-measured without re-rendering, fails here."""
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import render_tables as rt  # noqa: E402
+sys.path.insert(0, str(ROOT))
+from benchmarks import render_tables as rt  # noqa: E402
 
 
 def test_every_rendered_table_equals_its_json():
-    assert rt.stale() == []                            # run: python benchmarks/render_tables.py
+    assert rt.stale() == []                            # run: python -m benchmarks.render_tables
 
 
 def test_every_table_is_shown_somewhere():

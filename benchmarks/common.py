@@ -1,0 +1,286 @@
+"""What every benchmark shares: where and how a result was measured, worker processes, argument checks, the
+output files and the profiler's read-outs. One copy here, so every results file records the same facts."""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from benchmarks import plot_utils
+from coat_ds.report import versions as package_versions
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+GIB = 2 ** 30
+RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Where and how a result was measured
+# ---------------------------------------------------------------------------------------------------------
+def git_commit() -> str | None:
+    """COAT_GIT_COMMIT where set (a GPU node's copy of the tree may carry stale git metadata), else git's."""
+    if os.environ.get("COAT_GIT_COMMIT"):
+        return os.environ["COAT_GIT_COMMIT"]
+    try:
+        git = ["git", "-C", str(ROOT)]
+        out = subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(git + ["status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, timeout=10)
+        if out.returncode == 0:
+            return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return None
+
+
+def versions(*extra: str) -> dict:
+    """What shapes the numbers: coat_ds.report's versions (with the `extra` distributions), this checkout's
+    commit and the GPUs."""
+    v = {**package_versions(*extra), "coat_ds_commit": git_commit()}
+    if torch.cuda.is_available():
+        v.update(gpu=torch.cuda.get_device_name(0), gpu_count=torch.cuda.device_count())
+    return v
+
+
+def cpu_info() -> dict[str, str]:
+    """The first processor's /proc/cpuinfo fields (none where there is no such file)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {}
+    return {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in text.split("\n\n")[0].splitlines()
+                                               if ":" in line)}
+
+
+def device_name(device: str | None = None) -> str:
+    """The GPU ('2x ...' for several), or with device 'cpu' or no GPU the CPU's model and torch's threads."""
+    if device != "cpu" and torch.cuda.is_available():
+        n = torch.cuda.device_count()
+        return f"{n}x {torch.cuda.get_device_name(0)}" if n > 1 else torch.cuda.get_device_name(0)
+    model = cpu_info().get("model name") or platform.processor() or platform.machine()
+    return f"cpu ({model}, {torch.get_num_threads()} threads of {os.cpu_count()} cores)"
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def command() -> str:
+    """This process's command line as typed: `python -m benchmarks.X ...` for a benchmark run as a module."""
+    spec = getattr(sys.modules["__main__"], "__spec__", None)
+    argv = ["-m", spec.name, *sys.argv[1:]] if spec is not None and spec.name else sys.argv
+    return " ".join([Path(sys.executable).name, *argv])
+
+
+def provenance(device: str | None = None, *extra: str) -> dict:
+    """The fields every results file carries: device, versions, command, date."""
+    return {"device": device_name(device), "versions": versions(*extra), "command": command(), "date": now()}
+
+
+class WarningLog:
+    """Collects coat_ds's warnings (a kernel that fell back to the reference path changes every figure)."""
+
+    def __init__(self) -> None:
+        self.messages: list[str] = []
+        self._show = warnings.showwarning
+        warnings.showwarning = self._record
+
+    def _record(self, message, category, filename, lineno, file=None, line=None):
+        text = str(message)
+        if "coat" in text.lower() and text not in self.messages:
+            self.messages.append(text)
+        self._show(message, category, filename, lineno, file, line)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Arguments
+# ---------------------------------------------------------------------------------------------------------
+def check_positive(p: argparse.ArgumentParser, args: argparse.Namespace, keys: tuple[str, ...]) -> None:
+    """p.error for any of these options below 1 (an optional one left unset passes)."""
+    for key in keys:
+        v = getattr(args, key)
+        if v is not None and v < 1:
+            p.error(f"--{key.replace('_', '-')}={v} is invalid; allowed: an integer >= 1")
+
+
+def names_of(p: argparse.ArgumentParser, option: str, value: str, allowed) -> list[str]:
+    """The names of a comma-separated option, after p.error for an unknown one or for none at all."""
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    bad = [n for n in names if n not in allowed]
+    if bad or not names:
+        p.error(f"--{option}: {bad or names!r} is invalid; allowed: a comma-separated list from {list(allowed)}")
+    return names
+
+
+def add_worker_args(p: argparse.ArgumentParser) -> None:
+    """The hidden options of a worker process: --worker, --result and --local_rank (the deepspeed launcher's)."""
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Worker processes: a DeepSpeed engine never gives its memory back, so each measurement gets its own
+# ---------------------------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_env(**extra: str) -> dict[str, str]:
+    """A worker's environment: this checkout first on the path, no launcher's rank variables (the worker is a
+    job of its own), expandable segments (the rungs of one ladder do not fragment the allocator)."""
+    env = {k: v for k, v in os.environ.items() if k not in RANK_VARIABLES}
+    env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    return {**env, **extra}
+
+
+def module_cmd(module: str, num_gpus: int = 1) -> list[str]:
+    """The command that runs benchmarks.`module` as a worker: python -m, or the deepspeed launcher for several
+    GPUs."""
+    if num_gpus > 1:
+        return ["deepspeed", "--num_gpus", str(num_gpus), "--master_port", str(free_port()), "--module", module]
+    return [sys.executable, "-m", module]
+
+
+def run_worker(cmd: list[str], timeout: float, echo=lambda line: False) -> tuple[int, str]:
+    """Run a worker in a process group of its own, printing the lines of its output that `echo` accepts ->
+    (exit code, its last 40 lines); after `timeout` s the group is killed and the code is 124."""
+    proc = subprocess.Popen(cmd, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    tail: list[str] = []
+    deadline = time.time() + timeout
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    while time.time() < deadline:
+        if not sel.select(timeout=1.0):
+            if proc.poll() is not None:
+                break
+            continue
+        line = proc.stdout.readline()
+        if not line:
+            return proc.wait(timeout=30), "".join(tail)
+        if echo(line):
+            print(line, end="", flush=True)
+        tail = (tail + [line])[-40:]
+    if proc.poll() is not None:
+        return proc.returncode, "".join(tail)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    return 124, "".join(tail) + f"killed after {timeout:.0f} s (time budget)\n"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Output files
+# ---------------------------------------------------------------------------------------------------------
+def write_results(res: dict, out: Path, name: str, plot=None) -> Path:
+    """`name`.json and `name`.png, drawn by `plot` (default plot_utils.plot_`name`); the JSON names the PNG once
+    it exists. A node without matplotlib writes the JSON alone: `python -m benchmarks.plot_utils` draws it later."""
+    path = out / f"{name}.json"
+    path.write_text(json.dumps(res, indent=1))
+    try:
+        (plot or getattr(plot_utils, f"plot_{name}"))(res, out / f"{name}.png")
+        res["png"] = str(out / f"{name}.png")
+    except ImportError as e:
+        print(f"warning: no plot ({e}); draw it later with python -m benchmarks.plot_utils {path}", file=sys.stderr)
+    path.write_text(json.dumps(res, indent=1))
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Profiler read-outs
+# ---------------------------------------------------------------------------------------------------------
+def device_time_attr(events) -> str:
+    """The profiler's per-event device-time attribute (older torch releases name it self_cuda_time_total)."""
+    return "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
+
+
+def is_device_event(e) -> bool:
+    """A kernel or memory op on the device: CPU-side ops carry a CPU device type."""
+    return getattr(e, "device_type", None) is None or "CUDA" in str(e.device_type)
+
+
+def rows_of(events, attr: str, keep, n: int) -> tuple[list[dict], float]:
+    """The n events with the most `attr` time among those `keep` accepts, and the total over all of them (ms)."""
+    rows = sorted((e for e in events if getattr(e, attr, 0) > 0 and keep(e)), key=lambda e: -getattr(e, attr))
+    total = sum(getattr(e, attr) for e in rows) or 1.0
+    return [{"name": e.key[:120], "calls": e.count, "ms": getattr(e, attr) / 1e3,
+             "share": getattr(e, attr) / total} for e in rows[:n]], total / 1e3
+
+
+def top_events(prof, on_cuda: bool, top: int) -> dict:
+    """A profiled step's kernels by device time (on the CPU: calls by CPU time) and host calls by self CPU time."""
+    events = prof.key_averages()
+    attr = device_time_attr(events) if on_cuda else "self_cpu_time_total"
+    kernels, device_ms = rows_of(events, attr, is_device_event if on_cuda else (lambda e: True), top)
+    host, host_ms = rows_of(events, "self_cpu_time_total", lambda e: True, top)
+    return {"time_source": attr, "kernels": kernels, "device_ms": device_ms, "host": host, "host_ms": host_ms}
+
+
+class SyncSites:
+    """Device syncs made inside the block, by the Python line that made them, most first (`sites`), from CUDA's
+    sync debug mode (nothing off CUDA). A sync drains the launch queue: the GPU then waits on Python."""
+
+    def __init__(self, on_cuda: bool) -> None:
+        self.on_cuda, self.sites = on_cuda, {}
+
+    def __enter__(self) -> SyncSites:
+        if self.on_cuda:
+            self._catch = warnings.catch_warnings(record=True)
+            self._caught = self._catch.__enter__()
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self.on_cuda:
+            return
+
+        torch.cuda.set_sync_debug_mode("default")
+        self._catch.__exit__(*exc)
+        for w in self._caught:
+            if "synchroniz" in str(w.message):
+                where = f"{Path(w.filename).name}:{w.lineno}"
+                self.sites[where] = self.sites.get(where, 0) + 1
+        self.sites = dict(sorted(self.sites.items(), key=lambda kv: -kv[1]))
+
+
+def chrome_trace(prof) -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        prof.export_chrome_trace(f"{d}/trace.json")
+        return json.loads(Path(f"{d}/trace.json").read_text())
+
+
+def gpu_gaps(trace: dict, top: int = 8) -> str:
+    """Where the GPU idles inside a profiled step (chrome trace): the device events' span, busy and idle
+    time, and the longest gaps with the kernels on either side (a gap is a launch the host had not made yet,
+    or a synchronisation)."""
+    dev = sorted(((e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in trace["traceEvents"]
+                  if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda t: t[0])
+    if not dev:
+        return "no device events\n"
+    gaps, end = [], dev[0][1]
+    for (_, e0, n0), (s1, e1, n1) in zip(dev, dev[1:]):
+        if s1 > end:
+            gaps.append((s1 - end, n0[:50], n1[:50]))
+        end = max(end, e1)
+    span, idle = dev[-1][1] - dev[0][0], sum(g for g, *_ in gaps)
+    lines = [f"GPU span {span / 1e3:.2f} ms, busy {(span - idle) / 1e3:.2f}, idle {idle / 1e3:.2f} in {len(gaps)} gaps"]
+    lines += [f"  {g:8.1f} us  after {a}  before {b}" for g, a, b in sorted(gaps, reverse=True)[:top]]
+    return "\n".join(lines) + "\n"
