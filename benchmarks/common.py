@@ -224,6 +224,13 @@ def rows_of(events, attr: str, keep, n: int) -> tuple[list[dict], float]:
              "share": getattr(e, attr) / total} for e in rows[:n]], total / 1e3
 
 
+def profiler(on_cuda: bool):
+    """A torch.profiler context over the host and, on CUDA, the device."""
+    from torch.profiler import ProfilerActivity, profile
+
+    return profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else []))
+
+
 def top_events(prof, on_cuda: bool, top: int) -> dict:
     """A profiled step's kernels by device time (on the CPU: calls by CPU time) and host calls by self CPU time."""
     events = prof.key_averages()

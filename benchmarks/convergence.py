@@ -211,15 +211,6 @@ def launch(args: argparse.Namespace, name: str, out: Path,
     return proc, result, log
 
 
-def wait(proc: subprocess.Popen, deadline: float) -> int:
-    try:
-        return proc.wait(timeout=max(deadline - time.time(), 1))
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        proc.wait()
-        return 124
-
-
 def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from {list(CONFIGS)}")
@@ -250,21 +241,30 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     return p, p.parse_args(argv)
 
 
-def run_all(args: argparse.Namespace, names: list[str], out: Path, deadline: float) -> dict[str, dict]:
-    """Every configuration's worker (at once with --parallel, else one after the other) -> its result by name."""
-    rcs, runs = {}, {}
-    if args.parallel:
-        procs = {n: launch(args, n, out) for n in names}
-        for n, (proc, _, _) in procs.items():
-            rcs[n] = wait(proc, deadline)
-    else:
-        procs = {}
-        for n in names:
-            procs[n] = launch(args, n, out)
-            rcs[n] = wait(procs[n][0], deadline)
-    for n, (_, result, log) in procs.items():
-        runs[n] = collect(n, rcs[n], result, log)
-    return runs
+def run_workers(rec: argparse.Namespace, jobs: list[tuple[str, int]], out: Path, max_parallel: int, kill_at: float,
+                tag=lambda name, seed: name) -> dict[tuple[str, int], dict]:
+    """Each (config, seed) job's worker, at most max_parallel at once, in order -> its result. A worker still
+    running at kill_at is killed (its last saved result is kept); a job not started a minute before the workers'
+    own deadline (rec.deadline) is left out."""
+    pending, active, done = list(jobs), {}, {}
+    while pending or active:
+        while pending and len(active) < max_parallel and time.time() < rec.deadline - 60:
+            name, seed = pending.pop(0)
+            active[(name, seed)] = launch(argparse.Namespace(**{**vars(rec), "seed": seed}), name, out,
+                                          tag=tag(name, seed))
+        if time.time() >= rec.deadline - 60:
+            pending.clear()
+        for key, (proc, result, log) in list(active.items()):
+            rc = proc.poll()
+            if rc is None and time.time() >= kill_at:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+                rc = 124
+            if rc is not None:
+                done[key] = collect(key[0], rc, result, log)
+                del active[key]
+        time.sleep(0.5)
+    return done
 
 
 def collect(name: str, rc: int, result: Path, log: Path) -> dict:
@@ -316,6 +316,14 @@ def headline(args: argparse.Namespace, runs: dict[str, dict], tokens, t0: float)
     }
 
 
+def load_tokens(args: argparse.Namespace, t0: float):
+    """The recipe's corpus, tokenized once here before any worker starts (each then reads the cache)."""
+    tokens = data_lib.load(args.data, args.seq_len, vocab_size=args.vocab_size, max_bytes=args.data_bytes)
+    print(f"data: {tokens.source}: {len(tokens.train):,} train / {len(tokens.val):,} val tokens "
+          f"({time.time() - t0:.0f} s)", flush=True)
+    return tokens
+
+
 def smoke_recipe(args: argparse.Namespace) -> None:
     """The --smoke recipe: tiny model, few steps, a small text folder (the BPE trains in seconds); CPU is fine."""
     args.model_size, args.seq_len, args.micro_batch, args.steps = "tiny", 64, 4, 3
@@ -331,17 +339,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         smoke_recipe(args)
     names = check_args(p, args, ("seq_len", "micro_batch", "steps", "log_every", "eval_every", "eval_batches"))
-
-
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    tokens = data_lib.load(args.data, args.seq_len, vocab_size=args.vocab_size,   # built once, read by every run
-                           max_bytes=args.data_bytes)
-    print(f"data: {tokens.source}: {len(tokens.train):,} train / {len(tokens.val):,} val tokens "
-          f"({time.time() - t0:.0f} s)", flush=True)
+    tokens = load_tokens(args, t0)
     args.deadline = t0 + args.time_budget - 20          # the runs stop themselves, evaluate and save
-    runs = run_all(args, names, out, deadline=t0 + args.time_budget + 40)   # then they are killed
+    done = run_workers(args, [(n, args.seed) for n in names], out, len(names) if args.parallel else 1,
+                       kill_at=t0 + args.time_budget + 40)   # then they are killed
+    runs = {n: done.get((n, args.seed)) or {"config": n, "label": CONFIGS[n][0], "status": "not started: time budget",
+                                            "train": [], "val": [], "final_val_loss": None} for n in names}
     res = headline(args, runs, tokens, t0)
     path = write_results(res, out, "convergence")
     bf16, opt, full = res["bf16_val_loss"], res["coat_opt_val_loss"], res["coat_val_loss"]

@@ -29,7 +29,7 @@ import torch  # noqa: E402
 from deepspeed.accelerator import get_accelerator  # noqa: E402
 
 from benchmarks.common import (GIB, RESULTS, ROOT, SyncSites, WarningLog, add_worker_args, check_positive,  # noqa: E402
-                               command, device_name, module_cmd, names_of, now, run_worker, top_events, versions,
+                               command, device_name, module_cmd, names_of, now, profiler, run_worker, top_events, versions,
                                write_results)
 from coat_ds.hf.loss import is_applied  # noqa: E402
 from coat_ds.recipes import causal_lm as train_lib  # noqa: E402  (engine initialisation and the loss)
@@ -178,23 +178,22 @@ def _tensors(obj, depth: int = 0):
 
 
 class StorageCounter:
-    """Bytes of distinct storages, each counted once across all categories (views share a storage)."""
+    """Bytes of distinct storages, each counted once across all categories (views share a storage); `new`: the
+    tensors the last add() counted."""
 
     def __init__(self) -> None:
         self.seen: set[int] = set()
 
     def add(self, tensors) -> int:
-        total = 0
+        self.new = []
         for t in tensors:
             if t is None or t.device.type == "meta":
                 continue
-            st = t.untyped_storage()
-            key = st.data_ptr()
-            if key == 0 or key in self.seen:
-                continue
-            self.seen.add(key)
-            total += st.nbytes()
-        return total
+            key = t.untyped_storage().data_ptr()
+            if key != 0 and key not in self.seen:
+                self.seen.add(key)
+                self.new.append(t)
+        return sum(t.untyped_storage().nbytes() for t in self.new)
 
 
 def base_optimizer(engine):
@@ -508,8 +507,6 @@ def profile_step(inputs, one_step, sync, on_cuda: bool, b: int, top: int = 15) -
     """One training step at micro-batch `b`, seen from both sides: the kernels by device time (what limits
     a GPU-bound step), the host-side calls by self CPU time and the device syncs with their Python call
     sites (what limits a host-bound one: a sync drains the launch queue, so the GPU then waits on Python)."""
-    from torch.profiler import ProfilerActivity, profile
-
     try:
         x, y = inputs()
         one_step(x, y)
@@ -521,7 +518,7 @@ def profile_step(inputs, one_step, sync, on_cuda: bool, b: int, top: int = 15) -
         with SyncSites(on_cuda) as syncs:   # every synchronizing call of one step, by the Python line that made it
             one_step(x, y)
             sync()
-        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])) as prof:
+        with profiler(on_cuda) as prof:
             one_step(x, y)
             sync()
         ev = top_events(prof, on_cuda, top)

@@ -29,19 +29,18 @@ from pathlib import Path
 
 import deepspeed
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from benchmarks import e2e
 from benchmarks.common import (GIB, RESULTS, ROOT, SyncSites, WarningLog, add_worker_args, check_positive,
-                               chrome_trace, gpu_gaps, module_cmd, provenance, run_worker, top_events, write_results)
+                               chrome_trace, gpu_gaps, module_cmd, profiler, provenance, run_worker, top_events,
+                               write_results)
 from coat_ds.recipes import causal_lm as train_lib
 
 HF_CONFIG = "ds_configs/hf/zero2_coat.json"
-PRESETS = {  # name: (label, its own HF config file if shipped, else what it adds to or removes from HF_CONFIG)
-    "bf16": ("BF16 + FusedAdam", None, None),
-    "coat": ("coat full (shipped)", None, {}),
-    "coat_lowmem": ("coat full, bf16_sr master + attention_fp8", "ds_configs/hf/zero2_lowest_memory.json",
-                    {"master_weights": "bf16_sr", "activation": {"attention_fp8": True}}),
+PRESETS = {  # name: (label, its HF config; bf16 is HF_CONFIG with AdamW and no "coat" section)
+    "bf16": ("BF16 + FusedAdam", HF_CONFIG),
+    "coat": ("coat full (shipped)", HF_CONFIG),
+    "coat_lowmem": ("coat full, bf16_sr master + attention_fp8", "ds_configs/hf/zero2_lowest_memory.json"),
 }
 _HF_ARGS = {"logging_nan_inf_filter": False, "accelerator_config": {"non_blocking": True}}
 TUNINGS = {  # name: (DeepSpeed config overrides, TrainingArguments overrides)
@@ -90,18 +89,12 @@ def parse_run(spec: str) -> dict:
 
 def hf_ds_config(preset: str, tuning: str, on_cpu: bool) -> dict:
     """The HF-style config ("auto" values) of a preset under a tuning."""
-    _, own, extra = PRESETS[preset]
-    if own is not None and (ROOT / own).is_file():
-        cfg, extra = json.loads((ROOT / own).read_text()), {}
-    else:
-        cfg = json.loads((ROOT / HF_CONFIG).read_text())
-    if extra is None:   # BF16 baseline: the same settings with AdamW (FusedAdam on GPUs) and stock layers
+    cfg = json.loads((ROOT / PRESETS[preset][1]).read_text())
+    if preset == "bf16":   # the same settings with AdamW (FusedAdam on GPUs) and stock layers
         cfg.pop("coat", None)
         cfg["optimizer"] = {"type": "AdamW", "params": {k: "auto" for k in ("lr", "betas", "eps", "weight_decay")}}
         if on_cpu:
             cfg["optimizer"]["params"]["torch_adam"] = True
-    else:
-        e2e.merge_into(cfg.setdefault("coat", {}), extra)
     e2e.merge_into(cfg, TUNINGS[tuning][0])
     return cfg
 
@@ -118,53 +111,9 @@ def training_args(run: dict, cfg: dict, steps: int, out_dir: str):
     return TrainingArguments(**kw)
 
 
-class RandomTokens:
-    """Windows of random tokens as {"input_ids", "labels"} (HF shifts the labels itself)."""
-
-    def __init__(self, n: int, seq_len: int, vocab: int, seed: int) -> None:
-        self.n, self.seq_len, self.vocab, self.seed = n, seq_len, vocab, seed
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> dict:
-        g = torch.Generator().manual_seed(self.seed + i)
-        ids = torch.randint(0, self.vocab, (self.seq_len,), generator=g)
-        return {"input_ids": ids, "labels": ids}
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Measuring: the same clock and probe for both paths, driven at each step's end
 # ---------------------------------------------------------------------------------------------------------
-class StepClock:
-    """Step ends after the warm-up: per-step intervals (the median is the headline) and the mean over the
-    timed steps between two device syncs; the allocator's peaks are reset where the timed steps begin."""
-
-    def __init__(self, warmup: int, steps: int, sync, reset_peak) -> None:
-        self.warmup, self.steps, self.sync, self.reset_peak = warmup, steps, sync, reset_peak
-        self.t0, self.t_end, self.ends = None, None, []
-
-    def step_end(self, k: int) -> None:
-        """k: the number of the step that just ended (1-based)."""
-        if k == self.warmup:
-            self.sync()
-            self.reset_peak()
-            self.t0 = time.perf_counter()
-        elif self.warmup < k <= self.warmup + self.steps:
-            self.ends.append(time.perf_counter())
-            if k == self.warmup + self.steps:
-                self.sync()
-                self.t_end = time.perf_counter()
-
-    def summary(self, tokens_per_step: int) -> dict:
-        if self.t_end is None:
-            raise RuntimeError(f"StepClock: the run ended before step {self.warmup + self.steps}")
-        intervals = [b - a for a, b in zip([self.t0] + self.ends, self.ends)]
-        med, mean = statistics.median(intervals), (self.t_end - self.t0) / self.steps
-        return {"step_time_s": med, "step_time_mean_s": mean, "tokens_per_s": tokens_per_step / med,
-                "tokens_per_s_mean": tokens_per_step / mean, "step_times_s": intervals}
-
-
 def python_stats(cprof, n: int = 40) -> dict:
     """One step's Python functions with the most cumulative time (cProfile, which slows Python ~2x: read the
     ranking, not the milliseconds), a function per file:line, the profiler's own frames left out; and the ZeRO-1/2
@@ -202,70 +151,78 @@ class count_synchronize:
         return dict(sorted(self.sites.items(), key=lambda kv: -kv[1]))
 
 
-class Probe:
-    """Two windows of one step each, from one step's end to the next: the device syncs made in the first (CUDA's
-    sync debug mode, by Python line) and its Python functions (cProfile), and a torch.profiler trace of the
-    second (top kernels, top host calls, GPU idle gaps)."""
+class Meter:
+    """What either path calls at each step's end: the clock (the intervals between step ends after the warm-up,
+    whose median is the headline, and their mean between two device syncs; the allocator's peaks are reset where
+    the timed steps begin) and, for a profiled run, two probe windows of one step each: the device syncs by
+    Python line and the Python functions (cProfile) of the first, a torch.profiler trace of the second."""
 
-    def __init__(self, first: int, on_cuda: bool, sync, top: int = 15) -> None:
-        self.first, self.on_cuda, self.sync, self.top = first, on_cuda, sync, top
-        self.result: dict = {}
+    def __init__(self, run: dict, args: argparse.Namespace, on_cuda: bool) -> None:
+        self.run, self.args, self.on_cuda = run, args, on_cuda
+        self.last = args.warmup + args.steps                      # the last timed step
+        self.total = self.last + (2 if run["profiled"] else 0)
+        self.t0 = self.t_end = None
+        self.ends: list[float] = []
+        self.probe: dict | None = {} if run["profiled"] else None
+
+    def sync(self) -> None:
+        if self.on_cuda:
+            torch.cuda.synchronize()
 
     def step_end(self, k: int) -> None:
-        if k == self.first:
+        """k: the number of the step that just ended (1-based)."""
+        if k == self.args.warmup:
+            self.sync()
+            if self.on_cuda:
+                torch.cuda.reset_peak_memory_stats()
+            self.t0 = time.perf_counter()
+        elif self.args.warmup < k <= self.last:
+            self.ends.append(time.perf_counter())
+        if k == self.last:
+            self.sync()
+            self.t_end = time.perf_counter()
+        if self.probe is not None and self.last <= k <= self.last + 2:
+            self.probe_window(k - self.last)
+
+    def probe_window(self, i: int) -> None:
+        """i = 0: the first window opens; 1: it closes and the profiler's opens; 2: the profiler's closes."""
+        if i == 0:
             self._syncs = SyncSites(self.on_cuda).__enter__()
             self._sync_calls = count_synchronize() if self.on_cuda else None
             self._cprof = cProfile.Profile()
             self._cprof.enable()
-        elif k == self.first + 1:
+        elif i == 1:
             self._cprof.disable()
-            if self._sync_calls is not None:
-                self.result["device_synchronize"] = self._sync_calls.stop()
             self._syncs.__exit__(None, None, None)
-            self.result.update(python_stats(self._cprof), syncs=self._syncs.sites)
-            self._start_profile()
-        elif k == self.first + 2:
+            self.probe.update(python_stats(self._cprof), syncs=self._syncs.sites)
+            if self._sync_calls is not None:
+                self.probe["device_synchronize"] = self._sync_calls.stop()
+            self._prof = profiler(self.on_cuda).__enter__()
+            self._t_prof = time.perf_counter()
+        else:
             self.sync()
             self._prof.__exit__(None, None, None)
-            self.result.update(self._summary(self._prof, time.perf_counter() - self._t0))
-
-    def _start_profile(self) -> None:
-        self._prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.on_cuda else []))
-        self._prof.__enter__()
-        self._t0 = time.perf_counter()
-
-    def _summary(self, prof, wall_s: float) -> dict:
-        ev = top_events(prof, self.on_cuda, self.top)
-        return {"step_wall_ms": wall_s * 1e3, "device_ms": ev["device_ms"] if self.on_cuda else None,
-                "host_self_ms": ev["host_ms"], "top_kernels": ev["kernels"] if self.on_cuda else [],
-                "host_top": ev["host"], "gpu_gaps": gpu_gaps(chrome_trace(prof)).splitlines()}
-
-
-class Meter:
-    """The clock, and for a profiled run the probe, driven at each step's end by either path."""
-
-    def __init__(self, run: dict, args: argparse.Namespace, on_cuda: bool) -> None:
-        self.run, self.args, self.on_cuda = run, args, on_cuda
-        sync = torch.cuda.synchronize if on_cuda else (lambda: None)
-        self.clock = StepClock(args.warmup, args.steps, sync, torch.cuda.reset_peak_memory_stats if on_cuda
-                               else (lambda: None))
-        self.probe = Probe(args.warmup + args.steps, on_cuda, sync) if run["profiled"] else None
-        self.total = args.warmup + args.steps + (2 if run["profiled"] else 0)
-
-    def step_end(self, k: int) -> None:
-        self.clock.step_end(k)
-        if self.probe is not None:
-            self.probe.step_end(k)
+            ev = top_events(self._prof, self.on_cuda, 15)
+            self.probe.update(step_wall_ms=(time.perf_counter() - self._t_prof) * 1e3, host_self_ms=ev["host_ms"],
+                              device_ms=ev["device_ms"] if self.on_cuda else None, host_top=ev["host"],
+                              top_kernels=ev["kernels"] if self.on_cuda else [],
+                              gpu_gaps=gpu_gaps(chrome_trace(self._prof)).splitlines())
 
     def result(self, engine, loss: float) -> dict:
         """The run's row: step times, memory, what the engine was built with, the last loss, the probe's."""
+        if self.t_end is None:
+            raise RuntimeError(f"the run ended before step {self.last}")
+        intervals = [b - a for a, b in zip([self.t0] + self.ends, self.ends)]
+        med, mean = statistics.median(intervals), (self.t_end - self.t0) / self.args.steps
+        tokens = self.run["micro_batch"] * self.args.seq_len
         mem = {"peak_alloc_gb": None, "peak_reserved_gb": None, "fits": True}
         if self.on_cuda:
             res = torch.cuda.max_memory_reserved()
             mem = {"peak_alloc_gb": torch.cuda.max_memory_allocated() / GIB, "peak_reserved_gb": res / GIB,
                    "fits": res <= self.args.mem_fraction * torch.cuda.get_device_properties(0).total_memory}
-        return {**self.clock.summary(self.run["micro_batch"] * self.args.seq_len), **mem, **engine_facts(engine),
-                "loss": loss, "profile": self.probe.result if self.probe is not None else None}
+        return {"step_time_s": med, "step_time_mean_s": mean, "tokens_per_s": tokens / med,
+                "tokens_per_s_mean": tokens / mean, "step_times_s": intervals, **mem, **engine_facts(engine),
+                "loss": loss, "profile": self.probe}
 
 
 def engine_facts(engine) -> dict:
@@ -282,9 +239,9 @@ def engine_facts(engine) -> dict:
 # ---------------------------------------------------------------------------------------------------------
 def trainer_worker(run: dict, args: argparse.Namespace) -> dict:
     """HF Trainer with the run's config and TrainingArguments; the meter in an on_step_end callback."""
-    train_lib.set_single_process_env()
-    import coat_ds  # noqa: F401  DeepSpeed's engine now knows "CoatAdamW" and the "coat" section
     from transformers import Trainer, TrainerCallback
+
+    train_lib.set_single_process_env()
 
     on_cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if on_cuda else torch.device("cpu")
@@ -298,7 +255,9 @@ def trainer_worker(run: dict, args: argparse.Namespace) -> dict:
 
     model = e2e.build_model(run["model"], device, torch.bfloat16 if on_cuda else torch.float32, 1234)
     targs = training_args(run, hf_ds_config(run["preset"], run["tuning"], not on_cuda), meter.total, args.scratch)
-    data = RandomTokens(meter.total * run["micro_batch"], args.seq_len, model.config.vocab_size, 1234)
+    ids = torch.randint(0, model.config.vocab_size, (meter.total * run["micro_batch"], args.seq_len),
+                        generator=torch.Generator().manual_seed(1234))
+    data = [{"input_ids": x, "labels": x} for x in ids]   # random tokens; HF shifts the labels itself
     trainer = Trainer(model=model, args=targs, train_dataset=data, callbacks=[Measure()])
     out = trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h] or [out.training_loss]

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import llama_layer as L   # the stack of layers, the variants, the dry-run patches
-from benchmarks.common import check_positive, device_time_attr, is_device_event, provenance
+from benchmarks.common import RESULTS, check_positive, device_time_attr, is_device_event, profiler, provenance
 from benchmarks.e2e import MODELS
 
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
@@ -32,10 +32,7 @@ SHAPES = {name: {k: MODELS[name][k] for k in ("hidden_size", "intermediate_size"
 
 
 def profile_counts(stack, x, cos, sin, grad, on_cuda: bool, top: int) -> dict:
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
-    with profile(activities=acts) as prof:
+    with profiler(on_cuda) as prof:
         L.step(stack, x, cos, sin, grad)
         torch.cuda.synchronize()
     events = prof.key_averages()
@@ -61,10 +58,7 @@ def profile_counts(stack, x, cos, sin, grad, on_cuda: bool, top: int) -> dict:
 def measure(name: str, shape: str, base, x, cos, sin, iters: int, warmup: int, on_cuda: bool, top: int) -> dict:
     stack = L.make_variant(name, base)
     grad = torch.randn_like(x) * 1e-3
-    for _ in range(warmup):
-        L.clear_cache(stack)
-        L.step(stack, x, cos, sin, grad)
-    torch.cuda.synchronize()
+    L.warm_up(stack, x, cos, sin, grad, warmup)
     times = []
     for _ in range(iters):
         L.clear_cache(stack)         # the first micro-batch of a step: weights are quantized in the forward
@@ -82,7 +76,7 @@ def measure(name: str, shape: str, base, x, cos, sin, iters: int, warmup: int, o
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="benchmarks/results/host_overhead.json")
+    ap.add_argument("--out", default=str(RESULTS / "host_overhead.json"))
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--variants", nargs="+", default=["bf16_eager", "coat_linear", "coat_full"],
                     choices=[v for v in L.VARIANTS if not v.endswith("compiled")])

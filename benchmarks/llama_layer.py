@@ -19,7 +19,7 @@ import traceback
 import torch
 from torch import nn
 
-from benchmarks.common import SyncSites, chrome_trace, gpu_gaps, provenance
+from benchmarks.common import RESULTS, SyncSites, chrome_trace, gpu_gaps, profiler, provenance
 
 SHAPES = {
     "llama2-7b": dict(hidden_size=4096, intermediate_size=11008, num_attention_heads=32, num_key_value_heads=32),
@@ -95,6 +95,14 @@ def cache_bytes(stack):
     return sum(layer.weight_cache_bytes() for layer in coat_layers(stack))
 
 
+def warm_up(stack, x, cos, sin, grad, n: int) -> None:
+    """n steps, each with the weight cache emptied first (coat's first steps tune GEMMs; compiled ones compile)."""
+    for _ in range(n):
+        clear_cache(stack)
+        step(stack, x, cos, sin, grad)
+    torch.cuda.synchronize()
+
+
 def step(stack, x, cos, sin, grad, keep=()):
     """The input gradient (and fp32 copies of the gradients of the parameters named in `keep`)."""
     xi = x.detach().requires_grad_()
@@ -128,10 +136,7 @@ def measure(name, shape, cfg, base, x, cos, sin, iters, warmup):
     grad = torch.randn(x.shape, device=x.device, generator=torch.Generator(x.device).manual_seed(5)).to(x.dtype)
     torch.cuda.reset_peak_memory_stats()
     t0 = time.time()
-    for _ in range(warmup):
-        clear_cache(stack)
-        step(stack, x, cos, sin, grad)
-    torch.cuda.synchronize()
+    warm_up(stack, x, cos, sin, grad, warmup)
     warm_s = time.time() - t0
     # activation memory: first micro-batch (cache emptied)
     clear_cache(stack)
@@ -182,20 +187,15 @@ def measure(name, shape, cfg, base, x, cos, sin, iters, warmup):
 def profile(shape, base, x, cos, sin, path, variant="coat_full"):
     """Top CUDA kernels of one forward+backward of a variant (cache emptied), the GPU's idle gaps and the
     host syncs, for the write-up."""
-    from torch.profiler import ProfilerActivity, profile as prof
-
     stack = make_variant(variant, base)
     grad = torch.randn_like(x) * 1e-3
-    for _ in range(2):
-        clear_cache(stack)
-        step(stack, x, cos, sin, grad)
-    torch.cuda.synchronize()
+    warm_up(stack, x, cos, sin, grad, 2)
     clear_cache(stack)
     with SyncSites(True) as syncs:
         step(stack, x, cos, sin, grad)
         torch.cuda.synchronize()
     clear_cache(stack)
-    with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+    with profiler(True) as p:
         step(stack, x, cos, sin, grad)
         torch.cuda.synchronize()
     gaps = gpu_gaps(chrome_trace(p))
@@ -261,8 +261,8 @@ def dry_run():
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="benchmarks/results/llama_layer.json")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=str(RESULTS / "llama_layer.json"))
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
     ap.add_argument("--variants", nargs="+", default=VARIANTS)
     ap.add_argument("--iters", type=int, default=8)

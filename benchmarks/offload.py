@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import sys
 import time
 from pathlib import Path
@@ -104,12 +103,12 @@ def host_available() -> int:
 # Worker: one (model, config) row
 # ---------------------------------------------------------------------------------------------------------
 def rss_bytes() -> int:
-    with open("/proc/self/statm") as fh:
-        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return kib_field("/proc/self/status", "VmRSS")
 
 
 def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # Linux: KiB
+    """VmHWM: the peak RSS since the last reset_peak_rss (or since start)."""
+    return kib_field("/proc/self/status", "VmHWM")
 
 
 def reset_peak_rss() -> bool:
@@ -122,11 +121,6 @@ def reset_peak_rss() -> bool:
         return False
 
 
-def window_peak_rss() -> int:
-    """VmHWM: the peak RSS since the last reset_peak_rss (or since start)."""
-    return kib_field("/proc/self/status", "VmHWM")
-
-
 def step_phases(w) -> dict:
     """One step's host RSS: before it, and the peaks of forward+backward and of the optimizer step (where the
     host-side transients of the CPU optimizer would show)."""
@@ -137,12 +131,12 @@ def step_phases(w) -> dict:
     loss = w.train_lib.lm_loss(w.engine, x, y)
     w.engine.backward(loss)
     w.sync()
-    out["forward_backward_peak_gb"] = window_peak_rss() / GIB if ok else None
+    out["forward_backward_peak_gb"] = peak_rss_bytes() / GIB if ok else None
     out["after_backward_gb"] = rss_bytes() / GIB
     ok = reset_peak_rss()
     w.engine.step()
     w.sync()
-    out["optimizer_step_peak_gb"] = window_peak_rss() / GIB if ok else None
+    out["optimizer_step_peak_gb"] = peak_rss_bytes() / GIB if ok else None
     out["after_step_gb"] = rss_bytes() / GIB
     return out
 
@@ -168,22 +162,12 @@ def host_accounting(engine, n_params: int) -> dict:
             ("grad_staging", [getattr(zo, "temp_grad_buffer_for_cpu_offload", None)]),
             ("accumulated_grads", list(e2e._tensors(getattr(zo, "accumulated_grads_in_cpu", {})))),
             ("other", [t for v in vars(zo).values() for t in e2e._tensors(v)])]
-    seen: set[int] = set()
-    out: dict[str, dict] = {}
+    counter, out = e2e.StorageCounter(), {}
     for name, tensors in cats:
-        b = pinned = rounded = 0
-        for t in tensors:
-            if t is None or t.device.type != "cpu":
-                continue
-            st = t.untyped_storage()
-            if st.data_ptr() == 0 or st.data_ptr() in seen:
-                continue
-            seen.add(st.data_ptr())
-            b += st.nbytes()
-            if _is_pinned(t):
-                pinned += st.nbytes()
-                rounded += pinned_size(st.nbytes(), True)
-        out[name] = {"bytes": b, "per_param": b / n_params, "pinned_bytes": pinned, "pinned_rounded_bytes": rounded}
+        b = counter.add(t for t in tensors if t is not None and t.device.type == "cpu")
+        pinned = [t.untyped_storage().nbytes() for t in counter.new if _is_pinned(t)]
+        out[name] = {"bytes": b, "per_param": b / n_params, "pinned_bytes": sum(pinned),
+                     "pinned_rounded_bytes": sum(pinned_size(x, True) for x in pinned)}
     named = [k for k in out if k != "other"]
     total = sum(out[k]["bytes"] for k in named)
     return {"categories": out, "host_total_bytes": total, "host_total_bytes_per_param": total / n_params,
@@ -236,7 +220,7 @@ def run_row(w: OffloadWorker) -> dict:
     w.sync()
     dt = time.perf_counter() - t0
     acc = host_accounting(w.engine, w.n_params)
-    peak = peak_rss_bytes()   # before step_phases starts new peak windows (they reset ru_maxrss too)
+    peak = peak_rss_bytes()   # before step_phases starts new peak windows
     phases = step_phases(w)
     peak = max([peak] + [v * GIB for k, v in phases.items() if k.endswith("peak_gb") and v is not None])
     return {"model": args.model, "config": args.config, "label": CONFIGS[args.config], "params": w.n_params,

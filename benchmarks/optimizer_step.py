@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import json
 import os
 import statistics
@@ -26,7 +27,6 @@ import torch
 from benchmarks.common import RESULTS, command, cpu_info, device_name, now, versions
 from coat_ds import kernels as ops
 from coat_ds.formats import E4M3, get_format, n_groups
-from coat_ds.optim import CoatAdamW
 
 HP = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 # (grad dtype, master): the fp32 master with fp32 or bf16 grads, a bf16 master (stochastic rounding), and the
@@ -151,32 +151,19 @@ def moment_passes(numel: int, group_size: int = 128) -> dict:
     return {"coat_encode": encode, "coat_decode": decode}
 
 
+# name: (module, class, keyword arguments beside HP); each imported only when it runs (a missing one is an error
+# in its row)
+PEERS = {"coat_step": ("coat_ds.optim", "CoatAdamW", {}),
+         "fused_adam": ("deepspeed.ops.adam", "FusedAdam", {"adam_w_mode": True}),
+         "torch_adamw": ("torch.optim", "AdamW", {"fused": True}),
+         "torchao_fp8": ("torchao.optim", "AdamWFp8", {}), "torchao_8bit": ("torchao.optim", "AdamW8bit", {}),
+         "bnb_8bit": ("bitsandbytes.optim", "AdamW8bit", {}),
+         "cpu_adam": ("deepspeed.ops.adam", "DeepSpeedCPUAdam", {"adamw_mode": True})}
+
+
 def make_optimizer(name: str, p: torch.nn.Parameter) -> torch.optim.Optimizer:
-    if name == "coat_step":
-        return CoatAdamW([p], **HP)
-    if name == "fused_adam":
-        from deepspeed.ops.adam import FusedAdam
-
-        return FusedAdam([p], adam_w_mode=True, **HP)
-    if name == "torch_adamw":
-        return torch.optim.AdamW([p], fused=True, **HP)
-    if name == "torchao_fp8":
-        from torchao.optim import AdamWFp8
-
-        return AdamWFp8([p], **HP)
-    if name == "torchao_8bit":
-        from torchao.optim import AdamW8bit
-
-        return AdamW8bit([p], **HP)
-    if name == "bnb_8bit":
-        import bitsandbytes as bnb
-
-        return bnb.optim.AdamW8bit([p], **HP)
-    if name == "cpu_adam":
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-        return DeepSpeedCPUAdam([p], adamw_mode=True, **HP)
-    raise ValueError(f"unknown optimizer {name!r}")
+    module, cls, kw = PEERS[name]
+    return getattr(importlib.import_module(module), cls)([p], **kw, **HP)
 
 
 # ---------------------------------------------------------------- runs
@@ -329,7 +316,7 @@ def main() -> None:
     device = "cpu" if args.smoke else args.device
     if device == "cuda":
         sizes = args.sizes or [1e8, 1e9]
-        peers = ["coat_step", "fused_adam", "torch_adamw", "torchao_fp8", "torchao_8bit", "bnb_8bit"]
+        peers = [name for name in PEERS if name != "cpu_adam"]
         out = args.out or str(RESULTS / "optimizer_step.json")
     else:
         sizes = args.sizes or ([1e5] if args.smoke else [1e7])

@@ -17,7 +17,6 @@ per run.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import statistics
@@ -28,7 +27,6 @@ from pathlib import Path
 from benchmarks import convergence
 from benchmarks.common import RESULTS, check_positive, provenance, write_results
 from benchmarks.e2e import CONFIGS, check_args
-from coat_ds.recipes import data as data_lib
 
 DEFAULT_CONFIGS = "bf16,coat_opt,coat_full,coat_full_bf16sr"
 LONG_CONFIGS = "bf16,coat_full"
@@ -93,33 +91,6 @@ def recipe_args(args: argparse.Namespace) -> argparse.Namespace:
     rec.family = args.family
     rec.state_sample = 0
     return rec
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Running the pairs
-# ---------------------------------------------------------------------------------------------------------
-def run_pairs(rec: argparse.Namespace, pairs: list[tuple[str, int]], out: Path, max_parallel: int,
-              kill_at: float) -> dict[tuple[str, int], dict]:
-    """Every (config, seed) worker, at most max_parallel at once; those still running at kill_at are killed
-    (their last saved result is kept). A pair not started before the workers' own deadline is left out."""
-    pending, active, done = list(pairs), {}, {}
-    while pending or active:
-        while pending and len(active) < max_parallel and time.time() < rec.deadline - 60:
-            name, seed = pending.pop(0)
-            run_args = copy.copy(rec)
-            run_args.seed = seed
-            active[(name, seed)] = convergence.launch(run_args, name, out, tag=f"{name}_seed{seed}")
-        if time.time() >= rec.deadline - 60:
-            pending.clear()
-        for key, (proc, result, log) in list(active.items()):
-            rc = proc.poll()
-            if rc is None and time.time() >= kill_at:
-                rc = convergence.wait(proc, time.time())
-            if rc is not None:
-                done[key] = convergence.collect(key[0], rc, result, log)
-                del active[key]
-        time.sleep(0.5)
-    return done
 
 
 def entry(run: dict, call: int) -> dict:
@@ -239,20 +210,18 @@ def main(argv: list[str] | None = None) -> int:
     key = "long_data" if args.long else "default" if args.family == "llama" else args.family
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-
-    tokens = data_lib.load(rec.data, rec.seq_len, vocab_size=rec.vocab_size, max_bytes=rec.data_bytes)
-    print(f"data: {tokens.source}: {len(tokens.train):,} train / {len(tokens.val):,} val tokens "
-          f"({time.time() - t0:.0f} s)", flush=True)
+    tokens = convergence.load_tokens(rec, t0)
     path = out / "seed_spread.json"
     res = load_existing(path, key, section_recipe(rec, tokens, args.smoke))
     at_once = min(args.max_parallel, len(names) * len(seeds))
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // at_once)))   # the cores shared
     rec.deadline = t0 + args.time_budget - STOP_MARGIN_S
     pairs = [(n, s) for s in seeds for n in names]          # seed-major: a short budget still covers every config
-    done = run_pairs(rec, pairs, out, args.max_parallel, kill_at=t0 + args.time_budget - KILL_MARGIN_S)
-    res["calls"].append({"section": key, "configs": names, "seeds": seeds, **provenance(), "max_parallel": args.max_parallel,
-                         "omp_num_threads": os.environ["OMP_NUM_THREADS"], "time_budget_s": args.time_budget,
-                         "wall_s": time.time() - t0})
+    done = convergence.run_workers(rec, pairs, out, args.max_parallel, kill_at=t0 + args.time_budget - KILL_MARGIN_S,
+                                   tag=lambda name, seed: f"{name}_seed{seed}")
+    res["calls"].append({"section": key, "configs": names, "seeds": seeds, **provenance(),
+                         "max_parallel": args.max_parallel, "omp_num_threads": os.environ["OMP_NUM_THREADS"],
+                         "time_budget_s": args.time_budget, "wall_s": time.time() - t0})
     merge(res[key], done, len(res["calls"]) - 1)
     keys = [k for k in ("default", "long_data", *convergence.FAMILIES) if k in res]
     for k in keys:
