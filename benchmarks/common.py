@@ -86,9 +86,9 @@ def command() -> str:
     return " ".join([Path(sys.executable).name, *argv])
 
 
-def provenance(device: str | None = None, *extra: str) -> dict:
-    """The fields every results file carries: device, versions, command, date."""
-    return {"device": device_name(device), "versions": versions(*extra), "command": command(), "date": now()}
+def provenance(extra: tuple[str, ...] = ()) -> dict:
+    """The fields every results file carries: device, versions (with the `extra` distributions), command, date."""
+    return {"device": device_name(), "versions": versions(*extra), "command": command(), "date": now()}
 
 
 class WarningLog:

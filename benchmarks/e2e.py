@@ -29,8 +29,7 @@ import torch  # noqa: E402
 from deepspeed.accelerator import get_accelerator  # noqa: E402
 
 from benchmarks.common import (GIB, RESULTS, ROOT, SyncSites, WarningLog, add_worker_args, check_positive,  # noqa: E402
-                               command, device_name, module_cmd, names_of, now, profiler, run_worker, top_events, versions,
-                               write_results)
+                               module_cmd, names_of, profiler, provenance, run_worker, top_events, write_results)
 from coat_ds.hf.loss import is_applied  # noqa: E402
 from coat_ds.recipes import causal_lm as train_lib  # noqa: E402  (engine initialisation and the loss)
 from coat_ds.recipes.causal_lm import MODEL_SIZES  # noqa: E402  (the main job's shapes)
@@ -712,8 +711,7 @@ def headline(args: argparse.Namespace, rows: list[dict], t0: float) -> dict:
                 common[str(r["micro_batch"])] = r["peak_alloc_gb"] / full[r["micro_batch"]]
     setup = rows[0]
     return {
-        "device": device_name(),
-        "model": args.model, "params": setup.get("params"), "shape": MODELS[args.model],
+        **provenance(), "model": args.model, "params": setup.get("params"), "shape": MODELS[args.model],
         "grad_accum_dtype": args.grad_accum_dtype or "config default",
         "world_size": args.num_gpus, "zero_stage": args.zero_stage if args.zero_stage is not None else
         ((setup.get("ds_config") or {}).get("zero_optimization") or {}).get("stage"),
@@ -734,8 +732,7 @@ def headline(args: argparse.Namespace, rows: list[dict], t0: float) -> dict:
             for r in rows if r["breakdown"] and r["breakdown"].get("alloc_forward_delta_gb") is not None},
         "speedup_at_equal_batch": ratio(tps_eq("coat_full"), tps_eq("bf16")),
         "targets": TARGETS, "fit_rule": f"peak reserved <= {args.mem_fraction} x device memory",
-        "configs": rows, "versions": versions(), "command": command(), "date": now(),
-        "wall_s": time.time() - t0, "smoke": args.smoke,
+        "configs": rows, "wall_s": time.time() - t0, "smoke": args.smoke,
     }
 
 

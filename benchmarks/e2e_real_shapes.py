@@ -22,7 +22,8 @@ import time
 from pathlib import Path
 
 from benchmarks import e2e
-from benchmarks.common import RESULTS, check_positive, command, device_name, git_commit, now, versions, write_results
+from benchmarks.common import (RESULTS, check_positive, command, device_name, git_commit, now, provenance,
+                               write_results)
 
 NAME = "e2e_real_shapes"
 # target: the lowest-memory preset's largest micro-batch (issue 30: 2; issue 34, with per-parameter gradients: 6
@@ -89,7 +90,7 @@ def case_result(args: argparse.Namespace, eargs: argparse.Namespace, rows: list[
                         for n in (case.get("coat", "lowest_memory"), "bf16", "torchao_fp8"))
     mb = coat and coat.get("max_micro_batch")
     best = lambda row: (row.get("max_batch") or {}).get("tokens_per_s") if row else None  # noqa: E731
-    return {"case": args.case, "target_gpu": case["gpu"], "device": device_name(), "model": case["model"],
+    return {"case": args.case, "target_gpu": case["gpu"], **provenance(), "model": case["model"],
             "params": next((r["params"] for r in rows if r.get("params")), None), "shape": e2e.MODELS[case["model"]],
             "seq_len": case["seq_len"], "target_micro_batch": case["target"],
             "meets_target": None if mb is None else mb >= case["target"],
@@ -99,8 +100,7 @@ def case_result(args: argparse.Namespace, eargs: argparse.Namespace, rows: list[
             "bf16_fits_at_1": None if bf16 is None or bf16.get("max_micro_batch") is None else
             bf16["max_micro_batch"] >= 1,
             "summary": [summary(r) for r in rows], "fit_rule": f"peak reserved <= {eargs.mem_fraction} x device memory",
-            "configs": rows, "versions": versions(), "command": command(), "date": now(),
-            "wall_s": time.time() - t0, "smoke": args.smoke}
+            "configs": rows, "wall_s": time.time() - t0, "smoke": args.smoke}
 
 
 def earlier(out: Path) -> dict:

@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         L.dry_run()
     L.BATCH, L.SEQ = (L.BATCH, L.SEQ) if args.dry_run else (args.batch, args.seq)
     on_cuda = L.DEV == "cuda"
-    meta = dict(**provenance(None, "torchao"), layers=L.N_LAYERS, batch=L.BATCH, seq=L.SEQ)
+    meta = dict(**provenance(extra=("torchao",)), layers=L.N_LAYERS, batch=L.BATCH, seq=L.SEQ)
     rows = []
     for shape in args.shapes:
         _, base, x, cos, sin = L.build_base(shape)

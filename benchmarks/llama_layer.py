@@ -279,7 +279,7 @@ def main():
         return
     if args.dry_run:
         dry_run()
-    meta = dict(**provenance(None, "torchao"), layers=N_LAYERS, batch=BATCH, seq=SEQ)
+    meta = dict(**provenance(extra=("torchao",)), layers=N_LAYERS, batch=BATCH, seq=SEQ)
     rows = []
     for shape in args.shapes:
         cfg, base, x, cos, sin = build_base(shape)

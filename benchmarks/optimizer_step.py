@@ -327,8 +327,9 @@ def main() -> None:
     copy_bw = copy_gbps(int(max(sizes)), device, runs)
     host = host_info() if device == "cpu" else None
     rows = [row for n in sizes for row in bench_size(int(n), device, peers, 2 if args.smoke else 3, runs, copy_bw)]
-    result = dict(command=command(), device=device_name(device), date=now(), versions=versions("torchao", "bitsandbytes"),
-                  hyperparams=HP, group_size=128, v_format="e4m3", copy_gbps=round(copy_bw, 1), rows=rows)
+    result = dict(command=command(), device=device_name(device), date=now(),
+                  versions=versions("torchao", "bitsandbytes"), hyperparams=HP, group_size=128, v_format="e4m3",
+                  copy_gbps=round(copy_bw, 1), rows=rows)
     if host is not None:
         host["loadavg_end"] = list(os.getloadavg())
         result["host"] = host
