@@ -224,7 +224,8 @@ def _seed_spread_axes(key: str, sec: dict, ax, ax2) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     names = list(sec["runs"])
-    ax2.set(xlim=(-0.5, len(names) - 0.5), xticks=range(len(names)), xticklabels=[n.replace("_", "\n", 1) for n in names],
+    ax2.set(xlim=(-0.5, len(names) - 0.5), xticks=range(len(names)),
+            xticklabels=[n.replace("_", "\n", 1) for n in names],
             ylabel=f"val loss at step {sec['steps_compared']}", title="each seed, mean +- std")
     ax2.grid(alpha=0.3)
 

@@ -4,7 +4,8 @@ at once on one GPU, on convergence's default recipe, the corpus tokenized once h
 
     python -m benchmarks.seed_spread --configs bf16,coat_full --seeds 0,1 --time-budget 555 --out OUT
     python -m benchmarks.seed_spread --configs coat_opt,coat_full_bf16sr --seeds 0,1 --time-budget 555 --out OUT
-    python -m benchmarks.seed_spread --configs bf16,coat_opt,coat_full,coat_full_bf16sr --seeds 2 --time-budget 555 --out OUT
+    python -m benchmarks.seed_spread --configs bf16,coat_opt,coat_full,coat_full_bf16sr --seeds 2 --time-budget 555 \
+        --out OUT
     python -m benchmarks.seed_spread --long --seeds 0 --time-budget 555 --out OUT
     python -m benchmarks.seed_spread --smoke --out /tmp/seeds                       # CPU, tiny, < 60 s
 
