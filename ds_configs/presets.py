@@ -32,7 +32,8 @@ INTENTS = {  # what each intent lays over the "coat" section (master_weights Non
     "largest_model": {"master_weights": "bf16_sr", "gradients": "release",
                       "activation": {"attention_fp8": True, "cache_weights": False}},
 }
-# Intents some layouts refuse: release steps inside ZeRO-1/2's reduction, on the device (coat_ds/deepspeed/release.py)
+# Intents some layouts refuse: release steps inside ZeRO-1/2's reduction, on the device
+# (coat_ds/deepspeed/zero/release.py)
 ONLY_ON = {"largest_model": ("zero2",)}
 HF_TWINS = ("zero2_coat.json", "zero3_coat.json")  # hf/ twins of measured configs, beside the presets'
 

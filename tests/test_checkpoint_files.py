@@ -9,7 +9,7 @@ import torch
 
 from coat_ds.deepspeed.checkpoint_files import (LAYOUTS, CheckpointError, ParamState, canonical, check_contents,
                                                 ds_globals, torch_load)
-from coat_ds.deepspeed.layout import Segment, meta_offsets
+from coat_ds.deepspeed.zero.layout import Segment, meta_offsets
 from coat_ds.formats import Fp8Moment, get_format, quantize
 from coat_ds.optim.coat_adamw import fp8_moments, fp8_zeros
 

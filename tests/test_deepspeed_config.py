@@ -7,7 +7,7 @@ import coat_ds  # noqa: F401  (registers)
 from coat_ds import CoatAdamW
 from coat_ds.deepspeed import coat_section, validate_params
 from coat_ds.deepspeed.check import check_config
-from coat_ds.deepspeed.layout import Segment, ShardLayout, local_cut_keys
+from coat_ds.deepspeed.zero.layout import Segment, ShardLayout, local_cut_keys
 from coat_ds.deepspeed.optimizer_type import coat_adamw_from_config
 
 deepspeed = pytest.importorskip("deepspeed")

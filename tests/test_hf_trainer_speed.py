@@ -17,7 +17,7 @@ pytest.importorskip("accelerate")
 JOB = """
 import json, torch, deepspeed, coat_ds
 from accelerate.utils.deepspeed import DeepSpeedEngineWrapper
-from coat_ds.deepspeed import zero_step
+from coat_ds.deepspeed.zero import step as zero_step
 from transformers import LlamaConfig, LlamaForCausalLM
 
 def norms(coat_step):

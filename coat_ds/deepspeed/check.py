@@ -15,12 +15,12 @@ import re
 import typing
 from typing import Any, Mapping
 
+from ..keys import unknown_key
 from .checkpoint_files import CheckpointError, torch_load
 from .config import SECTION, CoatSection, coat_section
-from .gradients import config_refusal as gradients_refusal
-from .master import config_refusal
 from .optimizer_type import NAME, validate_params
-from ..keys import unknown_key
+from .zero.gradients import config_refusal as gradients_refusal
+from .zero.master import config_refusal
 
 AUTO = "auto"  # HF Trainer / accelerate fill "auto" values themselves
 

@@ -2,7 +2,7 @@
 
 Saving is DeepSpeed's own `engine.save_checkpoint`; each rank's base-optimizer state also records its
 partition layout (`coat_layouts`: which piece of which parameter each flat tensor holds). Because FP8
-groups are per parameter (layout.py), a checkpoint re-partitions exactly: pieces are cut out of the
+groups are per parameter (zero/layout.py), a checkpoint re-partitions exactly: pieces are cut out of the
 parameters and re-assembled, codes, scales and exponents unchanged. Only a different `group_size`
 re-groups (dequantize with the old groups, quantize with the new: one extra FP8 rounding of m and v).
 Reading saved files and the per-parameter form are checkpoint_files.py's (universal.py shares them).
@@ -28,12 +28,12 @@ from .. import kernels
 from ..formats import Fp8Moment, bf16_weight
 from ..optim import CoatAdamW
 from ..optim.coat_adamw import FP8_STATE_KEYS, FP32_STATE_KEYS, MOMENTS, fp8_moments, fp32_zeros
-from .bind import partitions
+from .zero.bind import partitions
 from .checkpoint_files import (LAYOUTS, CheckpointError, ParamState, base_and_flats, canonical, check_contents,
                                torch_load, zero_files)
-from .layout import meta_offsets
+from .zero.layout import meta_offsets
 from .universal import read as read_universal
-from .zero_kind import is_zero3
+from .zero.kind import is_zero3
 
 
 # ------------------------------------------------------------------ optimizer hooks (torch's own API)

@@ -20,7 +20,7 @@ import torch
 
 from ..formats import Fp8Moment
 from ..optim.coat_adamw import MOMENTS, fp8_moments, moment_formats
-from .layout import Segment, meta_offsets
+from .zero.layout import Segment, meta_offsets
 
 LAYOUTS = "coat_layouts"  # key of the base-optimizer state dict: per state index, its partition's layout
 

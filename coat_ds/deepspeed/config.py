@@ -3,8 +3,8 @@
     "coat": {"activation": {...}}     FP8 activation flow (keys: coat_ds.activation.ActivationConfig)
     "coat": {"loss": {...}}           the causal-LM loss without full logits (keys: coat_ds.activation.loss.LossConfig;
                                       on by default wherever a "coat" section is present)
-    "coat": {"master_weights": ...}   where ZeRO keeps the master weights (coat_ds.deepspeed.master)
-    "coat": {"gradients": ...}        where ZeRO keeps reduced gradients until the step (coat_ds.deepspeed.gradients)
+    "coat": {"master_weights": ...}   where ZeRO keeps the master weights (coat_ds.deepspeed.zero.master)
+    "coat": {"gradients": ...}        where ZeRO keeps reduced gradients for the step (coat_ds.deepspeed.zero.gradients)
 
 DeepSpeed ignores top-level keys it does not know; after `import coat_ds` its engine applies this one.
 """
@@ -15,9 +15,9 @@ from typing import Any, Mapping
 
 from ..activation import ActivationConfig
 from ..activation.loss import LossConfig
-from . import gradients as _gradients
-from .master import check_master_weights
 from ..keys import unknown_key
+from .zero import gradients as _gradients
+from .zero.master import check_master_weights
 
 SECTION = "coat"
 _KEYS = ("activation", "master_weights", "loss", "gradients")
@@ -26,9 +26,9 @@ _KEYS = ("activation", "master_weights", "loss", "gradients")
 @dataclass(frozen=True)
 class CoatSection:
     activation: Any = None  # ActivationConfig, or None when the section has no "activation"
-    master_weights: str = "fp32"  # "fp32" | "bf16_sr" | "bf16_rn": coat_ds.deepspeed.master
+    master_weights: str = "fp32"  # "fp32" | "bf16_sr" | "bf16_rn": coat_ds.deepspeed.zero.master
     loss: Any = None  # LossConfig (its defaults when the section has no "loss"): coat_ds.hf.loss
-    gradients: str = _gradients.DEFAULT  # coat_ds.deepspeed.gradients.GRADIENTS
+    gradients: str = _gradients.DEFAULT  # coat_ds.deepspeed.zero.gradients.GRADIENTS
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None) -> "CoatSection":

@@ -36,8 +36,8 @@ import torch
 
 from ..optim import CoatAdamW
 from .config import SECTION, engine_section
-from .master import bf16_master_from_setup
 from .optimizer_type import NAME
+from .zero.master import bf16_master_from_setup
 
 SECTION_KEY = "coat.activation"
 
@@ -89,7 +89,7 @@ def _configure_optimizer_before(engine, client_optimizer: Any, *args: Any) -> No
 
 def _coat_master_weights(zo, original, **kw: Any):
     """DeepSpeedZeroOptimizer._configure_master_weights: its check wants DeepSpeedCPUAdam under Offload for a
-    bf16 master; a CoatAdamW keeps one anywhere (master.py)."""
+    bf16 master; a CoatAdamW keeps one anywhere (zero/master.py)."""
     if isinstance(zo.optimizer, CoatAdamW):
         kw["bf16_offload_validator"] = None
     return original(**kw)
@@ -119,7 +119,7 @@ def _wrap(engine_cls, name: str, before=None, after=None, around=None) -> None:
 
 
 def _bind_partitions(engine, *_: Any) -> None:
-    from .bind import bind
+    from .zero.bind import bind
     from .checkpoint import install
 
     if isinstance(getattr(engine, "basic_optimizer", None), CoatAdamW):

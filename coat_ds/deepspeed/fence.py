@@ -1,12 +1,12 @@
 """The DeepSpeed methods coat_ds re-states, overrides or wraps, fenced by the hash of their source per tested release.
 
-coat_ds copies parts of DeepSpeed's private methods (zero_step.py re-states ZeRO-1/2's `step`) and replaces or
-wraps others (engine.py, zero_step.py, master.py, checkpoint.py). A new DeepSpeed release that edits one of them
-runs without an error and trains wrongly, so each is listed here with the sha256 of `inspect.getsource` on every
-release tested with (docs/versions.md): `changed()` names the methods whose installed source differs, i.e. the ones
-to read and re-state before admitting that release. Only the standard library and packaging at import time:
-`import coat_ds` calls `warn_if_untested` (importlib.metadata, no DeepSpeed import), and tests/test_versions.py loads
-this file alone.
+coat_ds copies parts of DeepSpeed's private methods (zero/step.py re-states ZeRO-1/2's `step`) and replaces or
+wraps others (engine.py, zero/step.py, zero/release.py, zero/master.py, checkpoint.py). A new DeepSpeed release that
+edits one of them runs without an error and trains wrongly, so each is listed here with the sha256 of
+`inspect.getsource` on every release tested with (docs/versions.md): `changed()` names the methods whose installed
+source differs, i.e. the ones to read and re-state before admitting that release. Only the standard library and
+packaging at import time: `import coat_ds` calls `warn_if_untested` (importlib.metadata, no DeepSpeed import), and
+tests/test_versions.py loads this file alone.
 """
 from __future__ import annotations
 
@@ -21,47 +21,47 @@ from packaging.version import Version
 # "module:Class.method" -> where coat_ds depends on its exact body
 METHODS: dict[str, str] = {
     "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer.step":
-        "re-stated: zero_step.Zero12Step.step and its _coat_* steps",
+        "re-stated: zero.step.Zero12Step.step and its _coat_* steps",
     "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer.unscale_and_clip_grads":
-        "applied to a 1 for the kernel's scalar: zero_step.Zero12Step._coat_grad_scale",
+        "applied to a 1 for the kernel's scalar: zero.step.Zero12Step._coat_grad_scale",
     "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer.copy_grads_in_partition":
-        "overridden: zero_step.Zero12Step",
+        "overridden: zero.step.Zero12Step",
     "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer.reduce_ipg_grads":
-        "overridden: release.ReleaseStep (steps each bucket after its reduction)",
+        "overridden: zero.release.ReleaseStep (steps each bucket after its reduction)",
     "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer.get_all_grad_tensors":
-        "overridden: release.ReleaseStep (released gradients are not gathered)",
+        "overridden: zero.release.ReleaseStep (released gradients are not gathered)",
     "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer.get_flat_partition":
-        "overridden: release.ReleaseStep (released gradients are not flattened)",
+        "overridden: zero.release.ReleaseStep (released gradients are not flattened)",
     "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer.state_dict":
-        "overridden: zero_step.Zero12Step.state_dict",
+        "overridden: zero.step.Zero12Step.state_dict",
     "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer._load_legacy_checkpoint":
-        "overridden: zero_step.Zero12Step._load_legacy_checkpoint",
+        "overridden: zero.step.Zero12Step._load_legacy_checkpoint",
     "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer._configure_master_weights":
         "wrapped: engine._coat_master_weights",
     "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3.step":
-        "calls the per-sub-group hooks below in the order zero_step.Zero3Step relies on",
+        "calls the per-sub-group hooks below in the order zero.step.Zero3Step relies on",
     "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3._prepare_fp32_grad_for_sub_group":
-        "overridden: zero_step.Zero3Step",
+        "overridden: zero.step.Zero3Step",
     "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3.unscale_and_clip_grads":
-        "re-stated: zero_step.Zero3Step.unscale_and_clip_grads",
+        "re-stated: zero.step.Zero3Step.unscale_and_clip_grads",
     "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3._optimizer_step":
-        "overridden: zero_step.Zero3Step",
+        "overridden: zero.step.Zero3Step",
     "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3._reassign_or_swap_out_partitioned_parameters":
-        "overridden: zero_step.Zero3Step",
+        "overridden: zero.step.Zero3Step",
     "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3._rigid_state_dict":
-        "overridden: zero_step.Zero3Step",
+        "overridden: zero.step.Zero3Step",
     "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3._rigid_load_state_dict":
-        "overridden: zero_step.Zero3Step",
+        "overridden: zero.step.Zero3Step",
     "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3._create_fp32_partitions":
-        "re-stated (its branch for equal dtypes): master.use_bf16_master",
+        "re-stated (its branch for equal dtypes): zero.master.use_bf16_master",
     "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3.has_overflow":
-        "overridden: zero_step.Zero3Step (reads the flat gradient buffer GradPartitions empties)",
+        "overridden: zero.step.Zero3Step (reads the flat gradient buffer GradPartitions empties)",
     "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3.partition_grads":
-        "indexes the private gradient map that zero_step.GradPartitions replaces",
+        "indexes the private gradient map that zero.step.GradPartitions replaces",
     "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3.independent_gradient_partition_epilogue":
-        "indexes the private gradient map that zero_step.GradPartitions replaces",
+        "indexes the private gradient map that zero.step.GradPartitions replaces",
     "deepspeed.runtime.bf16_optimizer:BF16_Optimizer.update_lp_params":
-        "re-stated: zero_step.Bf16Step.update_lp_params",
+        "re-stated: zero.step.Bf16Step.update_lp_params",
     "deepspeed.runtime.engine:DeepSpeedEngine._configure_distributed_model": "wrapped: engine.hook",
     "deepspeed.runtime.engine:DeepSpeedEngine._configure_optimizer": "wrapped: engine.hook",
     "deepspeed.runtime.engine:DeepSpeedEngine._take_model_step": "wrapped: engine.hook",

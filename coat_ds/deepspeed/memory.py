@@ -8,11 +8,11 @@ e2e*.json and offload.json; docs/plan.md has the derivation):
 - optimizer states: FusedAdam 8N/W, CoatAdamW its FP8 moments with their group scales (~2.1N/W);
 - gradients: ZeRO-2/3 a partition of N/W in `data_types.grad_accum_dtype` (bf16 by default), allocated when
   the first bucket is reduced in backward and freed by the step; ZeRO-0/1 every parameter's bf16 .grad;
-  CoatAdamW's ZeRO-3, and its ZeRO-1/2 with bf16 gradients (coat.gradients "per_parameter", gradients.py),
+  CoatAdamW's ZeRO-3, and its ZeRO-1/2 with bf16 gradients (coat.gradients "per_parameter", zero/gradients.py),
   allocate each one as backward reaches its parameter, so they grow while the activations are freed; with
   "release", ZeRO-2 steps each bucket's gradients as they are reduced and keeps none;
 - DeepSpeed's own step for a stock optimizer flattens the gradient partition and converts it to fp32
-  (+2 +4 B per partition value, stage_1_and_2.py step); CoatAdamW's ZeRO step (zero_step.py) reads the
+  (+2 +4 B per partition value, stage_1_and_2.py step); CoatAdamW's ZeRO step (zero/step.py) reads the
   partition in place, one parameter's fp32 pieces at a time;
 - Offload moves master, states and gradient partition to the host.
 """
@@ -21,11 +21,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from .gradients import DEFAULT as GRADIENTS_DEFAULT
 from .optimizer_type import NAME
+from .zero.gradients import DEFAULT as GRADIENTS_DEFAULT
 
 ADAM_STATE_BYTES = 8.0                   # fp32 exp_avg + exp_avg_sq
-# coat.master_weights -> device bytes per partition value beyond the bf16 model copy (master.py says why)
+# coat.master_weights -> device bytes per partition value beyond the bf16 model copy (zero/master.py says why)
 MASTER_BYTES = {"fp32": 4, "bf16_sr": 0, "bf16_rn": 0, "fp32_remainder": 2}
 DEFAULT_BUCKET = 500_000_000             # DeepSpeed's reduce_bucket_size / allgather_bucket_size default
 DEFAULT_SUB_GROUP = 1_000_000_000        # ZeRO-3's sub_group_size default
@@ -45,7 +45,7 @@ class ZeroJob:
     reduce_bucket: int       # values in the gradient bucket (contiguous gradients)
     sub_group: int = DEFAULT_SUB_GROUP   # ZeRO-3 steps its partition in sub-groups of this many values
     coat_step: bool = True   # CoatAdamW's own ZeRO step (False: DeepSpeed's flatten + fp32 copy, as before it)
-    gradients: str = "partition_buffer"   # coat.gradients where it applies (gradients.py), else DeepSpeed's buffer
+    gradients: str = "partition_buffer"   # coat.gradients where it applies (zero/gradients.py), else DeepSpeed's buffer
 
     @property
     def grads_per_parameter(self) -> bool:

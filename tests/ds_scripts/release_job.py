@@ -30,7 +30,7 @@ import torch.nn as nn  # noqa: E402
 import common  # noqa: E402
 import job  # noqa: E402
 from zero_state_job import _all, _joined, build, build_outcomes, config  # noqa: E402
-from coat_ds.deepspeed.layout import meta_offsets  # noqa: E402
+from coat_ds.deepspeed.zero.layout import meta_offsets  # noqa: E402
 from coat_ds.optim.coat_adamw import fp8_moments  # noqa: E402
 
 STEPS, SAVE_AT = job.STEPS, job.SAVE_AT

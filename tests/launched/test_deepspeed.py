@@ -10,7 +10,7 @@ Four launched jobs (shared by all tests below, ~4 min on 2 cores after the one-o
 A task in a dtype DeepSpeed's accelerator does not support here (fp16 on a CPU without oneDNN fp16) is
 left out of its job, and the tests that read it skip with the accelerator's answer.
 
-Why equality is exact: FP8 groups are per parameter whatever the partition (coat_ds/deepspeed/layout.py),
+Why equality is exact: FP8 groups are per parameter whatever the partition (coat_ds/deepspeed/zero/layout.py),
 and both worlds see bit-identical gradients (two micro-batches of 4: accumulated on one rank or
 averaged over two, g0/2 + g1/2 either way). So losses are compared with ==, not a tolerance; only
 DeepSpeed's stage-0 bf16 path, which accumulates gradients in bf16, is compared to bf16 precision.

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from coat_ds.deepspeed.master import MASTER_WEIGHTS
+from coat_ds.deepspeed.zero.master import MASTER_WEIGHTS
 from harness import DS_SCRIPTS, SAVE_AT, STEPS, launch_worlds, task_result as _task
 
 JOB = DS_SCRIPTS / "zero_state_job.py"

@@ -1,7 +1,7 @@
 """`"coat": {"master_weights": ...}`: where ZeRO keeps the master copy of the weights for CoatAdamW.
 
 - "fp32" (default): DeepSpeed's fp32 master partition (4 B/param), as with any optimizer; the bf16 weights
-  written from it are rounded as "fp32_remainder"'s high halves (ties away from zero: zero_step.py).
+  written from it are rounded as "fp32_remainder"'s high halves (ties away from zero: step.py).
 - "bf16_sr": the master partition is bf16 and the FP8 step writes it with stochastic rounding (random
   bits keyed by seed, step and the value's position in its parameter: deterministic, world-size
   independent, bit-exact on resume), so updates below a bf16 ulp survive in expectation.
@@ -28,7 +28,7 @@ from typing import Mapping
 
 import torch
 
-from .zero_kind import ZERO12, is_zero3, zero_kind
+from .kind import ZERO12, is_zero3, zero_kind
 
 MASTER_WEIGHTS = ("fp32", "bf16_sr", "bf16_rn", "fp32_remainder")
 BF16_MASTERS = ("bf16_sr", "bf16_rn")  # the bf16 model partition is the whole master (rounded)

@@ -37,10 +37,10 @@ from deepspeed.runtime.zero.stage_1_and_2 import (INITIAL_MICRO_STEP_ID, OPTIMIZ
                                                   OPTIMIZER_STEP_TIMER, OPTIMIZER_TIMERS, all_gather_dp_groups)
 from deepspeed.checkpoint.constants import FP32_FLAT_GROUPS, SINGLE_PARTITION_OF_FP32_GROUPS
 
-from ..formats.remainder import bf16_weight, check_finite
+from ...formats.remainder import bf16_weight, check_finite
 from .gradients import DEFAULT as GRADIENTS_DEFAULT
+from .kind import ZERO3, ZERO12, zero_kind
 from .layout import FlatPieces
-from .zero_kind import ZERO3, ZERO12, zero_kind
 
 ENABLED = True  # False: DeepSpeed's own step for fp32 masters (what the tests compare with)
 

@@ -21,9 +21,9 @@ from dataclasses import astuple, dataclass
 import torch
 import torch.distributed as dist
 
-from .. import kernels
-from ..formats import Fp8Moment, get_format, join_remainder, split_remainder
-from ..optim.coat_adamw import fp8_moments, fp8_zeros
+from ... import kernels
+from ...formats import Fp8Moment, get_format, join_remainder, split_remainder
+from ...optim.coat_adamw import fp8_moments, fp8_zeros
 
 Key = tuple  # (parameter name, group index)
 SR_SEED = 0  # stochastic rounding's bits are keyed by (SR_SEED, step, parameter, position): see formats.rounding

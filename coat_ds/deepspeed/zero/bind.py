@@ -6,7 +6,7 @@ evenly (`ds_tensor`). From these we build a ShardLayout per flat tensor, number 
 partition boundaries cut identically on every rank, and bind it to CoatAdamW (`bind_partition`): its
 state creation and FP8 step for that tensor then go through the layout. Parameters DeepSpeed leaves
 whole (stage 0 without bf16, fp16 stage 0) keep CoatAdamW's own per-parameter path: its groups are
-already the canonical ones. ZeRO-1/2/3 optimizers also get the step of zero_step.py (the kernel reads
+already the canonical ones. ZeRO-1/2/3 optimizers also get the step of step.py (the kernel reads
 the gradient partition in place; BF16_Optimizer only its bf16 weight copy), and `"coat": {"master_weights": ...}` bf16 masters or bf16 + remainder
 masters (master.py; the remainders, zero at the start where the fp32 master is the widened bf16 weights, are
 kept by the layout).
@@ -16,12 +16,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..optim import CoatAdamW
-from . import zero_step
-from .config import engine_section
+from ...optim import CoatAdamW
+from ..config import engine_section
+from . import step as zero_step
+from .kind import BF16, ZERO3, ZERO12, zero_kind
 from .layout import Segment, ShardLayout, local_cut_keys
 from .master import use_bf16_master
-from .zero_kind import BF16, ZERO3, ZERO12, zero_kind
 
 
 def _names(engine) -> dict:

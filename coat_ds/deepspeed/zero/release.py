@@ -37,9 +37,9 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.stage_1_and_2 import INITIAL_MICRO_STEP_ID, OPTIMIZER_STEP_TIMER
 
 from .gradients import refused as _refuse
+from .kind import ZERO12, zero_kind
 from .layout import FlatPieces, ShardLayout
-from .zero_step import Zero12Step
-from .zero_kind import ZERO12, zero_kind
+from .step import Zero12Step
 
 SAVED_NORM = "coat_release_norm"  # ZeRO state_dict key: the global norm the next step's clipping uses
 
@@ -242,7 +242,7 @@ class ReleaseStep(Zero12Step):
 
 
 def mixin(zo) -> type:
-    """The mixin zero_step.install gives `zo` for coat.gradients 'release', or a ValueError naming the key."""
+    """The mixin step.install gives `zo` for coat.gradients 'release', or a ValueError naming the key."""
     why = refusal(zo)
     if why is not None:
         raise ValueError(why)

@@ -3,7 +3,7 @@
 - "per_parameter" (default): each reduced gradient of this rank's partition gets its own allocation, made when
   backward reaches its parameter, as eager PyTorch allocates each `.grad`, and freed by the step. Gradient
   memory grows while the activations that produced it are freed, so backward's peak is the activations', not
-  activations plus every gradient. The step reads the pieces where they lie (zero_step.py), so nothing of
+  activations plus every gradient. The step reads the pieces where they lie (step.py), so nothing of
   partition size is made.
 - "partition_buffer": DeepSpeed's own layout: one buffer of the whole gradient partition, which ZeRO-1/2
   allocates at the first reduced bucket of backward, while nearly all activations are still alive, and ZeRO-3 at
