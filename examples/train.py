@@ -115,7 +115,7 @@ def save_checkpoint(engine, ckpt_dir: Path, step: int, client_state: dict, keep_
     """Write to a temporary tag, then rename it and atomically point `latest` at it (save_atomically); a failed
     save (a full disk, say) ends the job with one line that says why, exit code 1, `latest` untouched."""
     import deepspeed.comm as dist
-    from coat_ds.deepspeed.save import CheckpointSaveError, save_atomically, writer
+    from coat_ds.deepspeed.checkpoint.save import CheckpointSaveError, save_atomically, writer
 
     try:
         path = Path(save_atomically(engine, str(ckpt_dir), f"step{step:07d}", client_state))

@@ -7,7 +7,7 @@ from dataclasses import astuple
 import pytest
 import torch
 
-from coat_ds.deepspeed.checkpoint_files import (LAYOUTS, CheckpointError, ParamState, canonical, check_contents,
+from coat_ds.deepspeed.checkpoint.files import (LAYOUTS, CheckpointError, ParamState, canonical, check_contents,
                                                 ds_globals, torch_load)
 from coat_ds.deepspeed.zero.layout import Segment, meta_offsets
 from coat_ds.formats import Fp8Moment, get_format, quantize

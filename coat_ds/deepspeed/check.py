@@ -16,7 +16,7 @@ import typing
 from typing import Any, Mapping
 
 from ..keys import unknown_key
-from .checkpoint_files import CheckpointError, torch_load
+from .checkpoint.files import CheckpointError, torch_load
 from .config import SECTION, CoatSection, coat_section
 from .optimizer_type import NAME, validate_params
 from .zero.gradients import config_refusal as gradients_refusal
@@ -133,8 +133,8 @@ def check_tag(tag_dir: str) -> None:
     """Raise CheckpointError naming the first missing or unreadable file of a DeepSpeed checkpoint tag.
 
     Every `*.pt` file is unpickled with its tensors memory-mapped, not read (cheap at any size), and with
-    DeepSpeed's classes only (checkpoint_files.torch_load), which catches truncated and missing files and
-    files carrying code; the engine's load still checks contents (checkpoint.py)."""
+    DeepSpeed's classes only (checkpoint/files.py's torch_load), which catches truncated and missing files and
+    files carrying code; the engine's load still checks contents (checkpoint/load.py)."""
     if not os.path.isdir(tag_dir):
         raise CheckpointError(f"checkpoint missing: {tag_dir}")
     model = next((os.path.join(tag_dir, n) for n in ("mp_rank_00_model_states.pt",

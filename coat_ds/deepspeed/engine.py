@@ -19,7 +19,7 @@ DeepSpeedEngine from a config; `import coat_ds` wraps four of its methods (hook(
   boundary): the FP8 weight caches are keyed on a step counter that it advances, since DeepSpeed writes
   the updated weights where no autograd version shows it;
 - `load_checkpoint`: a CoatAdamW engine checks every file of the tag first and re-partitions to another
-  world size (checkpoint.py).
+  world size (checkpoint/load.py).
 
 and one of ZeRO-1/2's: `DeepSpeedZeroOptimizer._configure_master_weights`, whose validator accepts a bf16
 master only for DeepSpeedCPUAdam under Offload (its concern: fp32 moments beside a bf16 master); CoatAdamW
@@ -120,7 +120,7 @@ def _wrap(engine_cls, name: str, before=None, after=None, around=None) -> None:
 
 def _bind_partitions(engine, *_: Any) -> None:
     from .zero.bind import bind
-    from .checkpoint import install
+    from .checkpoint.load import install
 
     if isinstance(getattr(engine, "basic_optimizer", None), CoatAdamW):
         bind(engine)
@@ -135,7 +135,7 @@ def _load_checkpoint(engine, original, load_dir: str, *args: Any, **kw: Any):
     """A CoatAdamW engine's checkpoints are checked before loading and re-partition (checkpoint.load)."""
     if not isinstance(getattr(engine, "basic_optimizer", None), CoatAdamW):
         return original(load_dir, *args, **kw)
-    from .checkpoint import load
+    from .checkpoint.load import load
 
     kw.update(zip(_LOAD_ARGS, args))
     return load(engine, original, load_dir, **kw)

@@ -1,8 +1,8 @@
 """The DeepSpeed methods coat_ds re-states, overrides or wraps, fenced by the hash of their source per tested release.
 
 coat_ds copies parts of DeepSpeed's private methods (zero/step.py re-states ZeRO-1/2's `step`) and replaces or
-wraps others (engine.py, zero/step.py, zero/release.py, zero/master.py, checkpoint.py). A new DeepSpeed release that
-edits one of them runs without an error and trains wrongly, so each is listed here with the sha256 of
+wraps others (engine.py, zero/step.py, zero/release.py, zero/master.py, checkpoint/load.py). A new DeepSpeed release
+that edits one of them runs without an error and trains wrongly, so each is listed here with the sha256 of
 `inspect.getsource` on every release tested with (docs/versions.md): `changed()` names the methods whose installed
 source differs, i.e. the ones to read and re-state before admitting that release. Only the standard library and
 packaging at import time: `import coat_ds` calls `warn_if_untested` (importlib.metadata, no DeepSpeed import), and
@@ -65,9 +65,9 @@ METHODS: dict[str, str] = {
     "deepspeed.runtime.engine:DeepSpeedEngine._configure_distributed_model": "wrapped: engine.hook",
     "deepspeed.runtime.engine:DeepSpeedEngine._configure_optimizer": "wrapped: engine.hook",
     "deepspeed.runtime.engine:DeepSpeedEngine._take_model_step": "wrapped: engine.hook",
-    "deepspeed.runtime.engine:DeepSpeedEngine.load_checkpoint": "wrapped: engine.hook, checkpoint.load",
+    "deepspeed.runtime.engine:DeepSpeedEngine.load_checkpoint": "wrapped: engine.hook, checkpoint.load.load",
     "deepspeed.runtime.engine:DeepSpeedEngine._load_checkpoint":
-        "re-stated (what it restores besides weights and optimizer): checkpoint._engine_state",
+        "re-stated (what it restores besides weights and optimizer): checkpoint.load._engine_state",
 }
 
 # DeepSpeed release -> {method: sha256 of its inspect.getsource}; its keys are the tested set (setup.py's range)

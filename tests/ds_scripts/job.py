@@ -100,7 +100,7 @@ def task_regroup(args, world, stage, dtype, rest):
 
 def task_universal(args, world, stage, dtype, rest):
     """Convert DIR/w<W>_s<S>_<D> with coat_ds's universal converter, load it with load_universal, train on."""
-    from coat_ds.deepspeed.universal import convert
+    from coat_ds.deepspeed.checkpoint.universal import convert
 
     src = int(rest[0])
     dst = os.path.join(args.ckpt, f"uni_from_w{src}_s{stage}_{dtype}_to_w{world}")
@@ -221,7 +221,7 @@ def task_plant(args, world, stage, dtype, rest):
 def task_contents(args, world, stage, dtype, rest):
     """The globals (other than what torch allows by default) pickled in the files of every checkpoint the jobs saved,
     planted and truncated copies left out; and those coat_ds's reader allows."""
-    from coat_ds.deepspeed.checkpoint_files import ds_globals
+    from coat_ds.deepspeed.checkpoint.files import ds_globals
 
     found = {}
     for root, _, files in os.walk(args.ckpt):

@@ -208,7 +208,7 @@ def _masters(engine) -> torch.Tensor:
 
 def _saved_masters(path: str, world: int) -> torch.Tensor:
     """This rank's master partitions as the checkpoint holds them (without DeepSpeed's padding)."""
-    from coat_ds.deepspeed.checkpoint import zero_files
+    from coat_ds.deepspeed.checkpoint.files import zero_files
 
     f = zero_files(os.path.join(path, "t"), world)[dist.get_rank()]
     osd = torch.load(f, map_location="cpu", weights_only=False)["optimizer_state_dict"]
@@ -271,7 +271,7 @@ def task_resume(args, world, stage, master, rest):
 
 
 def task_universal(args, world, stage, master, rest):
-    from coat_ds.deepspeed.universal import convert
+    from coat_ds.deepspeed.checkpoint.universal import convert
 
     src = int(rest[0])
     dst = os.path.join(args.ckpt, f"uni_m{src}_s{stage}_{master}_to_w{world}")

@@ -157,7 +157,8 @@ def test_group_size_change_regroups_states(runs):
 
 
 def test_universal_checkpoint_converter(runs):
-    """coat_ds.deepspeed.universal: DeepSpeed's universal layout + FP8 states; loads at another world size."""
+    """coat_ds.deepspeed.checkpoint.universal: DeepSpeed's universal layout + FP8 states; loads at another world
+    size."""
     full = task_result(runs, "w1", "train:0:fp32")["losses"][SAVE_AT:]
     assert task_result(runs, "w1b", "universal:2:fp32:2")["resumed"] == full  # ZeRO-2, 2 ranks -> 1
     assert task_result(runs, "w2", "universal:3:fp32:1")["resumed"] == full  # ZeRO-3, 1 rank -> 2

@@ -1,5 +1,5 @@
-"""A checkpoint save that fails says why in one line (coat_ds.deepspeed.save): torch.save's own error on a full
-disk names no cause, so the reason comes from the OS. Real failures only: a file size limit (RLIMIT_FSIZE, no
+"""A checkpoint save that fails says why in one line (coat_ds.deepspeed.checkpoint.save): torch.save's own error on a
+full disk names no cause, so the reason comes from the OS. Real failures only: a file size limit (RLIMIT_FSIZE, no
 root needed) and a full tmpfs (a private mount namespace, where the machine allows one)."""
 import errno
 import shutil
@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from coat_ds.deepspeed.save import write_failure
+from coat_ds.deepspeed.checkpoint.save import write_failure
 from harness import ROOT, TRAIN_SMALL, child_env, finish, free_port, launcher
 
 
@@ -18,7 +18,7 @@ def test_a_file_size_limit_is_named_not_torchs_enforce_fail(tmp_path):
     the file is too large and how much space is free."""
     code = textwrap.dedent(f"""
         import resource, torch
-        from coat_ds.deepspeed.save import write_failure
+        from coat_ds.deepspeed.checkpoint.save import write_failure
         resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, resource.RLIM_INFINITY))
         try:
             torch.save(torch.zeros(1 << 20), {str(tmp_path / 'x.pt')!r})

@@ -1,13 +1,13 @@
 """DeepSpeed universal checkpoints for CoatAdamW engines (DeepSpeed's ds_to_universal needs exp_avg/exp_avg_sq).
 
-    python -m coat_ds.deepspeed.universal CKPT_DIR/TAG OUT_DIR/TAG_universal
+    python -m coat_ds.deepspeed.checkpoint.universal CKPT_DIR/TAG OUT_DIR/TAG_universal
 
 writes DeepSpeed's universal layout: `zero/<param>/fp32.pt` ({"param": fp32 weight}) and `step.pt`,
 which DeepSpeed's own loader reads (`"checkpoint": {"load_universal": true}`), plus
 `zero/<param>/coat_states.bin` (FP8 codes, per-group scales and exponents of the whole parameter;
 `.bin` so that DeepSpeed's loader, which slices every `*.pt` element-wise, leaves it alone).
 coat_ds's load_checkpoint wrapper fills the FP8 states from those files after DeepSpeed's load.
-A regular checkpoint re-partitions to any world size without this step (checkpoint.py); the universal
+A regular checkpoint re-partitions to any world size without this step (load.py); the universal
 form is for tools that read DeepSpeed's universal layout.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ import shutil
 
 import torch
 
-from .checkpoint_files import CheckpointError, ParamState, canonical, torch_load, zero_files
+from .files import CheckpointError, ParamState, canonical, torch_load, zero_files
 
 STATES = "coat_states.bin"
 _SHARDED = ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups")
@@ -69,7 +69,7 @@ def convert(src: str, dst: str) -> int:
 
 
 def read(folder: str) -> dict[str, ParamState]:
-    """The per-parameter form (as checkpoint_files.canonical returns it) of a universal folder written by convert()."""
+    """The per-parameter form (as files.canonical returns it) of a universal folder written by convert()."""
     canon = {}
     zero = os.path.join(folder, "zero")
     for name in sorted(os.listdir(zero)):
@@ -78,7 +78,8 @@ def read(folder: str) -> dict[str, ParamState]:
             continue
         canon[name] = ParamState.from_file(torch_load(states), torch_load(os.path.join(zero, name, "fp32.pt"))["param"])
     if not canon:
-        raise CheckpointError(f"{folder}: no {STATES} files; convert with python -m coat_ds.deepspeed.universal")
+        raise CheckpointError(f"{folder}: no {STATES} files; convert with "
+                              "python -m coat_ds.deepspeed.checkpoint.universal")
     return canon
 
 

@@ -5,12 +5,12 @@ partition layout (`coat_layouts`: which piece of which parameter each flat tenso
 groups are per parameter (zero/layout.py), a checkpoint re-partitions exactly: pieces are cut out of the
 parameters and re-assembled, codes, scales and exponents unchanged. Only a different `group_size`
 re-groups (dequantize with the old groups, quantize with the new: one extra FP8 rounding of m and v).
-Reading saved files and the per-parameter form are checkpoint_files.py's (universal.py shares them).
+Reading saved files and the per-parameter form are files.py's (universal.py shares them).
 
 `engine.load_checkpoint` of a CoatAdamW engine runs load() (engine.py wraps DeepSpeedEngine.load_checkpoint):
   1. every file of the tag is opened and checked on every rank before anything is loaded; a missing,
      truncated or foreign file (another optimizer), or one holding objects outside DeepSpeed's checkpoint contents
-     (checkpoint_files.torch_load: a pickle that could run code when DeepSpeed unpickles it), raises ValueError on
+     (files.torch_load: a pickle that could run code when DeepSpeed unpickles it), raises ValueError on
      all ranks, nothing half-loaded;
   2. same data-parallel world size: DeepSpeed's own load (bit-exact resume);
   3. another world size under ZeRO: DeepSpeed loads module weights, scheduler and client state, then
@@ -24,16 +24,16 @@ import os
 import torch
 import torch.distributed as dist
 
-from .. import kernels
-from ..formats import Fp8Moment, bf16_weight
-from ..optim import CoatAdamW
-from ..optim.coat_adamw import FP8_STATE_KEYS, FP32_STATE_KEYS, MOMENTS, fp8_moments, fp32_zeros
-from .zero.bind import partitions
-from .checkpoint_files import (LAYOUTS, CheckpointError, ParamState, base_and_flats, canonical, check_contents,
-                               torch_load, zero_files)
-from .zero.layout import meta_offsets
+from ... import kernels
+from ...formats import Fp8Moment, bf16_weight
+from ...optim import CoatAdamW
+from ...optim.coat_adamw import FP8_STATE_KEYS, FP32_STATE_KEYS, MOMENTS, fp8_moments, fp32_zeros
+from ..zero.bind import partitions
+from ..zero.kind import is_zero3
+from ..zero.layout import meta_offsets
+from .files import (LAYOUTS, CheckpointError, ParamState, base_and_flats, canonical, check_contents, torch_load,
+                    zero_files)
 from .universal import read as read_universal
-from .zero.kind import is_zero3
 
 
 # ------------------------------------------------------------------ optimizer hooks (torch's own API)
@@ -198,7 +198,7 @@ def load(engine, original, load_dir: str, tag: str | None = None, **kw):
 
 def _load_universal(engine, original, load_dir: str, tag: str | None, load_opt: bool, kw: dict):
     """DeepSpeed loads fp32 masters and steps from the universal folder; the FP8 states come from
-    the coat_states.bin files that coat_ds.deepspeed.universal wrote beside them."""
+    the coat_states.bin files that universal.py wrote beside them."""
     canon, err = None, None
     if tag is not None:
         try:

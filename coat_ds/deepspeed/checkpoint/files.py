@@ -1,6 +1,6 @@
 """What a saved CoatAdamW checkpoint holds, read back: its files, and each parameter's state made whole.
 
-Both loaders build on this (checkpoint.py: a regular tag, re-partitioned; universal.py: DeepSpeed's
+Both loaders build on this (load.py: a regular tag, re-partitioned; universal.py: DeepSpeed's
 universal layout) and the up-front check (check.py) refuses files with its CheckpointError. A rank's
 optimizer state holds, per flat partition, pieces of many parameters (its recorded layout says which);
 `canonical` gathers the pieces of every rank into one ParamState per parameter, and a loader cuts that
@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from ..formats import Fp8Moment
-from ..optim.coat_adamw import MOMENTS, fp8_moments, moment_formats
-from .zero.layout import Segment, meta_offsets
+from ...formats import Fp8Moment
+from ...optim.coat_adamw import MOMENTS, fp8_moments, moment_formats
+from ..zero.layout import Segment, meta_offsets
 
 LAYOUTS = "coat_layouts"  # key of the base-optimizer state dict: per state index, its partition's layout
 
