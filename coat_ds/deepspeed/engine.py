@@ -25,6 +25,8 @@ and one of ZeRO-1/2's: `DeepSpeedZeroOptimizer._configure_master_weights`, whose
 master only for DeepSpeedCPUAdam under Offload (its concern: fp32 moments beside a bf16 master); CoatAdamW
 keeps FP8 moments and its steps (device and CPU) write a bf16 master themselves (with stochastic rounding),
 so for a CoatAdamW that validator is left out.
+
+This module imports DeepSpeed (registration.register() imports it once DeepSpeed is there).
 """
 from __future__ import annotations
 
@@ -33,10 +35,16 @@ import sys
 from typing import Any
 
 import torch
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+from deepspeed.utils import log_dist
 
+from ..hf.loss import apply as apply_loss
+from ..hf.swap import apply as swap_layers
 from ..optim import CoatAdamW
+from .checkpoint.load import install as checkpoint_hooks, load as checkpoint_load
 from .config import SECTION, engine_section
 from .optimizer_type import NAME
+from .zero.bind import bind
 from .zero.master import bf16_master_from_setup
 
 SECTION_KEY = "coat.activation"
@@ -45,20 +53,14 @@ SECTION_KEY = "coat.activation"
 def apply_section(engine, model: torch.nn.Module) -> None:
     """Apply the engine config's "coat" section to `model`; a ValueError naming coat.activation if it cannot."""
     section = engine_section(engine)
-    from deepspeed.utils import log_dist
-
     if section.activation is not None:
-        from ..hf.swap import apply
-
         try:
-            n = apply(model, section.activation, engine.gradient_accumulation_steps())
+            n = swap_layers(model, section.activation, engine.gradient_accumulation_steps())
         except ValueError as exc:
             raise ValueError(f"{SECTION_KEY} cannot be applied to this model: {exc}") from None
         log_dist(f"coat_ds: {SECTION_KEY}: {n} FP8 decoder layers" if n else f"coat_ds: {SECTION_KEY}: enabled is "
                  "false, the model keeps its stock layers", ranks=[0])
     if SECTION in engine._config._param_dict:   # coat.loss, on by default; after the swap, which must not override it
-        from ..hf.loss import apply as apply_loss
-
         log_dist(f"coat_ds: coat.loss: {apply_loss(model, section.loss)}", ranks=[0])
 
 
@@ -119,12 +121,10 @@ def _wrap(engine_cls, name: str, before=None, after=None, around=None) -> None:
 
 
 def _bind_partitions(engine, *_: Any) -> None:
-    from .zero.bind import bind
-    from .checkpoint.load import install
-
     if isinstance(getattr(engine, "basic_optimizer", None), CoatAdamW):
-        bind(engine)
-        install(engine)
+        section = engine_section(engine)
+        bind(engine, section.master_weights, section.gradients)
+        checkpoint_hooks(engine)
 
 
 _LOAD_ARGS = ("tag", "load_module_strict", "load_optimizer_states", "load_lr_scheduler_states", "load_module_only",
@@ -132,13 +132,11 @@ _LOAD_ARGS = ("tag", "load_module_strict", "load_optimizer_states", "load_lr_sch
 
 
 def _load_checkpoint(engine, original, load_dir: str, *args: Any, **kw: Any):
-    """A CoatAdamW engine's checkpoints are checked before loading and re-partition (checkpoint.load)."""
+    """A CoatAdamW engine's checkpoints are checked before loading and re-partition (checkpoint/load.py)."""
     if not isinstance(getattr(engine, "basic_optimizer", None), CoatAdamW):
         return original(load_dir, *args, **kw)
-    from .checkpoint.load import load
-
     kw.update(zip(_LOAD_ARGS, args))
-    return load(engine, original, load_dir, **kw)
+    return checkpoint_load(engine, original, load_dir, **kw)
 
 
 def _new_weight_step(engine, *_: Any) -> None:
@@ -154,14 +152,4 @@ def hook(engine_cls) -> None:
     _wrap(engine_cls, "_configure_optimizer", before=_configure_optimizer_before, after=_bind_partitions)
     _wrap(engine_cls, "_take_model_step", after=_new_weight_step)
     _wrap(engine_cls, "load_checkpoint", around=_load_checkpoint)
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-
     _wrap(DeepSpeedZeroOptimizer, "_configure_master_weights", around=_coat_master_weights)
-
-
-def initialize(model: torch.nn.Module, config: Any = None, optimizer: Any = None, **kw: Any):
-    """deepspeed.initialize with the model first (kept for scripts written against it): the engine itself
-    applies the "coat" section, so plain `deepspeed.initialize` after `import coat_ds` gives the same engine."""
-    import deepspeed
-
-    return deepspeed.initialize(model=model, config=config, optimizer=optimizer, **kw)

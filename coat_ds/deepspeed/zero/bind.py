@@ -7,18 +7,21 @@ partition boundaries cut identically on every rank, and bind it to CoatAdamW (`b
 state creation and FP8 step for that tensor then go through the layout. Parameters DeepSpeed leaves
 whole (stage 0 without bf16, fp16 stage 0) keep CoatAdamW's own per-parameter path: its groups are
 already the canonical ones. ZeRO-1/2/3 optimizers also get the step of step.py (the kernel reads
-the gradient partition in place; BF16_Optimizer only its bf16 weight copy), and `"coat": {"master_weights": ...}` bf16 masters or bf16 + remainder
-masters (master.py; the remainders, zero at the start where the fp32 master is the widened bf16 weights, are
-kept by the layout).
+the gradient partition in place; BF16_Optimizer only its bf16 weight copy) or, for `"coat": {"gradients":
+"release"}`, release.py's, and `"coat": {"master_weights": ...}` bf16 masters or bf16 + remainder masters
+(master.py; the remainders, zero at the start where the fp32 master is the widened bf16 weights, are kept by
+the layout).
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
 
 from ...optim import CoatAdamW
-from ..config import engine_section
+from . import release
 from . import step as zero_step
+from .gradients import RELEASE
 from .kind import BF16, ZERO3, ZERO12, zero_kind
 from .layout import Segment, ShardLayout, local_cut_keys
 from .master import use_bf16_master
@@ -78,15 +81,12 @@ def _group_of(opt: CoatAdamW, flat: torch.Tensor, index: int) -> dict:
     return opt.param_groups[min(index, len(opt.param_groups) - 1)]  # ZeRO-3 empties 'params' between steps
 
 
-def bind(engine) -> int:
-    """Give every flat partition of a CoatAdamW engine its layout; returns how many tensors were bound."""
+def bind(engine, master: str, gradients: str) -> int:
+    """Give every flat partition of a CoatAdamW engine its layout, for its coat.master_weights `master` and
+    coat.gradients `gradients`; returns how many tensors were bound."""
     opt = engine.basic_optimizer
     if not isinstance(opt, CoatAdamW):
         return 0
-    from deepspeed.accelerator import get_accelerator
-
-    section = engine_section(engine)
-    master = section.master_weights
     if master != "fp32":
         use_bf16_master(engine, master)
     comm_device = get_accelerator().current_device_name()
@@ -110,6 +110,7 @@ def bind(engine) -> int:
                                              stochastic=master == "bf16_sr", remainder=rem))
         bound += 1
     if bound and (zero_step.ENABLED or master != "fp32"):  # bound: ZeRO-1/2/3 or BF16_Optimizer (partitions())
-        zero_step.install(zo, section.gradients)
+        mixin = release.mixin(zo) if gradients == RELEASE else zero_step.mixin(zo)  # release: or a one-line refusal
+        zero_step.install(zo, mixin, gradients)
     engine._coat_bound = bound
     return bound

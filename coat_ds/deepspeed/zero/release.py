@@ -242,7 +242,7 @@ class ReleaseStep(Zero12Step):
 
 
 def mixin(zo) -> type:
-    """The mixin step.install gives `zo` for coat.gradients 'release', or a ValueError naming the key."""
+    """The mixin of `zo` for coat.gradients 'release' (bind() installs it), or a ValueError naming the key."""
     why = refusal(zo)
     if why is not None:
         raise ValueError(why)

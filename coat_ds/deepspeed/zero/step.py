@@ -382,16 +382,18 @@ def _subclass(mixin: type, base: type) -> type:
     return type(f"Coat{base.__name__}", (mixin, base), {"__module__": __name__})
 
 
-def install(zo, gradients: str = GRADIENTS_DEFAULT) -> None:
-    """Give the ZeRO optimizer `zo` (stage 1, 2 or 3, or BF16_Optimizer) of a CoatAdamW engine the step of this
-    module, its reduced gradients kept as coat.gradients says (gradients.py)."""
-    mixin = {ZERO3: Zero3Step, ZERO12: Zero12Step}.get(zero_kind(zo), Bf16Step)
-    if gradients == "release":  # release.py: its own step, or a one-line refusal where it cannot run
-        from . import release
-        mixin = release.mixin(zo)
-    if not isinstance(zo, mixin):
-        zo.__class__ = _subclass(mixin, type(zo))
+def mixin(zo) -> type:
+    """This module's mixin for DeepSpeed's optimizer wrapper `zo` (coat.gradients "release" has release.mixin's)."""
+    return {ZERO3: Zero3Step, ZERO12: Zero12Step}.get(zero_kind(zo), Bf16Step)
+
+
+def install(zo, cls: type, gradients: str = GRADIENTS_DEFAULT) -> None:
+    """Give the ZeRO optimizer `zo` (stage 1, 2 or 3, or BF16_Optimizer) of a CoatAdamW engine the step of mixin
+    `cls` (mixin(zo), or release.ReleaseStep: a Zero12Step), its reduced gradients kept as coat.gradients says
+    (gradients.py)."""
+    if not isinstance(zo, cls):
+        zo.__class__ = _subclass(cls, type(zo))
     zo._coat_grads, zo._coat_scales, zo._coat_lp_written = {}, {}, set()
     zo._coat_per_parameter_grads = gradients == "per_parameter"
-    if mixin is Zero3Step and zo._coat_per_parameter_grads:
+    if cls is Zero3Step and zo._coat_per_parameter_grads:
         zo._coat_use_grad_partitions()
