@@ -28,9 +28,9 @@ from ... import kernels
 from ...formats import Fp8Moment, bf16_weight
 from ...optim import CoatAdamW
 from ...optim.coat_adamw import FP8_STATE_KEYS, FP32_STATE_KEYS, MOMENTS, fp8_moments, fp32_zeros
-from ..zero.bind import partitions
 from ..zero.kind import is_zero3
 from ..zero.layout import meta_offsets
+from ..zero.partitions import partitions, zero3_slice
 from .files import (LAYOUTS, CheckpointError, ParamState, base_and_flats, canonical, check_contents, torch_load,
                     zero_files)
 from .universal import read as read_universal
@@ -322,9 +322,7 @@ def _restore_lp(engine, canon: dict[str, ParamState]) -> None:
         rank = dist.get_rank(group=zo.dp_process_group)
         for group in zo.fp16_groups:
             for p in group:
-                part = p.ds_tensor.ds_numel
-                start = rank * part
-                n = max(0, min(part, p.ds_numel - start))
+                start, n, _ = zero3_slice(p, rank)
                 if n:
                     p.ds_tensor.data.view(-1)[:n] = lp(canon[names[p]].master[start:start + n], p.ds_tensor.dtype)
         return

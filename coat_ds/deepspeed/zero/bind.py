@@ -1,12 +1,10 @@
 """Attach partition layouts to the flat tensors DeepSpeed hands CoatAdamW, right after it builds them.
 
-DeepSpeed's ZeRO-1/2 and bf16 optimizers describe each parameter's piece of a rank's partition in
-`param._hp_mapping` (the same map its universal checkpoints use); ZeRO-3 partitions each parameter
-evenly (`ds_tensor`). From these we build a ShardLayout per flat tensor, number the groups that
-partition boundaries cut identically on every rank, and bind it to CoatAdamW (`bind_partition`): its
-state creation and FP8 step for that tensor then go through the layout. Parameters DeepSpeed leaves
-whole (stage 0 without bf16, fp16 stage 0) keep CoatAdamW's own per-parameter path: its groups are
-already the canonical ones. ZeRO-1/2/3 optimizers also get the step of step.py (the kernel reads
+From the pieces of parameters each flat tensor holds (partitions.py) we build a ShardLayout per flat tensor,
+number the groups that partition boundaries cut identically on every rank, and bind it to CoatAdamW
+(`bind_partition`): its state creation and FP8 step for that tensor then go through the layout. Parameters
+DeepSpeed leaves whole (stage 0 without bf16, fp16 stage 0) keep CoatAdamW's own per-parameter path: its groups
+are already the canonical ones. ZeRO-1/2/3 optimizers also get the step of step.py (the kernel reads
 the gradient partition in place; BF16_Optimizer only its bf16 weight copy) or, for `"coat": {"gradients":
 "release"}`, release.py's, and `"coat": {"master_weights": ...}` bf16 masters or bf16 + remainder masters
 (master.py; the remainders, zero at the start where the fp32 master is the widened bf16 weights, are kept by
@@ -22,56 +20,9 @@ from ...optim import CoatAdamW
 from . import release
 from . import step as zero_step
 from .gradients import RELEASE
-from .kind import BF16, ZERO3, ZERO12, zero_kind
-from .layout import Segment, ShardLayout, local_cut_keys
+from .layout import ShardLayout, local_cut_keys
 from .master import use_bf16_master
-
-
-def _names(engine) -> dict:
-    names = getattr(engine, "param_names", None)
-    if names:
-        return names
-    return {p: n for n, p in engine.module.named_parameters()}
-
-
-def _hp_segments(lp_params, names) -> list[Segment]:
-    out = []
-    for lp in lp_params:
-        m = getattr(lp, "_hp_mapping", None)
-        if m is None:
-            continue
-        out.append(Segment(names[lp], lp.numel(), m.lp_fragment_address.start, m.hp_fragment_address.start,
-                           m.hp_fragment_address.numel))
-    return out
-
-
-def _z3_segments(params, names, rank: int) -> list[Segment]:
-    out, flat = [], 0
-    for p in params:
-        part = p.ds_tensor.ds_numel
-        start = rank * part
-        n = max(0, min(part, p.ds_numel - start))
-        if n:
-            out.append(Segment(names[p], p.ds_numel, start, flat, n))
-        flat += part
-    return out
-
-
-def partitions(engine) -> list[tuple[torch.Tensor, list[Segment], object]]:
-    """(flat fp32 tensor, its segments, its data-parallel group) for every flat tensor of the engine's optimizer."""
-    zo, names = engine.optimizer, _names(engine)
-    kind = zero_kind(zo)
-    if kind == ZERO3:
-        rank = dist.get_rank(group=zo.dp_process_group)
-        return [(flat, _z3_segments(zo.fp16_groups[i], names, rank), zo.dp_process_group)
-                for i, flat in enumerate(zo.fp32_partitioned_groups_flat)]
-    if kind == ZERO12:
-        return [(flat, _hp_segments(zo.bit16_groups[i], names), zo.real_dp_process_group[i])
-                for i, flat in enumerate(zo.single_partition_of_fp32_groups)]
-    if kind == BF16:
-        return [(flat, _hp_segments(zo.bf16_groups[i], names), zo.real_dp_process_group[i])
-                for i, flat in enumerate(zo.fp32_groups_flat_partition)]
-    return []
+from .partitions import partitions
 
 
 def _group_of(opt: CoatAdamW, flat: torch.Tensor, index: int) -> dict:
