@@ -16,7 +16,7 @@ import typing
 from typing import Any, Mapping
 
 from ..keys import unknown_key
-from .checkpoint.files import CheckpointError, torch_load
+from .checkpoint.files import MODEL_FILE, CheckpointError, model_file, per_rank, torch_load
 from .config import SECTION, CoatSection, coat_section
 from .optimizer_type import NAME, validate_params
 from .zero.gradients import config_refusal as gradients_refusal
@@ -126,9 +126,6 @@ def _check_precision(cfg: Mapping) -> None:
 
 
 # ------------------------------------------------------------------ checkpoints
-_RANKED = re.compile(r"zero_pp_rank_\d+_")
-
-
 def check_tag(tag_dir: str) -> None:
     """Raise CheckpointError naming the first missing or unreadable file of a DeepSpeed checkpoint tag.
 
@@ -137,15 +134,13 @@ def check_tag(tag_dir: str) -> None:
     files carrying code; the engine's load still checks contents (checkpoint/load.py)."""
     if not os.path.isdir(tag_dir):
         raise CheckpointError(f"checkpoint missing: {tag_dir}")
-    model = next((os.path.join(tag_dir, n) for n in ("mp_rank_00_model_states.pt",
-                                                       "zero_pp_rank_0_mp_rank_00_model_states.pt")
-                  if os.path.isfile(os.path.join(tag_dir, n))), None)
+    model = model_file(tag_dir)
     if model is None:
-        raise CheckpointError(f"checkpoint file missing: {tag_dir}/mp_rank_00_model_states.pt")
+        raise CheckpointError(f"checkpoint file missing: {tag_dir}/{MODEL_FILE}")
     states = torch_load(model, mmap=True)
     world = int(states.get("dp_world_size", 1)) if isinstance(states, dict) else 1
     files = sorted(glob.glob(os.path.join(tag_dir, "*.pt")))
-    for family in sorted({_RANKED.sub("zero_pp_rank_{}_", os.path.basename(f)) for f in files}):
+    for family in sorted({per_rank(os.path.basename(f)) for f in files}):
         for rank in range(world if "{}" in family else 0):  # one file per data-parallel rank
             path = os.path.join(tag_dir, family.format(rank))
             if not os.path.isfile(path):

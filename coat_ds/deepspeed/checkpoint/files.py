@@ -1,8 +1,9 @@
 """What a saved CoatAdamW checkpoint holds, read back: its files, and each parameter's state made whole.
 
-Both loaders build on this (load.py: a regular tag, re-partitioned; universal.py: DeepSpeed's
-universal layout) and the up-front check (check.py) refuses files with its CheckpointError. A rank's
-optimizer state holds, per flat partition, pieces of many parameters (its recorded layout says which);
+Both loaders build on this (load.py: a regular tag, re-partitioned; universal.py: DeepSpeed's universal
+layout) and the up-front check (check.py) refuses files with its CheckpointError. The names DeepSpeed gives a
+tag's files are spelled here only, so a release that renames them changes this file. A rank's optimizer
+state holds, per flat partition, pieces of many parameters (its recorded layout says which);
 `canonical` gathers the pieces of every rank into one ParamState per parameter, and a loader cuts that
 to its own partitions (the inverse, ParamState.scatter).
 """
@@ -23,6 +24,14 @@ from ...optim.coat_adamw import MOMENTS, fp8_moments, moment_formats
 from ..zero.layout import Segment, meta_offsets
 
 LAYOUTS = "coat_layouts"  # key of the base-optimizer state dict: per state index, its partition's layout
+
+LATEST, LATEST_UNIVERSAL = "latest", "latest_universal"  # beside the tags: the newest (universal) tag's name
+MODEL_STATES, OPTIM_STATES = "model_states.pt", "optim_states.pt"  # how a tag's model and optimizer files end
+RANKED = "zero_pp_rank_{}_"  # how a data-parallel rank's own files start (optimizer states; ZeRO-3: model states)
+MODEL_FILE = "mp_rank_00_" + MODEL_STATES  # module weights and engine state
+ZERO3_MODEL_FILE = RANKED.format(0) + MODEL_FILE  # ZeRO-3 writes one per rank: saved rank 0's
+OPTIM_FILE = RANKED + "mp_rank_00_" + OPTIM_STATES  # .format(rank); "bf16_" before it for BF16_Optimizer's
+_RANK = re.compile(r"zero_pp_rank_\d+_")
 
 
 class CheckpointError(ValueError):
@@ -73,15 +82,26 @@ def check_contents(folder: str) -> None:
         torch_load(path, mmap=True)
 
 
+def model_file(tag_dir: str) -> str | None:
+    """The model-states file of a tag (under ZeRO-3 saved rank 0's), or None if it has none."""
+    return next((path for path in (os.path.join(tag_dir, n) for n in (MODEL_FILE, ZERO3_MODEL_FILE))
+                 if os.path.isfile(path)), None)
+
+
+def per_rank(name: str) -> str:
+    """A file name with its data-parallel rank as `{}` (RANKED), or the name itself if the file is not a rank's."""
+    return _RANK.sub(RANKED, name)
+
+
 def zero_files(ckpt_dir: str, world: int) -> list[str]:
     """The ZeRO optimizer files of data-parallel ranks 0..world-1 (bf16_ prefixed or not)."""
     for prefix in ("bf16_", ""):
-        names = [os.path.join(ckpt_dir, f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt") for r in range(world)]
+        names = [os.path.join(ckpt_dir, prefix + OPTIM_FILE.format(r)) for r in range(world)]
         if os.path.isfile(names[0]):
             return names
-    found = sorted(glob.glob(os.path.join(ckpt_dir, "*zero_pp_rank_*_optim_states.pt")))
+    found = sorted(glob.glob(os.path.join(ckpt_dir, "*" + RANKED.format("*") + OPTIM_STATES)))
     raise CheckpointError(f"{ckpt_dir}: expected ZeRO optimizer files for {world} ranks "
-                          f"(zero_pp_rank_<r>_mp_rank_00_optim_states.pt), found {[os.path.basename(f) for f in found]}")
+                          f"({OPTIM_FILE.format('<r>')}), found {[os.path.basename(f) for f in found]}")
 
 
 def base_and_flats(osd: dict, where: str) -> tuple[dict, list]:

@@ -31,8 +31,8 @@ from ...optim.coat_adamw import FP8_STATE_KEYS, FP32_STATE_KEYS, MOMENTS, fp8_mo
 from ..zero.kind import is_zero3
 from ..zero.layout import meta_offsets
 from ..zero.partitions import partitions, zero3_slice
-from .files import (LAYOUTS, CheckpointError, ParamState, base_and_flats, canonical, check_contents, torch_load,
-                    zero_files)
+from .files import (LATEST, LATEST_UNIVERSAL, LAYOUTS, ZERO3_MODEL_FILE, CheckpointError, ParamState, base_and_flats,
+                    canonical, check_contents, model_file, torch_load, zero_files)
 from .universal import read as read_universal
 
 
@@ -108,7 +108,7 @@ def install(engine) -> None:
 
 
 # ------------------------------------------------------------------ files
-def _tag(load_dir: str, tag: str | None, latest_name: str = "latest") -> str | None:
+def _tag(load_dir: str, tag: str | None, latest_name: str = LATEST) -> str | None:
     if tag is not None:
         return str(tag)
     latest = os.path.join(load_dir, latest_name)
@@ -135,16 +135,14 @@ def _read(engine, load_dir: str, tag: str) -> tuple[int, list[dict] | None]:
     At the saved world size each rank checks its own file (the others check theirs; _agree shares the
     verdict); at another world size every rank needs, and checks, all of them."""
     ckpt_dir = os.path.join(load_dir, tag)
-    model_file = os.path.join(ckpt_dir, "mp_rank_00_model_states.pt")
-    if not os.path.isfile(model_file):  # ZeRO-3 writes one model file per rank
-        model_file = os.path.join(ckpt_dir, "zero_pp_rank_0_mp_rank_00_model_states.pt")
-    sd = torch_load(model_file)
+    path = model_file(ckpt_dir) or os.path.join(ckpt_dir, ZERO3_MODEL_FILE)  # neither: torch_load says it is missing
+    sd = torch_load(path)
     world = int(sd.get("dp_world_size", 1))
     if not engine.zero_optimization():
         opt_sd = sd.get("optimizer")
         if opt_sd is None:
-            raise CheckpointError(f"{model_file}: holds no optimizer state")
-        check_state(opt_sd.get("optimizer_state_dict", opt_sd) if isinstance(opt_sd, dict) else opt_sd, model_file)
+            raise CheckpointError(f"{path}: holds no optimizer state")
+        check_state(opt_sd.get("optimizer_state_dict", opt_sd) if isinstance(opt_sd, dict) else opt_sd, path)
         return world, None
     paths = zero_files(ckpt_dir, world)
     if world == engine.seq_dp_world_size:
@@ -168,7 +166,7 @@ def load(engine, original, load_dir: str, tag: str | None = None, **kw):
     """engine.load_checkpoint for CoatAdamW engines (see the module docstring)."""
     load_opt = kw.get("load_optimizer_states", True) and not kw.get("load_module_only", False)
     if engine.load_universal_checkpoint():
-        return _load_universal(engine, original, load_dir, _tag(load_dir, tag, "latest_universal"), load_opt, kw)
+        return _load_universal(engine, original, load_dir, _tag(load_dir, tag, LATEST_UNIVERSAL), load_opt, kw)
     tag = _tag(load_dir, tag)
     if tag is None:
         return original(load_dir, None, **kw)
@@ -228,7 +226,7 @@ _DS_KEYS = ("module", "skipped_steps", "global_steps", "dp_world_size", "mp_worl
 def _engine_state(engine, load_dir: str, tag: str, load_lr: bool) -> tuple[str, dict]:
     """What DeepSpeed's _load_checkpoint restores besides weights and optimizer, from saved rank 0's model file."""
     ckpt_dir = os.path.join(load_dir, tag)
-    path = os.path.join(ckpt_dir, "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    path = os.path.join(ckpt_dir, ZERO3_MODEL_FILE)
     sd = torch_load(path)
     if load_lr and engine.lr_scheduler is not None and sd.get("lr_scheduler") is not None:
         engine.lr_scheduler.load_state_dict(sd["lr_scheduler"])

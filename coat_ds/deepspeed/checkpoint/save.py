@@ -13,7 +13,8 @@ import os
 import shutil
 from typing import Any
 
-LATEST = "latest"   # the file DeepSpeed's load_checkpoint(tag=None) reads
+from .files import LATEST  # the file DeepSpeed's load_checkpoint(tag=None) reads
+
 PROBE_BYTES = 1 << 20
 
 

@@ -19,16 +19,16 @@ import shutil
 
 import torch
 
-from .files import CheckpointError, ParamState, canonical, torch_load, zero_files
+from .files import LATEST_UNIVERSAL, MODEL_STATES, CheckpointError, ParamState, canonical, torch_load, zero_files
 
 STATES = "coat_states.bin"
 _SHARDED = ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups")
 
 
 def _model_files(src: str) -> list[str]:
-    files = sorted(glob.glob(os.path.join(src, "*model_states.pt")))
+    files = sorted(glob.glob(os.path.join(src, "*" + MODEL_STATES)))
     if not files:
-        raise CheckpointError(f"{src}: no *model_states.pt file")
+        raise CheckpointError(f"{src}: no *{MODEL_STATES} file")
     return files
 
 
@@ -63,7 +63,7 @@ def convert(src: str, dst: str) -> int:
     for f in _model_files(src):
         shutil.copy2(f, dst)
     root, tag = os.path.split(os.path.normpath(dst))
-    with open(os.path.join(root, "latest_universal"), "w") as f:
+    with open(os.path.join(root, LATEST_UNIVERSAL), "w") as f:
         f.write(tag)
     return len(canon)
 
