@@ -1,3 +1,4 @@
-"""ZeRO under CoatAdamW: FP8 groups that do not move when DeepSpeed partitions (layout.py), bound to ZeRO's flat
-partitions at set-up (bind.py), its step reading gradients where they lie (step.py, release.py), the master
-weights (master.py) and where reduced gradients live (gradients.py); kind.py tells which wrapper an engine runs."""
+"""CoatAdamW under DeepSpeed's ZeRO: FP8 groups that do not move when ZeRO partitions (layout.py), found in its flat
+partitions (kind.py, partitions.py) and bound to them at set-up (bind.py); the step on gradients where they lie
+(step.py, release.py), the master weights (master.py), where reduced gradients live (gradients.py). Nothing here
+imports the rest of coat_ds.deepspeed: engine.py hands bind() the "coat" section's values."""
