@@ -126,15 +126,17 @@ def real_shapes(res: Path):
     header = ["model, GPU", "configuration", "largest micro-batch", "peak GiB there", "tokens/s there",
               "BF16 + FusedAdam at micro-batch 1", "BF16 + FusedAdam: GPUs it needs (planner, ZeRO-2)"]
     rows = []
+    bf16_cfg = plan.bf16_baseline(plan.read_config("zero2_bf16")[0])
     for case in run["cases"].values():
         if case["model"] == "tiny":
             continue
         bf16 = next((c for c in case["summary"] if c["name"] == "bf16"), None)
         gpu = next(name for name in plan.GPUS if name.upper() in case["device"].upper())
-        bf16_cfg = plan.bf16_baseline(plan.read_config("zero2_bf16")[0])
-        if bf16 is None:   # not run beside this case: the planner's peak at micro-batch 1
+        if bf16 is None:   # not run beside this case: what the planner says of micro-batch 1
             job = plan.job_from_config(bf16_cfg, plan.resolve_shape(case["model"]), case["seq_len"], 1)
-            need = f"does not fit (planner: {num(plan.plan(job, 1).peak / 2 ** 30)} GiB)"
+            p = plan.plan(job, 1)
+            verdict = "fits" if p.fits(plan.GPUS[gpu] * 2 ** 30) else "does not fit"
+            need = f"{verdict} (planner: {num(p.peak / 2 ** 30)} GiB)"
         else:
             need = (f"does not fit (needs >= {num(bf16['needed_gb_at_1'])} GiB)" if bf16["max_micro_batch"] == 0
                     else f"fits up to {bf16['max_micro_batch']}")

@@ -101,7 +101,6 @@ def shape_from_hf(cfg: Mapping[str, Any], where: str) -> Shape:
 def resolve_shape(model: str, vocab: int | None = None) -> Shape:
     """A shipped shape (recipes.shapes.SHAPES, or the main job's MODEL_SIZES with `vocab`), a config.json (or
     its folder), or a hub name whose config.json is in the local HF cache."""
-
     name = ALIASES.get(model, model)
     if name in SHAPES or name in MODEL_SIZES:
         d = dict(SHAPES[name]) if name in SHAPES else dict(MODEL_SIZES[name], vocab_size=vocab or 8192)
@@ -259,7 +258,6 @@ def fewest_gpus(cfg: Mapping[str, Any], model: str, seq: int, memory: float, mos
 def coat_state_bytes(cfg: Mapping[str, Any]) -> float:
     """CoatAdamW's state bytes per parameter for the config's group_size and v_format: m and v as the
     optimizer allocates them (formats.Fp8Moment: codes + per-group scale and exponent)."""
-
     params = (cfg.get("optimizer") or {}).get("params") or {}
     g = int(params.get("group_size", 128))
     n = g * 64
@@ -283,7 +281,6 @@ def job_from_config(cfg: Mapping[str, Any], shape: Shape, seq: int, world: int, 
                     coat_step: bool = True) -> Job:
     """The Job of DeepSpeed config `cfg` (a dict) for `world` data-parallel ranks. `chunk`: "config" (what
     the config says), None (stock loss) or chunk tokens."""
-
     try:
         section = coat_section({k: v for k, v in cfg.items() if k != "coat"} |
                                {"coat": {k: v for k, v in (cfg.get("coat") or {}).items() if k != "loss"}})

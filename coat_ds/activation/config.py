@@ -75,8 +75,10 @@ class ActivationConfig:
     @classmethod
     def coerce(cls, config: "ActivationConfig | Mapping[str, Any] | None") -> "ActivationConfig":
         """What the FP8 layers and the swap accept as their config: one, its JSON section, or None (defaults)."""
-        if config is None or isinstance(config, cls):
-            return config or cls()
+        if config is None:
+            return cls()
+        if isinstance(config, cls):
+            return config
         if isinstance(config, Mapping):
             return cls.from_dict(config)
         raise TypeError(f"config must be an ActivationConfig, a dict (the \"coat\": {{\"activation\": ...}} section) "

@@ -16,11 +16,10 @@ With a bf16 master, ZeRO-1/2/3 on the device use the bf16 model partition itself
 step updates it in place (master and model copy: 2 B/param instead of 6). Under ZeRO-1/2 the engine hook
 turns on DeepSpeed's own `bf16_master_weights_and_grads`, so ZeRO builds its master in bf16 from the start
 (no fp32 partition at set-up; on the device its bf16 copy is then dropped for the model partition). Under
-ZeRO-1/2 Offload the master lives on the host in bf16, with its gradient, and also serves as DeepSpeed's
-bf16 staging buffer
-(2 B/param less; the step copies the master to the device itself). ZeRO-3 with Offload or NVMe, stage 0 and
-DeepSpeed's BF16_Optimizer (what ZeRO-1 runs for a bf16 model with `"data_types": {"grad_accum_dtype":
-"fp32"}`) keep an fp32 master.
+ZeRO-1/2 Offload the master lives on the host in bf16, with its gradient, and also serves as DeepSpeed's bf16
+staging buffer (2 B/param less; the step copies the master to the device itself). ZeRO-3 with Offload or
+NVMe, stage 0 and DeepSpeed's BF16_Optimizer (what ZeRO-1 runs for a bf16 model with `"data_types":
+{"grad_accum_dtype": "fp32"}`) keep an fp32 master.
 """
 from __future__ import annotations
 
