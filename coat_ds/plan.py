@@ -160,13 +160,15 @@ def loss_bytes(tokens: int, shape: Shape, chunk: int | None) -> dict[str, float]
     """What the loss adds, by phase: `forward` (the logits at their largest), `backward` (the loss's own
     backward), `first_grad` (what is still alive when the first gradient bucket is reduced). Stock (`chunk`
     None): bf16 logits, an fp32 copy and the fp32 log-softmax kept for backward, whose backward makes two
-    more fp32 tensors of the logits' size and then a bf16 gradient. Chunked: `chunk` tokens of logits at a
-    time forward, vocabulary slices of `chunk` rows backward, and the fp32 gradient of the hidden states."""
+    more fp32 tensors of the logits' size and then a bf16 gradient. Chunked: `chunk` tokens of bf16 logits at
+    a time forward (the CUDA kernels make no fp32 copy), vocabulary slices of as many logits backward, the fp32
+    gradient of the hidden states and one fp32 product."""
     v, h = shape.vocab, shape.hidden
     if chunk is None:
         return dict(forward=10.0 * v * tokens, backward=12.0 * v * tokens, first_grad=2.0 * v * tokens)
-    return dict(forward=10.0 * v * min(chunk, tokens) + 4 * tokens,
-                backward=8.0 * tokens * min(chunk, v) + 4.0 * tokens * h, first_grad=2.0 * tokens * h)
+    logits = v * min(chunk, tokens)  # forward's chunk, and each backward slice (loss.slice_rows)
+    return dict(forward=2.0 * logits + 4 * tokens, backward=2.0 * logits + 8.0 * tokens * h,
+                first_grad=2.0 * tokens * h)
 
 
 # ------------------------------------------------------------------ the plan

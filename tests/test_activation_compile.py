@@ -229,7 +229,7 @@ def test_fakes_match_implementations():
     q, qs, _ = quant.silu_mul_quant(x, E5M2, 16)
     cases = [(quant.row_amax, (x,)), (quant.tensor_scale, (ymax, "e5m2")),
              (quant.quant_tensor, (x, s, "e4m3", False, True)), (quant.quant_tensor, (x, s, "e5m2")),
-             (quant.rmsnorm_quant, (x, w, 1e-6, "e4m3", 16)),
+             (quant.rmsnorm_quant, (x, w, 1e-6, "e4m3", 16)), (quant.rmsnorm_save, (x, w, 1e-6, "e5m2", 16)),
              (quant.rmsnorm_rebuild, (xq, xs, rstd, w, s, "e5m2", 16, True, True)),
              (quant.rmsnorm_backward, (x, xq, xs, rstd, w, 16, x)), (quant.rmsnorm_backward, (x, xq, xs, rstd, w, 16)),
              (quant.silu_mul_quant, (x, "e4m3", 16)), (quant.silu_mul_rebuild, (q, qs, s, "e4m3", 16, False, True)),

@@ -62,15 +62,20 @@ def test_row_amax_and_quant_tensor(fmt):
     _codes_equal(qt, rq.t().contiguous())
 
 
+# 320 groups: two groups per thread in the backward; 16 and 32 groups: a warp per row (per-head q/k norms)
+@pytest.mark.parametrize("m,n", [(192, 4096 + 1024), (1000, 256), (333, 512)])
 @pytest.mark.parametrize("fmt", FMTS)
-def test_rmsnorm_kernels(fmt):
-    m, n = 192, 4096 + 1024  # 320 groups: two groups per thread in the backward
+def test_rmsnorm_kernels(fmt, m, n):
     x, w = _rand(m, n, 2), (torch.rand(n, device="cuda") + 0.5).bfloat16()
     k = quant.rmsnorm_quant(x, w, 1e-5, fmt, 16)
     r = R.rmsnorm_quant(x, w, 1e-5, fmt, 16)
     _codes_equal(k[0], r[0])
     assert torch.equal(k[1], r[1])
     assert torch.allclose(k[2], r[2], rtol=1e-5, atol=0) and torch.allclose(k[3], r[3], rtol=1e-5, atol=0)
+    y, *saved = quant.rmsnorm_save(x, w, 1e-5, fmt, 16)  # the output of a norm that feeds no GEMM, same pass
+    _codes_equal(saved[0], r[0])
+    assert torch.equal(saved[1], r[1]) and torch.equal(saved[2], k[2])
+    _close_bf16(y, R.rmsnorm_output(x, r[2], w))
     xq, xs, rstd, ymax = r
     scale = R.tensor_scale(ymax, E4M3)
     kq, kqt = quant.rmsnorm_rebuild(xq, xs, rstd, w, scale, E4M3, 16, True, True)
@@ -295,3 +300,26 @@ def test_gemma3_geglu_runs_the_kernels(monkeypatch):
         assert torch.isfinite(a).all() and torch.isfinite(b).all(), i
         cos = torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), 0).item()
         assert cos >= (0.999 if i == 0 else 0.99), (i, cos)
+
+
+@pytest.mark.parametrize("m,n", [(64, 262208), (200, 4104), (3, 8)])
+def test_xent_kernels_match_the_reference(m, n):
+    """The LM head's cross-entropy kernels on fresh logits (peaked rows, a -inf column, targets anywhere in the
+    vocabulary slice or outside it): logsumexp and picked logit in fp32 to 1e-6 relative, the in-place gradient
+    within 2 bf16 ulps of the reference, every element."""
+    g = torch.Generator(device="cuda").manual_seed(m * 7 + n)
+    x = (torch.randn(m, n, generator=g, device="cuda") * 4).bfloat16()
+    x[0, 1] = 60.0  # one peaked row
+    x[-1, 0] = float("-inf")
+    target = torch.randint(0, n, (m,), generator=g, device="cuda")
+    lse, picked = quant.xent_forward(x, target)
+    rlse, rpicked = R.xent_forward(x, target)
+    assert torch.isfinite(lse).all()
+    torch.testing.assert_close(lse, rlse, rtol=1e-6, atol=1e-6)
+    assert torch.equal(picked, rpicked)
+    local = target - torch.randint(-n // 2, n // 2, (m,), generator=g, device="cuda")  # in the slice or not
+    scale = torch.rand(m, generator=g, device="cuda") / m
+    ref = R.xent_backward(x, rlse, local, scale)
+    ours = quant.xent_backward_(x.clone(), rlse, local, scale)
+    _close_bf16(ours, ref)
+    assert (ours == ref).float().mean() > 0.99

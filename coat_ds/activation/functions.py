@@ -20,7 +20,6 @@ from torch.autograd import Function
 
 from ..formats import FP8Format
 from ..kernels import quant
-from ..kernels import quant_reference as R
 from .config import ActivationConfig
 from .gemm import fp8_mm
 from .weight_cache import WeightGroup
@@ -134,10 +133,10 @@ class RmsNormFn(Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, eps: float, cfg: ActivationConfig) -> torch.Tensor:
-        xq, xs, rstd, _ = quant.rmsnorm_quant(x, w, eps, cfg.fwd, cfg.group_size)
+        y, xq, xs, rstd = quant.rmsnorm_save(x, w, eps, cfg.fwd, cfg.group_size)
         ctx.save_for_backward(xq, xs, rstd, w)
         ctx.group_size = cfg.group_size
-        return R.rmsnorm_output(x, rstd, w)
+        return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):

@@ -4,11 +4,12 @@ The stock loss computes `logits = hidden @ weight^T` for every token, upcasts th
 log-softmax for backward: at Llama-3.1-8B's 128,256-token vocabulary and 4096 tokens that is 1 GiB of bf16
 logits and 2 GiB for each fp32 copy, per sample. Here forward walks the tokens in chunks of `chunk_tokens`
 (chunk_tokens x vocab logits at a time) and keeps one log-sum-exp per token; backward recomputes the logits
-in vocabulary slices of `chunk_tokens` rows (tokens x chunk_tokens logits at a time), so that each slice's
-weight gradient is one GEMM over all the tokens (rounded once, as stock) and the hidden-state gradient is
-summed over slices in fp32. The math per element is
-the stock one: logits in the weight's dtype, softmax in fp32, the logits' gradient rounded to the weight's
-dtype before the two GEMMs. The extra cost is one more logits GEMM (backward recomputes them)."""
+in vocabulary slices holding as many logits (`slice_rows`), so that each slice's weight gradient is one GEMM
+over all the tokens (rounded once, as stock) and the hidden-state gradient is summed over slices in fp32.
+The math per element is the stock one: logits in the weight's dtype, softmax in fp32, the logits' gradient
+rounded to the weight's dtype before the two GEMMs. On CUDA the logits stay bf16 (kernels.quant.xent_*: one
+read forward, one in-place pass backward, no fp32 copy). The extra cost is one more logits GEMM (backward
+recomputes them)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
@@ -17,18 +18,19 @@ from typing import Any, Mapping
 import torch
 import torch.nn.functional as F
 
+from ..kernels import quant
 from ..keys import unknown_key
 
 IGNORE_INDEX = -100          # the targets left out of the loss (PyTorch's and HF's default)
-DEFAULT_CHUNK_TOKENS = 1024  # forward: 1024 x 128,256 logits, ~1.2 GiB of transients (bf16, fp32, exp)
+DEFAULT_CHUNK_TOKENS = 1024  # 1024 x 128,256 logits at a time: 0.25 GiB in bf16 (CUDA), ~1.2 GiB with fp32 copies
 
 
 @dataclass(frozen=True)
 class LossConfig:
     """The `"coat": {"loss": {...}}` section. `chunked`: compute the causal-LM loss with
     `linear_cross_entropy` where it equals the stock loss (coat_ds.hf.loss says where); `chunk_tokens`:
-    tokens per forward chunk and vocabulary rows per backward slice, which bound the logits alive at once to
-    chunk_tokens x vocabulary (forward) and tokens x chunk_tokens (backward)."""
+    tokens per forward chunk, which bounds the logits alive at once to chunk_tokens x vocabulary (forward and
+    backward)."""
 
     chunked: bool = True
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
@@ -55,6 +57,13 @@ def _keys() -> list[str]:
     return [f.name for f in fields(LossConfig)]
 
 
+def slice_rows(chunk: int, vocab: int, tokens: int) -> int:
+    """Vocabulary rows per backward slice: as many logits as a forward chunk holds (chunk x vocab), so the
+    backward's few large GEMMs and fp32 accumulations cost no more memory; a multiple of 8 (the kernels' vector)."""
+    rows = max(chunk, chunk * vocab // max(tokens, 1))
+    return min(vocab, -(-rows // 8) * 8)
+
+
 def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b accumulated and returned in fp32, without rounding the product to a's dtype first."""
     if a.is_cuda and a.dtype != torch.float32:
@@ -72,11 +81,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for s in range(0, hidden.shape[0], chunk):
-            logits = F.linear(hidden[s:s + chunk], weight).float()
-            lse[s:s + chunk] = torch.logsumexp(logits, dim=-1)
-            picked = logits.gather(1, safe[s:s + chunk, None]).squeeze(1)
+            lse[s:s + chunk], picked = quant.xent_forward(F.linear(hidden[s:s + chunk], weight), safe[s:s + chunk])
             total += torch.where(keep[s:s + chunk], lse[s:s + chunk] - picked, 0.0).sum()
-            del logits
         ctx.save_for_backward(hidden, weight, safe, keep, lse, divisor)
         ctx.chunk = chunk
         return total / divisor
@@ -84,19 +90,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         hidden, weight, safe, keep, lse, divisor = ctx.saved_tensors
-        vocab, rows = weight.shape[0], ctx.chunk
+        vocab, rows = weight.shape[0], slice_rows(ctx.chunk, weight.shape[0], hidden.shape[0])
         # d loss / d logits[i, v] = (softmax[i, v] - [v == target_i]) * scale_i
-        scale = torch.where(keep, grad_out.float() / divisor, 0.0)[:, None]
+        scale = torch.where(keep, grad_out.float() / divisor, 0.0)
         need_h, need_w = ctx.needs_input_grad[:2]
         grad_h = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_h else None
         grad_w = torch.empty_like(weight) if need_w else None
         for v0 in range(0, vocab, rows):
             w = weight[v0:v0 + rows]
-            g = F.linear(hidden, w).float().sub_(lse[:, None]).exp_()
-            local = safe - v0
-            hit = (local >= 0) & (local < w.shape[0])
-            g.scatter_add_(1, local.clamp(0, w.shape[0] - 1)[:, None], -hit.to(g.dtype)[:, None])
-            g = g.mul_(scale).to(weight.dtype)
+            g = quant.xent_backward_(F.linear(hidden, w), lse, safe - v0, scale)
             if need_w:
                 grad_w[v0:v0 + rows] = torch.mm(g.t(), hidden)
             if need_h:

@@ -146,21 +146,45 @@ def rmsnorm_quant(x: Tensor, w: Tensor, eps: float, fmt: str,
     op = _kernels(x, w, group_size=group_size)
     if op is None or x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
         return R.rmsnorm_quant(x, w, eps, f, group_size)
-    m, n = x.shape
-    R.check_groups(n, group_size)
-    xq = torch.empty(m, n, dtype=f.dtype, device=x.device)
-    xs = torch.empty(m, n // group_size, dtype=torch.uint8, device=x.device)
-    rstd = torch.empty(m, dtype=_F32, device=x.device)
-    ymax = torch.empty(m, dtype=_F32, device=x.device)
-    op.rmsnorm_quant(x.contiguous(), w.contiguous(), float(eps), _u8(xq), xs, rstd, ymax, f.name == "e5m2")
+    R.check_groups(x.shape[1], group_size)
+    xq, xs, rstd = _saved_norm(x, fmt, group_size)
+    ymax = torch.empty(x.shape[0], dtype=_F32, device=x.device)
+    none = torch.empty(0, dtype=x.dtype, device=x.device)
+    op.rmsnorm_quant(x.contiguous(), w.contiguous(), float(eps), _u8(xq), xs, rstd, ymax, none, f.name == "e5m2")
     return xq, xs, rstd, ymax
+
+
+def _saved_norm(x: Tensor, fmt: str, group_size: int) -> tuple[Tensor, Tensor, Tensor]:
+    m, n = x.shape
+    return (x.new_empty(m, n, dtype=_dtype(fmt)), x.new_empty(m, n // group_size, dtype=torch.uint8),
+            x.new_empty(m, dtype=_F32))
 
 
 @rmsnorm_quant.register_fake
 def _(x, w, eps, fmt, group_size):
-    m, n = x.shape
-    return (x.new_empty(m, n, dtype=_dtype(fmt)), x.new_empty(m, n // group_size, dtype=torch.uint8),
-            x.new_empty(m, dtype=_F32), x.new_empty(m, dtype=_F32))
+    return *_saved_norm(x, fmt, group_size), x.new_empty(x.shape[0], dtype=_F32)
+
+
+@KernelOp
+def rmsnorm_save(x: Tensor, w: Tensor, eps: float, fmt: str, group_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(y, xq, xs, rstd): the output of a norm that feeds no GEMM (R.rmsnorm_output: per-head q/k norms, Gemma's
+    post-norms) and what its backward reads, in one pass over x (the reference takes four fp32 passes for y)."""
+    f = get_format(fmt)
+    op = _kernels(x, w, group_size=group_size)
+    if op is None or x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
+        xq, xs, rstd, _ = R.rmsnorm_quant(x, w, eps, f, group_size)
+        return R.rmsnorm_output(x, rstd, w), xq, xs, rstd
+    R.check_groups(x.shape[1], group_size)
+    xq, xs, rstd = _saved_norm(x, fmt, group_size)
+    y = torch.empty_like(x)
+    op.rmsnorm_quant(x.contiguous(), w.contiguous(), float(eps), _u8(xq), xs, rstd, torch.empty(0, dtype=_F32,
+                     device=x.device), y, f.name == "e5m2")
+    return y, xq, xs, rstd
+
+
+@rmsnorm_save.register_fake
+def _(x, w, eps, fmt, group_size):
+    return torch.empty_like(x), *_saved_norm(x, fmt, group_size)
 
 
 @KernelOp
@@ -335,3 +359,33 @@ def rope_qkv_backward(dq: Tensor, dk: Tensor, dv: Tensor, cos: Tensor, sin: Tens
 @rope_qkv_backward.register_fake
 def _(dq, dk, dv, cos, sin, nh, nkv, hd):
     return dq.new_empty(dq.shape[0] * dq.shape[2], (nh + 2 * nkv) * hd)
+
+
+# ---------------------------------------------------------------- the LM head's cross-entropy (activation/loss.py)
+# Plain functions, not custom ops: the backward writes over its input, and a traced graph takes the reference.
+
+def _xent_kernels(logits: Tensor):
+    """The compiled module where the cross-entropy kernels apply (eager CUDA bf16 [m, n], n % 8 == 0)."""
+    if tracing(logits) or logits.dim() != 2 or logits.shape[1] % 8 or not logits.is_contiguous():
+        return None
+    return _kernels(logits, dtypes=(torch.bfloat16,))
+
+
+def xent_forward(logits: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
+    """R.xent_forward: one read of the bf16 logits instead of an fp32 copy and five passes."""
+    op = _xent_kernels(logits)
+    if op is None:
+        return R.xent_forward(logits, target)
+    lse = torch.empty(logits.shape[0], dtype=_F32, device=logits.device)
+    picked = torch.empty_like(lse)
+    op.xent_forward(logits, target.contiguous(), lse, picked)
+    return lse, picked
+
+
+def xent_backward_(logits: Tensor, lse: Tensor, target: Tensor, scale: Tensor) -> Tensor:
+    """R.xent_backward, written over `logits` where the kernel applies (then returned): no fp32 copy."""
+    op = _xent_kernels(logits)
+    if op is None:
+        return R.xent_backward(logits, lse, target, scale)
+    op.xent_backward(logits, lse.contiguous(), target.contiguous(), scale.contiguous())
+    return logits

@@ -162,3 +162,19 @@ def silu_mul_backward(da: torch.Tensor, q, s, group_size: int, act: str = "silu"
         dg, du = d * u * _act_grad(g, act), d * _act(g, act)
     out = torch.cat([dg, du], dim=1).to(da.dtype)
     return out, row_amax(out)
+
+
+def xent_forward(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logsumexp of each row, the target's logit), fp32, of logits [m, n]; target [m] in [0, n)."""
+    x = logits.float()
+    return torch.logsumexp(x, dim=-1), x.gather(1, target[:, None]).squeeze(1)
+
+
+def xent_backward(logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """d loss / d logits, in logits' dtype: (exp(logits - lse) - [column == target]) * scale per row, fp32 math;
+    a target outside [0, n) (a vocabulary slice that does not hold it) subtracts nothing."""
+    g = logits.float().sub_(lse[:, None]).exp_()
+    n = g.shape[1]
+    hit = (target >= 0) & (target < n)
+    g.scatter_add_(1, target.clamp(0, n - 1)[:, None], -hit.to(g.dtype)[:, None])
+    return g.mul_(scale[:, None]).to(logits.dtype)

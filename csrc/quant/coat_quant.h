@@ -15,9 +15,10 @@ void row_amax(const void* x, float* out, int64_t m, int64_t n, cudaStream_t s);
 void quant_tensor(const void* x, const float* scale, uint8_t* out, uint8_t* out_t, int64_t m, int64_t n,
                   int64_t ld_t, bool e5m2, cudaStream_t s);
 
-// RMSNorm pass 1: x bf16 [m, n], w bf16 [n] -> xq [m, n], xs [m, n/16], rstd [m], ymax [m]
+// RMSNorm pass 1: x bf16 [m, n], w bf16 [n] -> xq [m, n], xs [m, n/16], rstd [m]; optional (nullptr: not
+// written): ymax [m] (row maxima of the output rebuilt from xq), y bf16 [m, n] (the output, from x)
 void rmsnorm_quant(const void* x, const void* w, float eps, uint8_t* xq, uint8_t* xs, float* rstd, float* ymax,
-                   int64_t m, int64_t n, bool e5m2, cudaStream_t s);
+                   void* y, int64_t m, int64_t n, bool e5m2, cudaStream_t s);
 
 // RMSNorm pass 2 (forward and backward): y = deq(xq) rstd w as per-tensor FP8, [m, n] and/or [n, m]
 void rmsnorm_rebuild(const uint8_t* xq, const uint8_t* xs, const float* rstd, const void* w, const float* scale,
@@ -55,5 +56,12 @@ void rope_qkv(const void* qkv, const void* cos, const void* sin, void* q, void* 
               int64_t seq, int nh, int nkv, int hd, bool cs_batched, cudaStream_t s);
 void rope_qkv_backward(const void* dq, const void* dk, const void* dv, const void* cos, const void* sin, void* dqkv,
                        int64_t batch, int64_t seq, int nh, int nkv, int hd, bool cs_batched, cudaStream_t s);
+
+// Cross-entropy of bf16 logits [m, n], n % 8 == 0: lse[i] = logsumexp(x[i]), picked[i] = x[i, target[i]]
+void xent_forward(const void* x, const int64_t* target, float* lse, float* picked, int64_t m, int64_t n,
+                  cudaStream_t s);
+// Its gradient over the logits, in place: x[i, j] = (exp(x[i, j] - lse[i]) - [j == target[i]]) scale[i]
+void xent_backward(void* x, const float* lse, const int64_t* target, const float* scale, int64_t m, int64_t n,
+                   cudaStream_t s);
 
 }  // namespace coat_quant

@@ -13,6 +13,12 @@ void check(const torch::Tensor& t, const char* name, c10::ScalarType dtype) {
     TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name, " must be 16-byte aligned");
 }
 
+// Per-row vectors (targets, fp32 statistics) are read element by element: no alignment needed.
+void check_rows(const torch::Tensor& t, const char* name, c10::ScalarType dtype, int64_t rows) {
+    TORCH_CHECK(t.is_cuda() && t.is_contiguous() && t.scalar_type() == dtype && t.numel() == rows, name,
+                " must be a contiguous CUDA ", dtype, " tensor of ", rows, " elements");
+}
+
 uint8_t* opt_u8(torch::Tensor& t) { return t.numel() ? t.data_ptr<uint8_t>() : nullptr; }
 
 cudaStream_t stream() { return at::cuda::getCurrentCUDAStream(); }
@@ -39,14 +45,17 @@ void quant_tensor(torch::Tensor x, torch::Tensor scale, torch::Tensor out, torch
                              x.size(1), ld_t, e5m2, stream());
 }
 
+// ymax, y: empty where not wanted
 void rmsnorm_quant(torch::Tensor x, torch::Tensor w, double eps, torch::Tensor xq, torch::Tensor xs,
-                   torch::Tensor rstd, torch::Tensor ymax, bool e5m2) {
+                   torch::Tensor rstd, torch::Tensor ymax, torch::Tensor y, bool e5m2) {
     check(x, "x", at::kBFloat16);
     check(w, "w", at::kBFloat16);
     TORCH_CHECK(x.dim() == 2 && x.size(1) % 16 == 0, "x must be [m, n] with n % 16 == 0");
+    if (y.numel()) check(y, "y", at::kBFloat16);
     coat_quant::rmsnorm_quant(x.data_ptr(), w.data_ptr(), (float)eps, xq.data_ptr<uint8_t>(),
-                              xs.data_ptr<uint8_t>(), rstd.data_ptr<float>(), ymax.data_ptr<float>(), x.size(0),
-                              x.size(1), e5m2, stream());
+                              xs.data_ptr<uint8_t>(), rstd.data_ptr<float>(),
+                              ymax.numel() ? ymax.data_ptr<float>() : nullptr, y.numel() ? y.data_ptr() : nullptr,
+                              x.size(0), x.size(1), e5m2, stream());
 }
 
 void rmsnorm_rebuild(torch::Tensor xq, torch::Tensor xs, torch::Tensor rstd, torch::Tensor w, torch::Tensor scale,
@@ -127,6 +136,26 @@ void rope_qkv_backward(torch::Tensor dq, torch::Tensor dk, torch::Tensor dv, tor
                                   cos.size(0) != 1, stream());
 }
 
+void xent_forward(torch::Tensor x, torch::Tensor target, torch::Tensor lse, torch::Tensor picked) {
+    check(x, "logits", at::kBFloat16);
+    TORCH_CHECK(x.dim() == 2 && x.size(1) % 8 == 0, "logits must be [m, n] with n % 8 == 0");
+    check_rows(target, "target", at::kLong, x.size(0));
+    check_rows(lse, "lse", at::kFloat, x.size(0));
+    check_rows(picked, "picked", at::kFloat, x.size(0));
+    coat_quant::xent_forward(x.data_ptr(), target.data_ptr<int64_t>(), lse.data_ptr<float>(), picked.data_ptr<float>(),
+                             x.size(0), x.size(1), stream());
+}
+
+void xent_backward(torch::Tensor x, torch::Tensor lse, torch::Tensor target, torch::Tensor scale) {
+    check(x, "logits", at::kBFloat16);
+    TORCH_CHECK(x.dim() == 2 && x.size(1) % 8 == 0, "logits must be [m, n] with n % 8 == 0");
+    check_rows(lse, "lse", at::kFloat, x.size(0));
+    check_rows(target, "target", at::kLong, x.size(0));
+    check_rows(scale, "scale", at::kFloat, x.size(0));
+    coat_quant::xent_backward(x.data_ptr(), lse.data_ptr<float>(), target.data_ptr<int64_t>(), scale.data_ptr<float>(),
+                              x.size(0), x.size(1), stream());
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -142,4 +171,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("tensor_scale", &tensor_scale, "per-tensor power-of-two scale from row maxima");
     m.def("rope_qkv", &rope_qkv, "RoPE of the fused q/k/v output into [b, h, s, d] q, k, v");
     m.def("rope_qkv_backward", &rope_qkv_backward, "RoPE backward into d(qkv)");
+    m.def("xent_forward", &xent_forward, "logsumexp and target logit of each row of bf16 logits");
+    m.def("xent_backward", &xent_backward, "cross-entropy gradient over bf16 logits, in place");
 }

@@ -13,6 +13,7 @@
 
 #include <cuda_bf16.h>
 
+#include <algorithm>
 #include <type_traits>
 
 #include "coat_fp8.cuh"
@@ -124,6 +125,32 @@ __device__ __forceinline__ float block_reduce(float v) {
 
 // ------------------------------------------------------------------------------------------ row kernels
 
+// The threads that work on one row: a whole block (wide rows), or one warp (rows of <= 32 groups, as per-head
+// q/k norms have: a block per row would leave 15 of 16 threads idle and sync the block twice a row).
+template <bool WARP>
+struct RowTeam {
+    static constexpr int kSize = WARP ? 32 : kThreads;
+    static constexpr int kRowsPerBlock = kThreads / kSize;
+    __device__ static int tid() { return WARP ? (threadIdx.x & 31) : threadIdx.x; }
+    __device__ static int64_t first_row() {
+        return (int64_t)blockIdx.x * kRowsPerBlock + (WARP ? (threadIdx.x >> 5) : 0);
+    }
+    __device__ static int64_t row_stride() { return (int64_t)gridDim.x * kRowsPerBlock; }
+    template <bool MAX>
+    __device__ static float reduce(float v) {
+        if (!WARP) return block_reduce<MAX>(v);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float w = __shfl_xor_sync(0xffffffffu, v, o);
+            v = MAX ? fmaxf(v, w) : v + w;
+        }
+        return v;
+    }
+};
+
+constexpr int kWarpRowGroups = 32;  // rows of at most this many groups take a warp each
+
+
 __global__ void row_amax_k(const bf16* x, float* out, int64_t n) {
     const bf16* xr = x + blockIdx.x * n;
     float m = 0.0f;
@@ -137,24 +164,28 @@ __global__ void row_amax_k(const bf16* x, float* out, int64_t n) {
     if (threadIdx.x == 0) out[blockIdx.x] = m;
 }
 
-template <bool E5M2>
+// y (optional): the norm's output in bf16, (x rstd) w in fp32 as the reference's rmsnorm_output; ymax (optional):
+// the row maxima of the output rebuilt from the FP8 input (a GEMM operand's scale)
+template <bool E5M2, bool WARP>
 __global__ void rmsnorm_quant_k(const bf16* x, const bf16* w, float eps, uint8_t* xq, uint8_t* xs, float* rstd,
-                                float* ymax, int64_t n) {
-    const int64_t row = blockIdx.x;
+                                float* ymax, bf16* y, int64_t m, int64_t n) {
+    using Team = RowTeam<WARP>;
+    const int64_t row = Team::first_row();
+    if (row >= m) return;  // a whole warp (WARP) or block: no sync is skipped by part of a team
     const int ng = (int)(n / G);
     const bf16* xr = x + row * n;
     float v[G];
     float ss = 0.0f;
-    for (int g = threadIdx.x; g < ng; g += kThreads) {
+    for (int g = Team::tid(); g < ng; g += Team::kSize) {
         load16(xr + g * G, v);
 #pragma unroll
         for (int j = 0; j < G; ++j) ss += v[j] * v[j];
     }
-    ss = block_reduce<false>(ss);
+    ss = Team::template reduce<false>(ss);
     const float r = 1.0f / sqrtf(ss / (float)n + eps);
-    if (threadIdx.x == 0) rstd[row] = r;
+    if (Team::tid() == 0) rstd[row] = r;
     float ym = 0.0f;
-    for (int g = threadIdx.x; g < ng; g += kThreads) {
+    for (int g = Team::tid(); g < ng; g += Team::kSize) {
         load16(xr + g * G, v);
         float wv[G];
         load16(w + g * G, wv);
@@ -164,35 +195,40 @@ __global__ void rmsnorm_quant_k(const bf16* x, const bf16* w, float eps, uint8_t
         const int p = pow2_exponent<E5M2>(amax);
         const float inv = exp2i(-p), sc = exp2i(p);
         alignas(16) uint8_t c[G];
+        alignas(16) bf16 o[G];
 #pragma unroll
         for (int j = 0; j < G; ++j) {
             c[j] = fp8_cast<E5M2>(v[j] * inv);
             ym = fmaxf(ym, fabsf(fp8_to_f32<E5M2>(c[j]) * sc * r * wv[j]));
+            o[j] = __float2bfloat16_rn(v[j] * r * wv[j]);
         }
         store_codes(xq + row * n + g * G, c);
         xs[row * ng + g] = pow2_byte(p);
+        if (y != nullptr) store16(y + row * n + g * G, o);
     }
-    ym = block_reduce<true>(ym);
-    if (threadIdx.x == 0) ymax[row] = ym;
+    if (ymax == nullptr) return;
+    ym = Team::template reduce<true>(ym);
+    if (Team::tid() == 0) ymax[row] = ym;
 }
 
-template <bool IN_E5M2, int GPT>
+template <bool IN_E5M2, int GPT, bool WARP>
 __global__ void rmsnorm_backward_k(const bf16* dy, const uint8_t* xq, const uint8_t* xs, const float* rstd,
                                    const bf16* w, const bf16* dres, bf16* dx, float* dw, int64_t m, int64_t n) {
+    using Team = RowTeam<WARP>;
     const int ng = (int)(n / G);
     float acc[GPT][G];
 #pragma unroll
     for (int k = 0; k < GPT; ++k)
 #pragma unroll
         for (int j = 0; j < G; ++j) acc[k][j] = 0.0f;
-    for (int64_t row = blockIdx.x; row < m; row += gridDim.x) {
+    for (int64_t row = Team::first_row(); row < m; row += Team::row_stride()) {
         const float r = rstd[row];
         float dot = 0.0f;
         float d[G], wv[G], xh[G];
         alignas(16) uint8_t c[G];
 #pragma unroll
         for (int k = 0; k < GPT; ++k) {
-            const int g = threadIdx.x + k * kThreads;
+            const int g = Team::tid() + k * Team::kSize;
             if (g < ng) {
                 load16(dy + row * n + g * G, d);
                 load16(w + g * G, wv);
@@ -202,10 +238,10 @@ __global__ void rmsnorm_backward_k(const bf16* dy, const uint8_t* xq, const uint
                 for (int j = 0; j < G; ++j) dot += (d[j] * wv[j]) * (fp8_to_f32<IN_E5M2>(c[j]) * sc * r);
             }
         }
-        const float mean = block_reduce<false>(dot) / (float)n;
+        const float mean = Team::template reduce<false>(dot) / (float)n;
 #pragma unroll
         for (int k = 0; k < GPT; ++k) {
-            const int g = threadIdx.x + k * kThreads;
+            const int g = Team::tid() + k * Team::kSize;
             if (g < ng) {
                 load16(dy + row * n + g * G, d);
                 load16(w + g * G, wv);
@@ -233,7 +269,7 @@ __global__ void rmsnorm_backward_k(const bf16* dy, const uint8_t* xq, const uint
     }
 #pragma unroll
     for (int k = 0; k < GPT; ++k) {
-        const int g = threadIdx.x + k * kThreads;
+        const int g = Team::tid() + k * Team::kSize;
         if (g < ng)
 #pragma unroll
             for (int j = 0; j < G; ++j) atomicAdd(dw + g * G + j, acc[k][j]);
@@ -446,14 +482,24 @@ void quant_tensor(const void* x, const float* scale, uint8_t* out, uint8_t* out_
 }
 
 void rmsnorm_quant(const void* x, const void* w, float eps, uint8_t* xq, uint8_t* xs, float* rstd, float* ymax,
-                   int64_t m, int64_t n, bool e5m2, cudaStream_t s) {
+                   void* y, int64_t m, int64_t n, bool e5m2, cudaStream_t s) {
     if (m == 0) return;
     auto xb = static_cast<const bf16*>(x);
     auto wb = static_cast<const bf16*>(w);
+    auto yb = static_cast<bf16*>(y);
+    auto launch = [&](auto e5m2_c, auto warp_c) {
+        constexpr bool kWarp = decltype(warp_c)::value;
+        const int64_t grid = (m + RowTeam<kWarp>::kRowsPerBlock - 1) / RowTeam<kWarp>::kRowsPerBlock;
+        rmsnorm_quant_k<decltype(e5m2_c)::value, kWarp><<<(unsigned)grid, kThreads, 0, s>>>(xb, wb, eps, xq, xs, rstd,
+                                                                                              ymax, yb, m, n);
+    };
+    const bool warp = n / G <= kWarpRowGroups;
+    using T = std::true_type;
+    using F = std::false_type;
     if (e5m2)
-        rmsnorm_quant_k<true><<<(unsigned)m, kThreads, 0, s>>>(xb, wb, eps, xq, xs, rstd, ymax, n);
+        warp ? launch(T{}, T{}) : launch(T{}, F{});
     else
-        rmsnorm_quant_k<false><<<(unsigned)m, kThreads, 0, s>>>(xb, wb, eps, xq, xs, rstd, ymax, n);
+        warp ? launch(F{}, T{}) : launch(F{}, F{});
 }
 
 void rmsnorm_rebuild(const uint8_t* xq, const uint8_t* xs, const float* rstd, const void* w, const float* scale,
@@ -470,13 +516,21 @@ template <bool IN_E5M2>
 static void launch_rms_bwd(const bf16* dy, const uint8_t* xq, const uint8_t* xs, const float* rstd, const bf16* w,
                            const bf16* dres, bf16* dx, float* dw, int64_t m, int64_t n, cudaStream_t s) {
     const int ng = (int)(n / G);
-    const unsigned grid = (unsigned)(m < 2 * num_sms() ? m : 2 * num_sms());
+    const int64_t cap = 2 * num_sms();  // persistent blocks: each accumulates dw over its rows, then one atomic each
+    if (ng <= kWarpRowGroups) {
+        const int64_t grid = std::min<int64_t>((m + RowTeam<true>::kRowsPerBlock - 1) / RowTeam<true>::kRowsPerBlock,
+                                               cap);
+        rmsnorm_backward_k<IN_E5M2, 1, true><<<(unsigned)grid, kThreads, 0, s>>>(dy, xq, xs, rstd, w, dres, dx, dw,
+                                                                                  m, n);
+        return;
+    }
+    const unsigned grid = (unsigned)std::min<int64_t>(m, cap);
     if (ng <= kThreads)
-        rmsnorm_backward_k<IN_E5M2, 1><<<grid, kThreads, 0, s>>>(dy, xq, xs, rstd, w, dres, dx, dw, m, n);
+        rmsnorm_backward_k<IN_E5M2, 1, false><<<grid, kThreads, 0, s>>>(dy, xq, xs, rstd, w, dres, dx, dw, m, n);
     else if (ng <= 2 * kThreads)
-        rmsnorm_backward_k<IN_E5M2, 2><<<grid, kThreads, 0, s>>>(dy, xq, xs, rstd, w, dres, dx, dw, m, n);
+        rmsnorm_backward_k<IN_E5M2, 2, false><<<grid, kThreads, 0, s>>>(dy, xq, xs, rstd, w, dres, dx, dw, m, n);
     else
-        rmsnorm_backward_k<IN_E5M2, 4><<<grid, kThreads, 0, s>>>(dy, xq, xs, rstd, w, dres, dx, dw, m, n);
+        rmsnorm_backward_k<IN_E5M2, 4, false><<<grid, kThreads, 0, s>>>(dy, xq, xs, rstd, w, dres, dx, dw, m, n);
 }
 
 void rmsnorm_backward(const void* dy, const uint8_t* xq, const uint8_t* xs, const float* rstd, const void* w,
