@@ -69,6 +69,20 @@ def test_a_changed_method_is_named(monkeypatch):
     assert fence.changed() == [f"{ZERO12}.step", f"{ZERO3}.step", f"{ZERO3}._rigid_state_dict"]
 
 
+def test_a_changed_private_method_is_named(monkeypatch):
+    """ZeRO-3's bucket reduction is private (its name mangled) and behind DeepSpeed's nvtx decorator: an edit of its
+    body is named, not hidden behind the decorator's unchanged source."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.utils.nvtx import instrument_w_nvtx
+
+    def __reduce_and_partition_ipg_grads(self, communication_data_type):
+        return "a new release's body"
+
+    name = "_DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads"
+    monkeypatch.setattr(DeepSpeedZeroOptimizer_Stage3, name, instrument_w_nvtx(__reduce_and_partition_ipg_grads))
+    assert fence.changed() == [f"{ZERO3}.{name}"]
+
+
 def test_the_report_line_names_what_differs(monkeypatch):
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 
