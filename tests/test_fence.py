@@ -28,15 +28,15 @@ def test_every_method_is_hashed_for_every_tested_release():
 
 
 def test_every_override_and_wrap_is_fenced():
-    """The other direction: every DeepSpeed method that zero/step.py's and zero/release.py's mixins override or
-    engine.py wraps is listed
+    """The other direction: every DeepSpeed method that zero/step.py's and zero/release.py's mixins (ZeRO-1/2 and 3)
+    override or engine.py wraps is listed
     (a new override fails here until its hashes are added)."""
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
     from deepspeed.runtime.engine import DeepSpeedEngine
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-    from coat_ds.deepspeed.zero.release import ReleaseStep
+    from coat_ds.deepspeed.zero.release import Release, Release3Step, ReleaseStep
     from coat_ds.deepspeed.zero.step import Bf16Step, Zero3Step, Zero12Step
 
     def name(cls, method):
@@ -44,7 +44,9 @@ def test_every_override_and_wrap_is_fenced():
 
     used = {name(base, m) for mixin, base in ((Zero12Step, DeepSpeedZeroOptimizer), (Bf16Step, BF16_Optimizer),
                                               (Zero3Step, DeepSpeedZeroOptimizer_Stage3),
-                                              (ReleaseStep, DeepSpeedZeroOptimizer))
+                                              (Release, DeepSpeedZeroOptimizer), (ReleaseStep, DeepSpeedZeroOptimizer),
+                                              (Release, DeepSpeedZeroOptimizer_Stage3),
+                                              (Release3Step, DeepSpeedZeroOptimizer_Stage3))
             for m in vars(mixin) if callable(getattr(mixin, m)) and hasattr(base, m) and not m.startswith("__")}
     used |= {name(cls, m) for cls in (DeepSpeedEngine, DeepSpeedZeroOptimizer) for m, f in vars(cls).items()
              if getattr(f, "_coat_wrapped", False)}
@@ -65,6 +67,20 @@ def test_a_changed_method_is_named(monkeypatch):
     monkeypatch.setattr(DeepSpeedZeroOptimizer_Stage3, "step", instrument_w_nvtx(step))
     monkeypatch.delattr(DeepSpeedZeroOptimizer_Stage3, "_rigid_state_dict")
     assert fence.changed() == [f"{ZERO12}.step", f"{ZERO3}.step", f"{ZERO3}._rigid_state_dict"]
+
+
+def test_a_changed_private_method_is_named(monkeypatch):
+    """ZeRO-3's bucket reduction is private (its name mangled) and behind DeepSpeed's nvtx decorator: an edit of its
+    body is named, not hidden behind the decorator's unchanged source."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.utils.nvtx import instrument_w_nvtx
+
+    def __reduce_and_partition_ipg_grads(self, communication_data_type):
+        return "a new release's body"
+
+    name = "_DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads"
+    monkeypatch.setattr(DeepSpeedZeroOptimizer_Stage3, name, instrument_w_nvtx(__reduce_and_partition_ipg_grads))
+    assert fence.changed() == [f"{ZERO3}.{name}"]
 
 
 def test_the_report_line_names_what_differs(monkeypatch):

@@ -203,10 +203,13 @@ def test_shipped_shapes_count_the_stock_models_parameters(name, capsys):
     assert capsys.readouterr().out.startswith(f"{name}: ")
 
 
-def test_the_gradient_path_decides_what_backward_and_the_step_hold():
+@pytest.mark.parametrize("stage", [2, 3])
+def test_the_gradient_path_decides_what_backward_and_the_step_hold(stage):
     """coat.gradients: DeepSpeed's partition buffer is alive at the first bucket; per-parameter gradients are not yet
-    (they grow as activations are freed) but all are at the step; released ones never outlive their bucket."""
+    (they grow as activations are freed) but all are at the step; released ones never outlive their bucket, under
+    ZeRO-2 and ZeRO-3 alike."""
     cfg = json.loads((ROOT / "ds_configs" / "zero2_lowest_memory.json").read_text())
+    cfg["zero_optimization"] = {**cfg["zero_optimization"], "stage": stage}
     shape = P.resolve_shape("llama3.1-8b")
     by = {g: P.phases(P.job_from_config({**cfg, "coat": {**cfg["coat"], "gradients": g}}, shape, 4096, 1), 4)
           for g in ("partition_buffer", "per_parameter", "release")}

@@ -18,6 +18,10 @@ import warnings
 
 from packaging.version import Version
 
+# ZeRO-3's private bucket reduction, by the name Python mangles it to
+_Z3_REDUCE = ("deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3."
+              "_DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads")
+
 # "module:Class.method" -> where coat_ds depends on its exact body
 METHODS: dict[str, str] = {
     "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer.step":
@@ -39,7 +43,8 @@ METHODS: dict[str, str] = {
     "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer._configure_master_weights":
         "wrapped: engine._coat_master_weights",
     "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3.step":
-        "calls the per-sub-group hooks below in the order zero.step.Zero3Step relies on",
+        "calls the per-sub-group hooks below in the order zero.step.Zero3Step relies on; its frame (_pre_step, "
+        "_partition_all_parameters, _post_step) re-stated: zero.release.Release3Step.step",
     "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3._prepare_fp32_grad_for_sub_group":
         "overridden: zero.step.Zero3Step",
     "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3.unscale_and_clip_grads":
@@ -57,7 +62,10 @@ METHODS: dict[str, str] = {
     "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3.has_overflow":
         "overridden: zero.step.Zero3Step (reads the flat gradient buffer GradPartitions empties)",
     "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3.partition_grads":
-        "indexes the private gradient map that zero.step.GradPartitions replaces",
+        "indexes the private gradient map that zero.step.GradPartitions replaces; overridden: "
+        "zero.release.Release3Step (steps each bucket's slices)",
+    _Z3_REDUCE:
+        "hands partition_grads each bucket's reduce-scattered slices, which zero.release.Release3Step steps",
     "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3.independent_gradient_partition_epilogue":
         "indexes the private gradient map that zero.step.GradPartitions replaces",
     "deepspeed.runtime.bf16_optimizer:BF16_Optimizer.update_lp_params":
@@ -113,6 +121,8 @@ TESTED: dict[str, dict[str, str]] = {
             "93119b25314ec6d345ce60cb66ed87ba3519141e52885daa70b6c67839f7bbeb",
         "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3.independent_gradient_partition_epilogue":
             "f1575b87b3d6c08318c77ab7a15231ed71b6c35f494e1877ec08135d30a41b9c",
+        _Z3_REDUCE:
+            "24d09d54e4e6c38d9a4773f1fdd7c620c11b4b23fc58defadbec5be47efeb845",
         "deepspeed.runtime.bf16_optimizer:BF16_Optimizer.update_lp_params":
             "128911db918ae80c578cc498078940ced1aa16ca181adefc3a3b805f3a0b4a8a",
         "deepspeed.runtime.engine:DeepSpeedEngine._configure_distributed_model":
@@ -138,10 +148,17 @@ def source_hash(name: str) -> str | None:
         obj = importlib.import_module(module)
         for part in path.split("."):
             obj = getattr(obj, part)
-        source = inspect.getsource(_unwrap(obj, path.rpartition(".")[2]))
+        source = inspect.getsource(_unwrap(obj, _unmangled(path.rpartition(".")[2])))
     except (ImportError, AttributeError, OSError, TypeError):
         return None
     return hashlib.sha256(source.encode()).hexdigest()
+
+
+def _unmangled(name: str) -> str:
+    """A private method's own name: `_Class__name` -> `__name` (its function keeps the name it was defined with)."""
+    if name.startswith("_") and not name.endswith("__") and "__" in name[1:]:
+        return name[name.index("__", 1):]
+    return name
 
 
 def _unwrap(fn, name: str):

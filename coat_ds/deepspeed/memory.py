@@ -10,7 +10,7 @@ e2e*.json and offload.json; docs/plan.md has the derivation):
   the first bucket is reduced in backward and freed by the step; ZeRO-0/1 every parameter's bf16 .grad;
   CoatAdamW's ZeRO-3, and its ZeRO-1/2 with bf16 gradients (coat.gradients "per_parameter", zero/gradients.py),
   allocate each one as backward reaches its parameter, so they grow while the activations are freed; with
-  "release", ZeRO-2 steps each bucket's gradients as they are reduced and keeps none;
+  "release", ZeRO-2 and ZeRO-3 step each bucket's gradients as they are reduced and keep none;
 - DeepSpeed's own step for a stock optimizer flattens the gradient partition and converts it to fp32
   (+2 +4 B per partition value, stage_1_and_2.py step); CoatAdamW's ZeRO step (zero/step.py) reads the
   partition in place, one parameter's fp32 pieces at a time;
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from .optimizer_type import NAME
-from .zero.gradients import DEFAULT as GRADIENTS_DEFAULT
+from .zero.gradients import DEFAULT as GRADIENTS_DEFAULT, PARTITION_BUFFER
 
 ADAM_STATE_BYTES = 8.0                   # fp32 exp_avg + exp_avg_sq
 # coat.master_weights -> device bytes per partition value beyond the bf16 model copy (zero/master.py says why)
@@ -45,12 +45,12 @@ class ZeroJob:
     reduce_bucket: int       # values in the gradient bucket (contiguous gradients)
     sub_group: int = DEFAULT_SUB_GROUP   # ZeRO-3 steps its partition in sub-groups of this many values
     coat_step: bool = True   # CoatAdamW's own ZeRO step (False: DeepSpeed's flatten + fp32 copy, as before it)
-    gradients: str = "partition_buffer"   # coat.gradients where it applies (zero/gradients.py), else DeepSpeed's buffer
+    gradients: str = PARTITION_BUFFER   # coat.gradients where it applies (zero/gradients.py), else DeepSpeed's buffer
 
     @property
     def grads_per_parameter(self) -> bool:
         """Gradients allocated as backward goes (per parameter), or stepped and dropped per bucket (release)."""
-        return self.gradients != "partition_buffer"
+        return self.gradients != PARTITION_BUFFER
 
     @property
     def mixed(self) -> bool:
@@ -73,9 +73,8 @@ def zero_job(cfg: Mapping[str, Any], world: int, state_bytes: float, master: str
                    state_bytes=ADAM_STATE_BYTES if not coat or fp32_states else state_bytes,
                    master=master if coat else "fp32", param_bytes=2 if mixed else 4,
                    grad_bytes=grad_bytes,
-                   gradients=gradients if coat and not offload and (
-                       stage in (1, 2) and mixed and grad_bytes == 2 or stage == 3 and gradients == "per_parameter")
-                   else "partition_buffer",
+                   gradients=gradients if coat and not offload and (stage == 3 or stage in (1, 2) and mixed
+                                                                    and grad_bytes == 2) else PARTITION_BUFFER,
                    reduce_bucket=_int(zero.get("reduce_bucket_size"), DEFAULT_BUCKET),
                    sub_group=_int(zero.get("sub_group_size"), DEFAULT_SUB_GROUP))
 
@@ -92,7 +91,7 @@ def model_states(job: ZeroJob, n: int, layer_params: int, largest: int) -> dict[
     weights = job.param_bytes * (n / job.world + 2 * layer_params + largest if job.stage == 3 else n)
     master = MASTER_BYTES[job.master] * part if job.mixed else 0.0
     grads = job.grad_bytes * part if job.stage >= 2 else 2.0 * n if job.mixed else 4.0 * n
-    if job.gradients == "release" and job.stage == 2:  # stepped per bucket: none outlives its bucket
+    if job.gradients == "release" and job.stage >= 2:  # stepped per bucket: none outlives its bucket
         grads = 0.0
     optimizer = job.state_bytes * part
     if job.offload:   # the host keeps master and gradient partition in fp32, or both in bf16 with a bf16 master

@@ -4,9 +4,10 @@
 
 Every run here has one micro-batch per step (release refuses accumulation): each rank trains on its share of
 common.batch(step), so 1 and 2 ranks see the same global batch; reduce buckets of 1,000 values, so that
-backward reduces (and release steps) the tiny model in several buckets, some parameters alone.
+backward reduces (and release steps) the tiny model in several buckets, some parameters alone. ZeRO-3 keeps the
+biases gathered (persistent) and the weights partitioned, so that both kinds are stepped.
 
-TASK (stage 1 or 2, master M: fp32 | fp32_remainder | bf16_sr):
+TASK (stage S: 1, 2 or 3, master M: fp32 | fp32_remainder | bf16_sr):
   equal:S:M[:overlap]  50 steps, clipping off (overlap: overlap_comm on): "per_parameter" against "release":
                 losses, every rank's final masters and FP8 states equal, and the gradient values held when the
                 step begins
@@ -14,7 +15,8 @@ TASK (stage 1 or 2, master M: fp32 | fp32_remainder | bf16_sr):
                 "release", "per_parameter" (exact clipping) and "per_parameter" without clipping
   nan:S:M       clipping 1.0; at step NAN_AT rank 0's gradient of the first layer's weight (reduced last) is NaN
   resume:S:M    clipping 1.0: 50 steps saved at 30, and the resumed tail
-  refuse:S      engines release refuses: the error of each
+  refuse:S      engines release refuses: the error of each (stage S with gradient accumulation, fp32
+                gradients, Offload; stage 0)
 """
 from __future__ import annotations
 
@@ -23,13 +25,14 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+import deepspeed  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 import common  # noqa: E402
 import job  # noqa: E402
-from zero_state_job import _all, _joined, build, build_outcomes, config  # noqa: E402
+from zero_state_job import _all, _joined, build, build_outcomes, config, masters  # noqa: E402
 from coat_ds.deepspeed.zero.layout import meta_offsets  # noqa: E402
 from coat_ds.optim.coat_adamw import fp8_moments  # noqa: E402
 
@@ -42,6 +45,8 @@ def release_config(stage: int, world: int, master: str, gradients: str = "releas
     cfg.update(train_micro_batch_size_per_gpu=common.GLOBAL_BATCH // world, gradient_accumulation_steps=1,
                gradient_clipping=clip)
     cfg["zero_optimization"].update(reduce_bucket_size=1000, allgather_bucket_size=1000)
+    if stage == 3:  # the biases (72, 72, 10 values) persistent, the weights partitioned
+        cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 100
     return cfg
 
 
@@ -67,15 +72,21 @@ def train(engine, steps: range, spike: int | None = None, nan: int | None = None
     return losses
 
 
+def partitions(engine) -> list[tuple[torch.Tensor, dict]]:
+    """(master partition, its param group) of each of this rank's partitions (ZeRO-3 empties the groups' params)."""
+    zo, groups = engine.optimizer, engine.basic_optimizer.param_groups
+    to_group = getattr(zo, "sub_group_to_group_id", None)
+    return [(m, groups[i if to_group is None else to_group[i]]) for i, m in enumerate(masters(zo))]
+
+
 def states(engine) -> torch.Tensor:
     """This rank's FP8 states of every partition, as bytes (codes, scales, exponents)."""
     opt = engine.basic_optimizer
     out = []
-    for group in opt.param_groups:
-        for p in group["params"]:
-            for t in opt.state[p].values():
-                if torch.is_tensor(t):
-                    out.append(t.detach().reshape(-1).view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8))
+    for p, _ in partitions(engine):
+        for t in opt.state[p].values():
+            if torch.is_tensor(t):
+                out.append(t.detach().reshape(-1).view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8))
     return torch.cat(out)
 
 
@@ -83,14 +94,20 @@ def max_v(engine) -> float:
     """The largest second moment (dequantized) over every rank's partitions."""
     opt = engine.basic_optimizer
     top = torch.zeros((), device=engine.device)
-    for group in opt.param_groups:
-        for p in group["params"]:
-            _, v = fp8_moments(opt.state[p], group)
-            segments = opt.partition_of(p).segments
-            for seg, meta in zip(segments, meta_offsets(segments, group["group_size"])):
-                top = torch.maximum(top, seg.piece(v, meta).dequantize().abs().max().float())
+    for p, group in partitions(engine):
+        _, v = fp8_moments(opt.state[p], group)
+        segments = opt.partition_of(p).segments
+        for seg, meta in zip(segments, meta_offsets(segments, group["group_size"])):
+            top = torch.maximum(top, seg.piece(v, meta).dequantize().abs().max().float())
     dist.all_reduce(top, op=dist.ReduceOp.MAX)
     return top.item()
+
+
+def weights(engine) -> dict[str, torch.Tensor]:
+    """Every parameter's whole weights (ZeRO-3: gathered from the ranks' slices)."""
+    params = dict(engine.module.named_parameters())
+    with deepspeed.zero.GatheredParameters(list(params.values())):
+        return {n: p.detach().clone() for n, p in params.items()}
 
 
 def grad_numel(engine) -> int:
@@ -140,11 +157,12 @@ def task_spike(args, world, stage, master, rest):
 def task_nan(args, world, stage, master, rest):
     engine = build(release_config(stage, world, master, clip=CLIP))
     train(engine, range(NAN_AT))
-    weights = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    before = weights(engine)
     kept = (_joined(engine), states(engine))
     train(engine, range(NAN_AT, NAN_AT + 1), nan=NAN_AT)
-    changed = {n: not torch.equal(p.detach(), weights[n]) for n, p in engine.module.named_parameters()}
-    finite = all(torch.isfinite(p).all().item() for p in engine.module.parameters())
+    after = weights(engine)
+    changed = {n: not torch.equal(w, before[n]) for n, w in after.items()}
+    finite = all(torch.isfinite(w).all().item() for w in after.values())
     finite = finite and torch.isfinite(_joined(engine)).all().item()
     out = {"changed": changed, "finite": _all(finite), "skipped": engine.skipped_steps,
            "coat_skipped": engine.basic_optimizer.skipped_steps, "norm": float(engine.get_global_grad_norm()),
@@ -169,7 +187,8 @@ def task_resume(args, world, stage, master, rest):
 def task_refuse(args, world, stage, dtype, rest):
     cases = {"accumulation": dict(release_config(stage, world, "fp32"), gradient_accumulation_steps=2,
                                   train_micro_batch_size_per_gpu=common.GLOBAL_BATCH // world // 2),
-             "zero3": release_config(3, world, "fp32"),
+             "fp32_accumulation": dict(release_config(stage, world, "fp32"), data_types={"grad_accum_dtype": "fp32"}),
+             "stage0": release_config(0, world, "fp32"),
              "offload": release_config(stage, world, "fp32")}
     cases["offload"]["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     return build_outcomes(cases)

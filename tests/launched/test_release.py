@@ -1,10 +1,11 @@
-"""coat.gradients "release" (issue 36): each reduced gradient stepped at once and dropped, ZeRO-1/2.
+"""coat.gradients "release" (issue 36): each reduced gradient stepped at once and dropped, ZeRO-1/2/3.
 
 The config refusals run here; the rest through the `deepspeed` launcher (CPU accelerator, gloo), one job per
 world size (tests/ds_scripts/release_job.py):
-  W1  world 1: release == per_parameter, ZeRO-1/2
+  W1  world 1: release == per_parameter, ZeRO-1/2/3
   W2  world 2: the same with cut groups swapped between ranks, all three masters; a gradient spike under
-      clipping, a NaN gradient midway through backward, a resume with clipping on, the engine's refusals
+      clipping, a NaN gradient midway through backward, a resume with clipping on, the engine's refusals,
+      each under ZeRO-2 and ZeRO-3
 """
 from __future__ import annotations
 
@@ -16,9 +17,12 @@ from harness import DS_SCRIPTS, SAVE_AT, STEPS, launch_worlds, task_result
 JOB = DS_SCRIPTS / "release_job.py"
 ALLOWED = "allowed there: ['per_parameter', 'partition_buffer']"
 
-EQUAL_W1 = ["equal:1:fp32_remainder", "equal:2:bf16_sr"]
-EQUAL_W2 = ["equal:1:bf16_sr", "equal:2:bf16_sr", "equal:2:fp32_remainder", "equal:2:fp32", "equal:2:bf16_sr:overlap"]
-W2 = EQUAL_W2 + ["spike:2:bf16_sr", "nan:2:bf16_sr", "resume:2:fp32_remainder", "refuse:2"]
+STAGES = (2, 3)  # spike, NaN, resume and refusals: ZeRO-2 and ZeRO-3
+EQUAL_W1 = ["equal:1:fp32_remainder", "equal:2:bf16_sr", "equal:3:fp32_remainder"]
+EQUAL_W2 = ["equal:1:bf16_sr", "equal:2:bf16_sr", "equal:2:fp32_remainder", "equal:2:fp32", "equal:2:bf16_sr:overlap",
+            "equal:3:bf16_sr", "equal:3:fp32_remainder", "equal:3:fp32"]
+W2 = EQUAL_W2 + [t for s in STAGES for t in (f"spike:{s}:bf16_sr", f"nan:{s}:bf16_sr", f"resume:{s}:fp32_remainder",
+                                             f"refuse:{s}")]
 
 
 def _config(**extra) -> dict:
@@ -31,9 +35,11 @@ def _config(**extra) -> dict:
 @pytest.mark.parametrize("extra,why", [
     ({"gradient_accumulation_steps": 2},
      "steps as gradients are reduced: gradient_accumulation_steps must be 1 (it is 2)"),
-    ({"zero_optimization": {"stage": 3}}, "needs ZeRO stage 1 or 2 (zero_optimization.stage is 3)"),
+    ({"zero_optimization": {"stage": 0}}, "needs ZeRO stage 1, 2 or 3 (zero_optimization.stage is 0)"),
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
      "runs on the device, not under Offload (zero_optimization.offload_optimizer)"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}},
+     "runs on the device, not under Offload (zero_optimization.offload_param)"),
     ({"bf16": {"enabled": False}}, "needs bf16 gradients (bf16.enabled true)"),
     ({"data_types": {"grad_accum_dtype": "fp32"}}, "needs bf16 gradients (data_types.grad_accum_dtype is 'fp32')"),
 ])
@@ -46,6 +52,7 @@ def test_config_refuses_what_release_cannot_run(extra, why):
 
 def test_config_accepts_release_and_hf_auto():
     check_config(_config())
+    check_config(_config(zero_optimization={"stage": 3}))
     check_config(_config(gradient_accumulation_steps="auto", bf16={"enabled": "auto"}), hf_auto=True)
 
 
@@ -65,10 +72,11 @@ def test_release_steps_as_per_parameter_bit_for_bit(runs, job, task):
     assert lean["grads_at_step"] == 0 and ref["grads_at_step"] >= out["partition"] // 2
 
 
-def test_release_clips_a_gradient_spike_at_once(runs):
+@pytest.mark.parametrize("stage", STAGES)
+def test_release_clips_a_gradient_spike_at_once(runs, stage):
     """Every gradient x1e4 for one step, clipping 1.0: the second moment stays where exact clipping keeps it
     (each clipped gradient value <= 1, so v <= beta2 v_max + (1 - beta2)), while unclipped it explodes."""
-    out = task_result(runs, "w2", "spike:2:bf16_sr")
+    out = task_result(runs, "w2", f"spike:{stage}:bf16_sr")
     rel, exact, raw = out["release"], out["exact"], out["unclipped"]
     # before the spike the norm stays under the clip, lagged or not: the runs are equal up to it
     spike = out["spike_at"]
@@ -82,11 +90,12 @@ def test_release_clips_a_gradient_spike_at_once(runs):
     assert all(x == x and x < 3 for x in rel["losses"])  # trains on, finite
 
 
-def test_release_nan_midway_skips_the_rest_of_the_step(runs):
+@pytest.mark.parametrize("stage", STAGES)
+def test_release_nan_midway_skips_the_rest_of_the_step(runs, stage):
     """A NaN in rank 0's gradient of the first layer's weight (reduced last): the buckets reduced before it
     were stepped, the first layer's weight not; nothing non-finite anywhere; the step counts as skipped once
     (DeepSpeed and CoatAdamW), and training goes on."""
-    out = task_result(runs, "w2", "nan:2:bf16_sr")
+    out = task_result(runs, "w2", f"nan:{stage}:bf16_sr")
     assert out["finite"]
     assert out["changed"]["0.weight"] is False
     assert out["changed"]["4.weight"] and out["changed"]["4.bias"]
@@ -95,16 +104,21 @@ def test_release_nan_midway_skips_the_rest_of_the_step(runs):
     assert all(x == x and x < 3 for x in out["losses_after"])
 
 
-def test_release_resumes_exactly_with_clipping(runs):
+@pytest.mark.parametrize("stage", STAGES)
+def test_release_resumes_exactly_with_clipping(runs, stage):
     """Clipping on (the previous step's norm is part of the saved state): the resumed tail == the run's."""
-    out = task_result(runs, "w2", "resume:2:fp32_remainder")
+    out = task_result(runs, "w2", f"resume:{stage}:fp32_remainder")
     assert len(out["losses"]) == STEPS and out["resumed"] == out["losses"][SAVE_AT:]
 
 
-def test_engine_refuses_what_release_cannot_run(runs):
-    out = task_result(runs, "w2", "refuse:2")
+@pytest.mark.parametrize("stage", STAGES)
+def test_engine_refuses_what_release_cannot_run(runs, stage):
+    out = task_result(runs, "w2", f"refuse:{stage}")
     assert out["accumulation"] == ("coat.gradients='release' steps as gradients are reduced: "
                                    f"gradient_accumulation_steps must be 1 (it is 2); {ALLOWED}")
-    assert out["zero3"].startswith("coat.gradients='release' needs DeepSpeed's ZeRO-1/2 optimizer")
+    assert out["fp32_accumulation"] == ("coat.gradients='release' needs bf16 gradients "
+                                        f"(data_types.grad_accum_dtype is fp32); {ALLOWED}")
+    assert out["stage0"].startswith("coat.gradients='release' needs DeepSpeed's ZeRO-1/2/3 optimizer (this engine "
+                                    "has ") and out["stage0"].endswith(ALLOWED)
     assert out["offload"] == ("coat.gradients='release' runs on the device, not under Offload "
                               f"(zero_optimization.offload_optimizer); {ALLOWED}")

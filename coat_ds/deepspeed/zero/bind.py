@@ -60,8 +60,9 @@ def bind(engine, master: str, gradients: str) -> int:
         opt.bind_partition(flat, ShardLayout(segments, flat.numel(), g, pg, cut_index, comm_device,
                                              stochastic=master == "bf16_sr", remainder=rem))
         bound += 1
-    if bound and (zero_step.ENABLED or master != "fp32"):  # bound: ZeRO-1/2/3 or BF16_Optimizer (partitions())
-        mixin = release.mixin(zo) if gradients == RELEASE else zero_step.mixin(zo)  # release: or a one-line refusal
-        zero_step.install(zo, mixin, gradients)
+    if gradients == RELEASE:  # ZeRO-1/2/3's release step, or a one-line refusal (any other engine too)
+        zero_step.install(zo, release.mixin(zo), gradients)
+    elif bound and (zero_step.ENABLED or master != "fp32"):  # bound: ZeRO-1/2/3 or BF16_Optimizer (partitions())
+        zero_step.install(zo, zero_step.mixin(zo), gradients)
     engine._coat_bound = bound
     return bound

@@ -9,7 +9,7 @@
   allocates at the first reduced bucket of backward, while nearly all activations are still alive, and ZeRO-3 at
   set-up, alive through forward too (+2 B/param at the peak: 15 GiB at 8B on one GPU).
 - "release": not kept at all: each bucket's pieces are stepped as soon as DeepSpeed reduces them, and dropped
-  (release.py: its clipping and non-finite semantics). ZeRO-1/2 on the device, bf16 gradients, FP8 states,
+  (release.py: its clipping and non-finite semantics). ZeRO-1/2/3 on the device, bf16 gradients, FP8 states,
   no gradient accumulation; refused elsewhere (`config_refusal` here, release.refusal in the engine).
 
 "per_parameter" and "partition_buffer" hold the same values and step bit-identically; so does "release" with
@@ -23,6 +23,7 @@ from typing import Any, Mapping
 
 GRADIENTS = ("per_parameter", "partition_buffer", "release")
 DEFAULT = GRADIENTS[0]
+PARTITION_BUFFER = GRADIENTS[1]
 KEY = "coat.gradients"
 RELEASE = "release"
 
@@ -50,8 +51,8 @@ def config_refusal(cfg: Mapping, hf_auto: bool = False) -> str | None:
     zero = cfg.get("zero_optimization")
     zero = zero if isinstance(zero, Mapping) else {}
     stage = zero.get("stage", 0)
-    if stage not in (1, 2):
-        return refused(f"needs ZeRO stage 1 or 2 (zero_optimization.stage is {stage!r})")
+    if stage not in (1, 2, 3):
+        return refused(f"needs ZeRO stage 1, 2 or 3 (zero_optimization.stage is {stage!r})")
     offloaded = [k for k in ("offload_optimizer", "offload_param")
                  if str((zero.get(k) or {}).get("device", "none")).lower() != "none"]
     if offloaded:

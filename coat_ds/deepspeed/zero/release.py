@@ -1,15 +1,20 @@
-"""`"coat": {"gradients": "release"}`: ZeRO-1/2 steps each reduced gradient's slice of this rank's partition as
-soon as it is reduced, then frees it, so that no model-sized (nor partition-sized) gradient ever exists.
+"""`"coat": {"gradients": "release"}`: ZeRO-1/2/3 step each reduced gradient's slice of this rank's partition as
+soon as it is reduced, then free it, so that no model-sized (nor partition-sized) gradient ever exists.
 
-DeepSpeed reduces gradients bucket by bucket as backward goes (`reduce_ipg_grads`, the same buckets in the same
-order on every rank). Right after a bucket's reduction, `ReleaseStep` steps the pieces of the bucket's
-parameters that lie in this rank's partition, reading each reduced gradient where it lies (DeepSpeed's
-reduction buffer), and drops every gradient of the bucket. The step of a set of pieces is the partition step
-(layout.ShardLayout.step) restricted to them: the same kernel, per tensor, on the same whole groups, inputs
-and random bits, so with clipping off it is the per-partition step bit for bit. A group that a partition
-boundary cuts belongs to one parameter, so its owners reach it in the same bucket and swap it there.
+DeepSpeed reduces gradients bucket by bucket as backward goes, the same buckets in the same order on every rank:
+ZeRO-1/2 in `reduce_ipg_grads`, ZeRO-3 by reduce-scattering each bucket and handing this rank's slices to
+`partition_grads`. Right after, the stage's mixin (ReleaseStep: ZeRO-1/2, Release3Step: ZeRO-3) steps the pieces
+of the bucket's parameters that lie in this rank's partition, reading each reduced gradient where it lies
+(DeepSpeed's reduction buffer or reduce-scattered slice), writes their bf16 weights (ZeRO-1/2's bf16 partition,
+ZeRO-3's `ds_tensor`s) and drops every gradient of the bucket. The step of a set of pieces is the partition step
+(layout.ShardLayout.step) restricted to them: the same kernel, per tensor, on the same whole groups, inputs and
+random bits, so with clipping off it is the per-partition step bit for bit. A group that a partition boundary cuts
+belongs to one parameter, so its owners reach it in the same bucket and swap it there. engine.step() steps what no
+gradient reached (with zeros, as DeepSpeed's zero-filled partition would) and does DeepSpeed's bookkeeping; then
+ZeRO-1/2 all-gathers the weights, ZeRO-3 its persistent parameters (the others are gathered from their
+`ds_tensor` as forward reaches them). ZeRO-3 keeps no gradient partition at all (NoGradPartitions).
 ZeRO-1 without overlap_comm reduces only after backward (its full gradients live until then): release saves
-the partition buffer there, ZeRO-2 the gradients too.
+the partition buffer there; ZeRO-2 and ZeRO-3 the gradients too.
 
 Per bucket one scalar all-reduce gives the bucket's squared gradient norm (the global norm as it accumulates):
 - non-finite: that bucket and every later one of the step are skipped (their gradients dropped); pieces stepped
@@ -21,8 +26,8 @@ Per bucket one scalar all-reduce gives the bucket's squared gradient norm (the g
   so far, this bucket included (a lower bound of this step's norm, so a spike is clipped at once, at least as
   hard as its own size demands). Clipping off: DeepSpeed's own scale (1 / loss scale), exactly.
 
-Refused (one line naming the key, `refusal`): gradient accumulation, ZeRO-3, Offload, fp16, fp32 gradient
-accumulation dtypes, param groups without FP8 states.
+Refused (one line naming the key, `refusal`): gradient accumulation, Offload, fp16, fp32 gradient accumulation
+dtypes, param groups without FP8 states, engines without DeepSpeed's ZeRO-1/2/3 optimizer.
 """
 from __future__ import annotations
 
@@ -37,31 +42,49 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.stage_1_and_2 import INITIAL_MICRO_STEP_ID, OPTIMIZER_STEP_TIMER
 
 from .gradients import refused as _refuse
-from .kind import ZERO12, zero_kind
+from .kind import ZERO3, ZERO12, master_partitions, zero_kind
 from .layout import FlatPieces, ShardLayout
-from .step import Zero12Step
+from .partitions import zero3_slice
+from .step import GradPartitions, Zero3Step, Zero12Step
 
 SAVED_NORM = "coat_release_norm"  # ZeRO state_dict key: the global norm the next step's clipping uses
 
 
 def refusal(zo) -> str | None:
     """Why the ZeRO optimizer `zo` of a CoatAdamW engine cannot release gradients (the engine-side check)."""
-    if zero_kind(zo) != ZERO12:
-        return _refuse(f"needs DeepSpeed's ZeRO-1/2 optimizer (this engine has {type(zo).__name__})")
-    if zo.cpu_offload:
-        return _refuse("runs on the device, not under Offload (zero_optimization.offload_optimizer)")
+    kind = zero_kind(zo)
+    if kind not in (ZERO12, ZERO3):
+        return _refuse(f"needs DeepSpeed's ZeRO-1/2/3 optimizer (this engine has {type(zo).__name__})")
+    offloaded = _offloaded(zo, kind)
+    if offloaded:
+        return _refuse(f"runs on the device, not under Offload (zero_optimization.{offloaded})")
     if zo.gradient_accumulation_steps > 1:
         return _refuse(f"steps as gradients are reduced: gradient_accumulation_steps must be 1 "
                        f"(it is {zo.gradient_accumulation_steps})")
     if zo.dtype != torch.bfloat16 or zo.torch_autocast_gradscaler or zo.zenflow:
         return _refuse(f"needs bf16 gradients (this engine's are {zo.dtype})")
-    opt = zo.optimizer
-    for i, master in enumerate(zo.single_partition_of_fp32_groups):
-        if zo._use_compact_grad_partition_buffer(i):
-            return _refuse("needs bf16 gradients (data_types.grad_accum_dtype is fp32)")
-        if not opt.param_groups[i]["fp8_state"] or opt.partition_of(master) is None:
-            return _refuse(f"needs FP8 optimizer states in every param group (param_groups[{i}] has fp8_state false)")
+    if _fp32_accumulation(zo, kind):
+        return _refuse("needs bf16 gradients (data_types.grad_accum_dtype is fp32)")
+    opt, to_group = zo.optimizer, getattr(zo, "sub_group_to_group_id", None)
+    for i, master in enumerate(master_partitions(zo)):
+        gi = i if to_group is None else to_group[i]
+        if not opt.param_groups[gi]["fp8_state"] or opt.partition_of(master) is None:
+            return _refuse(f"needs FP8 optimizer states in every param group (param_groups[{gi}] has fp8_state false)")
     return None
+
+
+def _offloaded(zo, kind: str) -> str | None:
+    """The zero_optimization key that offloads what release steps on the device, or None."""
+    if kind == ZERO12:
+        return "offload_optimizer" if zo.cpu_offload else None
+    return "offload_optimizer" if zo.offload_optimizer else "offload_param" if zo.offload_param else None
+
+
+def _fp32_accumulation(zo, kind: str) -> bool:
+    """Whether ZeRO keeps the reduced gradients in fp32 (data_types.grad_accum_dtype)."""
+    if kind == ZERO3:
+        return zo.gradient_accumulation_dtype != torch.bfloat16
+    return any(zo._use_compact_grad_partition_buffer(i) for i in range(len(zo.bit16_groups)))
 
 
 class SlicePieces(FlatPieces):
@@ -106,88 +129,69 @@ class SubLayouts:
         return sub
 
 
-class ReleaseStep(Zero12Step):
-    """Mixed into DeepSpeedZeroOptimizer (ZeRO-1/2) for coat.gradients 'release'; see the module docstring."""
+Slice = tuple  # (master partition index, flat start, gradient slice) of one parameter's piece on this rank
+
+
+class Release:
+    """Releasing at any ZeRO stage (module docstring): per bucket the norm, the non-finite check, the clipping scale
+    and the step of this rank's pieces; at engine.step() what no gradient reached and DeepSpeed's bookkeeping. The
+    stage's mixin says when buckets are reduced and where pieces lie: `_coat_index(p)`, the master partition holding
+    p's piece, `_coat_target(i)`, (master, model partition to write or None, param group) of partition i, and
+    `_coat_grad_scale`, DeepSpeed's own gradient scale (step.py)."""
 
     _coat_release_norm: float | None = None  # the previous step's global gradient norm (clipping)
 
     def _coat_ready(self) -> None:
         if "_coat_subs" not in vars(self):  # first use: the layouts are bound by now
-            self._coat_subs = [SubLayouts(self.optimizer.partition_of(m)) for m in self.single_partition_of_fp32_groups]
+            self._coat_subs = [SubLayouts(self.optimizer.partition_of(m)) for m in master_partitions(self)]
             self._coat_release_reset()
 
     def _coat_release_reset(self) -> None:
         self._coat_released: set[int] = set()  # param ids whose gradients were reduced (and dropped) this step
-        self._coat_begun: set[int] = set()  # groups whose step count advanced this step
+        self._coat_begun: set[int] = set()  # partitions whose step count advanced this step
         self._coat_sumsq = 0.0
         self._coat_bad = False
 
-    def copy_grads_in_partition(self, param, group_idx=None):
-        """Nothing to copy: the bucket's pieces are stepped from DeepSpeed's reduction buffer before it is reused."""
-
-    def reduce_ipg_grads(self, comm_dtype=None):
-        dtypes = [comm_dtype] if comm_dtype is not None else list(self.ipg_buckets.keys())
-        params = [self.bit16_groups[g][k] for d in dtypes for g, k, _ in self.ipg_buckets[d].params]
-        super().reduce_ipg_grads(comm_dtype)
-        here = get_accelerator().current_stream()  # None: an accelerator without streams (CPU)
-        if self.overlap_comm and here is not None:  # the reductions ran on ZeRO's reduction stream
-            here.wait_stream(self.reduction_stream)
-        self._coat_release(params)
-
-    def get_all_grad_tensors(self, tensor_list, dtype):
-        return []  # every gradient was stepped and dropped: nothing to gather (DeepSpeed would make zeros)
-
-    def get_flat_partition(self, *args, **kw):
-        return None
-
-    def _coat_slice(self, param) -> tuple[int, int, torch.Tensor] | None:
-        """(group, flat start, gradient slice) of this rank's piece of param, or None."""
-        if not self.is_param_in_current_partition[self.get_param_id(param)] or param.numel() == 0:
-            return None
-        grad = self.get_gradient_for_reduction(param)
-        m = param._hp_mapping
-        n, lp_start = m.lp_fragment_address.numel, m.lp_fragment_address.start
-        grad = torch.zeros(n, dtype=self.dtype, device=param.device) if grad is None else \
-            grad.reshape(-1).narrow(0, lp_start, n)
-        return self._get_param_group_idx(param), m.hp_fragment_address.start, grad
+    def _coat_rest(self, groups: list) -> list:
+        """The parameters of `groups` that no gradient reached this step (the same on every rank)."""
+        return [p for group in groups for p in group if self.get_param_id(p) not in self._coat_released]
 
     @torch.no_grad()
-    def _coat_release(self, params: list) -> None:
-        """Step this rank's pieces of `params` (the same list on every rank), then drop their gradients."""
+    def _coat_release(self, params: list, slices: list[Slice]) -> None:
+        """Step this rank's `slices` of `params` (the same list on every rank) unless the step went non-finite."""
         if not params:
             return
         self._coat_ready()
         self._coat_released.update(self.get_param_id(p) for p in params)
-        slices = [s for s in map(self._coat_slice, params) if s is not None]
-        if not self._coat_bad:
-            self._coat_step_slices(params, slices)
-        for p in params:
-            self.clear_grad_attribute(p)
-            p.grad = None
-
-    def _coat_step_slices(self, params: list, slices: list) -> None:
+        if self._coat_bad:
+            return
         device = torch.device(get_accelerator().current_device_name())
+        if self._coat_bucket_finite(slices, device):
+            self._coat_step_pieces(params, slices, self._coat_release_scale(device))
+
+    def _coat_bucket_finite(self, slices: list[Slice], device: torch.device) -> bool:
+        """Add the bucket's squared norm (all ranks') to this step's; False, counted and warned, if not finite."""
         sumsq = torch.zeros(1, dtype=torch.float32, device=device)
         for _, _, g in slices:
             sumsq += torch.linalg.vector_norm(g, dtype=torch.float32).square()
         if dist.get_world_size(group=self.dp_process_group) > 1:
             dist.all_reduce(sumsq, group=self.dp_process_group)
         sumsq = float(sumsq.item())
-        if not math.isfinite(sumsq):
-            self._coat_bad = True
-            self.optimizer.skipped_steps += 1
-            warnings.warn("CoatAdamW: non-finite gradient on some rank (coat.gradients 'release'); the rest of "
-                          "this step is skipped on every rank, pieces stepped before it stay stepped", RuntimeWarning)
-            return
-        self._coat_sumsq += sumsq
-        scale = self._coat_release_scale(device)
-        opt = self.optimizer
-        names = {}
+        if math.isfinite(sumsq):
+            self._coat_sumsq += sumsq
+            return True
+        self._coat_bad = True
+        self.optimizer.skipped_steps += 1
+        warnings.warn("CoatAdamW: non-finite gradient on some rank (coat.gradients 'release'); the rest of "
+                      "this step is skipped on every rank, pieces stepped before it stay stepped", RuntimeWarning)
+        return False
+
+    def _coat_step_pieces(self, params: list, slices: list[Slice], scale: torch.Tensor) -> None:
+        opt, names = self.optimizer, {}
         for p in params:
-            names.setdefault(self._get_param_group_idx(p), set()).add(self.param_names[p])
-        for i in sorted(names):  # every rank: the groups of the bucket's parameters, in order
-            master, group = self.single_partition_of_fp32_groups[i], opt.param_groups[i]
-            lp = self.parallel_partitioned_bit16_groups[i][dist.get_rank(group=self.real_dp_process_group[i])]
+            names.setdefault(self._coat_index(p), set()).add(self.param_names[p])
+        for i in sorted(names):  # every rank: the partitions of the bucket's parameters, in order
+            master, lp, group = self._coat_target(i)
             sub = self._coat_subs[i].of(frozenset(names[i]))
             mine = {start: g for gi, start, g in slices if gi == i}
             if not mine and not sub.cut_index:
@@ -197,7 +201,7 @@ class ReleaseStep(Zero12Step):
                 self._coat_begun.add(i)
                 opt.state[master]["step"] += 1
             sub.step(opt, master, group, int(opt.state[master]["step"].item()), SlicePieces(mine),
-                     grad_scale=scale, lp_out=None if master is lp else lp, finite=True)
+                     grad_scale=scale, lp_out=lp, finite=True)
 
     def _coat_release_scale(self, device: torch.device) -> torch.Tensor:
         """What this bucket's gradient is multiplied by (module docstring); with clipping off, DeepSpeed's own."""
@@ -209,15 +213,8 @@ class ReleaseStep(Zero12Step):
         clip = max(1.0, *((n + 1e-6) / self.clip_grad for n in norms))
         return torch.full((1,), 1.0 / (clip * self.loss_scale), dtype=torch.float32, device=device)
 
-    def step(self, closure=None):
-        """The end of a released step: pieces no gradient reached step with zeros (as DeepSpeed's zero-filled
-        partition would), then DeepSpeed's bookkeeping (norm, overflow, loss scale) and the all-gather."""
-        self._coat_ready()
-        self.micro_step_id = INITIAL_MICRO_STEP_ID
-        self.timers(OPTIMIZER_STEP_TIMER).start()
-        rest = [p for group in self.bit16_groups for p in group if self.get_param_id(p) not in self._coat_released]
-        self._coat_release(rest)
-        self.timers(OPTIMIZER_STEP_TIMER).stop()
+    def _coat_step_end(self) -> None:
+        """DeepSpeed's bookkeeping of a released step: overflow, loss scale, this step's (unclipped) global norm."""
         self.overflow = self._coat_bad
         prev_scale = self.loss_scale
         self._update_scale(self.overflow)
@@ -227,6 +224,64 @@ class ReleaseStep(Zero12Step):
             self._global_grad_norm = math.sqrt(self._coat_sumsq) / prev_scale
             self._coat_release_norm = self._global_grad_norm
         self._coat_release_reset()
+
+
+class ReleaseStep(Release, Zero12Step):
+    """Mixed into DeepSpeedZeroOptimizer (ZeRO-1/2) for coat.gradients 'release'; see the module docstring."""
+
+    def copy_grads_in_partition(self, param, group_idx=None):
+        """Nothing to copy: the bucket's pieces are stepped from DeepSpeed's reduction buffer before it is reused."""
+
+    def reduce_ipg_grads(self, comm_dtype=None):
+        dtypes = [comm_dtype] if comm_dtype is not None else list(self.ipg_buckets.keys())
+        params = [self.bit16_groups[g][k] for d in dtypes for g, k, _ in self.ipg_buckets[d].params]
+        super().reduce_ipg_grads(comm_dtype)
+        here = get_accelerator().current_stream()  # None: an accelerator without streams (CPU)
+        if self.overlap_comm and here is not None:  # the reductions ran on ZeRO's reduction stream
+            here.wait_stream(self.reduction_stream)
+        self._coat_release_bucket(params)
+
+    def get_all_grad_tensors(self, tensor_list, dtype):
+        return []  # every gradient was stepped and dropped: nothing to gather (DeepSpeed would make zeros)
+
+    def get_flat_partition(self, *args, **kw):
+        return None
+
+    def _coat_index(self, param) -> int:
+        return self._get_param_group_idx(param)
+
+    def _coat_target(self, i: int) -> tuple:
+        master = self.single_partition_of_fp32_groups[i]
+        lp = self.parallel_partitioned_bit16_groups[i][dist.get_rank(group=self.real_dp_process_group[i])]
+        return master, None if master is lp else lp, self.optimizer.param_groups[i]
+
+    def _coat_slice(self, param) -> Slice | None:
+        """(group, flat start, gradient slice) of this rank's piece of param, or None."""
+        if not self.is_param_in_current_partition[self.get_param_id(param)] or param.numel() == 0:
+            return None
+        grad = self.get_gradient_for_reduction(param)
+        m = param._hp_mapping
+        n, lp_start = m.lp_fragment_address.numel, m.lp_fragment_address.start
+        grad = torch.zeros(n, dtype=self.dtype, device=param.device) if grad is None else \
+            grad.reshape(-1).narrow(0, lp_start, n)
+        return self._get_param_group_idx(param), m.hp_fragment_address.start, grad
+
+    def _coat_release_bucket(self, params: list) -> None:
+        """Step this rank's pieces of `params`, then drop their gradients."""
+        self._coat_release(params, [s for s in map(self._coat_slice, params) if s is not None])
+        for p in params:
+            self.clear_grad_attribute(p)
+            p.grad = None
+
+    def step(self, closure=None):
+        """The end of a released step: pieces no gradient reached step with zeros (as DeepSpeed's zero-filled
+        partition would), then DeepSpeed's bookkeeping (norm, overflow, loss scale) and the all-gather."""
+        self._coat_ready()
+        self.micro_step_id = INITIAL_MICRO_STEP_ID
+        self.timers(OPTIMIZER_STEP_TIMER).start()
+        self._coat_release_bucket(self._coat_rest(self.bit16_groups))
+        self.timers(OPTIMIZER_STEP_TIMER).stop()
+        self._coat_step_end()
         self._lazy_init_hp_params_optimizer_state()
         self._coat_gather_weights()  # pieces stepped before an overflow are gathered too
 
@@ -241,9 +296,76 @@ class ReleaseStep(Zero12Step):
         self._coat_release_norm = saved.get(SAVED_NORM)
 
 
+class NoGradPartitions(GradPartitions):
+    """ZeRO-3's map of gradient partitions under release: always empty, each slice being stepped and dropped as its
+    bucket is reduced (Release3Step.partition_grads). DeepSpeed's backward epilogue, which lists every parameter's
+    partition for its step, reads a 0-element tensor."""
+
+    def __missing__(self, ds_id: int) -> torch.Tensor:
+        return torch.empty(0, dtype=self.dtype, device=self.device)
+
+
+class Release3Step(Release, Zero3Step):
+    """Mixed into DeepSpeedZeroOptimizer_Stage3 for coat.gradients 'release'; see the module docstring."""
+
+    _coat_grad_map = NoGradPartitions
+
+    def partition_grads(self, params_to_release, grad_partitions):
+        """Step this rank's slices of the bucket's parameters, reduce-scattered just now, and drop the gradients
+        (DeepSpeed 0.19.8 copies the slices into the gradient partition for the step)."""
+        self._coat_release(params_to_release, [s for s in map(self._coat_slice, params_to_release, grad_partitions)
+                                               if s is not None])
+        for p in params_to_release:  # as DeepSpeed frees them: on ZeRO-3's reduction stream
+            if p.grad is not None and not get_accelerator().is_synchronized_device():
+                p.grad.record_stream(get_accelerator().current_stream())
+            p.grad = None
+        return []
+
+    def _coat_index(self, param) -> int:
+        return self.grad_position[self.get_param_id(param)][0]
+
+    def _coat_target(self, i: int) -> tuple:
+        master, lp = self.fp32_partitioned_groups_flat[i], self.fp16_partitioned_groups_flat[i]
+        return master, None if master is lp else lp, self.optimizer.param_groups[self.sub_group_to_group_id[i]]
+
+    def _coat_slice(self, param, grad: torch.Tensor | None = None) -> Slice | None:
+        """(sub-group, flat start, gradient slice: zeros where None) of this rank's slice of param, or None."""
+        _, n, _ = zero3_slice(param, dist.get_rank(group=self.dp_process_group))
+        if n == 0:
+            return None
+        i, start, _ = self.grad_position[self.get_param_id(param)]
+        grad = torch.zeros(n, dtype=self.gradient_accumulation_dtype, device=self.device) if grad is None else \
+            grad.reshape(-1).narrow(0, 0, n)
+        return i, start, grad
+
+    def step(self, closure=None):
+        """The end of a released step: slices no gradient reached step with zeros (as DeepSpeed's zero-filled
+        partition would), DeepSpeed's bookkeeping, and its persistent parameters gathered again."""
+        self._coat_ready()
+        self._pre_step()
+        self._partition_all_parameters()
+        self.timers(OPTIMIZER_STEP_TIMER).start()
+        rest = self._coat_rest(self.fp16_groups)
+        self._coat_release(rest, [s for s in map(self._coat_slice, rest) if s is not None])
+        self.timers(OPTIMIZER_STEP_TIMER).stop()
+        self._coat_step_end()
+        self.zero_grad(set_to_none=True)
+        self.averaged_gradients = {}
+        self._post_step({OPTIMIZER_STEP_TIMER})
+
+    def _rigid_state_dict(self):
+        sd = super()._rigid_state_dict()
+        sd[SAVED_NORM] = self._coat_release_norm
+        return sd
+
+    def _rigid_load_state_dict(self, state_dict, load_optimizer_states=True):
+        super()._rigid_load_state_dict(state_dict, load_optimizer_states)
+        self._coat_release_norm = state_dict.get(SAVED_NORM)
+
+
 def mixin(zo) -> type:
     """The mixin of `zo` for coat.gradients 'release' (bind() installs it), or a ValueError naming the key."""
     why = refusal(zo)
     if why is not None:
         raise ValueError(why)
-    return ReleaseStep
+    return Release3Step if zero_kind(zo) == ZERO3 else ReleaseStep

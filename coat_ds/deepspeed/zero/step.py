@@ -38,7 +38,7 @@ from deepspeed.runtime.zero.stage_1_and_2 import (INITIAL_MICRO_STEP_ID, OPTIMIZ
 from deepspeed.checkpoint.constants import FP32_FLAT_GROUPS, SINGLE_PARTITION_OF_FP32_GROUPS
 
 from ...formats.remainder import bf16_weight, check_finite
-from .gradients import DEFAULT as GRADIENTS_DEFAULT
+from .gradients import DEFAULT as GRADIENTS_DEFAULT, PARTITION_BUFFER
 from .kind import ZERO3, ZERO12, zero_kind
 from .layout import FlatPieces
 
@@ -221,6 +221,7 @@ class Zero3Step:
 
     _coat_bf16_master = False  # master.py sets it when the master partitions are the bf16 model partitions
     _coat_remainder = False  # ... and when they are the high halves of fp32 masters (layouts keep the remainders)
+    _coat_grad_map: type = GradPartitions  # release.Release3Step's holds none
 
     def _coat_use_grad_partitions(self) -> None:
         """Replace DeepSpeed's gradient buffer (a partition-sized tensor alive from set-up) by GradPartitions. On the
@@ -228,8 +229,8 @@ class Zero3Step:
         if self.offload_optimizer or self.offload_param or isinstance(getattr(self, GRAD_MAP), GradPartitions):
             return
         params = [p for group in self.fp16_groups for p in group]
-        setattr(self, GRAD_MAP, GradPartitions({p.ds_id: p.partition_numel() for p in params},
-                                               self.gradient_accumulation_dtype, self.device))
+        setattr(self, GRAD_MAP, self._coat_grad_map({p.ds_id: p.partition_numel() for p in params},
+                                                    self.gradient_accumulation_dtype, self.device))
         self.grad_partitions_flat_buffer = torch.empty(0, dtype=self.gradient_accumulation_dtype, device=self.device)
 
     def step(self, closure=None):
@@ -265,13 +266,15 @@ class Zero3Step:
     def unscale_and_clip_grads(self, i: int, total_norm) -> None:
         if i not in self._coat_grads:
             return super().unscale_and_clip_grads(i, total_norm)
-        # DeepSpeed 0.19.8's stage-3 unscale_and_clip_grads, as a scalar for the kernel
+        self._coat_scales[i] = self._coat_grad_scale(total_norm, self.fp32_partitioned_groups_flat[i].device)
+
+    def _coat_grad_scale(self, total_norm, device: torch.device) -> torch.Tensor:
+        """DeepSpeed 0.19.8's stage-3 unscale_and_clip_grads, as the scalar the kernel multiplies the gradient by."""
         combined_scale = self.loss_scale
         if self.clip_grad > 0.:
             clip = ((total_norm / self.loss_scale) + 1e-6) / self.clip_grad
             combined_scale = torch.clamp(clip, min=1.0) * self.loss_scale
-        device = self.fp32_partitioned_groups_flat[i].device
-        self._coat_scales[i] = torch.ones(1, dtype=torch.float32, device=device).mul_(1. / combined_scale)
+        return torch.ones(1, dtype=torch.float32, device=device).mul_(1. / combined_scale)
 
     def _optimizer_step(self, i: int) -> None:
         if i not in self._coat_grads:
@@ -389,11 +392,11 @@ def mixin(zo) -> type:
 
 def install(zo, cls: type, gradients: str = GRADIENTS_DEFAULT) -> None:
     """Give the ZeRO optimizer `zo` (stage 1, 2 or 3, or BF16_Optimizer) of a CoatAdamW engine the step of mixin
-    `cls` (mixin(zo), or release.ReleaseStep: a Zero12Step), its reduced gradients kept as coat.gradients says
-    (gradients.py)."""
+    `cls` (mixin(zo), or release.mixin(zo): a Zero12Step or Zero3Step), its reduced gradients kept as
+    coat.gradients says (gradients.py)."""
     if not isinstance(zo, cls):
         zo.__class__ = _subclass(cls, type(zo))
     zo._coat_grads, zo._coat_scales, zo._coat_lp_written = {}, {}, set()
     zo._coat_per_parameter_grads = gradients == "per_parameter"
-    if cls is Zero3Step and zo._coat_per_parameter_grads:
+    if issubclass(cls, Zero3Step) and gradients != PARTITION_BUFFER:
         zo._coat_use_grad_partitions()
