@@ -48,8 +48,11 @@ def render(name: str, results: Path = RESULTS) -> str:
 
 
 # ------------------------------------------------------------------------------------------ the tables
-E2E = (("Llama 1.1B", "e2e_llama-1b.json"), ("Llama-2-7B", "e2e_7b_one_gpu.json"))
-E2E_CONFIGS = (("bf16", "BF16 + FusedAdam"), ("torchao", "torchao float8 + FusedAdam"),
+# (model, its e2e run, the run of torchao beside the lowest-memory preset: a torchao compile takes minutes a shape)
+E2E = (("Llama 1.1B", "e2e_llama-1b.json", "e2e_torchao_llama-1b.json"),
+       ("Llama-2-7B", "e2e_7b_one_gpu.json", "e2e_torchao_llama2-7b.json"))
+E2E_CONFIGS = (("bf16", "BF16 + FusedAdam"),
+               ("torchao_fp8", "torchao float8 (compiled) + AdamWFp8, plain loop"),
                ("coat_full", "coat_ds, DeepSpeed's fp32 master"),
                ("coat_full_rem", "coat_ds, fp32 master as bf16 + remainders (exact preset)"),
                ("coat_full_bf16sr", "coat_ds, bf16_sr master (lowest-memory preset without attention_fp8)"))
@@ -65,15 +68,18 @@ def results(res: Path):
     header = ["model, GPU (file)", "configuration", "peak GiB at micro-batch N", "tokens/s at N",
               "largest micro-batch that fits", "tokens/s there"]
     rows = []
-    for model, name in E2E:
+    for model, name, peer_name in E2E:
         run = load(res, name)
-        configs = _configs(run)
-        where = f"{model}, {run['device'].replace('NVIDIA ', '')} (`{name}`)"
-        n = run["equal_micro_batch"]
+        peer = load(res, peer_name)
+        configs = {**_configs(run), "torchao_fp8": _configs(peer)["torchao_fp8"]}
         for key, label in E2E_CONFIGS:
             c = configs.get(key)
-            if c is None:
-                rows.append([where, label, "not run", "-", "-", "-"])
+            file, src = (peer_name, peer) if key == "torchao_fp8" else (name, run)
+            n = src["equal_micro_batch"]
+            where = f"{model}, {run['device'].replace('NVIDIA ', '')} (`{file}`)"
+            if c is None or (c.get("errors") and not c.get("equal_batch") and c.get("needed_gb_at_1") is None):
+                rows.append([where, label, "not run" if c is None else "no result (see the file's errors)", "-", "-",
+                             "-"])
                 continue
             eq, top = c.get("equal_batch"), c.get("max_batch")
             peak = (f"{num(eq['peak_alloc_gb'])} (N={n})" if eq else
@@ -148,19 +154,28 @@ def real_shapes(res: Path):
 
 
 
+GRADS_RUNS = ("e2e_grads_llama-1b.json", "e2e_grads_llama2-7b.json",   # one H100
+              *(f"e2e_grads_nccl_z{z}_{m}.json" for m in ("llama-1b", "llama2-7b") for z in (2, 3)))  # two, NCCL
+
+
 @table
 def gradients(res: Path):
-    """docs/deepspeed.md: coat.gradients per_parameter (default) against DeepSpeed's partition buffer, one H100."""
-    header = ["model, seq, micro-batch", "coat.gradients", "peak GiB allocated", "peak GiB reserved", "tokens/s",
-              "tokens/s against the buffer"]
+    """docs/deepspeed.md: coat.gradients per_parameter (default) against DeepSpeed's partition buffer (and release
+    where a run has it), one H100 and two (NCCL, ZeRO-2 and ZeRO-3), peaks per GPU."""
+    header = ["model, seq, micro-batch", "GPUs, ZeRO stage", "coat.gradients", "peak GiB allocated",
+              "peak GiB reserved", "tokens/s", "tokens/s against the buffer"]
     rows = []
-    for name in ("e2e_grads_llama-1b.json", "e2e_grads_llama2-7b.json"):
+    for name in GRADS_RUNS:
         run = load(res, name)
         by = {c["name"]: c["rungs"][0] for c in run["configs"] if c["rungs"]}
         base = by["lowest_memory_grad_buffer"]["tokens_per_s"]
-        for cfg, key in (("lowest_memory", "per_parameter"), ("lowest_memory_grad_buffer", "partition_buffer")):
-            r = by[cfg]
-            rows.append([f"{run['model']}, {run['seq_len']}, {r['micro_batch']}", key, num(r["peak_alloc_gb"]),
+        for cfg, key in (("lowest_memory", "per_parameter"), ("lowest_memory_grad_buffer", "partition_buffer"),
+                         ("largest_model", "release")):
+            r = by.get(cfg)
+            if r is None:
+                continue
+            rows.append([f"{run['model']}, {run['seq_len']}, {r['micro_batch']}",
+                         f"{run['world_size']}, {run['zero_stage']}", key, num(r["peak_alloc_gb"]),
                          num(r["peak_reserved_gb"]), num(r["tokens_per_s"], 0), f"{r['tokens_per_s'] / base:.3f}x"])
     return header, rows
 
