@@ -29,8 +29,8 @@ import torch
 from benchmarks.common import (RESULTS, ROOT, WarningLog, add_worker_args, free_port, module_cmd, provenance,
                                worker_env, write_results)
 from benchmarks.e2e import CONFIGS, base_optimizer, check_args, ds_config
-from coat_ds.recipes import causal_lm as train_lib, data as data_lib
-from coat_ds.recipes.causal_lm import FAMILIES
+from coat_ds.workloads import causal_lm as train_lib, data as data_lib
+from coat_ds.workloads.causal_lm import FAMILIES
 
 TARGET_GAP = 0.005   # final validation loss within 0.5% of BF16
 
@@ -214,7 +214,7 @@ def launch(args: argparse.Namespace, name: str, out: Path,
 def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from {list(CONFIGS)}")
-    p.add_argument("--model-size", default="125m", help="a size from coat_ds.recipes.causal_lm's MODEL_SIZES")
+    p.add_argument("--model-size", default="125m", help="a size from coat_ds.workloads.causal_lm's MODEL_SIZES")
     p.add_argument("--family", default="llama", choices=FAMILIES, help="the model family of that size")
     p.add_argument("--data", help="as examples/train.py --data (default: the standard-library corpus)")
     p.add_argument("--data-bytes", type=int, help="a --data text folder: use files up to this many bytes in all")

@@ -31,11 +31,11 @@ from deepspeed.accelerator import get_accelerator  # noqa: E402
 from benchmarks.common import (GIB, RESULTS, ROOT, SyncSites, WarningLog, add_worker_args, check_positive,  # noqa: E402
                                module_cmd, names_of, profiler, provenance, run_worker, top_events, write_results)
 from coat_ds.hf.loss import is_applied  # noqa: E402
-from coat_ds.recipes import causal_lm as train_lib  # noqa: E402  (engine initialisation and the loss)
-from coat_ds.recipes.causal_lm import MODEL_SIZES  # noqa: E402  (the main job's shapes)
-from coat_ds.recipes.shapes import SHAPES  # noqa: E402  (public shapes: TinyLlama's, Llama-2's, Llama-3.1's)
+from coat_ds.workloads import causal_lm as train_lib  # noqa: E402  (engine initialisation and the loss)
+from coat_ds.workloads.causal_lm import MODEL_SIZES  # noqa: E402  (the main job's shapes)
+from coat_ds.workloads.shapes import SHAPES  # noqa: E402  (public shapes: TinyLlama's, Llama-2's, Llama-3.1's)
 
-# Llama shapes by name: the main job's 125m, OpenLLaMA-3B's, and the public ones of coat_ds.recipes.shapes.
+# Llama shapes by name: the main job's 125m, OpenLLaMA-3B's, and the public ones of coat_ds.workloads.shapes.
 MODELS = {
     "tiny": dict(hidden_size=256, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
                  intermediate_size=512, vocab_size=512),   # wide enough that the decoder layer's activations dominate

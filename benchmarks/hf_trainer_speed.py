@@ -34,7 +34,7 @@ from benchmarks import e2e
 from benchmarks.common import (GIB, RESULTS, ROOT, SyncSites, WarningLog, add_worker_args, check_positive,
                                chrome_trace, gpu_gaps, module_cmd, profiler, provenance, run_worker, top_events,
                                write_results)
-from coat_ds.recipes import causal_lm as train_lib
+from coat_ds.workloads import causal_lm as train_lib
 
 HF_CONFIG = "ds_configs/hf/zero2_coat.json"
 PRESETS = {  # name: (label, its HF config; bf16 is HF_CONFIG with AdamW and no "coat" section)

@@ -22,7 +22,7 @@ import torch
 from benchmarks import e2e
 from benchmarks.common import (GIB, RESULTS, add_worker_args, check_positive, command, device_name, module_cmd,
                                names_of, now, run_worker, versions, write_results)
-from coat_ds.recipes.causal_lm import param_groups
+from coat_ds.workloads.causal_lm import param_groups
 
 CONFIGS = {"bf16": "BF16 + DeepSpeedCPUAdam", "coat_full": "coat_ds full (fp32 master)",
            "coat_full_bf16sr": "coat_ds full, bf16 master (stochastic rounding)"}

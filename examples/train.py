@@ -6,7 +6,7 @@
     python examples/train.py --deepspeed ds_configs/zero2_coat.json --steps 20     # one process, no launcher
 
 Everything about the optimizer, ZeRO stage, precision and FP8 activations comes from the JSON config; this
-script brings the loop, on the model and data builders of coat_ds.recipes (which the benchmarks share). Defaults
+script brings the loop, on the model and data builders of coat_ds.workloads (which the benchmarks share). Defaults
 run offline on any machine (DeepSpeed's CPU accelerator when there is no GPU): a small Llama built from a config,
 trained on the running interpreter's standard library sources. See docs/train.md for every flag and config key.
 
@@ -30,10 +30,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))          # coat_ds from a checkout
 
-from coat_ds.recipes import data as data_lib  # noqa: E402
-from coat_ds.recipes.causal_lm import (MODEL_SIZES, build_model, default_allocator, initialize, lm_loss,  # noqa: E402
+from coat_ds.workloads import data as data_lib  # noqa: E402
+from coat_ds.workloads.causal_lm import (MODEL_SIZES, build_model, default_allocator, initialize, lm_loss,  # noqa: E402
                                        set_single_process_env)
-from coat_ds.recipes.cli import check_ds_config, read_ds_config, refuse  # noqa: E402
+from coat_ds.workloads.cli import check_ds_config, read_ds_config, refuse  # noqa: E402
 
 # ------------------------------------------------------------------------------------------------------------
 # Configuration: defaults live here; every one of them is a flag.
