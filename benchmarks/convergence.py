@@ -26,13 +26,15 @@ from pathlib import Path
 import deepspeed
 import torch
 
-from benchmarks.common import (RESULTS, ROOT, WarningLog, add_worker_args, free_port, module_cmd, provenance,
-                               worker_env, write_results)
+from benchmarks.common import (RESULTS, ROOT, WarningLog, add_worker_args, provenance,
+                               worker_cmd, worker_env, write_results)
 from benchmarks.e2e import CONFIGS, base_optimizer, check_args, ds_config
 from coat_ds.workloads import causal_lm as train_lib, data as data_lib
 from coat_ds.workloads.causal_lm import FAMILIES
 
 TARGET_GAP = 0.005   # final validation loss within 0.5% of BF16
+RECIPE = ("model_size", "family", "data", "data_bytes", "vocab_size", "seq_len", "micro_batch", "steps", "lr",
+          "warmup_steps", "log_every", "eval_every", "eval_batches", "seed")   # the options a worker trains by
 
 
 def model_name(args: argparse.Namespace) -> str:
@@ -190,23 +192,12 @@ def launch(args: argparse.Namespace, name: str, out: Path,
     """Start one configuration's worker; its result and log are named after `tag` (default: the name)."""
     result, log = out / f"convergence_{tag or name}.json", out / f"convergence_{tag or name}.log"
     result.unlink(missing_ok=True)
-    cmd = module_cmd("benchmarks.convergence") + [
-        "--worker", "--config", name, "--model-size", args.model_size, "--family", args.family, "--seq-len",
-        str(args.seq_len), "--micro-batch", str(args.micro_batch), "--steps", str(args.steps), "--lr", str(args.lr),
-        "--warmup-steps", str(args.warmup_steps), "--log-every", str(args.log_every), "--eval-every",
-        str(args.eval_every), "--eval-batches", str(args.eval_batches), "--seed", str(args.seed), "--vocab-size",
-        str(args.vocab_size), "--result", str(result), "--deadline", str(args.deadline)]
-    if args.data:
-        cmd += ["--data", args.data]
-    if args.data_bytes:
-        cmd += ["--data-bytes", str(args.data_bytes)]
+    cmd = worker_cmd("benchmarks.convergence", args, RECIPE + ("deadline",), config=name, result=result)
     if name == "bf16" and args.state_sample:
         cmd += ["--dump-state", str(out / "adam_state_bf16.pt"), "--state-sample", str(args.state_sample)]
-    env = worker_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
-                     LOCAL_WORLD_SIZE="1")
     print(f"== {name}: {' '.join(cmd)}  (log {log})", flush=True)
     fh = open(log, "w")
-    proc = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(cmd, env=worker_env(), stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
     fh.close()
     return proc, result, log
 
@@ -292,15 +283,10 @@ def headline(args: argparse.Namespace, runs: dict[str, dict], tokens, t0: float)
     sr, rn = at("coat_full_bf16sr"), at("coat_full_bf16rn")
     gap = lambda c: (c - bf16) / bf16 if c is not None and bf16 else None  # noqa: E731
     tail = lambda n: [v for _, v in (runs.get(n) or {}).get("train", [])[-5:]]  # noqa: E731
-    n_train = len(tokens.train)
     return {
-        **provenance(), "model": model_name(args),
+        **provenance(), **recipe_facts(args, tokens),
         "params": next((r.get("params") for r in runs.values() if r.get("params")), None),
-        "data": tokens.source.split(" (cache")[0], "train_tokens": n_train, "val_tokens": len(tokens.val),
-        "vocab_size": tokens.vocab_size, "seq_len": args.seq_len, "micro_batch": args.micro_batch,
-        "tokens_per_step": args.seq_len * args.micro_batch,
-        "epochs": args.steps * args.seq_len * args.micro_batch / n_train, "lr": args.lr,
-        "warmup_steps": args.warmup_steps, "seed": args.seed, "parallel": args.parallel,
+        "seed": args.seed, "parallel": args.parallel,
         "steps": common or 0, "steps_requested": args.steps,
         "bf16_val_loss": bf16, "coat_val_loss": full, "coat_opt_val_loss": opt,
         "val_loss_gap_rel": gap(full), "val_loss_gap_rel_optimizer_only": gap(opt),
@@ -314,6 +300,15 @@ def headline(args: argparse.Namespace, runs: dict[str, dict], tokens, t0: float)
         "adam_state": (runs.get("bf16") or {}).get("adam_state"),
         "runs": runs, "wall_s": time.time() - t0, "smoke": args.smoke,
     }
+
+
+def recipe_facts(args: argparse.Namespace, tokens) -> dict:
+    """The model, corpus and schedule of a run, as convergence.json and seed_spread.json record them."""
+    return {"model": model_name(args), "data": tokens.source.split(" (cache")[0], "train_tokens": len(tokens.train),
+            "val_tokens": len(tokens.val), "vocab_size": tokens.vocab_size, "seq_len": args.seq_len,
+            "micro_batch": args.micro_batch, "tokens_per_step": args.seq_len * args.micro_batch,
+            "epochs": args.steps * args.seq_len * args.micro_batch / len(tokens.train), "lr": args.lr,
+            "warmup_steps": args.warmup_steps}
 
 
 def load_tokens(args: argparse.Namespace, t0: float):

@@ -32,8 +32,8 @@ import torch
 
 from benchmarks import e2e
 from benchmarks.common import (GIB, RESULTS, ROOT, SyncSites, WarningLog, add_worker_args, check_positive,
-                               chrome_trace, gpu_gaps, module_cmd, profiler, provenance, run_worker, top_events,
-                               write_results)
+                               chrome_trace, gpu_gaps, profiler, provenance, run_worker, top_events,
+                               worker_cmd, write_results)
 from coat_ds.workloads import causal_lm as train_lib
 
 HF_CONFIG = "ds_configs/hf/zero2_coat.json"
@@ -67,9 +67,7 @@ NEEDS_S = {"llama2-7b": 150, "tiny": 10}   # a run's wall time on one H100 (1.1B
 TARGETS = {"trainer_over_plain_coat": 0.9, "coat_over_bf16_trainer_mb4": 1.3}
 
 
-# ---------------------------------------------------------------------------------------------------------
-# What one run trains: the DeepSpeed config and the TrainingArguments
-# ---------------------------------------------------------------------------------------------------------
+# --- What one run trains: the DeepSpeed config and the TrainingArguments ----------------------------------------------
 def parse_run(spec: str) -> dict:
     """path:preset:model:micro_batch:tuning[:profile] -> a dict; ValueError naming the bad field and the allowed
     values."""
@@ -111,9 +109,7 @@ def training_args(run: dict, cfg: dict, steps: int, out_dir: str):
     return TrainingArguments(**kw)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Measuring: the same clock and probe for both paths, driven at each step's end
-# ---------------------------------------------------------------------------------------------------------
+# --- Measuring: the same clock and probe for both paths, driven at each step's end ------------------------------------
 def python_stats(cprof, n: int = 40) -> dict:
     """One step's Python functions with the most cumulative time (cProfile, which slows Python ~2x: read the
     ranking, not the milliseconds), a function per file:line, the profiler's own frames left out; and the ZeRO-1/2
@@ -234,9 +230,7 @@ def engine_facts(engine) -> dict:
             "fp8_layers": sum(type(m).__name__ == "CoatDecoderLayer" for m in engine.module.modules())}
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Workers: one run each
-# ---------------------------------------------------------------------------------------------------------
+# --- Workers: one run each --------------------------------------------------------------------------------------------
 def trainer_worker(run: dict, args: argparse.Namespace) -> dict:
     """HF Trainer with the run's config and TrainingArguments; the meter in an on_step_end callback."""
     from transformers import Trainer, TrainerCallback
@@ -307,14 +301,10 @@ def worker(args: argparse.Namespace) -> int:
     return 0
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Parent: one worker per run, then the ratios and the chart
-# ---------------------------------------------------------------------------------------------------------
+# --- Parent: one worker per run, then the ratios and the chart --------------------------------------------------------
 def launch(spec: str, args: argparse.Namespace, result: Path, timeout: float) -> dict:
-    cmd = module_cmd("benchmarks.hf_trainer_speed") + [
-        "--worker", "--run", spec, "--result", str(result), "--seq-len", str(args.seq_len), "--warmup",
-        str(args.warmup), "--steps", str(args.steps), "--mem-fraction", str(args.mem_fraction), "--scratch",
-        str(result.parent / "trainer_out")]
+    cmd = worker_cmd("benchmarks.hf_trainer_speed", args, ("seq_len", "warmup", "steps", "mem_fraction"), run=spec,
+                     result=result, scratch=result.parent / "trainer_out")
     print(f"== {spec}", flush=True)
     result.unlink(missing_ok=True)
     rc, tail = run_worker(cmd, timeout)

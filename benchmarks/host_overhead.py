@@ -13,22 +13,19 @@ A small-batch step of a real model adds DeepSpeed's per-parameter hooks and its 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from collections import Counter
-from pathlib import Path
 
 import torch
 
 from benchmarks import llama_layer as L   # the stack of layers, the variants, the dry-run patches
-from benchmarks.common import RESULTS, check_positive, device_time_attr, is_device_event, profiler, provenance
-from benchmarks.e2e import MODELS
+from benchmarks.common import (RESULTS, check_positive, device_time_attr, is_device_event, profiler, provenance,
+                               write_json)
 
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
-SHAPES = {name: {k: MODELS[name][k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
-                                               "num_key_value_heads")} for name in ("llama-1b", "llama2-7b")}
+SHAPES = {name: {k: L.MODELS[name][k] for k in L.LAYER} for name in ("llama-1b", "llama2-7b")}
 
 
 def profile_counts(stack, x, cos, sin, grad, on_cuda: bool, top: int) -> dict:
@@ -107,9 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['kernel_ms_per_layer']:6.3f} ms  launches {r['launches_per_layer']:6.1f}  aten "
                   f"{r['aten_calls_per_layer']:6.1f}", flush=True)
         del base
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(rows, indent=1))
-    print(f"-> {args.out}")
+    print(f"-> {write_json(args.out, rows)}")
     return 0
 
 

@@ -19,12 +19,11 @@ import traceback
 import torch
 from torch import nn
 
-from benchmarks.common import RESULTS, SyncSites, chrome_trace, gpu_gaps, profiler, provenance
+from benchmarks.common import RESULTS, SyncSites, chrome_trace, gpu_gaps, profiler, provenance, write_json
+from coat_ds.workloads.shapes import ALIASES, SHAPES as MODELS
 
-SHAPES = {
-    "llama2-7b": dict(hidden_size=4096, intermediate_size=11008, num_attention_heads=32, num_key_value_heads=32),
-    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8),
-}
+LAYER = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")   # a layer's shape fields
+SHAPES = {name: {k: MODELS[ALIASES.get(name, name)][k] for k in LAYER} for name in ("llama2-7b", "llama3-8b")}
 VARIANTS = ["bf16_eager", "bf16_compiled", "torchao_fp8_compiled", "coat_linear", "coat_full", "coat_full_compiled",
             "coat_full_attn_fp8", "coat_full_attn_fp8_compiled"]
 N_LAYERS, BATCH, SEQ = 4, 4, 2048
@@ -273,9 +272,7 @@ def main():
     ap.add_argument("--account", action="store_true", help="CPU, full shapes: the kept tensors of each variant")
     args = ap.parse_args()
     if args.account:
-        rows = account(args.shapes, args.variants)
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_json(args.out, account(args.shapes, args.variants))
         return
     if args.dry_run:
         dry_run()
@@ -293,8 +290,7 @@ def main():
             row = {**meta, **row}
             rows.append(row)
             print(json.dumps(row), flush=True)
-            with open(args.out, "w") as f:
-                json.dump(rows, f, indent=1)
+            write_json(args.out, rows)
         if args.profile:
             try:
                 for variant in args.profile_variants:

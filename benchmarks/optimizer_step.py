@@ -24,7 +24,7 @@ import traceback
 
 import torch
 
-from benchmarks.common import RESULTS, command, cpu_info, device_name, now, versions
+from benchmarks.common import RESULTS, command, cpu_info, device_name, now, versions, write_json
 from coat_ds import kernels as ops
 from coat_ds.formats import E4M3, get_format, n_groups
 
@@ -36,7 +36,7 @@ CASES = ((torch.float32, "float32"), (torch.bfloat16, "float32"), (torch.bfloat1
 PEERS_NEED = "needs grads and master in fp32 (the param's dtype)"
 
 
-# ---------------------------------------------------------------- measuring
+# --- measuring --------------------------------------------------------------------------------------------------------
 
 def call_ms(fn, device: str) -> float:
     """One call's milliseconds; on the GPU between two CUDA events (the kernels' time, not the launch's)."""
@@ -97,7 +97,7 @@ def moved_bytes(master: torch.Tensor, g: torch.Tensor, state_bytes: int, remaind
     return master.numel() * (2 * per + g.element_size()) + 2 * state_bytes
 
 
-# ---------------------------------------------------------------- contenders
+# --- contenders -------------------------------------------------------------------------------------------------------
 
 def coat_kernel(p: torch.Tensor, g: torch.Tensor, group_size: int = 128, v_format: str = "e4m3",
                 remainder: bool = False):
@@ -166,7 +166,7 @@ def make_optimizer(name: str, p: torch.nn.Parameter) -> torch.optim.Optimizer:
     return getattr(importlib.import_module(module), cls)([p], **kw, **HP)
 
 
-# ---------------------------------------------------------------- runs
+# --- runs -------------------------------------------------------------------------------------------------------------
 
 def attempt(row: dict, name: str, fn):
     """fn(), or None with the error in the row: a peer that fails is reported, the run goes on."""
@@ -336,10 +336,7 @@ def main() -> None:
     if out and host is not None:
         result = with_machines(result, out)
     if out:
-        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        with open(out, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"wrote {out}")
+        print(f"wrote {write_json(out, result)}")
     else:
         print(json.dumps(result, indent=1))
 

@@ -47,7 +47,7 @@ def render(name: str, results: Path = RESULTS) -> str:
     return markdown(*TABLES[name](results))
 
 
-# ------------------------------------------------------------------------------------------ the tables
+# --- the tables -------------------------------------------------------------------------------------------------------
 E2E = (("Llama 1.1B", "e2e_llama-1b.json"), ("Llama-2-7B", "e2e_7b_one_gpu.json"))
 E2E_CONFIGS = (("bf16", "BF16 + FusedAdam"), ("torchao", "torchao float8 + FusedAdam"),
                ("coat_full", "coat_ds, DeepSpeed's fp32 master"),
@@ -379,7 +379,7 @@ def train_throughput(res: Path):
     return header, rows
 
 
-# ------------------------------------------------------------------------------------------ regions
+# --- regions ----------------------------------------------------------------------------------------------------------
 def regions(text: str) -> list[tuple[str, str]]:
     """(name, current body) of every marked region of a Markdown text."""
     return [(m.group(2), m.group(3)) for m in REGION.finditer(text)]

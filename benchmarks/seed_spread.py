@@ -106,9 +106,7 @@ def entry(run: dict, call: int) -> dict:
     return e
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Statistics
-# ---------------------------------------------------------------------------------------------------------
+# --- Statistics -------------------------------------------------------------------------------------------------------
 def at_step(val: list, step: int | None) -> tuple[float | None, float | None]:
     """(the validation loss at `step`, the best one up to it) of one curve."""
     upto = [v for s, v in val if step is not None and s <= step]
@@ -152,16 +150,10 @@ def summarize(section: dict) -> None:
     section.update(steps_compared=step, bf16_band=band, summary=stats)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# The JSON: merged with what --out already holds
-# ---------------------------------------------------------------------------------------------------------
+# --- The JSON: merged with what --out already holds -------------------------------------------------------------------
 def section_recipe(rec: argparse.Namespace, tokens, smoke: bool) -> dict:
-    return {"model": convergence.model_name(rec), "data": tokens.source.split(" (cache")[0],
-         "train_tokens": len(tokens.train), "val_tokens": len(tokens.val), "vocab_size": tokens.vocab_size,
-         "seq_len": rec.seq_len, "micro_batch": rec.micro_batch, "tokens_per_step": rec.seq_len * rec.micro_batch,
-         "steps": rec.steps, "epochs": rec.steps * rec.seq_len * rec.micro_batch / len(tokens.train),
-         "lr": rec.lr, "warmup_steps": rec.warmup_steps, "eval_every": rec.eval_every,
-         "eval_batches": rec.eval_batches, "smoke": smoke}
+    return {**convergence.recipe_facts(rec, tokens), "steps": rec.steps, "eval_every": rec.eval_every,
+            "eval_batches": rec.eval_batches, "smoke": smoke}
 
 
 def load_existing(path: Path, key: str, recipe: dict) -> dict:
@@ -186,9 +178,7 @@ def merge(section: dict, done: dict[tuple[str, int], dict], call: int) -> None:
         section["runs"].setdefault(name, {})[str(seed)] = new
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Table
-# ---------------------------------------------------------------------------------------------------------
+# --- Table ------------------------------------------------------------------------------------------------------------
 def table(res: dict, keys: list[str]) -> str:
     f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     lines = []
