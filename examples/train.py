@@ -137,12 +137,11 @@ def resume_tag(args: argparse.Namespace, ckpt_dir: Path) -> str | None:
         return None
     from coat_ds.deepspeed.check import check_tag
     from coat_ds.deepspeed.checkpoint import CheckpointError
+    from coat_ds.deepspeed.checkpoint.files import LATEST, latest_tag
 
-    tag = args.resume_from
+    tag = args.resume_from or latest_tag(str(ckpt_dir))
     if tag is None:
-        if not (ckpt_dir / "latest").is_file():
-            refuse(f"--resume: no checkpoint to resume from ({ckpt_dir / 'latest'} does not exist)")
-        tag = (ckpt_dir / "latest").read_text().strip()
+        refuse(f"--resume: no checkpoint to resume from ({ckpt_dir / LATEST} does not exist or is empty)")
     try:
         check_tag(str(ckpt_dir / tag))
     except CheckpointError as e:
