@@ -4,13 +4,9 @@
     python -m benchmarks.convergence --steps 2000 --parallel --out /tmp/conv     # one GPU, ~125M, 5 runs
     python -m benchmarks.convergence --smoke --out /tmp/conv_smoke                # CPU, tiny, < 60 s
 
-All runs start from the same weights and read the same batches in the same order; each is its own process,
-so `--parallel` can put all of them on one GPU at once (the losses do not depend on the neighbours). The BF16
-run also saves samples of its final Adam moments for `python -m benchmarks.quant_error --state
-OUT/adam_state_bf16.pt`. docs/benchmarks.md says more.
-
-Output in --out: convergence.json (steps, bf16_val_loss, coat_val_loss, val_loss_gap_rel, the curves,
-versions, command, date), convergence.png, adam_state_bf16.pt, one log per run.
+One process per run, all from the same weights on the same batches; the BF16 run also saves samples of its
+final Adam moments for `python -m benchmarks.quant_error --state OUT/adam_state_bf16.pt`. docs/benchmarks.md
+says what convergence.json holds.
 """
 from __future__ import annotations
 

@@ -1,18 +1,12 @@
 """HF Trainer against a plain deepspeed.initialize loop on the same DeepSpeed config: tokens/s, memory, and
-where the Trainer's extra time goes (device syncs by Python line, Python functions, top host calls and GPU
-idle gaps of one step).
+where the Trainer's extra time goes.
 
     python -m benchmarks.hf_trainer_speed --out benchmarks/results          # one H100, < 9 min: the plan "all"
     python -m benchmarks.hf_trainer_speed --runs trainer:coat:llama-1b:4:one_gpu:profile --out /tmp/hf
     python -m benchmarks.hf_trainer_speed --smoke --out /tmp/hf              # CPU, tiny: checks the script only
 
-A run is path:preset:model:micro_batch:tuning[:profile], each in its own process (a DeepSpeed engine never
-gives its memory back); the plan lists them in order of priority and --time-budget skips what does not fit.
-The plain loop (e2e's harness) runs the config exactly as HF Trainer fills it (HF's own
-HfTrainerDeepSpeedConfig), on the model as the Trainer runs it (use_cache off, one param group). Step time:
-the median interval between consecutive step ends after the warm-up, beside the mean over the timed steps
-between two device syncs. docs/deepspeed.md ("HF Trainer speed") says what each tuning changes.
-Output: hf_trainer.json (one row per run, the ratios the targets name) and hf_trainer.png.
+A run is path:preset:model:micro_batch:tuning[:profile], each in its own process; docs/benchmarks.md says what
+a run measures, docs/deepspeed.md ("HF Trainer speed") what each tuning changes.
 """
 from __future__ import annotations
 

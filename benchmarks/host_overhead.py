@@ -1,14 +1,10 @@
 """Host time of a decoder layer's forward+backward: what bounds a training step when the GPU waits on Python.
 
-At a tiny token count (default 1 x 256) the kernels take microseconds, so the wall time of a stack's
-forward+backward is the host's: Python, autograd, allocations and kernel launches. Reported per layer for
-each variant, beside the layer's kernel time (which shows the GPU is idle), its kernel launches and
-aten calls (torch.profiler), the kernels it launches by name and the host calls with the most self time.
-A small-batch step of a real model adds DeepSpeed's per-parameter hooks and its optimizer step on top
-(e2e --profile).
-
     python -m benchmarks.host_overhead --out benchmarks/results/host_overhead.json
     python -m benchmarks.host_overhead --dry-run --out /tmp/host.json          # CPU, tiny: the script only
+
+A stack of llama_layer's layers at a tiny token count, where the wall time is the host's; docs/benchmarks.md
+says what each row reports.
 """
 from __future__ import annotations
 

@@ -1,11 +1,10 @@
 """Activation memory and step time of one Llama decoder layer: bf16 / torchao float8 / coat_ds FP8 flow.
 
-Each variant runs a stack of 4 identical-shape layers on the same weights and input, so what a layer keeps of
-its input is counted the way it is in a real model; docs/benchmarks.md says how memory, time and gradient
-quality are measured.
-
     python -m benchmarks.llama_layer --out benchmarks/results/llama_layer.json [--shapes 7b 8b] [--variants ...]
     python -m benchmarks.llama_layer --account [--variants ...]   # CPU: what each layer keeps, tensor by tensor
+
+Each variant runs a stack of 4 identical layers on the same weights and input (docs/benchmarks.md says how
+memory, time and gradient quality are measured).
 """
 from __future__ import annotations
 

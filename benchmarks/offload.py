@@ -3,10 +3,9 @@
     python -m benchmarks.offload --models llama-1b --out $OUT/offload              # 1 GPU; rows merge into offload.json
     python -m benchmarks.offload --smoke --out /tmp/offload_smoke                  # CPU, tiny model, < 60 s
 
-A row is a (model, config) pair in its own e2e worker; before it runs, its host memory is predicted from
-DeepSpeed 0.19.8's allocations (`predict_host`), and a row predicted not to fit the host is skipped instead of
-taking the node down. Finished rows are written as they finish, so a time-budget stop keeps them.
-docs/benchmarks.md says what a row reports; docs/notes_offload.md where every host byte goes.
+A row predicted not to fit the host (`predict_host`) is skipped instead of taking the node down; rows are
+written as they finish. docs/benchmarks.md says what a row reports, docs/notes_offload.md where every host
+byte goes.
 """
 from __future__ import annotations
 

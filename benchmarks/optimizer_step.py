@@ -1,14 +1,10 @@
 """One optimizer step over one flat master tensor (as ZeRO hands it over): CoatAdamW against its peers.
 
     python -m benchmarks.optimizer_step                   # GPU -> benchmarks/results/optimizer_step.json
-    python -m benchmarks.optimizer_step --device cpu      # CPU op vs DeepSpeedCPUAdam, 1e7 values, and the
-                                                          # op's quantize / dequantize of both moments alone
-                                                          # (the file's `machines` keeps one headline per CPU)
+    python -m benchmarks.optimizer_step --device cpu      # CPU op vs DeepSpeedCPUAdam -> optimizer_step_cpu.json
     python -m benchmarks.optimizer_step --smoke           # tiny sizes on CPU, seconds; prints the JSON
 
-Rows per size: fp32 and bf16 grads on an fp32 master, bf16 grads on a bf16 master written by stochastic
-rounding, and the exact fp32 master held as bf16 + int16 remainder; peers take grads and master in fp32 only,
-so the other rows time CoatAdamW alone. docs/benchmarks.md says what each row reports.
+docs/benchmarks.md says which rows and contenders run and what each row reports.
 """
 from __future__ import annotations
 

@@ -1,19 +1,12 @@
-"""Seed spread: is coat's validation loss inside BF16's own seed-to-seed spread? Every (configuration, seed)
-is one convergence worker (the seed sets the initial weights and the data order alike), up to --max-parallel
-at once on one GPU, on convergence's default recipe, the corpus tokenized once here before the runs.
+"""Seed spread: is coat's validation loss inside BF16's own seed-to-seed spread? One convergence worker per
+(configuration, seed), up to --max-parallel at once, on convergence's default recipe.
 
     python -m benchmarks.seed_spread --configs bf16,coat_full --seeds 0,1 --time-budget 555 --out OUT
-    python -m benchmarks.seed_spread --configs coat_opt,coat_full_bf16sr --seeds 0,1 --time-budget 555 --out OUT
-    python -m benchmarks.seed_spread --configs bf16,coat_opt,coat_full,coat_full_bf16sr --seeds 2 --time-budget 555 \
-        --out OUT
     python -m benchmarks.seed_spread --long --seeds 0 --time-budget 555 --out OUT
     python -m benchmarks.seed_spread --smoke --out /tmp/seeds                       # CPU, tiny, < 60 s
 
-Calls merge into one seed_spread.json (a later run of a pair replaces it); docs/benchmarks.md says how the
-calls split one H100's 600 s commands, what `long_data` and the family sections run, and how a run stopped
-by the deadline keeps its curve. The statistics compare every run of a section at the last step all of
-them evaluated (`steps_compared`). Output in --out: seed_spread.json, seed_spread.png, one result and log
-per run.
+Calls merge into one seed_spread.json; docs/benchmarks.md says how the calls split a GPU's 600 s commands,
+what the sections run and how the statistics compare the runs.
 """
 from __future__ import annotations
 
