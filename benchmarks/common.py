@@ -215,7 +215,21 @@ def write_results(res: dict, out: Path, name: str, plot=None) -> Path:
     return write_json(path, res)
 
 
-# --- Profiler read-outs -----------------------------------------------------------------------------------------------
+# --- Timing and profiler read-outs ---------------------------------------------------------------------------------
+def call_ms(fn, device: str) -> float:
+    """One call's milliseconds; on the GPU between two CUDA events (the kernels' time, not the launch's)."""
+    if device == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
 def device_time_attr(events) -> str:
     """The profiler's per-event device-time attribute (older torch releases name it self_cuda_time_total)."""
     return "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"

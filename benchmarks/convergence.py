@@ -19,11 +19,10 @@ import sys
 import time
 from pathlib import Path
 
-import deepspeed
 import torch
 
-from benchmarks.common import (RESULTS, ROOT, WarningLog, add_worker_args, provenance,
-                               worker_cmd, worker_env, write_results)
+from benchmarks import e2e
+from benchmarks.common import RESULTS, ROOT, add_worker_args, provenance, worker_cmd, worker_env, write_results
 from benchmarks.e2e import CONFIGS, base_optimizer, check_args, ds_config
 from coat_ds.workloads import causal_lm as train_lib, data as data_lib
 from coat_ds.workloads.causal_lm import FAMILIES
@@ -38,15 +37,12 @@ def model_name(args: argparse.Namespace) -> str:
     return f"{args.family}-{args.model_size}"
 
 
-class Worker:
-    """One configuration's run: the engine, the fixed batches, the loss curves and the result file."""
+class Worker(e2e.Worker):
+    """One configuration's run (e2e's worker set-up): the engine, the fixed batches, the loss curves and the
+    result file."""
 
-    def __init__(self, args: argparse.Namespace):
-        self.args, self.lm_loss = args, train_lib.lm_loss
-        self.wlog = WarningLog()
-        train_lib.set_single_process_env()
-        deepspeed.init_distributed()
-        self.on_cuda = torch.cuda.is_available()
+    def setup_engine(self):
+        args = self.args
         tokens = data_lib.load(args.data, args.seq_len, vocab_size=args.vocab_size, max_bytes=args.data_bytes)
         model = train_lib.build_model(argparse.Namespace(model=None, model_size=args.model_size, family=args.family,
                                                          seed=args.seed),
@@ -55,27 +51,23 @@ class Worker:
         self.cfg = ds_config(args.config, micro_batch=args.micro_batch, on_cpu=not self.on_cuda, lr=args.lr,
                              total_steps=args.steps, warmup_steps=args.warmup_steps)
         self.source = self.cfg.pop("_source")
-        self.engine = train_lib.initialize(model, self.cfg)
-        self.dev = self.engine.device
         self.batches = data_lib.Batches(tokens, args.seq_len, args.micro_batch, 1, 0, 1, args.seed)
         self.val_data = list(self.batches.val_batches(args.eval_batches))
-        self.train_log: list[list] = []
-        self.val_log: list[list] = []
-        self.status = "running"
-        self.t_train = 0.0
+        self.train_log, self.val_log, self.status, self.t_train = [], [], "running", 0.0
+        return train_lib.initialize(model, self.cfg)
 
     def fetch(self, step: int):
         x, y = self.batches.train_batch(step, 0)
         if self.on_cuda:
-            return x.pin_memory().to(self.dev, non_blocking=True), y.pin_memory().to(self.dev, non_blocking=True)
+            return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
         return x, y
 
     def evaluate(self) -> float:
         self.engine.eval()
-        total = torch.zeros((), device=self.dev)
+        total = torch.zeros((), device=self.device)
         with torch.no_grad():
             for x, y in self.val_data:
-                total += self.lm_loss(self.engine, x, y).float()
+                total += train_lib.lm_loss(self.engine, x, y).float()
         self.engine.train()
         return total.item() / len(self.val_data)
 
@@ -115,7 +107,7 @@ class Worker:
 
     def train(self) -> None:
         args, engine = self.args, self.engine
-        acc = torch.zeros((), device=self.dev, dtype=torch.float32)
+        acc = torch.zeros((), device=self.device, dtype=torch.float32)
         engine.train()
         t_mark = time.perf_counter()
         nxt = self.fetch(0)
@@ -123,7 +115,7 @@ class Worker:
             x, y = nxt
             if step + 1 < args.steps:
                 nxt = self.fetch(step + 1)       # the copy overlaps this step's compute
-            loss = self.lm_loss(engine, x, y)
+            loss = train_lib.lm_loss(engine, x, y)
             engine.backward(loss)
             engine.step()
             acc += loss.detach().float()

@@ -18,7 +18,7 @@ import traceback
 import torch
 from torch import nn
 
-from benchmarks.common import RESULTS, SyncSites, chrome_trace, gpu_gaps, profiler, provenance, write_json
+from benchmarks.common import RESULTS, SyncSites, call_ms, chrome_trace, gpu_gaps, profiler, provenance, write_json
 from coat_ds.workloads.shapes import ALIASES, SHAPES as MODELS
 
 LAYER = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")   # a layer's shape fields
@@ -156,12 +156,7 @@ def measure(name, shape, cfg, base, x, cos, sin, iters, warmup):
         for _ in range(iters):
             if not keep_cache:
                 clear_cache(stack)  # noqa: F821 (ruff's false positive on a name deleted after the closure ran)
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            step(stack, x, cos, sin, grad)  # noqa: F821 (as above)
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b) / N_LAYERS)
+            times.append(call_ms(lambda: step(stack, x, cos, sin, grad), DEV) / N_LAYERS)  # noqa: F821 (as above)
         return statistics.median(times)
 
     grad_cos = grad_quality(name, shape, stack, x, cos, sin, grad)
@@ -235,24 +230,12 @@ def account(shapes, variants, seq: int = 64):
 
 
 def dry_run():
-    """Swap CUDA for the CPU and the shapes for tiny ones (memory and events read as 0)."""
+    """Swap CUDA for the CPU (timed by the clock, memory read as 0) and the shapes for tiny ones."""
     global DEV, BATCH, SEQ
     DEV, BATCH, SEQ = "cpu", 2, 32
     for s in SHAPES.values():
         s.update(hidden_size=64, intermediate_size=160 if s["num_key_value_heads"] == 32 else 224,
                  num_attention_heads=4, num_key_value_heads=4 if s["num_key_value_heads"] == 32 else 2)
-
-    class _Event:
-        def __init__(self, **_):
-            self.t = 0.0
-
-        def record(self):
-            self.t = time.perf_counter()
-
-        def elapsed_time(self, other):
-            return (other.t - self.t) * 1e3
-
-    torch.cuda.Event = _Event
     for fn in ("synchronize", "reset_peak_memory_stats", "empty_cache"):
         setattr(torch.cuda, fn, lambda *a, **k: None)
     torch.cuda.memory_allocated = torch.cuda.max_memory_allocated = lambda *a, **k: 0

@@ -15,12 +15,11 @@ import json
 import os
 import statistics
 import subprocess
-import time
 import traceback
 
 import torch
 
-from benchmarks.common import RESULTS, command, cpu_info, device_name, now, versions, write_json
+from benchmarks.common import RESULTS, call_ms, command, cpu_info, device_name, now, versions, write_json
 from coat_ds import kernels as ops
 from coat_ds.formats import E4M3, get_format, n_groups
 
@@ -33,20 +32,6 @@ PEERS_NEED = "needs grads and master in fp32 (the param's dtype)"
 
 
 # --- measuring --------------------------------------------------------------------------------------------------------
-
-def call_ms(fn, device: str) -> float:
-    """One call's milliseconds; on the GPU between two CUDA events (the kernels' time, not the launch's)."""
-    if device == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end)
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3
-
 
 def timings(fns: dict, device: str, warmup: int, runs: int) -> dict[str, list[float]]:
     """Each contender's timed calls (ms), in interleaved rounds (each contender once per round), so a shared
