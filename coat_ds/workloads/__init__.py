@@ -3,5 +3,5 @@ corpus, tokenizer and batches in data.py, the public shapes by name in shapes.py
 reading in cli.py).
 
 The top layer, above coat_ds.deepspeed: it uses the rest of coat_ds as a user would; within coat_ds only
-plan.py imports it (for the shapes). Import the modules themselves (`from coat_ds.workloads import data`):
+plan.py imports it (the shapes and sizes). Import the modules themselves (`from coat_ds.workloads import data`):
 each imports its heavy dependencies (transformers, deepspeed, tokenizers) only where it needs them."""
