@@ -1,9 +1,9 @@
 """Where each parameter's pieces lie in a rank's flat ZeRO partitions, read from DeepSpeed's optimizer wrappers.
 
 ZeRO-1/2 and BF16_Optimizer describe each parameter's piece of a rank's partition in `param._hp_mapping` (the
-same map DeepSpeed's universal checkpoints use; `hp_piece`: the one place that reads it); ZeRO-3 cuts every parameter into equal slices, one per rank
-(`zero3_slice`: the one place that does that arithmetic). bind.py builds the layouts from these Segments;
-checkpoint/load.py writes restored weights to this rank's slices.
+same map DeepSpeed's universal checkpoints use; `hp_piece` reads it); ZeRO-3 cuts every parameter into equal
+slices, one per rank (`zero3_slice`: the one place that does that arithmetic). bind.py builds the layouts from
+these Segments; checkpoint/load.py writes restored weights to this rank's slices.
 """
 from __future__ import annotations
 
