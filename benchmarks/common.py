@@ -28,9 +28,7 @@ GIB = 2 ** 30
 RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Where and how a result was measured
-# ---------------------------------------------------------------------------------------------------------
+# --- Where and how a result was measured ------------------------------------------------------------------------------
 def git_commit() -> str | None:
     """COAT_GIT_COMMIT where set (a GPU node's copy of the tree may carry stale git metadata), else git's."""
     if os.environ.get("COAT_GIT_COMMIT"):
@@ -106,9 +104,7 @@ class WarningLog:
         self._show(message, category, filename, lineno, file, line)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Arguments
-# ---------------------------------------------------------------------------------------------------------
+# --- Arguments --------------------------------------------------------------------------------------------------------
 def check_positive(p: argparse.ArgumentParser, args: argparse.Namespace, keys: tuple[str, ...]) -> None:
     """p.error for any of these options below 1 (an optional one left unset passes)."""
     for key in keys:
@@ -126,6 +122,17 @@ def names_of(p: argparse.ArgumentParser, option: str, value: str, allowed) -> li
     return names
 
 
+def flags(args: argparse.Namespace, *names: str) -> list[str]:
+    """`--name value` for each of `names` set in args (a True switch alone; None and False left out): the options
+    a parent hands on to its worker."""
+    out: list[str] = []
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value is not False:
+            out += [f"--{name.replace('_', '-')}"] + ([] if value is True else [str(value)])
+    return out
+
+
 def add_worker_args(p: argparse.ArgumentParser) -> None:
     """The hidden options of a worker process: --worker, --result and --local_rank (the deepspeed launcher's)."""
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -133,9 +140,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Worker processes: a DeepSpeed engine never gives its memory back, so each measurement gets its own
-# ---------------------------------------------------------------------------------------------------------
+# --- Worker processes: a DeepSpeed engine never gives its memory back, so each measurement gets its own ---------------
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -151,12 +156,15 @@ def worker_env(**extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
-def module_cmd(module: str, num_gpus: int = 1) -> list[str]:
-    """The command that runs benchmarks.`module` as a worker: python -m, or the deepspeed launcher for several
-    GPUs."""
+def worker_cmd(module: str, args: argparse.Namespace, names: tuple[str, ...], num_gpus: int = 1,
+               **given) -> list[str]:
+    """The command that runs benchmarks.`module` as a worker (python -m, or the deepspeed launcher for several
+    GPUs) with args' options `names` and the `given` ones."""
+    run = argparse.Namespace(**{**vars(args), **given})
+    opts = ["--worker", *flags(run, *names, *given)]
     if num_gpus > 1:
-        return ["deepspeed", "--num_gpus", str(num_gpus), "--master_port", str(free_port()), "--module", module]
-    return [sys.executable, "-m", module]
+        return ["deepspeed", "--num_gpus", str(num_gpus), "--master_port", str(free_port()), "--module", module, *opts]
+    return [sys.executable, "-m", module, *opts]
 
 
 def run_worker(cmd: list[str], timeout: float, echo=lambda line: False) -> tuple[int, str]:
@@ -186,26 +194,42 @@ def run_worker(cmd: list[str], timeout: float, echo=lambda line: False) -> tuple
     return 124, "".join(tail) + f"killed after {timeout:.0f} s (time budget)\n"
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Output files
-# ---------------------------------------------------------------------------------------------------------
+# --- Output files -----------------------------------------------------------------------------------------------------
+def write_json(path: str | Path, obj, indent: int = 1) -> Path:
+    """obj as JSON in `path`, its folder made first."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=indent))
+    return path
+
+
 def write_results(res: dict, out: Path, name: str, plot=None) -> Path:
     """`name`.json and `name`.png, drawn by `plot` (default plot_utils.plot_`name`); the JSON names the PNG once
     it exists. A node without matplotlib writes the JSON alone: `python -m benchmarks.plot_utils` draws it later."""
-    path = out / f"{name}.json"
-    path.write_text(json.dumps(res, indent=1))
+    path = write_json(out / f"{name}.json", res)
     try:
         (plot or getattr(plot_utils, f"plot_{name}"))(res, out / f"{name}.png")
         res["png"] = str(out / f"{name}.png")
     except ImportError as e:
         print(f"warning: no plot ({e}); draw it later with python -m benchmarks.plot_utils {path}", file=sys.stderr)
-    path.write_text(json.dumps(res, indent=1))
-    return path
+    return write_json(path, res)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Profiler read-outs
-# ---------------------------------------------------------------------------------------------------------
+# --- Timing and profiler read-outs ---------------------------------------------------------------------------------
+def call_ms(fn, device: str) -> float:
+    """One call's milliseconds; on the GPU between two CUDA events (the kernels' time, not the launch's)."""
+    if device == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
 def device_time_attr(events) -> str:
     """The profiler's per-event device-time attribute (older torch releases name it self_cuda_time_total)."""
     return "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"

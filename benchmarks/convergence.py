@@ -4,13 +4,9 @@
     python -m benchmarks.convergence --steps 2000 --parallel --out /tmp/conv     # one GPU, ~125M, 5 runs
     python -m benchmarks.convergence --smoke --out /tmp/conv_smoke                # CPU, tiny, < 60 s
 
-All runs start from the same weights and read the same batches in the same order; each is its own process,
-so `--parallel` can put all of them on one GPU at once (the losses do not depend on the neighbours). The BF16
-run also saves samples of its final Adam moments for `python -m benchmarks.quant_error --state
-OUT/adam_state_bf16.pt`. docs/benchmarks.md says more.
-
-Output in --out: convergence.json (steps, bf16_val_loss, coat_val_loss, val_loss_gap_rel, the curves,
-versions, command, date), convergence.png, adam_state_bf16.pt, one log per run.
+One process per run, all from the same weights on the same batches; the BF16 run also saves samples of its
+final Adam moments for `python -m benchmarks.quant_error --state OUT/adam_state_bf16.pt`. docs/benchmarks.md
+says what convergence.json holds.
 """
 from __future__ import annotations
 
@@ -23,16 +19,17 @@ import sys
 import time
 from pathlib import Path
 
-import deepspeed
 import torch
 
-from benchmarks.common import (RESULTS, ROOT, WarningLog, add_worker_args, free_port, module_cmd, provenance,
-                               worker_env, write_results)
+from benchmarks import e2e
+from benchmarks.common import RESULTS, ROOT, add_worker_args, provenance, worker_cmd, worker_env, write_results
 from benchmarks.e2e import CONFIGS, base_optimizer, check_args, ds_config
-from coat_ds.recipes import causal_lm as train_lib, data as data_lib
-from coat_ds.recipes.causal_lm import FAMILIES
+from coat_ds.workloads import causal_lm as train_lib, data as data_lib
+from coat_ds.workloads.causal_lm import FAMILIES
 
 TARGET_GAP = 0.005   # final validation loss within 0.5% of BF16
+RECIPE = ("model_size", "family", "data", "data_bytes", "vocab_size", "seq_len", "micro_batch", "steps", "lr",
+          "warmup_steps", "log_every", "eval_every", "eval_batches", "seed")   # the options a worker trains by
 
 
 def model_name(args: argparse.Namespace) -> str:
@@ -40,15 +37,12 @@ def model_name(args: argparse.Namespace) -> str:
     return f"{args.family}-{args.model_size}"
 
 
-class Worker:
-    """One configuration's run: the engine, the fixed batches, the loss curves and the result file."""
+class Worker(e2e.Worker):
+    """One configuration's run (e2e's worker set-up): the engine, the fixed batches, the loss curves and the
+    result file."""
 
-    def __init__(self, args: argparse.Namespace):
-        self.args, self.lm_loss = args, train_lib.lm_loss
-        self.wlog = WarningLog()
-        train_lib.set_single_process_env()
-        deepspeed.init_distributed()
-        self.on_cuda = torch.cuda.is_available()
+    def setup_engine(self):
+        args = self.args
         tokens = data_lib.load(args.data, args.seq_len, vocab_size=args.vocab_size, max_bytes=args.data_bytes)
         model = train_lib.build_model(argparse.Namespace(model=None, model_size=args.model_size, family=args.family,
                                                          seed=args.seed),
@@ -57,27 +51,23 @@ class Worker:
         self.cfg = ds_config(args.config, micro_batch=args.micro_batch, on_cpu=not self.on_cuda, lr=args.lr,
                              total_steps=args.steps, warmup_steps=args.warmup_steps)
         self.source = self.cfg.pop("_source")
-        self.engine = train_lib.initialize(model, self.cfg)
-        self.dev = self.engine.device
         self.batches = data_lib.Batches(tokens, args.seq_len, args.micro_batch, 1, 0, 1, args.seed)
         self.val_data = list(self.batches.val_batches(args.eval_batches))
-        self.train_log: list[list] = []
-        self.val_log: list[list] = []
-        self.status = "running"
-        self.t_train = 0.0
+        self.train_log, self.val_log, self.status, self.t_train = [], [], "running", 0.0
+        return train_lib.initialize(model, self.cfg)
 
     def fetch(self, step: int):
         x, y = self.batches.train_batch(step, 0)
         if self.on_cuda:
-            return x.pin_memory().to(self.dev, non_blocking=True), y.pin_memory().to(self.dev, non_blocking=True)
+            return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
         return x, y
 
     def evaluate(self) -> float:
         self.engine.eval()
-        total = torch.zeros((), device=self.dev)
+        total = torch.zeros((), device=self.device)
         with torch.no_grad():
             for x, y in self.val_data:
-                total += self.lm_loss(self.engine, x, y).float()
+                total += train_lib.lm_loss(self.engine, x, y).float()
         self.engine.train()
         return total.item() / len(self.val_data)
 
@@ -117,7 +107,7 @@ class Worker:
 
     def train(self) -> None:
         args, engine = self.args, self.engine
-        acc = torch.zeros((), device=self.dev, dtype=torch.float32)
+        acc = torch.zeros((), device=self.device, dtype=torch.float32)
         engine.train()
         t_mark = time.perf_counter()
         nxt = self.fetch(0)
@@ -125,7 +115,7 @@ class Worker:
             x, y = nxt
             if step + 1 < args.steps:
                 nxt = self.fetch(step + 1)       # the copy overlaps this step's compute
-            loss = self.lm_loss(engine, x, y)
+            loss = train_lib.lm_loss(engine, x, y)
             engine.backward(loss)
             engine.step()
             acc += loss.detach().float()
@@ -190,23 +180,12 @@ def launch(args: argparse.Namespace, name: str, out: Path,
     """Start one configuration's worker; its result and log are named after `tag` (default: the name)."""
     result, log = out / f"convergence_{tag or name}.json", out / f"convergence_{tag or name}.log"
     result.unlink(missing_ok=True)
-    cmd = module_cmd("benchmarks.convergence") + [
-        "--worker", "--config", name, "--model-size", args.model_size, "--family", args.family, "--seq-len",
-        str(args.seq_len), "--micro-batch", str(args.micro_batch), "--steps", str(args.steps), "--lr", str(args.lr),
-        "--warmup-steps", str(args.warmup_steps), "--log-every", str(args.log_every), "--eval-every",
-        str(args.eval_every), "--eval-batches", str(args.eval_batches), "--seed", str(args.seed), "--vocab-size",
-        str(args.vocab_size), "--result", str(result), "--deadline", str(args.deadline)]
-    if args.data:
-        cmd += ["--data", args.data]
-    if args.data_bytes:
-        cmd += ["--data-bytes", str(args.data_bytes)]
+    cmd = worker_cmd("benchmarks.convergence", args, RECIPE + ("deadline",), config=name, result=result)
     if name == "bf16" and args.state_sample:
         cmd += ["--dump-state", str(out / "adam_state_bf16.pt"), "--state-sample", str(args.state_sample)]
-    env = worker_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
-                     LOCAL_WORLD_SIZE="1")
     print(f"== {name}: {' '.join(cmd)}  (log {log})", flush=True)
     fh = open(log, "w")
-    proc = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(cmd, env=worker_env(), stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
     fh.close()
     return proc, result, log
 
@@ -214,7 +193,7 @@ def launch(args: argparse.Namespace, name: str, out: Path,
 def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from {list(CONFIGS)}")
-    p.add_argument("--model-size", default="125m", help="a size from coat_ds.recipes.causal_lm's MODEL_SIZES")
+    p.add_argument("--model-size", default="125m", help="a size from coat_ds.workloads.causal_lm's MODEL_SIZES")
     p.add_argument("--family", default="llama", choices=FAMILIES, help="the model family of that size")
     p.add_argument("--data", help="as examples/train.py --data (default: the standard-library corpus)")
     p.add_argument("--data-bytes", type=int, help="a --data text folder: use files up to this many bytes in all")
@@ -292,15 +271,10 @@ def headline(args: argparse.Namespace, runs: dict[str, dict], tokens, t0: float)
     sr, rn = at("coat_full_bf16sr"), at("coat_full_bf16rn")
     gap = lambda c: (c - bf16) / bf16 if c is not None and bf16 else None  # noqa: E731
     tail = lambda n: [v for _, v in (runs.get(n) or {}).get("train", [])[-5:]]  # noqa: E731
-    n_train = len(tokens.train)
     return {
-        **provenance(), "model": model_name(args),
+        **provenance(), **recipe_facts(args, tokens),
         "params": next((r.get("params") for r in runs.values() if r.get("params")), None),
-        "data": tokens.source.split(" (cache")[0], "train_tokens": n_train, "val_tokens": len(tokens.val),
-        "vocab_size": tokens.vocab_size, "seq_len": args.seq_len, "micro_batch": args.micro_batch,
-        "tokens_per_step": args.seq_len * args.micro_batch,
-        "epochs": args.steps * args.seq_len * args.micro_batch / n_train, "lr": args.lr,
-        "warmup_steps": args.warmup_steps, "seed": args.seed, "parallel": args.parallel,
+        "seed": args.seed, "parallel": args.parallel,
         "steps": common or 0, "steps_requested": args.steps,
         "bf16_val_loss": bf16, "coat_val_loss": full, "coat_opt_val_loss": opt,
         "val_loss_gap_rel": gap(full), "val_loss_gap_rel_optimizer_only": gap(opt),
@@ -314,6 +288,15 @@ def headline(args: argparse.Namespace, runs: dict[str, dict], tokens, t0: float)
         "adam_state": (runs.get("bf16") or {}).get("adam_state"),
         "runs": runs, "wall_s": time.time() - t0, "smoke": args.smoke,
     }
+
+
+def recipe_facts(args: argparse.Namespace, tokens) -> dict:
+    """The model, corpus and schedule of a run, as convergence.json and seed_spread.json record them."""
+    return {"model": model_name(args), "data": tokens.source.split(" (cache")[0], "train_tokens": len(tokens.train),
+            "val_tokens": len(tokens.val), "vocab_size": tokens.vocab_size, "seq_len": args.seq_len,
+            "micro_batch": args.micro_batch, "tokens_per_step": args.seq_len * args.micro_batch,
+            "epochs": args.steps * args.seq_len * args.micro_batch / len(tokens.train), "lr": args.lr,
+            "warmup_steps": args.warmup_steps}
 
 
 def load_tokens(args: argparse.Namespace, t0: float):

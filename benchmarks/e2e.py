@@ -29,13 +29,14 @@ import torch  # noqa: E402
 from deepspeed.accelerator import get_accelerator  # noqa: E402
 
 from benchmarks.common import (GIB, RESULTS, ROOT, SyncSites, WarningLog, add_worker_args, check_positive,  # noqa: E402
-                               module_cmd, names_of, profiler, provenance, run_worker, top_events, write_results)
+                               names_of, profiler, provenance, run_worker, top_events, worker_cmd,
+                               write_results)
 from coat_ds.hf.loss import is_applied  # noqa: E402
-from coat_ds.recipes import causal_lm as train_lib  # noqa: E402  (engine initialisation and the loss)
-from coat_ds.recipes.causal_lm import MODEL_SIZES  # noqa: E402  (the main job's shapes)
-from coat_ds.recipes.shapes import SHAPES  # noqa: E402  (public shapes: TinyLlama's, Llama-2's, Llama-3.1's)
+from coat_ds.workloads import causal_lm as train_lib  # noqa: E402  (engine initialisation and the loss)
+from coat_ds.workloads.causal_lm import MODEL_SIZES, from_shape  # noqa: E402  (the main job's shapes)
+from coat_ds.workloads.shapes import SHAPES  # noqa: E402  (public shapes: TinyLlama's, Llama-2's, Llama-3.1's)
 
-# Llama shapes by name: the main job's 125m, OpenLLaMA-3B's, and the public ones of coat_ds.recipes.shapes.
+# Llama shapes by name: the main job's 125m, OpenLLaMA-3B's, and the public ones of coat_ds.workloads.shapes.
 MODELS = {
     "tiny": dict(hidden_size=256, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
                  intermediate_size=512, vocab_size=512),   # wide enough that the decoder layer's activations dominate
@@ -48,43 +49,38 @@ MODELS = {
     **SHAPES,
 }
 
-# The configurations: a file of ds_configs/ and what COAT_OVERRIDES adds to it
+COAT, LOWEST = "ds_configs/zero2_coat.json", "ds_configs/zero2_lowest_memory.json"
+_BF16_SR, _ATTN_FP8 = {"master_weights": "bf16_sr"}, {"activation": {"attention_fp8": True}}
+# The configurations: label, a file of ds_configs/, and what it adds to that file's "coat" section (merged key by key
+# into nested sections)
 CONFIGS = {
-    "bf16": ("BF16 + FusedAdam", "ds_configs/zero2_bf16.json"),
-    "coat_opt": ("coat_ds optimizer-only", "ds_configs/zero2_coat_optimizer_only.json"),
-    "coat_full": ("coat_ds full", "ds_configs/zero2_coat.json"),
-    "coat_full_bf16sr": ("coat_ds full, bf16 master (stochastic rounding)", "ds_configs/zero2_coat.json"),
-    "coat_full_bf16rn": ("coat_ds full, bf16 master (round to nearest: ablation)", "ds_configs/zero2_coat.json"),
-    "coat_full_rem": ("coat_ds full, exact fp32 master as bf16 weights + int16 remainders",
-                      "ds_configs/zero2_coat.json"),
-    "coat_full_attn_fp8": ("coat_ds full, attention saved in FP8", "ds_configs/zero2_coat.json"),
-    "coat_full_bf16sr_attn_fp8": ("coat_ds full, bf16 master, attention saved in FP8", "ds_configs/zero2_coat.json"),
-    "lowest_memory": ("coat_ds lowest-memory preset: bf16 master, attention in FP8, chunked loss",
-                      "ds_configs/zero2_lowest_memory.json"),
-    "exact": ("coat_ds exact preset: fp32 master as bf16 weights + int16 remainders", "ds_configs/zero2_exact.json"),
+    "bf16": ("BF16 + FusedAdam", "ds_configs/zero2_bf16.json", {}),
+    "coat_opt": ("coat_ds optimizer-only", "ds_configs/zero2_coat_optimizer_only.json",
+                 {"loss": {"chunked": False}}),   # optimizer-only: BF16's activations and loss
+    "coat_full": ("coat_ds full", COAT, {}),
+    "coat_full_bf16sr": ("coat_ds full, bf16 master (stochastic rounding)", COAT, _BF16_SR),
+    "coat_full_bf16rn": ("coat_ds full, bf16 master (round to nearest: ablation)", COAT, {"master_weights": "bf16_rn"}),
+    "coat_full_rem": ("coat_ds full, exact fp32 master as bf16 weights + int16 remainders", COAT,
+                      {"master_weights": "fp32_remainder"}),
+    "coat_full_attn_fp8": ("coat_ds full, attention saved in FP8", COAT, _ATTN_FP8),
+    "coat_full_bf16sr_attn_fp8": ("coat_ds full, bf16 master, attention saved in FP8", COAT, {**_BF16_SR, **_ATTN_FP8}),
+    "lowest_memory": ("coat_ds lowest-memory preset: bf16 master, attention in FP8, chunked loss", LOWEST, {}),
+    "exact": ("coat_ds exact preset: fp32 master as bf16 weights + int16 remainders", "ds_configs/zero2_exact.json",
+              {}),
     "lowest_memory_grad_buffer": ("coat_ds lowest-memory preset with DeepSpeed's gradient partition buffer "
-                                  "(before issue 34)", "ds_configs/zero2_lowest_memory.json"),
+                                  "(before issue 34)", LOWEST, {"gradients": "partition_buffer"}),
     "largest_model": ("coat_ds largest-model preset: lowest memory with gradient release",
-                      "ds_configs/zero2_largest_model.json"),
+                      "ds_configs/zero2_largest_model.json", {}),
 }
 # the peer a single-GPU user would pick instead: no DeepSpeed config, a plain loop (PeerWorker)
 PEERS = {"torchao_fp8": "torchao float8 (compiled, every linear but lm_head) + AdamWFp8 (bf16 stochastic "
                         "rounding), plain loop"}
-LABELS = {**{n: label for n, (label, _) in CONFIGS.items()}, **PEERS}
-# what a configuration adds to its file's "coat" section (merged key by key into nested sections)
-COAT_OVERRIDES = {"coat_full_bf16sr": {"master_weights": "bf16_sr"}, "coat_full_bf16rn": {"master_weights": "bf16_rn"},
-                  "coat_full_rem": {"master_weights": "fp32_remainder"},
-                  "coat_full_attn_fp8": {"activation": {"attention_fp8": True}},
-                  "coat_full_bf16sr_attn_fp8": {"master_weights": "bf16_sr", "activation": {"attention_fp8": True}},
-                  "coat_opt": {"loss": {"chunked": False}},   # optimizer-only: BF16's activations and loss
-                  "lowest_memory_grad_buffer": {"gradients": "partition_buffer"}}
+LABELS = {**{n: label for n, (label, *_) in CONFIGS.items()}, **PEERS}
 E2E_CONFIGS = "bf16,coat_opt,coat_full,coat_full_bf16sr"   # e2e.py's default (round to nearest is for convergence)
 TARGETS = {"memory_reduction": 1.54, "speedup_at_max_batch": 1.43}   # COAT's paper, Llama-2-7B
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Configurations and models (convergence, offload and hf_trainer_speed build theirs here too)
-# ---------------------------------------------------------------------------------------------------------
+# --- Configurations and models (convergence, offload and hf_trainer_speed build theirs here too) ----------------------
 def merge_into(section: dict, extra: dict) -> None:
     """`extra`'s keys into `section`, recursing into sub-sections both have."""
     for k, v in extra.items():
@@ -102,9 +98,10 @@ def ds_config(name: str, *, micro_batch: int, zero_stage: int | None = None, on_
     On CPU the BF16 baseline uses torch's AdamW (`torch_adam`): FusedAdam would JIT-build a C++ op there."""
     if name not in CONFIGS:
         raise ValueError(f"configuration {name!r} is unknown; allowed: {list(CONFIGS)}")
-    cfg = json.loads((ROOT / CONFIGS[name][1]).read_text())
-    if name in COAT_OVERRIDES:
-        merge_into(cfg.setdefault("coat", {}), COAT_OVERRIDES[name])
+    _, source, coat = CONFIGS[name]
+    cfg = json.loads((ROOT / source).read_text())
+    if coat:
+        merge_into(cfg.setdefault("coat", {}), coat)
     cfg.pop("train_batch_size", None)
     cfg["train_micro_batch_size_per_gpu"] = micro_batch
     cfg["gradient_accumulation_steps"] = 1
@@ -127,33 +124,15 @@ def ds_config(name: str, *, micro_batch: int, zero_stage: int | None = None, on_
             sched["total_num_steps"] = 10 ** 6
         if warmup_steps is not None:
             sched["warmup_num_steps"] = warmup_steps
-    cfg["_source"] = CONFIGS[name][1]
+    cfg["_source"] = source
     return cfg
 
 
-def build_model(model: str, device, dtype, seed: int, vocab_size: int | None = None):
-    """A randomly initialised model of shape `model` (a Llama unless its shape names a `model_type`: HF's defaults
-    for that family otherwise, as AutoConfig.for_model gives them), built directly on `device` in `dtype` (a 7B
-    model built in fp32 on the host would take a minute per worker)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
+def build_model(model: str, device, dtype, seed: int):
+    """A randomly initialised model of shape `model` (MODELS) on `device` in `dtype`."""
     if model not in MODELS:
         raise ValueError(f"--model {model!r} is unknown; allowed: {list(MODELS)}")
-    shape = dict(MODELS[model])
-    if vocab_size is not None:
-        shape["vocab_size"] = vocab_size
-    model_type = shape.pop("model_type", "llama")
-    llama = dict(tie_word_embeddings=False, rms_norm_eps=1e-5) if model_type == "llama" else {}
-    cfg = AutoConfig.for_model(model_type, max_position_embeddings=4096, **{**llama, **shape})
-    torch.manual_seed(seed)
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            net = AutoModelForCausalLM.from_config(cfg)
-    finally:
-        torch.set_default_dtype(prev)
-    return net
+    return from_shape(dict(MODELS[model], max_position_embeddings=4096), seed, device, dtype)
 
 
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace, positive: tuple[str, ...]) -> list[str]:
@@ -162,9 +141,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace, positive: t
     return names_of(p, "configs", args.configs, LABELS)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Memory accounting from the real tensors
-# ---------------------------------------------------------------------------------------------------------
+# --- Memory accounting from the real tensors --------------------------------------------------------------------------
 def _tensors(obj, depth: int = 0):
     """Every tensor in a (nested) container."""
     if isinstance(obj, torch.Tensor):
@@ -223,9 +200,7 @@ def grad_tensors(engine):
                 yield from _tensors(val)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Worker: one configuration, one engine, a ladder of micro-batch sizes
-# ---------------------------------------------------------------------------------------------------------
+# --- Worker: one configuration, one engine, a ladder of micro-batch sizes ---------------------------------------------
 class Worker:
     """One configuration's engine and the ladder's shared state: where records go, the memory limit, the data."""
 
@@ -550,9 +525,7 @@ def next_batch(points: list[tuple[int, float]], lo: int | None, hi: int | None, 
     return guess if guess > lo else None
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Parent: one worker per configuration, then the summary and the chart
-# ---------------------------------------------------------------------------------------------------------
+# --- Parent: one worker per configuration, then the summary and the chart ---------------------------------------------
 def read_records(path: Path) -> list[dict]:
     if not path.exists():
         return []
@@ -563,17 +536,10 @@ def launch(args: argparse.Namespace, name: str, result: Path, start: int, known_
            budget: float) -> tuple[int, str]:
     """Run one worker (under `deepspeed --num_gpus N` when N > 1); returns its exit code and output tail. The
     worker stops climbing at `budget - 20` s; `budget + 30` s is the hard stop."""
-    cmd = module_cmd("benchmarks.e2e", args.num_gpus) + [
-        "--worker", "--config", name, "--model", args.model, "--seq-len", str(args.seq_len),
-        "--start-batch", str(start), "--max-batch", str(args.max_batch), "--steps", str(args.steps),
-        "--warmup", str(args.warmup), "--mem-fraction", str(args.mem_fraction), "--seed", str(args.seed),
-        "--budget-s", str(max(budget - 20, 10)), "--max-rungs", str(args.max_rungs), "--result", str(result)]
-    for flag, value in (("--zero-stage", args.zero_stage), ("--grad-accum-dtype", args.grad_accum_dtype),
-                        ("--profile-batch", args.profile_batch), ("--known-fail", known_fail)):
-        if value is not None:
-            cmd += [flag, str(value)]
-    if args.profile:
-        cmd.append("--profile")
+    cmd = worker_cmd("benchmarks.e2e", args, ("model", "seq_len", "max_batch", "steps", "warmup", "mem_fraction",
+                     "seed", "max_rungs", "zero_stage", "grad_accum_dtype", "profile_batch", "profile"),
+                     args.num_gpus, config=name, start_batch=start, known_fail=known_fail,
+                     budget_s=max(budget - 20, 10), result=result)
     print(f"== {name}: {' '.join(cmd)}", flush=True)
     return run_worker(cmd, budget + 30, echo=lambda line: args.verbose or line.startswith("[") or "rror" in line)
 

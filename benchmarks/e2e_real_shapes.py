@@ -1,17 +1,11 @@
 """Today's model shapes on one GPU, no offload (issue 30): the largest micro-batch and its tokens/s.
 
     . .whl/prelude.sh && python3 -m benchmarks.e2e_real_shapes --case llama3.1-8b   # one 80 GB H100, ~5 min
-    . .whl/prelude.sh && python3 -m benchmarks.e2e_real_shapes --case llama2-13b    # one H200 (141 GB), ~5 min
+    python3 -m benchmarks.e2e_real_shapes --case llama3.1-8b --configs torchao_fp8 --start-batch 2 --max-rungs 2
     python -m benchmarks.e2e_real_shapes --smoke --out /tmp/real_shapes                # CPU, tiny, ~1 min
 
-A case is a shape at seq 4096 and the configurations run on it, each in its own e2e worker (docs/benchmarks.md
-says which and why). Cases run on different machines: each is merged into e2e_real_shapes.json under its name,
-and e2e_real_shapes.png is redrawn from all of them. `--configs` re-runs some configurations of a case (e.g. a
-peer whose compile takes minutes, with its own --start-batch); the case keeps its other rows, each saying where
-and how it was measured:
-
-    python3 -m benchmarks.e2e_real_shapes --case llama3.1-8b --configs lowest_memory --start-batch 4
-    python3 -m benchmarks.e2e_real_shapes --case llama3.1-8b --configs torchao_fp8 --start-batch 2 --max-rungs 2
+Each case merges into e2e_real_shapes.json under its name; `--configs` re-runs some of its configurations and
+keeps the others' rows, each saying where and how it was measured (docs/benchmarks.md).
 """
 from __future__ import annotations
 

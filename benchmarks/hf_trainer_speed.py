@@ -1,18 +1,12 @@
 """HF Trainer against a plain deepspeed.initialize loop on the same DeepSpeed config: tokens/s, memory, and
-where the Trainer's extra time goes (device syncs by Python line, Python functions, top host calls and GPU
-idle gaps of one step).
+where the Trainer's extra time goes.
 
     python -m benchmarks.hf_trainer_speed --out benchmarks/results          # one H100, < 9 min: the plan "all"
     python -m benchmarks.hf_trainer_speed --runs trainer:coat:llama-1b:4:one_gpu:profile --out /tmp/hf
     python -m benchmarks.hf_trainer_speed --smoke --out /tmp/hf              # CPU, tiny: checks the script only
 
-A run is path:preset:model:micro_batch:tuning[:profile], each in its own process (a DeepSpeed engine never
-gives its memory back); the plan lists them in order of priority and --time-budget skips what does not fit.
-The plain loop (e2e's harness) runs the config exactly as HF Trainer fills it (HF's own
-HfTrainerDeepSpeedConfig), on the model as the Trainer runs it (use_cache off, one param group). Step time:
-the median interval between consecutive step ends after the warm-up, beside the mean over the timed steps
-between two device syncs. docs/deepspeed.md ("HF Trainer speed") says what each tuning changes.
-Output: hf_trainer.json (one row per run, the ratios the targets name) and hf_trainer.png.
+A run is path:preset:model:micro_batch:tuning[:profile], each in its own process; docs/benchmarks.md says what
+a run measures, docs/deepspeed.md ("HF Trainer speed") what each tuning changes.
 """
 from __future__ import annotations
 
@@ -32,9 +26,9 @@ import torch
 
 from benchmarks import e2e
 from benchmarks.common import (GIB, RESULTS, ROOT, SyncSites, WarningLog, add_worker_args, check_positive,
-                               chrome_trace, gpu_gaps, module_cmd, profiler, provenance, run_worker, top_events,
-                               write_results)
-from coat_ds.recipes import causal_lm as train_lib
+                               chrome_trace, gpu_gaps, profiler, provenance, run_worker, top_events,
+                               worker_cmd, write_results)
+from coat_ds.workloads import causal_lm as train_lib
 
 HF_CONFIG = "ds_configs/hf/zero2_coat.json"
 PRESETS = {  # name: (label, its HF config; bf16 is HF_CONFIG with AdamW and no "coat" section)
@@ -67,9 +61,7 @@ NEEDS_S = {"llama2-7b": 150, "tiny": 10}   # a run's wall time on one H100 (1.1B
 TARGETS = {"trainer_over_plain_coat": 0.9, "coat_over_bf16_trainer_mb4": 1.3}
 
 
-# ---------------------------------------------------------------------------------------------------------
-# What one run trains: the DeepSpeed config and the TrainingArguments
-# ---------------------------------------------------------------------------------------------------------
+# --- What one run trains: the DeepSpeed config and the TrainingArguments ----------------------------------------------
 def parse_run(spec: str) -> dict:
     """path:preset:model:micro_batch:tuning[:profile] -> a dict; ValueError naming the bad field and the allowed
     values."""
@@ -111,9 +103,7 @@ def training_args(run: dict, cfg: dict, steps: int, out_dir: str):
     return TrainingArguments(**kw)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Measuring: the same clock and probe for both paths, driven at each step's end
-# ---------------------------------------------------------------------------------------------------------
+# --- Measuring: the same clock and probe for both paths, driven at each step's end ------------------------------------
 def python_stats(cprof, n: int = 40) -> dict:
     """One step's Python functions with the most cumulative time (cProfile, which slows Python ~2x: read the
     ranking, not the milliseconds), a function per file:line, the profiler's own frames left out; and the ZeRO-1/2
@@ -234,9 +224,7 @@ def engine_facts(engine) -> dict:
             "fp8_layers": sum(type(m).__name__ == "CoatDecoderLayer" for m in engine.module.modules())}
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Workers: one run each
-# ---------------------------------------------------------------------------------------------------------
+# --- Workers: one run each --------------------------------------------------------------------------------------------
 def trainer_worker(run: dict, args: argparse.Namespace) -> dict:
     """HF Trainer with the run's config and TrainingArguments; the meter in an on_step_end callback."""
     from transformers import Trainer, TrainerCallback
@@ -307,14 +295,10 @@ def worker(args: argparse.Namespace) -> int:
     return 0
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Parent: one worker per run, then the ratios and the chart
-# ---------------------------------------------------------------------------------------------------------
+# --- Parent: one worker per run, then the ratios and the chart --------------------------------------------------------
 def launch(spec: str, args: argparse.Namespace, result: Path, timeout: float) -> dict:
-    cmd = module_cmd("benchmarks.hf_trainer_speed") + [
-        "--worker", "--run", spec, "--result", str(result), "--seq-len", str(args.seq_len), "--warmup",
-        str(args.warmup), "--steps", str(args.steps), "--mem-fraction", str(args.mem_fraction), "--scratch",
-        str(result.parent / "trainer_out")]
+    cmd = worker_cmd("benchmarks.hf_trainer_speed", args, ("seq_len", "warmup", "steps", "mem_fraction"), run=spec,
+                     result=result, scratch=result.parent / "trainer_out")
     print(f"== {spec}", flush=True)
     result.unlink(missing_ok=True)
     rc, tail = run_worker(cmd, timeout)

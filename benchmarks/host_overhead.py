@@ -1,34 +1,27 @@
 """Host time of a decoder layer's forward+backward: what bounds a training step when the GPU waits on Python.
 
-At a tiny token count (default 1 x 256) the kernels take microseconds, so the wall time of a stack's
-forward+backward is the host's: Python, autograd, allocations and kernel launches. Reported per layer for
-each variant, beside the layer's kernel time (which shows the GPU is idle), its kernel launches and
-aten calls (torch.profiler), the kernels it launches by name and the host calls with the most self time.
-A small-batch step of a real model adds DeepSpeed's per-parameter hooks and its optimizer step on top
-(e2e --profile).
-
     python -m benchmarks.host_overhead --out benchmarks/results/host_overhead.json
     python -m benchmarks.host_overhead --dry-run --out /tmp/host.json          # CPU, tiny: the script only
+
+A stack of llama_layer's layers at a tiny token count, where the wall time is the host's; docs/benchmarks.md
+says what each row reports.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from collections import Counter
-from pathlib import Path
 
 import torch
 
 from benchmarks import llama_layer as L   # the stack of layers, the variants, the dry-run patches
-from benchmarks.common import RESULTS, check_positive, device_time_attr, is_device_event, profiler, provenance
-from benchmarks.e2e import MODELS
+from benchmarks.common import (RESULTS, check_positive, device_time_attr, is_device_event, profiler, provenance,
+                               write_json)
 
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
-SHAPES = {name: {k: MODELS[name][k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
-                                               "num_key_value_heads")} for name in ("llama-1b", "llama2-7b")}
+SHAPES = {name: {k: L.MODELS[name][k] for k in L.LAYER} for name in ("llama-1b", "llama2-7b")}
 
 
 def profile_counts(stack, x, cos, sin, grad, on_cuda: bool, top: int) -> dict:
@@ -107,9 +100,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['kernel_ms_per_layer']:6.3f} ms  launches {r['launches_per_layer']:6.1f}  aten "
                   f"{r['aten_calls_per_layer']:6.1f}", flush=True)
         del base
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(rows, indent=1))
-    print(f"-> {args.out}")
+    print(f"-> {write_json(args.out, rows)}")
     return 0
 
 

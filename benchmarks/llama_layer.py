@@ -1,11 +1,10 @@
 """Activation memory and step time of one Llama decoder layer: bf16 / torchao float8 / coat_ds FP8 flow.
 
-Each variant runs a stack of 4 identical-shape layers on the same weights and input, so what a layer keeps of
-its input is counted the way it is in a real model; docs/benchmarks.md says how memory, time and gradient
-quality are measured.
-
     python -m benchmarks.llama_layer --out benchmarks/results/llama_layer.json [--shapes 7b 8b] [--variants ...]
     python -m benchmarks.llama_layer --account [--variants ...]   # CPU: what each layer keeps, tensor by tensor
+
+Each variant runs a stack of 4 identical layers on the same weights and input (docs/benchmarks.md says how
+memory, time and gradient quality are measured).
 """
 from __future__ import annotations
 
@@ -19,12 +18,11 @@ import traceback
 import torch
 from torch import nn
 
-from benchmarks.common import RESULTS, SyncSites, chrome_trace, gpu_gaps, profiler, provenance
+from benchmarks.common import RESULTS, SyncSites, call_ms, chrome_trace, gpu_gaps, profiler, provenance, write_json
+from coat_ds.workloads.shapes import ALIASES, SHAPES as MODELS
 
-SHAPES = {
-    "llama2-7b": dict(hidden_size=4096, intermediate_size=11008, num_attention_heads=32, num_key_value_heads=32),
-    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8),
-}
+LAYER = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")   # a layer's shape fields
+SHAPES = {name: {k: MODELS[ALIASES.get(name, name)][k] for k in LAYER} for name in ("llama2-7b", "llama3-8b")}
 VARIANTS = ["bf16_eager", "bf16_compiled", "torchao_fp8_compiled", "coat_linear", "coat_full", "coat_full_compiled",
             "coat_full_attn_fp8", "coat_full_attn_fp8_compiled"]
 N_LAYERS, BATCH, SEQ = 4, 4, 2048
@@ -158,12 +156,7 @@ def measure(name, shape, cfg, base, x, cos, sin, iters, warmup):
         for _ in range(iters):
             if not keep_cache:
                 clear_cache(stack)  # noqa: F821 (ruff's false positive on a name deleted after the closure ran)
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            step(stack, x, cos, sin, grad)  # noqa: F821 (as above)
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b) / N_LAYERS)
+            times.append(call_ms(lambda: step(stack, x, cos, sin, grad), DEV) / N_LAYERS)  # noqa: F821 (as above)
         return statistics.median(times)
 
     grad_cos = grad_quality(name, shape, stack, x, cos, sin, grad)
@@ -237,24 +230,12 @@ def account(shapes, variants, seq: int = 64):
 
 
 def dry_run():
-    """Swap CUDA for the CPU and the shapes for tiny ones (memory and events read as 0)."""
+    """Swap CUDA for the CPU (timed by the clock, memory read as 0) and the shapes for tiny ones."""
     global DEV, BATCH, SEQ
     DEV, BATCH, SEQ = "cpu", 2, 32
     for s in SHAPES.values():
         s.update(hidden_size=64, intermediate_size=160 if s["num_key_value_heads"] == 32 else 224,
                  num_attention_heads=4, num_key_value_heads=4 if s["num_key_value_heads"] == 32 else 2)
-
-    class _Event:
-        def __init__(self, **_):
-            self.t = 0.0
-
-        def record(self):
-            self.t = time.perf_counter()
-
-        def elapsed_time(self, other):
-            return (other.t - self.t) * 1e3
-
-    torch.cuda.Event = _Event
     for fn in ("synchronize", "reset_peak_memory_stats", "empty_cache"):
         setattr(torch.cuda, fn, lambda *a, **k: None)
     torch.cuda.memory_allocated = torch.cuda.max_memory_allocated = lambda *a, **k: 0
@@ -273,9 +254,7 @@ def main():
     ap.add_argument("--account", action="store_true", help="CPU, full shapes: the kept tensors of each variant")
     args = ap.parse_args()
     if args.account:
-        rows = account(args.shapes, args.variants)
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_json(args.out, account(args.shapes, args.variants))
         return
     if args.dry_run:
         dry_run()
@@ -293,8 +272,7 @@ def main():
             row = {**meta, **row}
             rows.append(row)
             print(json.dumps(row), flush=True)
-            with open(args.out, "w") as f:
-                json.dump(rows, f, indent=1)
+            write_json(args.out, rows)
         if args.profile:
             try:
                 for variant in args.profile_variants:

@@ -3,10 +3,9 @@
     python -m benchmarks.offload --models llama-1b --out $OUT/offload              # 1 GPU; rows merge into offload.json
     python -m benchmarks.offload --smoke --out /tmp/offload_smoke                  # CPU, tiny model, < 60 s
 
-A row is a (model, config) pair in its own e2e worker; before it runs, its host memory is predicted from
-DeepSpeed 0.19.8's allocations (`predict_host`), and a row predicted not to fit the host is skipped instead of
-taking the node down. Finished rows are written as they finish, so a time-budget stop keeps them.
-docs/benchmarks.md says what a row reports; docs/notes_offload.md where every host byte goes.
+A row predicted not to fit the host (`predict_host`) is skipped instead of taking the node down; rows are
+written as they finish. docs/benchmarks.md says what a row reports, docs/notes_offload.md where every host
+byte goes.
 """
 from __future__ import annotations
 
@@ -20,9 +19,9 @@ from pathlib import Path
 import torch
 
 from benchmarks import e2e
-from benchmarks.common import (GIB, RESULTS, add_worker_args, check_positive, command, device_name, module_cmd,
+from benchmarks.common import (GIB, RESULTS, add_worker_args, check_positive, command, device_name, worker_cmd,
                                names_of, now, run_worker, versions, write_results)
-from coat_ds.recipes.causal_lm import param_groups
+from coat_ds.workloads.causal_lm import param_groups
 
 CONFIGS = {"bf16": "BF16 + DeepSpeedCPUAdam", "coat_full": "coat_ds full (fp32 master)",
            "coat_full_bf16sr": "coat_ds full, bf16 master (stochastic rounding)"}
@@ -45,9 +44,7 @@ def offload_config(name: str, micro_batch: int, pin_memory: bool) -> dict:
     return cfg
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Prediction: what DeepSpeed 0.19.8's ZeRO-2 Offload allocates on the host
-# ---------------------------------------------------------------------------------------------------------
+# --- Prediction: what DeepSpeed 0.19.8's ZeRO-2 Offload allocates on the host -----------------------------------------
 def pinned_size(nbytes: int, pow2: bool) -> int:
     """Bytes a pinned block really takes: torch's pinned allocator rounds each block up to a power of two."""
     return 1 << (nbytes - 1).bit_length() if pow2 and nbytes > 0 else nbytes
@@ -99,9 +96,7 @@ def host_available() -> int:
     return kib_field("/proc/meminfo", "MemAvailable")
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Worker: one (model, config) row
-# ---------------------------------------------------------------------------------------------------------
+# --- Worker: one (model, config) row ----------------------------------------------------------------------------------
 def rss_bytes() -> int:
     return kib_field("/proc/self/status", "VmRSS")
 
@@ -249,18 +244,14 @@ def worker(args: argparse.Namespace) -> int:
     return 0
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Parent: prediction, one worker per row, merge into offload.json
-# ---------------------------------------------------------------------------------------------------------
+# --- Parent: prediction, one worker per row, merge into offload.json --------------------------------------------------
 def launch(args: argparse.Namespace, model: str, config: str, micro_batch: int, budget: float) -> dict:
     """One row's worker process -> its row (or why it has none)."""
     result = Path(args.out) / f"offload_{model}_{config}.row.json"
     result.unlink(missing_ok=True)
-    cmd = module_cmd("benchmarks.offload") + [
-        "--worker", "--models", model, "--configs", config, "--micro-batch", str(micro_batch), "--seq-len",
-        str(args.seq_len), "--steps", str(args.steps), "--warmup", str(args.warmup), "--seed", str(args.seed),
-        "--budget-s", str(max(budget - 30, 10)), "--result", str(result)] + ([] if args.pin_memory else
-                                                                            ["--no-pin-memory"])
+    cmd = worker_cmd("benchmarks.offload", args, ("seq_len", "steps", "warmup", "seed"), models=model,
+                     configs=config, micro_batch=micro_batch, budget_s=max(budget - 30, 10), result=result)
+    cmd += [] if args.pin_memory else ["--no-pin-memory"]
     print(f"== {model} / {config}, micro-batch {micro_batch}: {' '.join(cmd)}", flush=True)
     rc, tail = run_worker(cmd, budget)
     if result.exists():

@@ -1,14 +1,10 @@
 """One optimizer step over one flat master tensor (as ZeRO hands it over): CoatAdamW against its peers.
 
     python -m benchmarks.optimizer_step                   # GPU -> benchmarks/results/optimizer_step.json
-    python -m benchmarks.optimizer_step --device cpu      # CPU op vs DeepSpeedCPUAdam, 1e7 values, and the
-                                                          # op's quantize / dequantize of both moments alone
-                                                          # (the file's `machines` keeps one headline per CPU)
+    python -m benchmarks.optimizer_step --device cpu      # CPU op vs DeepSpeedCPUAdam -> optimizer_step_cpu.json
     python -m benchmarks.optimizer_step --smoke           # tiny sizes on CPU, seconds; prints the JSON
 
-Rows per size: fp32 and bf16 grads on an fp32 master, bf16 grads on a bf16 master written by stochastic
-rounding, and the exact fp32 master held as bf16 + int16 remainder; peers take grads and master in fp32 only,
-so the other rows time CoatAdamW alone. docs/benchmarks.md says what each row reports.
+docs/benchmarks.md says which rows and contenders run and what each row reports.
 """
 from __future__ import annotations
 
@@ -19,12 +15,11 @@ import json
 import os
 import statistics
 import subprocess
-import time
 import traceback
 
 import torch
 
-from benchmarks.common import RESULTS, command, cpu_info, device_name, now, versions
+from benchmarks.common import RESULTS, call_ms, command, cpu_info, device_name, now, versions, write_json
 from coat_ds import kernels as ops
 from coat_ds.formats import E4M3, get_format, n_groups
 
@@ -36,21 +31,7 @@ CASES = ((torch.float32, "float32"), (torch.bfloat16, "float32"), (torch.bfloat1
 PEERS_NEED = "needs grads and master in fp32 (the param's dtype)"
 
 
-# ---------------------------------------------------------------- measuring
-
-def call_ms(fn, device: str) -> float:
-    """One call's milliseconds; on the GPU between two CUDA events (the kernels' time, not the launch's)."""
-    if device == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end)
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3
-
+# --- measuring --------------------------------------------------------------------------------------------------------
 
 def timings(fns: dict, device: str, warmup: int, runs: int) -> dict[str, list[float]]:
     """Each contender's timed calls (ms), in interleaved rounds (each contender once per round), so a shared
@@ -97,7 +78,7 @@ def moved_bytes(master: torch.Tensor, g: torch.Tensor, state_bytes: int, remaind
     return master.numel() * (2 * per + g.element_size()) + 2 * state_bytes
 
 
-# ---------------------------------------------------------------- contenders
+# --- contenders -------------------------------------------------------------------------------------------------------
 
 def coat_kernel(p: torch.Tensor, g: torch.Tensor, group_size: int = 128, v_format: str = "e4m3",
                 remainder: bool = False):
@@ -166,7 +147,7 @@ def make_optimizer(name: str, p: torch.nn.Parameter) -> torch.optim.Optimizer:
     return getattr(importlib.import_module(module), cls)([p], **kw, **HP)
 
 
-# ---------------------------------------------------------------- runs
+# --- runs -------------------------------------------------------------------------------------------------------------
 
 def attempt(row: dict, name: str, fn):
     """fn(), or None with the error in the row: a peer that fails is reported, the run goes on."""
@@ -336,10 +317,7 @@ def main() -> None:
     if out and host is not None:
         result = with_machines(result, out)
     if out:
-        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        with open(out, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"wrote {out}")
+        print(f"wrote {write_json(out, result)}")
     else:
         print(json.dumps(result, indent=1))
 

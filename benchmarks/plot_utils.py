@@ -31,6 +31,15 @@ def save(fig, path: Path, dpi: int = 110) -> None:
     _plt().close(fig)
 
 
+def bars(ax, values: list, texts: list[str], colors, xticklabels, fontsize: int = 9, **axes) -> None:
+    """One bar per value with its text on top, `axes` set on the axes."""
+    ax.bar(range(len(values)), values, color=colors, width=0.6)
+    for i, (v, text) in enumerate(zip(values, texts)):
+        ax.text(i, v, text, ha="center", va="bottom", fontsize=fontsize)
+    ax.set(xticks=range(len(values)), xticklabels=xticklabels, **axes)
+    ax.margins(y=0.15)
+
+
 def plot_e2e(res: dict, path: Path) -> None:
     """Memory breakdown at the equal micro-batch, the largest micro-batch, and tokens/s there."""
     rows = res["configs"]
@@ -56,24 +65,15 @@ def plot_e2e(res: dict, path: Path) -> None:
     ax.set_ylim(0, 1.6 * max(tops + [1e-9]))
     ax.legend(fontsize=7, loc="upper left", ncol=2)
 
-    ax = axes[1]
-    mb = [(r.get("max_batch") or {}).get("micro_batch") or 0 for r in rows]
-    ax.bar(range(len(rows)), mb, color=[COLORS.get(r["name"], "gray") for r in rows], width=0.6)
-    for i, (v, r) in enumerate(zip(mb, rows)):
-        exact = (r.get("max_batch") or {}).get("exact")
-        ax.text(i, v, f"{v}" + ("" if exact else " (>=)"), ha="center", va="bottom", fontsize=9)
-    ax.set(xticks=range(len(rows)), xticklabels=labels, ylabel="micro-batch", title="largest micro-batch that fits")
-    ax.margins(y=0.15)
-
-    ax = axes[2]
-    tps = [(r.get("max_batch") or {}).get("tokens_per_s") or 0 for r in rows]
-    ax.bar(range(len(rows)), tps, color=[COLORS.get(r["name"], "gray") for r in rows], width=0.6)
-    for i, v in enumerate(tps):
-        ax.text(i, v, f"{v:,.0f}", ha="center", va="bottom", fontsize=9)
+    best = [r.get("max_batch") or {} for r in rows]
+    colors = [COLORS.get(r["name"], "gray") for r in rows]
+    mb = [b.get("micro_batch") or 0 for b in best]
+    bars(axes[1], mb, [f"{v}" + ("" if b.get("exact") else " (>=)") for v, b in zip(mb, best)], colors, labels,
+         ylabel="micro-batch", title="largest micro-batch that fits")
+    tps = [b.get("tokens_per_s") or 0 for b in best]
     sp = res.get("speedup_at_max_batch")
-    ax.set(xticks=range(len(rows)), xticklabels=labels, ylabel="tokens/s (all ranks)",
-           title="at each one's largest micro-batch" + (f" ({sp:.2f}x)" if sp else ""))
-    ax.margins(y=0.15)
+    bars(axes[2], tps, [f"{v:,.0f}" for v in tps], colors, labels, ylabel="tokens/s (all ranks)",
+         title="at each one's largest micro-batch" + (f" ({sp:.2f}x)" if sp else ""))
     ga = res.get("grad_accum_dtype", "config default")
     fig.suptitle(f"{res['model']} ({(res.get('params') or 0) / 1e9:.2f}B params), seq {res['seq_len']}, "
                  f"ZeRO-{res.get('zero_stage')}, {res['world_size']} rank(s), {res['device']}" +
@@ -174,13 +174,10 @@ def plot_hf_trainer(res: dict, path: Path) -> None:
     colors = [("#1f77b4" if r["path"] == "trainer" else "#aec7e8") if r["preset"] == "bf16" else
               ("#d62728" if r["path"] == "trainer" else "#ff9896") for r in rows]
     fig, ax = _plt().subplots(figsize=(max(6, 1.3 * len(rows)), 4.5))
-    ax.bar(range(len(rows)), [r["tokens_per_s"] / 1e3 for r in rows], color=colors)
-    for i, r in enumerate(rows):
-        mem = r.get("peak_alloc_gb")
-        ax.text(i, r["tokens_per_s"] / 1e3, f"{r['tokens_per_s'] / 1e3:.1f}k" + (f"\n{mem:.1f} GiB" if mem else ""),
-                ha="center", va="bottom", fontsize=7)
-    ax.set_xticks(range(len(rows)), labels, fontsize=6)
-    ax.set_ylabel("tokens/s (thousands, median step)")
+    bars(ax, [r["tokens_per_s"] / 1e3 for r in rows], [f"{r['tokens_per_s'] / 1e3:.1f}k" + (
+        f"\n{r['peak_alloc_gb']:.1f} GiB" if r.get("peak_alloc_gb") else "") for r in rows], colors, labels, 7,
+         ylabel="tokens/s (thousands, median step)")
+    ax.tick_params(axis="x", labelsize=6)
     ax.set_title(f"HF Trainer vs plain deepspeed.initialize loop, {res['device']}, seq {res['seq_len']}", fontsize=9)
     save(fig, path, dpi=120)
 

@@ -8,13 +8,10 @@ convergence's BF16 run saves it). Prints a table and writes benchmarks/results/q
 from __future__ import annotations
 
 import argparse
-import json
-import platform
-from pathlib import Path
 
 import torch
 
-from benchmarks.common import RESULTS, command, now
+from benchmarks.common import RESULTS, provenance, write_json
 from coat_ds.formats import relative_error
 
 SCHEMES = [  # name, format, group size, expansion
@@ -67,9 +64,8 @@ def main() -> None:
     print(f"{'scheme':44s} {'m rel err':>10s} {'v rel err':>10s}")
     for r in rows:
         print(f"{r['scheme']:44s} {r['m_rel_err']:10.4%} {r['v_rel_err']:10.4%}")
-    out = {"device": "cpu", "source": source, "numel": m.numel(), "rows": rows, "torch": torch.__version__,
-           "python": platform.python_version(), "command": command(), "date": now()}
-    Path(args.out).write_text(json.dumps(out, indent=2))
+    write_json(args.out, {**provenance(), "device": "cpu", "source": source, "numel": m.numel(), "rows": rows},
+               indent=2)
 
 
 if __name__ == "__main__":

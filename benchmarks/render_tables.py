@@ -47,7 +47,7 @@ def render(name: str, results: Path = RESULTS) -> str:
     return markdown(*TABLES[name](results))
 
 
-# ------------------------------------------------------------------------------------------ the tables
+# --- the tables -------------------------------------------------------------------------------------------------------
 # (model, its e2e run, the run of torchao beside the lowest-memory preset: a torchao compile takes minutes a shape)
 E2E = (("Llama 1.1B", "e2e_llama-1b.json", "e2e_torchao_llama-1b.json"),
        ("Llama-2-7B", "e2e_7b_one_gpu.json", "e2e_torchao_llama2-7b.json"))
@@ -394,7 +394,7 @@ def train_throughput(res: Path):
     return header, rows
 
 
-# ------------------------------------------------------------------------------------------ regions
+# --- regions ----------------------------------------------------------------------------------------------------------
 def regions(text: str) -> list[tuple[str, str]]:
     """(name, current body) of every marked region of a Markdown text."""
     return [(m.group(2), m.group(3)) for m in REGION.finditer(text)]

@@ -1,19 +1,12 @@
-"""Seed spread: is coat's validation loss inside BF16's own seed-to-seed spread? Every (configuration, seed)
-is one convergence worker (the seed sets the initial weights and the data order alike), up to --max-parallel
-at once on one GPU, on convergence's default recipe, the corpus tokenized once here before the runs.
+"""Seed spread: is coat's validation loss inside BF16's own seed-to-seed spread? One convergence worker per
+(configuration, seed), up to --max-parallel at once, on convergence's default recipe.
 
     python -m benchmarks.seed_spread --configs bf16,coat_full --seeds 0,1 --time-budget 555 --out OUT
-    python -m benchmarks.seed_spread --configs coat_opt,coat_full_bf16sr --seeds 0,1 --time-budget 555 --out OUT
-    python -m benchmarks.seed_spread --configs bf16,coat_opt,coat_full,coat_full_bf16sr --seeds 2 --time-budget 555 \
-        --out OUT
     python -m benchmarks.seed_spread --long --seeds 0 --time-budget 555 --out OUT
     python -m benchmarks.seed_spread --smoke --out /tmp/seeds                       # CPU, tiny, < 60 s
 
-Calls merge into one seed_spread.json (a later run of a pair replaces it); docs/benchmarks.md says how the
-calls split one H100's 600 s commands, what `long_data` and the family sections run, and how a run stopped
-by the deadline keeps its curve. The statistics compare every run of a section at the last step all of
-them evaluated (`steps_compared`). Output in --out: seed_spread.json, seed_spread.png, one result and log
-per run.
+Calls merge into one seed_spread.json; docs/benchmarks.md says how the calls split a GPU's 600 s commands,
+what the sections run and how the statistics compare the runs.
 """
 from __future__ import annotations
 
@@ -106,9 +99,7 @@ def entry(run: dict, call: int) -> dict:
     return e
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Statistics
-# ---------------------------------------------------------------------------------------------------------
+# --- Statistics -------------------------------------------------------------------------------------------------------
 def at_step(val: list, step: int | None) -> tuple[float | None, float | None]:
     """(the validation loss at `step`, the best one up to it) of one curve."""
     upto = [v for s, v in val if step is not None and s <= step]
@@ -152,16 +143,10 @@ def summarize(section: dict) -> None:
     section.update(steps_compared=step, bf16_band=band, summary=stats)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# The JSON: merged with what --out already holds
-# ---------------------------------------------------------------------------------------------------------
+# --- The JSON: merged with what --out already holds -------------------------------------------------------------------
 def section_recipe(rec: argparse.Namespace, tokens, smoke: bool) -> dict:
-    return {"model": convergence.model_name(rec), "data": tokens.source.split(" (cache")[0],
-         "train_tokens": len(tokens.train), "val_tokens": len(tokens.val), "vocab_size": tokens.vocab_size,
-         "seq_len": rec.seq_len, "micro_batch": rec.micro_batch, "tokens_per_step": rec.seq_len * rec.micro_batch,
-         "steps": rec.steps, "epochs": rec.steps * rec.seq_len * rec.micro_batch / len(tokens.train),
-         "lr": rec.lr, "warmup_steps": rec.warmup_steps, "eval_every": rec.eval_every,
-         "eval_batches": rec.eval_batches, "smoke": smoke}
+    return {**convergence.recipe_facts(rec, tokens), "steps": rec.steps, "eval_every": rec.eval_every,
+            "eval_batches": rec.eval_batches, "smoke": smoke}
 
 
 def load_existing(path: Path, key: str, recipe: dict) -> dict:
@@ -186,9 +171,7 @@ def merge(section: dict, done: dict[tuple[str, int], dict], call: int) -> None:
         section["runs"].setdefault(name, {})[str(seed)] = new
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Table
-# ---------------------------------------------------------------------------------------------------------
+# --- Table ------------------------------------------------------------------------------------------------------------
 def table(res: dict, keys: list[str]) -> str:
     f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     lines = []

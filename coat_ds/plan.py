@@ -27,8 +27,8 @@ from .activation.loss import DEFAULT_CHUNK_TOKENS, LossConfig
 from .deepspeed.config import coat_section
 from .deepspeed.memory import ZeroJob, buffers, model_states, step_transient, zero_job
 from .formats import Fp8Moment
-from .recipes.causal_lm import MODEL_SIZES
-from .recipes.shapes import ALIASES, SHAPES
+from .workloads.causal_lm import MODEL_SIZES
+from .workloads.shapes import ALIASES, SHAPES
 
 GIB = 2 ** 30
 GPUS = {"h100": 79.18, "h200": 139.8, "a100-80": 79.15, "a100-40": 39.39}   # GiB torch reports as total
@@ -99,7 +99,7 @@ def shape_from_hf(cfg: Mapping[str, Any], where: str) -> Shape:
 
 
 def resolve_shape(model: str, vocab: int | None = None) -> Shape:
-    """A shipped shape (recipes.shapes.SHAPES, or the main job's MODEL_SIZES with `vocab`), a config.json (or
+    """A shipped shape (workloads.shapes.SHAPES, or the main job's MODEL_SIZES with `vocab`), a config.json (or
     its folder), or a hub name whose config.json is in the local HF cache."""
     name = ALIASES.get(model, model)
     if name in SHAPES or name in MODEL_SIZES:

@@ -21,9 +21,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # coat_ds from a checkout
 
-from coat_ds.recipes import data as data_lib  # noqa: E402
-from coat_ds.recipes.causal_lm import MODEL_SIZES, build_model  # noqa: E402
-from coat_ds.recipes.cli import check_ds_config, read_ds_config  # noqa: E402
+from coat_ds.workloads import data as data_lib  # noqa: E402
+from coat_ds.workloads.causal_lm import MODEL_SIZES, build_model  # noqa: E402
+from coat_ds.workloads.cli import check_ds_config, read_ds_config  # noqa: E402
 
 
 class Windows:

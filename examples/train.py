@@ -6,7 +6,7 @@
     python examples/train.py --deepspeed ds_configs/zero2_coat.json --steps 20     # one process, no launcher
 
 Everything about the optimizer, ZeRO stage, precision and FP8 activations comes from the JSON config; this
-script brings the loop, on the model and data builders of coat_ds.recipes (which the benchmarks share). Defaults
+script brings the loop, on the model and data builders of coat_ds.workloads (which the benchmarks share). Defaults
 run offline on any machine (DeepSpeed's CPU accelerator when there is no GPU): a small Llama built from a config,
 trained on the running interpreter's standard library sources. See docs/train.md for every flag and config key.
 
@@ -30,10 +30,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))          # coat_ds from a checkout
 
-from coat_ds.recipes import data as data_lib  # noqa: E402
-from coat_ds.recipes.causal_lm import (MODEL_SIZES, build_model, default_allocator, initialize, lm_loss,  # noqa: E402
+from coat_ds.workloads import data as data_lib  # noqa: E402
+from coat_ds.workloads.causal_lm import (MODEL_SIZES, build_model, default_allocator, initialize, lm_loss,  # noqa: E402
                                        set_single_process_env)
-from coat_ds.recipes.cli import check_ds_config, read_ds_config, refuse  # noqa: E402
+from coat_ds.workloads.cli import check_ds_config, read_ds_config, refuse  # noqa: E402
 
 # ------------------------------------------------------------------------------------------------------------
 # Configuration: defaults live here; every one of them is a flag.
@@ -137,12 +137,11 @@ def resume_tag(args: argparse.Namespace, ckpt_dir: Path) -> str | None:
         return None
     from coat_ds.deepspeed.check import check_tag
     from coat_ds.deepspeed.checkpoint import CheckpointError
+    from coat_ds.deepspeed.checkpoint.files import LATEST, latest_tag
 
-    tag = args.resume_from
+    tag = args.resume_from or latest_tag(str(ckpt_dir))
     if tag is None:
-        if not (ckpt_dir / "latest").is_file():
-            refuse(f"--resume: no checkpoint to resume from ({ckpt_dir / 'latest'} does not exist)")
-        tag = (ckpt_dir / "latest").read_text().strip()
+        refuse(f"--resume: no checkpoint to resume from ({ckpt_dir / LATEST} does not exist or is empty)")
     try:
         check_tag(str(ckpt_dir / tag))
     except CheckpointError as e:

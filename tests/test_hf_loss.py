@@ -201,11 +201,11 @@ def test_check_config_names_the_loss_keys():
 
 
 def test_main_job_loss_is_next_token_cross_entropy_on_both_paths():
-    """coat_ds.recipes.causal_lm.lm_loss: targets y = x shifted by one (a non-contiguous slice, as the data
+    """coat_ds.workloads.causal_lm.lm_loss: targets y = x shifted by one (a non-contiguous slice, as the data
     loader gives them), chunked in training and stock in evaluation, both the plain cross-entropy."""
     import torch.nn.functional as F
 
-    from coat_ds.recipes.causal_lm import lm_loss
+    from coat_ds.workloads.causal_lm import lm_loss
 
     model = tiny()
     tokens = torch.randint(0, SHAPE["vocab_size"], (2, 13), generator=torch.Generator().manual_seed(4))

@@ -13,7 +13,7 @@ from coat_ds import plan as P
 from coat_ds.activation import ActivationConfig
 from coat_ds.deepspeed.zero.master import MASTER_WEIGHTS
 from coat_ds.deepspeed.memory import MASTER_BYTES
-from coat_ds.recipes.shapes import ALIASES, SHAPES
+from coat_ds.workloads.shapes import ALIASES, SHAPES
 from harness import ROOT, child_env
 RESULTS = ROOT / "benchmarks" / "results"
 GIB = 2 ** 30

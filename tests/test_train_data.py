@@ -1,4 +1,4 @@
-"""coat_ds.recipes.data and examples/train.py's input checks: every source format, deterministic batches, and a
+"""coat_ds.workloads.data and examples/train.py's input checks: every source format, deterministic batches, and a
 clear error (before DeepSpeed or any device memory) for every bad input we handle."""
 import json
 import os
@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coat_ds.recipes import data
-from coat_ds.recipes.causal_lm import ALLOCATOR_VARS, default_allocator
+from coat_ds.workloads import data
+from coat_ds.workloads.causal_lm import ALLOCATOR_VARS, default_allocator
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))

@@ -2,7 +2,7 @@
 
     deepspeed --num_gpus 2 tests/ds_scripts/presets_job.py --out r.json --tmp DIR plain hf
 
-plain: every preset of ds_configs/ (ds_configs/presets.py) through plain deepspeed.initialize, its scheduler
+plain: every preset of ds_configs/ (coat_ds/deepspeed/presets.py) through plain deepspeed.initialize, its scheduler
        set to the run's steps as examples/train.py does, on one fixed batch (the loss must fall).
 hf:    every config of ds_configs/hf/ through HF Trainer with default TrainingArguments: only the output
        folder, the step count, a small batch, one log line a step; bf16 where the preset needs a bf16 model.
@@ -23,10 +23,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import section_job  # noqa: E402  its launcher harness (main) and tiny Llama
 from section_job import LLAMA, ROOT, fp8_layers, tiny  # noqa: E402
+from coat_ds.deepspeed import presets  # noqa: E402
 from coat_ds.deepspeed.config import engine_section  # noqa: E402
-
-sys.path.insert(0, str(ROOT / "ds_configs"))
-import presets  # noqa: E402
 
 SEQ, PLAIN_STEPS, HF_STEPS = 16, 5, 3
 
@@ -46,7 +44,7 @@ def task_plain(tmp: str) -> dict:
     """Every plain preset, `PLAIN_STEPS` steps on one fixed batch per rank."""
     out = {}
     x = torch.randint(0, LLAMA["vocab_size"], (2, SEQ), generator=torch.Generator().manual_seed(dist.get_rank()))
-    for layout, intent in presets.presets():
+    for layout, intent in presets.shipped():
         name = f"{layout}_{intent}.json"
         cfg = json.loads((ROOT / "ds_configs" / name).read_text())
         cfg["scheduler"]["params"].update(total_num_steps=PLAIN_STEPS, warmup_num_steps=1)

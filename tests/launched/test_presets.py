@@ -1,10 +1,9 @@
-"""The presets of ds_configs/ (ds_configs/presets.py, docs/presets.md): generated from one source, valid, and
+"""The presets of ds_configs/ (coat_ds/deepspeed/presets.py, docs/presets.md): generated from one source, valid, and
 each one trains through plain deepspeed.initialize on 2 ranks (tests/ds_scripts/presets_job.py; its HF
 Trainer twins: tests/launched/test_hf_trainer.py)."""
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 
@@ -12,21 +11,20 @@ from harness import ROOT, assert_runs_as_configured, launch_presets_job, ranks
 
 pytest.importorskip("deepspeed")
 
-sys.path.insert(0, str(ROOT / "ds_configs"))
-import presets  # noqa: E402
+from coat_ds.deepspeed import presets  # noqa: E402
 
-NAMES = [f"{layout}_{intent}.json" for layout, intent in presets.presets()]
+NAMES = [f"{layout}_{intent}.json" for layout, intent in presets.shipped()]
 
 
-def test_preset_files_are_what_presets_py_writes():
-    assert presets.stale() == []                       # edit ds_configs/presets.py, then run it
+def test_preset_files_are_what_the_package_writes():
+    assert presets.stale() == []                       # edit coat_ds/deepspeed/presets.py, then run it
 
 
 def test_presets_differ_only_in_their_intent():
     from coat_ds.deepspeed import coat_section
     from coat_ds.deepspeed.check import check_config
 
-    for layout, intent in presets.presets():
+    for layout, intent in presets.shipped():
         base = json.loads((ROOT / "ds_configs" / presets.LAYOUTS[layout]).read_text())
         over = presets.INTENTS[intent]
         cfg = json.loads((ROOT / "ds_configs" / f"{layout}_{intent}.json").read_text())
@@ -42,7 +40,7 @@ def test_presets_differ_only_in_their_intent():
 
 
 def test_largest_model_is_only_where_release_runs():
-    assert [lay for lay, intent in presets.presets() if intent == "largest_model"] == ["zero2"]
+    assert [lay for lay, intent in presets.shipped() if intent == "largest_model"] == ["zero2"]
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from coat_ds.recipes.causal_lm import MODEL_SIZES
+from coat_ds.workloads.causal_lm import MODEL_SIZES
 from harness import ROOT, TRAIN_SMALL, child_env, finish, free_port, launcher
 
 

@@ -82,6 +82,15 @@ def check_contents(folder: str) -> None:
         torch_load(path, mmap=True)
 
 
+def latest_tag(ckpt_dir: str, name: str = LATEST) -> str | None:
+    """The tag the `latest` file of `ckpt_dir` (or `name`: LATEST_UNIVERSAL) names; None without one."""
+    try:
+        with open(os.path.join(ckpt_dir, name)) as fh:
+            return fh.read().strip() or None
+    except OSError:
+        return None
+
+
 def model_file(tag_dir: str) -> str | None:
     """The model-states file of a tag (under ZeRO-3 saved rank 0's), or None if it has none."""
     return next((path for path in (os.path.join(tag_dir, n) for n in (MODEL_FILE, ZERO3_MODEL_FILE))

@@ -32,7 +32,7 @@ from ..zero.kind import is_zero3
 from ..zero.layout import meta_offsets
 from ..zero.partitions import partitions, zero3_slice
 from .files import (LATEST, LATEST_UNIVERSAL, LAYOUTS, ZERO3_MODEL_FILE, CheckpointError, ParamState, base_and_flats,
-                    canonical, check_contents, model_file, torch_load, zero_files)
+                    canonical, check_contents, latest_tag, model_file, torch_load, zero_files)
 from .universal import read as read_universal
 
 
@@ -109,13 +109,7 @@ def install(engine) -> None:
 
 # ------------------------------------------------------------------ files
 def _tag(load_dir: str, tag: str | None, latest_name: str = LATEST) -> str | None:
-    if tag is not None:
-        return str(tag)
-    latest = os.path.join(load_dir, latest_name)
-    if not os.path.isfile(latest):
-        return None
-    with open(latest) as f:
-        return f.read().strip()
+    return str(tag) if tag is not None else latest_tag(load_dir, latest_name)
 
 
 def _agree(err: str | None) -> None:

@@ -13,7 +13,7 @@ import os
 import shutil
 from typing import Any
 
-from .files import LATEST  # the file DeepSpeed's load_checkpoint(tag=None) reads
+from .files import LATEST, latest_tag  # the file DeepSpeed's load_checkpoint(tag=None) reads, and its reader
 
 PROBE_BYTES = 1 << 20
 
@@ -110,15 +110,6 @@ def _commit(save_dir: str, tmp: str, tag: str) -> str | None:
         return None
     except OSError as exc:
         return write_failure(save_dir, exc)
-
-
-def latest_tag(save_dir: str) -> str | None:
-    """The tag `latest` names, or None."""
-    try:
-        with open(os.path.join(save_dir, LATEST)) as fh:
-            return fh.read().strip() or None
-    except OSError:
-        return None
 
 
 def save_atomically(engine: Any, save_dir: str, tag: str, client_state: dict | None = None) -> str:

@@ -1,9 +1,9 @@
 """Where each parameter's pieces lie in a rank's flat ZeRO partitions, read from DeepSpeed's optimizer wrappers.
 
 ZeRO-1/2 and BF16_Optimizer describe each parameter's piece of a rank's partition in `param._hp_mapping` (the
-same map DeepSpeed's universal checkpoints use); ZeRO-3 cuts every parameter into equal slices, one per rank
-(`zero3_slice`: the one place that does that arithmetic). bind.py builds the layouts from these Segments;
-checkpoint/load.py writes restored weights to this rank's slices.
+same map DeepSpeed's universal checkpoints use; `hp_piece` reads it); ZeRO-3 cuts every parameter into equal
+slices, one per rank (`zero3_slice`: the one place that does that arithmetic). bind.py builds the layouts from
+these Segments; checkpoint/load.py writes restored weights to this rank's slices.
 """
 from __future__ import annotations
 
@@ -23,6 +23,15 @@ def zero3_slice(param, rank: int) -> tuple[int, int, int]:
     return start, max(0, min(size, param.ds_numel - start)), size
 
 
+def hp_piece(param) -> tuple[int, int, int] | None:
+    """(start in the parameter, start in the flat partition, count) of this rank's piece of a ZeRO-1/2 or
+    BF16_Optimizer parameter, from DeepSpeed's `_hp_mapping`; None where this rank holds none of it."""
+    m = getattr(param, "_hp_mapping", None)
+    if m is None:
+        return None
+    return m.lp_fragment_address.start, m.hp_fragment_address.start, m.hp_fragment_address.numel
+
+
 def _names(engine) -> dict:
     names = getattr(engine, "param_names", None)
     if names:
@@ -31,14 +40,7 @@ def _names(engine) -> dict:
 
 
 def _hp_segments(lp_params, names) -> list[Segment]:
-    out = []
-    for lp in lp_params:
-        m = getattr(lp, "_hp_mapping", None)
-        if m is None:
-            continue
-        out.append(Segment(names[lp], lp.numel(), m.lp_fragment_address.start, m.hp_fragment_address.start,
-                           m.hp_fragment_address.numel))
-    return out
+    return [Segment(names[lp], lp.numel(), *piece) for lp in lp_params if (piece := hp_piece(lp)) is not None]
 
 
 def _z3_segments(params, names, rank: int) -> list[Segment]:

@@ -1,9 +1,9 @@
-"""Writes the preset configs of ds_configs/ (named by what they give) and their HF Trainer ("auto") twins.
+"""The preset configs of a checkout's ds_configs/ (named by what they give) and their HF Trainer ("auto") twins.
 
-    python ds_configs/presets.py           # rewrite the files
-    python ds_configs/presets.py --check   # exit 1 naming the first file that differs (tests/launched/test_presets.py)
+    python -m coat_ds.deepspeed.presets           # rewrite the files
+    python -m coat_ds.deepspeed.presets --check   # exit 1 naming each file that differs (a test runs it)
 
-Each preset is a measured config of this folder (the ZeRO layout, optimizer and FP8 activation flow the
+Each preset is a measured config of ds_configs/ (the ZeRO layout, optimizer and FP8 activation flow the
 benchmarks ran) with one intent's "coat" settings laid over it; docs/presets.md says what each trades.
 The files are generated so that every setting is written once: the exact master is EXACT_MASTER below.
 """
@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+CONFIGS = Path(__file__).resolve().parents[2] / "ds_configs"   # the checkout's (not in a wheel)
 
 # The exact intent's master weights: an fp32 master in 2 B/param (bf16 weights plus int16 remainders), bit-identical
 # to "fp32". Under Offload the host keeps DeepSpeed's fp32 master (a remainder saves nothing there and is refused).
@@ -48,7 +48,7 @@ HF_AUTO = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "tra
 
 def preset(layout: str, intent: str) -> dict:
     """The plain-DeepSpeed preset: concrete values, DeepSpeed's scheduler (examples set its steps)."""
-    cfg = json.loads((HERE / LAYOUTS[layout]).read_text())
+    cfg = json.loads((CONFIGS / LAYOUTS[layout]).read_text())
     over = INTENTS[intent]
     coat = cfg.setdefault("coat", {})
     coat["master_weights"] = over["master_weights"] or EXACT_MASTER[layout]
@@ -58,7 +58,7 @@ def preset(layout: str, intent: str) -> dict:
     return cfg
 
 
-def presets() -> list[tuple[str, str]]:
+def shipped() -> list[tuple[str, str]]:
     """Every (layout, intent) that has a preset."""
     return [(layout, intent) for layout in LAYOUTS for intent in INTENTS if layout in ONLY_ON.get(intent, LAYOUTS)]
 
@@ -81,12 +81,12 @@ def hf_twin(cfg: dict) -> dict:
 def rendered() -> dict[Path, str]:
     """Every generated file and its text."""
     out = {}
-    for layout, intent in presets():
+    for layout, intent in shipped():
         cfg = preset(layout, intent)
-        out[HERE / f"{layout}_{intent}.json"] = cfg
-        out[HERE / "hf" / f"{layout}_{intent}.json"] = hf_twin(cfg)
+        out[CONFIGS / f"{layout}_{intent}.json"] = cfg
+        out[CONFIGS / "hf" / f"{layout}_{intent}.json"] = hf_twin(cfg)
     for name in HF_TWINS:
-        out[HERE / "hf" / name] = hf_twin(json.loads((HERE / name).read_text()))
+        out[CONFIGS / "hf" / name] = hf_twin(json.loads((CONFIGS / name).read_text()))
     return {path: json.dumps(cfg, indent=2) + "\n" for path, cfg in out.items()}
 
 
@@ -99,7 +99,7 @@ def main(argv: list[str]) -> int:
     if argv == ["--check"]:
         bad = stale()
         for path in bad:
-            print(f"{path.relative_to(HERE.parent)} differs from ds_configs/presets.py; run it to rewrite")
+            print(f"{path.relative_to(CONFIGS.parent)} differs from what coat_ds.deepspeed.presets writes; run it")
         return 1 if bad else 0
     for path, text in rendered().items():
         path.write_text(text)

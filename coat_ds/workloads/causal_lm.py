@@ -1,6 +1,7 @@
 """A Llama causal LM on DeepSpeed, as examples/ and benchmarks/ build it: model shapes, the engine, the loss.
 
-`build_model` makes a fresh Llama of a named shape (no download) or loads an HF model; `initialize` is plain
+`build_model` makes a fresh Llama of a named size (no download) or loads an HF model, `from_shape` a fresh model
+of any shape on any device; `initialize` is plain
 deepspeed.initialize after `import coat_ds` (the engine applies the "coat" section and knows "CoatAdamW")
 with weight decay on matrices only; `lm_loss` is next-token cross-entropy in fp32 (HF's loss)."""
 from __future__ import annotations
@@ -49,22 +50,39 @@ def build_model(spec: Any, vocab_size: int, seq_len: int):
     """An HF model to fine-tune (`spec.model`: name or path), or a freshly initialised model of `spec.model_size`
     (no download) in `spec.family` (FAMILIES; a Llama where unset); `spec.seed` seeds the initialisation.
     `spec`: the parsed flags of examples/train.py or any object with those attributes."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(spec.seed)
     if spec.model:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(spec.seed)
         return AutoModelForCausalLM.from_pretrained(spec.model, dtype=torch.float32)
-    vocab = (vocab_size + 63) // 64 * 64   # tensor-core and FP8-friendly width
     size, family = MODEL_SIZES[spec.model_size], getattr(spec, "family", "llama")
-    if family == "llama":
-        return LlamaForCausalLM(LlamaConfig(vocab_size=vocab, max_position_embeddings=max(seq_len, 2048),
-                                            tie_word_embeddings=False, rms_norm_eps=1e-5, **size))
     if family not in FAMILIES:
         raise ValueError(f"family={family!r} is unknown; allowed: {list(FAMILIES)}")
-    cfg = AutoConfig.for_model(family, vocab_size=vocab, max_position_embeddings=max(seq_len, 2048),
-                               **size, **_family_extra(family, size, seq_len))
-    return AutoModelForCausalLM.from_config(cfg)
+    extra = _family_extra(family, size, seq_len) if family != "llama" else {}
+    return from_shape(dict(size, model_type=family, vocab_size=(vocab_size + 63) // 64 * 64,   # tensor-core width
+                           max_position_embeddings=max(seq_len, 2048), **extra), spec.seed)
+
+
+def from_shape(shape: dict, seed: int, device: Any = "cpu", dtype: Any = None):
+    """A freshly initialised causal LM of `shape` (HF config fields; `model_type` names the family, a Llama where
+    unset: untied embeddings, eps 1e-5, HF's defaults otherwise), built directly on `device` in `dtype` (torch's
+    default where None; a 7B model built in fp32 on the host would take a minute)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    shape = dict(shape)
+    family = shape.pop("model_type", "llama")
+    llama = dict(tie_word_embeddings=False, rms_norm_eps=1e-5) if family == "llama" else {}
+    cfg = AutoConfig.for_model(family, **{**llama, **shape})
+    torch.manual_seed(seed)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype or prev)
+    try:
+        with torch.device(device):
+            return AutoModelForCausalLM.from_config(cfg)
+    finally:
+        torch.set_default_dtype(prev)
 
 
 def param_groups(model) -> list[dict]:
