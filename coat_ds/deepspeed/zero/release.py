@@ -44,7 +44,7 @@ from deepspeed.runtime.zero.stage_1_and_2 import INITIAL_MICRO_STEP_ID, OPTIMIZE
 from .gradients import refused as _refuse
 from .kind import ZERO3, ZERO12, master_partitions, zero_kind
 from .layout import FlatPieces, ShardLayout
-from .partitions import zero3_slice
+from .partitions import hp_piece, zero3_slice
 from .step import GradPartitions, Zero3Step, Zero12Step
 
 SAVED_NORM = "coat_release_norm"  # ZeRO state_dict key: the global norm the next step's clipping uses
@@ -260,11 +260,10 @@ class ReleaseStep(Release, Zero12Step):
         if not self.is_param_in_current_partition[self.get_param_id(param)] or param.numel() == 0:
             return None
         grad = self.get_gradient_for_reduction(param)
-        m = param._hp_mapping
-        n, lp_start = m.lp_fragment_address.numel, m.lp_fragment_address.start
+        lp_start, flat_start, n = hp_piece(param)
         grad = torch.zeros(n, dtype=self.dtype, device=param.device) if grad is None else \
             grad.reshape(-1).narrow(0, lp_start, n)
-        return self._get_param_group_idx(param), m.hp_fragment_address.start, grad
+        return self._get_param_group_idx(param), flat_start, grad
 
     def _coat_release_bucket(self, params: list) -> None:
         """Step this rank's pieces of `params`, then drop their gradients."""
