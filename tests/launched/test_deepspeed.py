@@ -1,4 +1,5 @@
-"""CoatAdamW under DeepSpeed: real multi-process runs through the `deepspeed` launcher (CPU accelerator, gloo).
+"""CoatAdamW under DeepSpeed: real multi-process runs (CPU accelerator, gloo), their ranks started as DeepSpeed's
+launcher starts them (harness.ranks_launcher); the two-node run goes through the `deepspeed` launcher itself.
 
 Four launched jobs (shared by all tests below, ~4 min on 2 cores after the one-off shm-op build):
   W1  world 1: stage-0 references (fp32; bf16 and fp16 as ZeRO-1/2 on one rank), 1-rank checkpoints
