@@ -14,6 +14,7 @@ from harness import ROOT, assert_runs_as_configured, child_env, finish, launch_p
 HF_CONFIGS = sorted(p.name for p in (ROOT / "ds_configs" / "hf").glob("*.json"))
 
 
+@pytest.mark.one_core   # one rank
 def test_hf_trainer_with_coat_config(tmp_path):
     cmd = [*ranks_launcher(1), "examples/hf_trainer.py",
            "--deepspeed", "ds_configs/zero2_coat.json", "--model-size", "tiny", "--seq-len", "64", "--steps", "3",
