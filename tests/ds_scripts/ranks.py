@@ -4,9 +4,9 @@ launcher gives it (deepspeed/launcher/launch.py), standard library only:
     python tests/ds_scripts/ranks.py --num_gpus N --master_port PORT SCRIPT [ARG ...]
 
 `deepspeed --num_gpus N` reaches the ranks through two Python processes that each import torch and DeepSpeed
-(runner.py, then launch.py): seconds per launch on 2 cores, paid by every launched test. The tests of what a user
-types (tests/launched/test_train.py, test_fail_fast_examples.py, test_coat_section.py's DS job) and the two-node run
-of test_deepspeed.py keep the launcher.
+(runner.py, then launch.py): seconds per launch on 2 cores, paid by every launched test. The tests of the launcher
+itself (tests/launched/test_train.py's main command, test_fail_fast_examples.py's exit status through it, the
+two-node run of test_deepspeed.py) keep it.
 A rank that fails ends the others, as launch.py does; the exit status is the first failing rank's."""
 from __future__ import annotations
 
