@@ -48,6 +48,12 @@ def launcher(name: str = "deepspeed") -> str:
     return shutil.which(name) or str(Path(sys.executable).parent / name)
 
 
+def ranks_launcher(gpus: int) -> list[str]:
+    """In place of `deepspeed --num_gpus GPUS --master_port PORT`: the job script's ranks started directly
+    (ds_scripts/ranks.py says why), for the launched jobs that test coat_ds, not the launcher."""
+    return [sys.executable, str(DS_SCRIPTS / "ranks.py"), "--num_gpus", str(gpus), "--master_port", str(free_port())]
+
+
 def run_one_rank_job(tmp_path: Path, source: str) -> dict:
     """Run a job script (`source`) as a world of one without a launcher; what it printed last after "RESULT "."""
     script = tmp_path / "job.py"
@@ -120,21 +126,19 @@ def job_env() -> dict:
     return env
 
 
-def launch_job(out: str | Path, ckpt: str | Path, tasks: list[str], gpus: int, extra: list[str] = (),
+def launch_job(out: str | Path, ckpt: str | Path, tasks: list[str], gpus: int,
                job: str | Path = DS_SCRIPTS / "job.py") -> dict:
-    """`tasks` of a job script (job.py's kind:stage[:dtype...]) on `gpus` ranks through the `deepspeed` launcher,
-    checkpoints under `ckpt`; its results. A task in a dtype DeepSpeed's accelerator lacks here is left out."""
+    """`tasks` of a job script (job.py's kind:stage[:dtype...]) on `gpus` ranks (ranks_launcher), checkpoints
+    under `ckpt`; its results. A task in a dtype DeepSpeed's accelerator lacks here is left out."""
     tasks = [t for t in tasks if unsupported(_dtype(t)) is None]
-    cmd = [shutil.which("deepspeed"), "--num_gpus", str(gpus), "--master_port", str(free_port()), *extra, str(job),
-           "--out", str(out), "--ckpt", str(ckpt), *tasks]
+    cmd = [*ranks_launcher(gpus), str(job), "--out", str(out), "--ckpt", str(ckpt), *tasks]
     return launch_json(cmd, out, job_env())
 
 
 def launch_worlds(tmp_path_factory, name: str, job: str | Path, **worlds: tuple[list[str], int]) -> dict:
     """A test module's launched runs of `job` on DeepSpeed's CPU accelerator, one per world and in order, sharing
     one checkpoint folder (a later world loads what an earlier one saved): `w1=(tasks, 1), w2=(tasks, 2)` ->
-    {"w1": results, "w2": results}. Skipped where CUDA is (gpu-marked tests run there) or the launcher is not."""
-    require_launcher()
+    {"w1": results, "w2": results}. Skipped where CUDA is (gpu-marked tests run there)."""
     if torch.cuda.is_available():
         pytest.skip("CPU-accelerator runs")
     tmp = tmp_path_factory.mktemp(name)
@@ -172,13 +176,19 @@ def ranks(result: dict, task: str) -> list[dict]:
     return per_rank
 
 
+_PRESETS_JOB: dict = {}   # its results, launched once a session
+
+
 def launch_presets_job(tmp: Path, task: str) -> dict:
-    """presets_job.py's `task` on 2 ranks: "plain" (every ds_configs/ preset through deepspeed.initialize) or "hf"
-    (every ds_configs/hf/ config through HF Trainer)."""
-    out = tmp / "r.json"
-    cmd = [launcher("deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
-           str(DS_SCRIPTS / "presets_job.py"), "--out", str(out), "--tmp", str(tmp), task]
-    return launch_results(cmd, out)
+    """presets_job.py's results on 2 ranks, `task` among them: "plain" (every ds_configs/ preset through
+    deepspeed.initialize) and "hf" (every ds_configs/hf/ config through HF Trainer) run in one launch, in the first
+    caller's `tmp`, and the second caller reads the same results."""
+    if not _PRESETS_JOB:
+        out = tmp / "r.json"
+        cmd = [*ranks_launcher(2), str(DS_SCRIPTS / "presets_job.py"), "--out", str(out), "--tmp", str(tmp), "plain",
+               "hf"]
+        _PRESETS_JOB.update(launch_results(cmd, out))
+    return _PRESETS_JOB
 
 
 def assert_runs_as_configured(name: str, r: dict, cfg: dict) -> None:

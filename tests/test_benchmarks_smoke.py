@@ -393,6 +393,7 @@ def test_e2e_real_shapes_smoke_merges_its_case_and_records_the_loss_path(smoke_r
 
 
 @pytest.mark.slow  # ~15 s with warm caches, 20-45 s in a fresh clone
+@pytest.mark.one_core   # one worker at a time
 def test_offload_smoke_rows_account_for_every_host_byte(tmp_path):
     """benchmarks.offload --smoke (ZeRO-2 Offload on DeepSpeed's CPU accelerator): each row's host tensors add
     up by category, per parameter, to the bytes of the layout DeepSpeed and the bf16 master keep, and to the

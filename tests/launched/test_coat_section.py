@@ -1,9 +1,9 @@
 """The "coat" section takes effect wherever DeepSpeed reads the config (coat_ds/deepspeed/engine.py).
 
 Two launched 2-rank jobs (CPU accelerator, gloo; tests/ds_scripts/section_job.py), shared by the tests:
-  DS   `deepspeed --num_gpus 2`: a user's own script with plain deepspeed.initialize and a shipped config
-       file; ZeRO-3 with the model built under HF's zero.Init; every shipped config as it is; HF Trainer with
-       an HF "auto" config (ds_configs/hf/); what the section refuses
+  DS   2 ranks as `deepspeed --num_gpus 2` starts them (harness.ranks_launcher): a user's own script with plain
+       deepspeed.initialize and a shipped config file; ZeRO-3 with the model built under HF's zero.Init; every
+       shipped config as it is; HF Trainer with an HF "auto" config (ds_configs/hf/); what the section refuses
   ACC  `accelerate launch` with an accelerate config naming a DeepSpeed config file
 Each route's losses are compared with ==, per rank, to coat_ds.deepspeed.initialize's on the same
 model, config and batches: the same FP8 model trains the same way whatever built the engine.
@@ -16,7 +16,7 @@ import math
 
 import pytest
 
-from harness import DS_SCRIPTS, ROOT, free_port, launch_results, launcher, ranks
+from harness import DS_SCRIPTS, ROOT, free_port, launch_results, launcher, ranks, ranks_launcher
 
 pytest.importorskip("deepspeed")
 pytest.importorskip("transformers")
@@ -30,8 +30,7 @@ STEPS = 3
 def ds_job(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("section")
     out = tmp / "r.json"
-    cmd = [launcher("deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), str(JOB), "--out", str(out),
-           "--tmp", str(tmp), *DS_TASKS]
+    cmd = [*ranks_launcher(2), str(JOB), "--out", str(out), "--tmp", str(tmp), *DS_TASKS]
     return launch_results(cmd, out)
 
 

@@ -1,4 +1,5 @@
-"""CoatAdamW under DeepSpeed: real multi-process runs through the `deepspeed` launcher (CPU accelerator, gloo).
+"""CoatAdamW under DeepSpeed: real multi-process runs (CPU accelerator, gloo), their ranks started as DeepSpeed's
+launcher starts them (harness.ranks_launcher); the two-node run goes through the `deepspeed` launcher itself.
 
 Four launched jobs (shared by all tests below, ~4 min on 2 cores after the one-off shm-op build):
   W1  world 1: stage-0 references (fp32; bf16 and fp16 as ZeRO-1/2 on one rank), 1-rank checkpoints
@@ -21,6 +22,8 @@ import json
 import os
 import shutil
 import subprocess
+from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -29,8 +32,9 @@ from harness import (DS_SCRIPTS, ROOT, SAVE_AT, STEPS, free_port, job_env, launc
                      unsupported)
 
 
-def two_nodes(out: str, ckpt: str, tasks: list[str], tmp: str) -> dict:
-    """Two launcher processes, one per 'node', started without ssh on one machine."""
+def start_two_nodes(out: str, ckpt: str, tasks: list[str], tmp: str) -> Callable[[], dict]:
+    """Two launcher processes, one per 'node', started without ssh on one machine; the call returned waits for them
+    and gives their results."""
     hostfile = os.path.join(tmp, "hostfile")
     with open(hostfile, "w") as f:
         f.write("nodeA slots=1\nnodeB slots=1\n")
@@ -38,13 +42,22 @@ def two_nodes(out: str, ckpt: str, tasks: list[str], tmp: str) -> dict:
     base = [shutil.which("deepspeed"), "--hostfile", hostfile, "--no_ssh", "--master_addr=127.0.0.1",
             "--master_port", port]
     tail = [str(DS_SCRIPTS / "job.py"), "--out", out, "--ckpt", ckpt, *tasks]
-    procs = [subprocess.Popen([*base, f"--node_rank={r}", *tail], cwd=ROOT, env=job_env(), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in (1, 0)]
-    logs = [p.communicate(timeout=600)[0] for p in procs]
-    if any(p.returncode for p in procs) or not os.path.isfile(out):
-        pytest.fail("two-node run failed:\n" + "\n".join(log[-4000:] for log in logs))
-    with open(out) as f:
-        return json.load(f)
+    procs, logs = [], []
+    for r in (1, 0):
+        logs.append(os.path.join(tmp, f"node{r}.log"))   # a file, not a pipe: nobody reads it meanwhile
+        with open(logs[-1], "w") as log:
+            procs.append(subprocess.Popen([*base, f"--node_rank={r}", *tail], cwd=ROOT, env=job_env(), stdout=log,
+                                          stderr=subprocess.STDOUT))
+
+    def results() -> dict:
+        for p in procs:
+            p.wait(timeout=600)
+        if any(p.returncode for p in procs) or not os.path.isfile(out):
+            pytest.fail("two-node run failed:\n" + "\n".join(Path(log).read_text()[-4000:] for log in logs))
+        with open(out) as f:
+            return json.load(f)
+
+    return results
 
 
 W1 = ["train:0:fp32", "train:1:fp32", "train:2:fp32", "train:3:fp32", "train:1:bf16", "train:2:fp16"]
@@ -58,11 +71,13 @@ W1B = ["resume:1:fp32:2", "resume:2:fp32:2", "resume:3:fp32:2", "resume:2:bf16:2
 def run_all(tmp: str, gpus_per_world: dict[int, int], multinode: bool = True) -> dict:
     ckpt = os.path.join(tmp, "ckpt")
     os.makedirs(ckpt, exist_ok=True)
+    # the two-node run reads no checkpoint: it starts beside W1, whose one rank leaves a core free
+    mn = start_two_nodes(os.path.join(tmp, "mn.json"), ckpt, ["quick:2:fp32"], tmp) if multinode else None
     res = {"w1": launch_job(os.path.join(tmp, "w1.json"), ckpt, W1 + ["train:0:bf16"], gpus_per_world[1])}
     res["w2"] = launch_job(os.path.join(tmp, "w2.json"), ckpt, W2, gpus_per_world[2])
     res["w1b"] = launch_job(os.path.join(tmp, "w1b.json"), ckpt, W1B, gpus_per_world[1])
-    if multinode:
-        res["mn"] = two_nodes(os.path.join(tmp, "mn.json"), ckpt, ["quick:2:fp32"], tmp)
+    if mn is not None:
+        res["mn"] = mn()
     return res
 
 

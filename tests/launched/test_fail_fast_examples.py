@@ -5,8 +5,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from coat_ds.deepspeed.check import check_tag
 from harness import ROOT, child_env, free_port, launcher
+
+pytestmark = pytest.mark.one_core   # a launch whose ranks exit at the check, then one process at a time
 
 TINY = ["--model-size", "tiny", "--seq-len", "64", "--micro-batch", "2", "--lr", "3e-3", "--eval-batches", "1",
         "--eval-every", "0"]

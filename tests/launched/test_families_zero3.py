@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from coat_ds.hf import supported_model_types
-from harness import DS_SCRIPTS, ROOT, child_env, free_port, launcher
+from harness import DS_SCRIPTS, ROOT, child_env, ranks_launcher
 
 FAMILIES = supported_model_types()
 
@@ -17,8 +17,7 @@ def test_zero3_zero_init_two_ranks(tmp_path):
     partitioned before the swap, FP8 leaf layers, losses within 2% of the same weights trained by torch AdamW."""
     pytest.importorskip("deepspeed")
     out = tmp_path / "r.json"
-    cmd = [launcher("deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
-           str(DS_SCRIPTS / "families_job.py"), "--out", str(out), *FAMILIES]
+    cmd = [*ranks_launcher(2), str(DS_SCRIPTS / "families_job.py"), "--out", str(out), *FAMILIES]
     proc = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=900)
     for rank in (0, 1):
         path = Path(f"{out}.rank{rank}")

@@ -1,4 +1,4 @@
-"""HF Trainer with coat_ds configs (real `deepspeed` launcher, CPU accelerator here).
+"""HF Trainer with coat_ds configs (CPU accelerator here).
 
 - examples/hf_trainer.py with `--deepspeed ds_configs/zero2_coat.json` builds CoatAdamW through DeepSpeed,
   runs the FP8 layers and trains a few steps;
@@ -9,13 +9,14 @@ import subprocess
 
 import pytest
 
-from harness import ROOT, assert_runs_as_configured, child_env, finish, free_port, launch_presets_job, launcher, ranks
+from harness import ROOT, assert_runs_as_configured, child_env, finish, launch_presets_job, ranks, ranks_launcher
 
 HF_CONFIGS = sorted(p.name for p in (ROOT / "ds_configs" / "hf").glob("*.json"))
 
 
+@pytest.mark.one_core   # one rank
 def test_hf_trainer_with_coat_config(tmp_path):
-    cmd = [launcher(), "--num_gpus", "1", "--master_port", str(free_port()), "examples/hf_trainer.py",
+    cmd = [*ranks_launcher(1), "examples/hf_trainer.py",
            "--deepspeed", "ds_configs/zero2_coat.json", "--model-size", "tiny", "--seq-len", "64", "--steps", "3",
            "--eval-samples", "4", "--output-dir", str(tmp_path / "out")]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

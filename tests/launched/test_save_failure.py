@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from coat_ds.deepspeed.checkpoint.save import write_failure
-from harness import ROOT, TRAIN_SMALL, child_env, finish, free_port, launcher
+from harness import ROOT, TRAIN_SMALL, child_env, finish, ranks_launcher
 
 
 def test_a_file_size_limit_is_named_not_torchs_enforce_fail(tmp_path):
@@ -58,9 +58,8 @@ def test_main_job_on_a_full_disk_says_why_and_keeps_latest(tmp_path):
     step 2, exit code 1."""
     run = tmp_path / "run"
     run.mkdir()
-    job = [launcher(), "--num_gpus", "2", "--master_port", str(free_port()),
-           "examples/train.py", "--deepspeed", "ds_configs/zero2_coat.json", "--save-dir", str(run), *TRAIN_SMALL,
-           "--steps", "4", "--save-every", "2", "--eval-every", "0"]
+    job = [*ranks_launcher(2), "examples/train.py", "--deepspeed", "ds_configs/zero2_coat.json", "--save-dir", str(run),
+           *TRAIN_SMALL, "--steps", "4", "--save-every", "2", "--eval-every", "0"]
     # the listing is taken inside the namespace: the tmpfs is gone once it exits
     script = (f'mount -t tmpfs -o size=14m tmpfs "{run}" && "$@"; rc=$?; echo "LS:" $(ls "{run}/checkpoints"); '
               f'echo "LATEST:" $(cat "{run}/checkpoints/latest"); exit $rc')

@@ -1,4 +1,4 @@
-"""ZeRO's training state for CoatAdamW (issue 16), through the `deepspeed` launcher (CPU accelerator, gloo).
+"""ZeRO's training state for CoatAdamW (issue 16), in launched jobs (CPU accelerator, gloo).
 
 Two launched jobs (tests/ds_scripts/zero_state_job.py):
   W1  world 1: bf16_sr master, ZeRO-2 (the world-size reference; its checkpoint re-partitions to 2 ranks)
