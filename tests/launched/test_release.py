@@ -1,7 +1,7 @@
 """coat.gradients "release" (issue 36): each reduced gradient stepped at once and dropped, ZeRO-1/2/3.
 
-The config refusals run here; the rest through the `deepspeed` launcher (CPU accelerator, gloo), one job per
-world size (tests/ds_scripts/release_job.py):
+The config refusals run here; the rest in launched jobs (ranks started as DeepSpeed's launcher starts them:
+tests/ds_scripts/ranks.py; CPU accelerator, gloo), one job per world size (tests/ds_scripts/release_job.py):
   W1  world 1: release == per_parameter, ZeRO-1/2/3
   W2  world 2: the same with cut groups swapped between ranks, all three masters; a gradient spike under
       clipping, a NaN gradient midway through backward, a resume with clipping on, the engine's refusals,
