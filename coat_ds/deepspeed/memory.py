@@ -3,7 +3,7 @@
 The DeepSpeed half of the planner (coat_ds/plan.py adds the activations and the loss). Bytes per GPU, for N
 parameters over W data-parallel ranks, as DeepSpeed 0.19.8 allocates them (measured in benchmarks/results/
 e2e*.json and offload.json; docs/plan.md has the derivation):
-- the bf16 model copy: 2N (ZeRO-3: 2N/W plus the gathered layers);
+- the bf16 model copy: 2N (ZeRO-3: 2N/W plus the gathered parameters, up to stage3_max_live_parameters);
 - the master: fp32 4N/W (ZeRO-1/2/3); none with coat's bf16 masters (the bf16 partition is the master);
 - optimizer states: FusedAdam 8N/W, CoatAdamW its FP8 moments with their group scales (~2.1N/W);
 - gradients: ZeRO-2/3 a partition of N/W in `data_types.grad_accum_dtype` (bf16 by default), allocated when
@@ -29,6 +29,7 @@ ADAM_STATE_BYTES = 8.0                   # fp32 exp_avg + exp_avg_sq
 MASTER_BYTES = {"fp32": 4, "bf16_sr": 0, "bf16_rn": 0, "fp32_remainder": 2}
 DEFAULT_BUCKET = 500_000_000             # DeepSpeed's reduce_bucket_size / allgather_bucket_size default
 DEFAULT_SUB_GROUP = 1_000_000_000        # ZeRO-3's sub_group_size default
+DEFAULT_MAX_LIVE = 1_000_000_000         # ZeRO-3's stage3_max_live_parameters default
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,7 @@ class ZeroJob:
     grad_bytes: int          # bytes per gradient-partition value
     reduce_bucket: int       # values in the gradient bucket (contiguous gradients)
     sub_group: int = DEFAULT_SUB_GROUP   # ZeRO-3 steps its partition in sub-groups of this many values
+    max_live: int = DEFAULT_MAX_LIVE     # ZeRO-3 keeps up to this many gathered parameter values alive
     coat_step: bool = True   # CoatAdamW's own ZeRO step (False: DeepSpeed's flatten + fp32 copy, as before it)
     gradients: str = PARTITION_BUFFER   # coat.gradients where it applies (zero/gradients.py), else DeepSpeed's buffer
 
@@ -76,7 +78,8 @@ def zero_job(cfg: Mapping[str, Any], world: int, state_bytes: float, master: str
                    gradients=gradients if coat and not offload and (stage == 3 or stage in (1, 2) and mixed
                                                                     and grad_bytes == 2) else PARTITION_BUFFER,
                    reduce_bucket=_int(zero.get("reduce_bucket_size"), DEFAULT_BUCKET),
-                   sub_group=_int(zero.get("sub_group_size"), DEFAULT_SUB_GROUP))
+                   sub_group=_int(zero.get("sub_group_size"), DEFAULT_SUB_GROUP),
+                   max_live=_int(zero.get("stage3_max_live_parameters"), DEFAULT_MAX_LIVE))
 
 
 def _int(value: Any, default: int) -> int:
@@ -88,7 +91,10 @@ def model_states(job: ZeroJob, n: int, layer_params: int, largest: int) -> dict[
     """Bytes per GPU: `weights` (the model copy), `master`, `optimizer`, `gradients` (when allocated), and
     `host` (per rank, under Offload). `layer_params`: one decoder layer's, `largest`: the largest tensor's."""
     part = n / job.world if job.stage >= 1 else n
-    weights = job.param_bytes * (n / job.world + 2 * layer_params + largest if job.stage == 3 else n)
+    # ZeRO-3: the partition plus what is gathered: the layers at work, or as many values as stay alive (gathered
+    # parameters reused within stage3_max_reuse_distance are kept, up to max_live: a 1.1B model stays whole)
+    gathered = max(2 * layer_params + largest, min(n, job.max_live))
+    weights = job.param_bytes * (n / job.world + gathered if job.stage == 3 else n)
     master = MASTER_BYTES[job.master] * part if job.mixed else 0.0
     grads = job.grad_bytes * part if job.stage >= 2 else 2.0 * n if job.mixed else 4.0 * n
     if job.gradients == "release" and job.stage >= 2:  # stepped per bucket: none outlives its bucket
