@@ -146,18 +146,23 @@ def rmsnorm_quant(x: Tensor, w: Tensor, eps: float, fmt: str,
     op = _kernels(x, w, group_size=group_size)
     if op is None or x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
         return R.rmsnorm_quant(x, w, eps, f, group_size)
-    R.check_groups(x.shape[1], group_size)
-    xq, xs, rstd = _saved_norm(x, fmt, group_size)
     ymax = torch.empty(x.shape[0], dtype=_F32, device=x.device)
-    none = torch.empty(0, dtype=x.dtype, device=x.device)
-    op.rmsnorm_quant(x.contiguous(), w.contiguous(), float(eps), _u8(xq), xs, rstd, ymax, none, f.name == "e5m2")
-    return xq, xs, rstd, ymax
+    return *_norm_kernel(op, x, w, eps, f, group_size, ymax=ymax, y=x.new_empty(0)), ymax
 
 
 def _saved_norm(x: Tensor, fmt: str, group_size: int) -> tuple[Tensor, Tensor, Tensor]:
     m, n = x.shape
     return (x.new_empty(m, n, dtype=_dtype(fmt)), x.new_empty(m, n // group_size, dtype=torch.uint8),
             x.new_empty(m, dtype=_F32))
+
+
+def _norm_kernel(op, x: Tensor, w: Tensor, eps: float, f: FP8Format, group_size: int, ymax: Tensor,
+                 y: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """RMSNorm pass 1 on the kernels: (xq, xs, rstd), and `ymax` / `y` written unless empty."""
+    R.check_groups(x.shape[1], group_size)
+    xq, xs, rstd = _saved_norm(x, f, group_size)
+    op.rmsnorm_quant(x.contiguous(), w.contiguous(), float(eps), _u8(xq), xs, rstd, ymax, y, f.name == "e5m2")
+    return xq, xs, rstd
 
 
 @rmsnorm_quant.register_fake
@@ -174,12 +179,8 @@ def rmsnorm_save(x: Tensor, w: Tensor, eps: float, fmt: str, group_size: int) ->
     if op is None or x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
         xq, xs, rstd, _ = R.rmsnorm_quant(x, w, eps, f, group_size)
         return R.rmsnorm_output(x, rstd, w), xq, xs, rstd
-    R.check_groups(x.shape[1], group_size)
-    xq, xs, rstd = _saved_norm(x, fmt, group_size)
     y = torch.empty_like(x)
-    op.rmsnorm_quant(x.contiguous(), w.contiguous(), float(eps), _u8(xq), xs, rstd, torch.empty(0, dtype=_F32,
-                     device=x.device), y, f.name == "e5m2")
-    return y, xq, xs, rstd
+    return y, *_norm_kernel(op, x, w, eps, f, group_size, ymax=x.new_empty(0, dtype=_F32), y=y)
 
 
 @rmsnorm_save.register_fake

@@ -157,14 +157,16 @@ class Release:
         return [p for group in groups for p in group if self.get_param_id(p) not in self._coat_released]
 
     @torch.no_grad()
-    def _coat_release(self, params: list, slices: list[Slice]) -> None:
-        """Step this rank's `slices` of `params` (the same list on every rank) unless the step went non-finite."""
+    def _coat_release(self, params: list, *grads: list) -> None:
+        """Step this rank's slices of `params` (the same list on every rank; `_coat_slice(p, *grads)` of each) unless
+        the step went non-finite."""
         if not params:
             return
         self._coat_ready()
         self._coat_released.update(self.get_param_id(p) for p in params)
         if self._coat_bad:
             return
+        slices = [s for s in map(self._coat_slice, params, *grads) if s is not None]
         device = torch.device(get_accelerator().current_device_name())
         if self._coat_bucket_finite(slices, device):
             self._coat_step_pieces(params, slices, self._coat_release_scale(device))
@@ -267,7 +269,7 @@ class ReleaseStep(Release, Zero12Step):
 
     def _coat_release_bucket(self, params: list) -> None:
         """Step this rank's pieces of `params`, then drop their gradients."""
-        self._coat_release(params, [s for s in map(self._coat_slice, params) if s is not None])
+        self._coat_release(params)
         for p in params:
             self.clear_grad_attribute(p)
             p.grad = None
@@ -312,8 +314,7 @@ class Release3Step(Release, Zero3Step):
     def partition_grads(self, params_to_release, grad_partitions):
         """Step this rank's slices of the bucket's parameters, reduce-scattered just now, and drop the gradients
         (DeepSpeed 0.19.8 copies the slices into the gradient partition for the step)."""
-        self._coat_release(params_to_release, [s for s in map(self._coat_slice, params_to_release, grad_partitions)
-                                               if s is not None])
+        self._coat_release(params_to_release, grad_partitions)
         for p in params_to_release:  # as DeepSpeed frees them: on ZeRO-3's reduction stream
             if p.grad is not None and not get_accelerator().is_synchronized_device():
                 p.grad.record_stream(get_accelerator().current_stream())
@@ -344,8 +345,7 @@ class Release3Step(Release, Zero3Step):
         self._pre_step()
         self._partition_all_parameters()
         self.timers(OPTIMIZER_STEP_TIMER).start()
-        rest = self._coat_rest(self.fp16_groups)
-        self._coat_release(rest, [s for s in map(self._coat_slice, rest) if s is not None])
+        self._coat_release(self._coat_rest(self.fp16_groups))
         self.timers(OPTIMIZER_STEP_TIMER).stop()
         self._coat_step_end()
         self.zero_grad(set_to_none=True)
