@@ -266,7 +266,8 @@ def e2e_runs(res: Path):
 
 SEED_CONFIGS = (("bf16", "BF16 + FusedAdam"), ("coat_opt", "coat_ds optimizer-only"), ("coat_full", "coat_ds full"),
                 ("coat_full_bf16sr", "coat_ds full, bf16 master (`bf16_sr`)"),
-                ("coat_full_attn_fp8", "coat_ds full + `attention_fp8`"))
+                ("coat_full_attn_fp8", "coat_ds full + `attention_fp8`"),
+                ("largest_model", "coat_ds largest-model preset (gradient release, clipping one step late)"))
 
 
 @table

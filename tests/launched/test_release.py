@@ -6,15 +6,17 @@ tests/ds_scripts/ranks.py; CPU accelerator, gloo), one job per world size (tests
   W2  world 2: the same with cut groups swapped between ranks, all three masters; a gradient spike under
       clipping, a NaN gradient midway through backward, a resume with clipping on, the engine's refusals,
       each under ZeRO-2 and ZeRO-3
+  G1  one GPU (`gpu`): W1's equality with the CUDA kernels, deterministic algorithms on
 """
 from __future__ import annotations
 
 import pytest
 
 from coat_ds.deepspeed.check import check_config
-from harness import DS_SCRIPTS, SAVE_AT, STEPS, launch_worlds, task_result
+from harness import DS_SCRIPTS, SAVE_AT, STEPS, launch_job, launch_worlds, require_launcher, task_result
 
 JOB = DS_SCRIPTS / "release_job.py"
+EQUAL_STEPS = 100   # release_job.py's
 ALLOWED = "allowed there: ['per_parameter', 'partition_buffer']"
 
 STAGES = (2, 3)  # spike, NaN, resume and refusals: ZeRO-2 and ZeRO-3
@@ -63,11 +65,26 @@ def runs(tmp_path_factory):
 
 @pytest.mark.parametrize("job,task", [("w1", t) for t in EQUAL_W1] + [("w2", t) for t in EQUAL_W2])
 def test_release_steps_as_per_parameter_bit_for_bit(runs, job, task):
-    """Clipping off: 50 steps of losses, every rank's final masters and FP8 states equal per_parameter's, and
+    """Clipping off: 100 steps of losses, every rank's final masters and FP8 states equal per_parameter's, and
     when the step begins no gradient is held (per_parameter holds the whole partition's)."""
-    out = task_result(runs, job, task)
+    check_equal(task_result(runs, job, task))
+
+
+@pytest.mark.gpu
+def test_release_steps_as_per_parameter_on_one_gpu(tmp_path):
+    """The same on one GPU, ZeRO-1/2/3: the CUDA step kernels run per bucket on DeepSpeed's reduction stream
+    during backward (release_job.py turns deterministic algorithms on where CUDA is)."""
+    require_launcher()
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    res = {"g1": launch_job(tmp_path / "g1.json", ckpt, EQUAL_W1, 1, job=JOB)}
+    for task in EQUAL_W1:
+        check_equal(task_result(res, "g1", task))
+
+
+def check_equal(out: dict) -> None:
     lean, ref = out["release"], out["per_parameter"]
-    assert len(lean["losses"]) == STEPS and lean["losses"] == ref["losses"]
+    assert len(lean["losses"]) == EQUAL_STEPS and lean["losses"] == ref["losses"]
     assert out["masters_equal"] and out["states_equal"]
     assert lean["grads_at_step"] == 0 and ref["grads_at_step"] >= out["partition"] // 2
 
