@@ -84,7 +84,10 @@ def results(res: Path):
             eq, top = c.get("equal_batch"), c.get("max_batch")
             peak = (f"{num(eq['peak_alloc_gb'])} (N={n})" if eq else
                     f"does not fit at 1 (needs ~{num(c.get('needed_gb_at_1'))})")
-            rows.append([where, label, peak, num(eq and eq["tokens_per_s"], 0), c.get("max_micro_batch", "-"),
+            largest = c.get("max_micro_batch", "-")
+            if len(c.get("rungs") or ()) == 1 and c.get("smallest_failing_batch") is None:
+                largest = f">= {largest} (the one size run)"   # a single size, no search (torchao's compile)
+            rows.append([where, label, peak, num(eq and eq["tokens_per_s"], 0), largest,
                          num(top and top["tokens_per_s"], 0)])
     return header, rows
 
@@ -177,6 +180,36 @@ def gradients(res: Path):
             rows.append([f"{run['model']}, {run['seq_len']}, {r['micro_batch']}",
                          f"{run['world_size']}, {run['zero_stage']}", key, num(r["peak_alloc_gb"]),
                          num(r["peak_reserved_gb"]), num(r["tokens_per_s"], 0), f"{r['tokens_per_s'] / base:.3f}x"])
+    return header, rows
+
+
+RELEASE_RUNS = [f"e2e_release_nccl_z{z}_{m}.json" for m in ("llama2-7b", "llama2-13b") for z in (2, 3)]
+RELEASE_LABELS = {"bf16": "BF16 + FusedAdam", "largest_model": "largest-model preset (release)"}
+
+
+@table
+def release_nccl(res: Path):
+    """docs/deepspeed.md: gradient release on 2 H100s (NCCL) at seq 4096 beside BF16 + FusedAdam, each at its
+    largest micro-batch, peaks per GPU."""
+    header = ["model, seq", "GPUs, ZeRO stage", "configuration", "largest micro-batch", "peak GiB allocated / reserved",
+              "tokens/s"]
+    rows = []
+    for name in RELEASE_RUNS:
+        run = load(res, name)
+        by = _configs(run)
+        for key in ("bf16", "largest_model"):
+            c, top = by[key], by[key].get("max_batch")
+            where = [f"{run['model']}, {run['seq_len']}", f"{run['world_size']}, {run['zero_stage']}",
+                     RELEASE_LABELS[key]]
+            if not top:
+                tried = c["rungs"][0] if c.get("rungs") else None
+                why = (f"micro-batch 1 ran at {num(tried['peak_reserved_gb'])} GiB reserved (> 95%), "
+                       f"{num(tried['tokens_per_s'], 0)} tokens/s" if tried else
+                       f"needs >= {num(c['needed_gb_at_1'])} GiB at 1")
+                rows.append([*where, f"does not fit ({why})", "-", "-"])
+                continue
+            rows.append([*where, c["max_micro_batch"], f"{num(top['peak_alloc_gb'])} / {num(top['peak_reserved_gb'])}",
+                         num(top["tokens_per_s"], 0)])
     return header, rows
 
 

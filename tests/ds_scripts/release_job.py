@@ -90,7 +90,7 @@ def states(engine) -> torch.Tensor:
     for p, _ in partitions(engine):
         for t in opt.state[p].values():
             if torch.is_tensor(t):
-                out.append(t.detach().reshape(-1).view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8))
+                out.append(t.detach().reshape(-1).view(torch.uint8).cpu())   # the step count may live on the host
     return torch.cat(out)
 
 
