@@ -342,6 +342,7 @@ class Worker:
     def rung(self, b: int, first: bool) -> dict:
         args, accel = self.args, self.accel
         x, y = self.rung_inputs(b)
+        accel.empty_cache()   # a larger rung's cached blocks would count as this one's reserved memory
         # the first rung warms up longer: coat's first steps still tune GEMMs and grow the allocator, and its
         # small-batch steps leave the GPU ~25% idle, so 2 warm-up steps read 1.35x at 1.1B micro-batch 4
         # where 5 read 1.50x (e2e_llama-1b_mb4_warmup*.json)
