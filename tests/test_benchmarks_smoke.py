@@ -301,9 +301,9 @@ def test_convergence_smoke_writes_json_png_and_a_state_quant_error_reads(smoke_r
     assert all(0 <= r["m_rel_err"] < 1 and 0 <= r["v_rel_err"] < 1 for r in table["rows"])
 
 
-def test_host_overhead_dry_run_reports_per_layer_host_time(tmp_path):
+def test_llama_layer_host_dry_run_reports_per_layer_host_time(tmp_path):
     out = tmp_path / "host.json"
-    cmd = [sys.executable, "-m", "benchmarks.host_overhead", "--dry-run", "--shapes", "llama-1b",
+    cmd = [sys.executable, "-m", "benchmarks.llama_layer", "--host", "--dry-run", "--shapes", "llama-1b",
            "--variants", "bf16_eager", "coat_full", "--iters", "2", "--warmup", "1", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
