@@ -28,6 +28,7 @@ from coat_ds.workloads import causal_lm as train_lib, data as data_lib
 from coat_ds.workloads.causal_lm import FAMILIES
 
 TARGET_GAP = 0.005   # final validation loss within 0.5% of BF16
+DEFAULT_CONFIGS = "bf16,coat_opt,coat_full,coat_full_bf16sr,coat_full_bf16rn"   # the runs of convergence.json
 RECIPE = ("model_size", "family", "data", "data_bytes", "vocab_size", "seq_len", "micro_batch", "steps", "lr",
           "warmup_steps", "log_every", "eval_every", "eval_batches", "seed")   # the options a worker trains by
 
@@ -192,7 +193,7 @@ def launch(args: argparse.Namespace, name: str, out: Path,
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from {list(CONFIGS)}")
+    p.add_argument("--configs", default=DEFAULT_CONFIGS, help=f"comma-separated, from {list(CONFIGS)}")
     p.add_argument("--model-size", default="125m", help="a size from coat_ds.workloads.causal_lm's MODEL_SIZES")
     p.add_argument("--family", default="llama", choices=FAMILIES, help="the model family of that size")
     p.add_argument("--data", help="as examples/train.py --data (default: the standard-library corpus)")
@@ -211,7 +212,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
                    help="Adam-state values saved from the BF16 run (0: none)")
     p.add_argument("--parallel", action="store_true", help="run the configurations at the same time")
     p.add_argument("--time-budget", type=float, default=3600.0, help="seconds before the runs are killed")
-    p.add_argument("--smoke", action="store_true", help="tiny model, few steps, small corpus (CPU is fine)")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny model, few steps, small corpus, bf16 and coat_full unless --configs (CPU is fine)")
     p.add_argument("--out", default=str(RESULTS))
     add_worker_args(p)
     p.add_argument("--config", help=argparse.SUPPRESS)
@@ -321,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         return worker(args)
     if args.smoke:
         smoke_recipe(args)
+        args.configs = "bf16,coat_full" if args.configs == DEFAULT_CONFIGS else args.configs   # two processes
     names = check_args(p, args, ("seq_len", "micro_batch", "steps", "log_every", "eval_every", "eval_batches"))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
