@@ -48,12 +48,12 @@ def error_table(m: torch.Tensor, v: torch.Tensor) -> list[dict]:
             for name, fmt, g, exp in SCHEMES]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--state", help="a torch.save'd dict with 'exp_avg' and 'exp_avg_sq' flat tensors")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--out", default=str(RESULTS / "quant_error.json"))
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.state:
         st = torch.load(args.state)
         m, v, source = st["exp_avg"].float(), st["exp_avg_sq"].float(), args.state
