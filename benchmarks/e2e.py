@@ -146,11 +146,8 @@ def _tensors(obj, depth: int = 0):
     """Every tensor in a (nested) container."""
     if isinstance(obj, torch.Tensor):
         yield obj
-    elif depth < 4 and isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v, depth + 1)
-    elif depth < 4 and isinstance(obj, (list, tuple)):
-        for v in obj:
+    elif depth < 4 and isinstance(obj, (dict, list, tuple)):
+        for v in obj.values() if isinstance(obj, dict) else obj:
             yield from _tensors(v, depth + 1)
 
 
@@ -396,7 +393,7 @@ class PlainLoop:
 
     def __init__(self, module, optimizer, device):
         self.module, self.optimizer, self.device = module, optimizer, device
-        self.compiled = __import__("torch").compile(module)
+        self.compiled = torch.compile(module)
 
     def __call__(self, **kw):
         return self.compiled(**kw)

@@ -21,6 +21,7 @@ import torch
 from benchmarks import e2e
 from benchmarks.common import (GIB, RESULTS, add_worker_args, check_positive, command, device_name, worker_cmd,
                                names_of, now, run_worker, versions, write_results)
+from benchmarks.render_tables import markdown, num
 from coat_ds.workloads.causal_lm import param_groups
 
 CONFIGS = {"bf16": "BF16 + DeepSpeedCPUAdam", "coat_full": "coat_ds full (fp32 master)",
@@ -333,17 +334,13 @@ def pinned(row: dict) -> bool | None:
 
 
 def table(rows: list[dict]) -> str:
-    f = lambda v, d=2: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
-    lines = [f"{'model':10} {'config':17} {'pin':5} {'fits':5} {'mb':>3} {'opt B/p':>8} {'host B/p':>8} {'rss GiB':>8} "
-             f"{'peak GiB':>8} {'gpu GiB':>8} {'tok/s':>8}  why not"]
-    for r in rows:
-        acc = r.get("host_accounting") or {}
-        lines.append(f"{r['model']:10} {r['config']:17} {str(r['pinned']):5} {str(r['fits']):5} "
-                     f"{r.get('micro_batch') or '-':>3} "
-                     f"{f(r.get('host_optimizer_bytes_per_param')):>8} {f(acc.get('host_total_bytes_per_param')):>8} "
-                     f"{f(r.get('host_rss_gb')):>8} {f(r.get('host_rss_peak_gb')):>8} {f(r.get('gpu_peak_gb')):>8} "
-                     f"{f(r.get('tokens_per_s'), 0):>8}  {r.get('why_not') or ''}")
-    return "\n".join(lines)
+    return markdown(["model", "config", "pinned", "fits", "micro-batch", "optimizer B/param", "host B/param",
+                     "RSS GiB", "peak RSS GiB", "GPU GiB", "tokens/s", "why not"],
+                    [[r["model"], r["config"], r["pinned"], r["fits"], r.get("micro_batch") or "-",
+                      num(r.get("host_optimizer_bytes_per_param"), 2),
+                      num((r.get("host_accounting") or {}).get("host_total_bytes_per_param"), 2),
+                      num(r.get("host_rss_gb"), 2), num(r.get("host_rss_peak_gb"), 2), num(r.get("gpu_peak_gb"), 2),
+                      num(r.get("tokens_per_s"), 0), r.get("why_not") or ""] for r in rows])
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:

@@ -21,6 +21,7 @@ from pathlib import Path
 from benchmarks import convergence
 from benchmarks.common import RESULTS, check_positive, provenance, write_results
 from benchmarks.e2e import CONFIGS, check_args
+from benchmarks.render_tables import markdown
 
 DEFAULT_CONFIGS = "bf16,coat_opt,coat_full,coat_full_bf16sr"
 LONG_CONFIGS = "bf16,coat_full"
@@ -173,19 +174,14 @@ def merge(section: dict, done: dict[tuple[str, int], dict], call: int) -> None:
 
 # --- Table ------------------------------------------------------------------------------------------------------------
 def table(res: dict, keys: list[str]) -> str:
+    """Every section's statistics, a configuration a row."""
     f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
-    lines = []
-    for key in keys:
-        sec = res[key]
-        lines += [f"{key}: {sec['recipe']['data']}, seq {sec['recipe']['seq_len']}, compared at step "
-                  f"{sec['steps_compared']}", f"{'config':<18} {'seeds':>5} {'final mean +- std':>20} "
-                  f"{'best mean +- std':>20} {'gap':>8}  within BF16 spread"]
-        for name, st in sec["summary"].items():
-            lines.append(f"{name:<18} {len(st['seeds']):>5} {f(st['final_mean'], '.4f'):>11} +- "
-                         f"{f(st['final_std'], '.4f'):<6} {f(st['best_mean'], '.4f'):>11} +- "
-                         f"{f(st['best_std'], '.4f'):<6} {f(st['gap_rel_mean'], '+.2%'):>8}  "
-                         f"{st['within_bf16_spread']} ({', '.join(st['statuses'])})")
-    return "\n".join(lines)
+    rows = [[key, res[key]["steps_compared"], name, len(st["seeds"]), f"{f(st['final_mean'], '.4f')} +- "
+             f"{f(st['final_std'], '.4f')}", f"{f(st['best_mean'], '.4f')} +- {f(st['best_std'], '.4f')}",
+             f(st["gap_rel_mean"], "+.2%"), f"{st['within_bf16_spread']} ({', '.join(st['statuses'])})"]
+            for key in keys for name, st in res[key]["summary"].items()]
+    return markdown(["section", "compared at step", "config", "seeds", "final mean +- std", "best mean +- std", "gap",
+                     "within BF16 spread"], rows)
 
 
 def main(argv: list[str] | None = None) -> int:
