@@ -28,9 +28,9 @@ import deepspeed.comm as dist  # noqa: E402
 import torch  # noqa: E402
 from deepspeed.accelerator import get_accelerator  # noqa: E402
 
-from benchmarks.common import (GIB, RESULTS, ROOT, SyncSites, WarningLog, add_worker_args, check_positive,  # noqa: E402
-                               names_of, profiler, provenance, run_worker, top_events, worker_cmd,
-                               write_results)
+from benchmarks.common import (GIB, RESULTS, ROOT, WarningLog, add_worker_args, check_positive,  # noqa: E402
+                               names_of, profiler, provenance, run_worker, sync_sites, top_events,
+                               worker_cmd, write_results)
 from coat_ds.hf.loss import is_applied  # noqa: E402
 from coat_ds.workloads import causal_lm as train_lib  # noqa: E402  (engine initialisation and the loss)
 from coat_ds.workloads.causal_lm import MODEL_SIZES, from_shape  # noqa: E402  (the main job's shapes)
@@ -487,7 +487,7 @@ def profile_step(inputs, one_step, sync, on_cuda: bool, b: int, top: int = 15) -
         one_step(x, y)
         sync()
         wall_ms = (time.perf_counter() - t0) * 1e3
-        with SyncSites(on_cuda) as syncs:   # every synchronizing call of one step, by the Python line that made it
+        with sync_sites(on_cuda) as syncs:   # every synchronizing call of one step, by the Python line that made it
             one_step(x, y)
             sync()
         with profiler(on_cuda) as prof:
@@ -496,7 +496,7 @@ def profile_step(inputs, one_step, sync, on_cuda: bool, b: int, top: int = 15) -
         ev = top_events(prof, on_cuda, top)
         return {"kind": "profile", "micro_batch": b, "time_source": ev["time_source"], "total_ms": ev["device_ms"],
                 "step_wall_ms": wall_ms, "host_self_ms": ev["host_ms"], "top": ev["kernels"], "host_top": ev["host"],
-                "syncs": syncs.sites}
+                "syncs": syncs}
     except Exception as e:  # noqa: BLE001 - a profile is a diagnostic; the measurements above stand without it
         return {"kind": "profile", "micro_batch": b, "error": f"{type(e).__name__}: {e}"}
 

@@ -22,8 +22,8 @@ from collections import Counter
 import torch
 from torch import nn
 
-from benchmarks.common import (RESULTS, SyncSites, call_ms, check_positive, chrome_trace, device_time_attr, gpu_gaps,
-                               is_device_event, profiler, provenance, write_json)
+from benchmarks.common import (RESULTS, call_ms, check_positive, chrome_trace, device_time_attr, gpu_gaps,
+                               is_device_event, profiler, provenance, sync_sites, write_json)
 from coat_ds.workloads.shapes import ALIASES, SHAPES as MODELS
 
 LAYER = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")   # a layer's shape fields
@@ -192,7 +192,7 @@ def profile(shape, base, x, cos, sin, path, variant="coat_full"):
     grad = torch.randn_like(x) * 1e-3
     warm_up(stack, x, cos, sin, grad, 2)
     clear_cache(stack)
-    with SyncSites(True) as syncs:
+    with sync_sites(True) as syncs:
         step(stack, x, cos, sin, grad)
         torch.cuda.synchronize()
     clear_cache(stack)
@@ -203,7 +203,7 @@ def profile(shape, base, x, cos, sin, path, variant="coat_full"):
     with open(path, "a") as f:
         f.write(f"== {shape} {variant}, 4 layers, one fwd+bwd\n")
         f.write(p.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70))
-        f.write(f"\n{gaps}host syncs: {syncs.sites or 'none'}\n\n")
+        f.write(f"\n{gaps}host syncs: {syncs or 'none'}\n\n")
 
 
 def account(shapes, variants, seq: int = 64):
