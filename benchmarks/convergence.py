@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 from benchmarks import e2e
-from benchmarks.common import RESULTS, ROOT, add_worker_args, provenance, worker_cmd, worker_env, write_results
+from benchmarks.common import (RESULTS, ROOT, add_worker_args, provenance, read_json, worker_cmd, worker_env,
+                               write_results)
 from benchmarks.e2e import CONFIGS, base_optimizer, check_args, ds_config
 from coat_ds.workloads import causal_lm as train_lib, data as data_lib
 from coat_ds.workloads.causal_lm import FAMILIES
@@ -248,15 +249,16 @@ def run_workers(rec: argparse.Namespace, jobs: list[tuple[str, int]], out: Path,
     return done
 
 
+def no_run(name: str, status: str) -> dict:
+    """What stands for a run that saved no result."""
+    return {"config": name, "label": CONFIGS[name][0], "status": status, "train": [], "val": [], "final_val_loss": None}
+
+
 def collect(name: str, rc: int, result: Path, log: Path) -> dict:
     """A finished (or killed) worker's result: what it last saved, with its exit code; a stub when it saved none."""
-    if result.exists():
-        run = json.loads(result.read_text())
-        if rc != 0 and run["status"] in ("running", "ok"):
-            run["status"] = f"stopped at step {run['steps_done']} (exit {rc})"
-    else:
-        run = {"config": name, "label": CONFIGS[name][0], "status": f"failed (exit {rc})", "train": [], "val": [],
-               "final_val_loss": None}
+    run = read_json(result) or no_run(name, f"failed (exit {rc})")
+    if rc != 0 and run["status"] in ("running", "ok"):
+        run["status"] = f"stopped at step {run['steps_done']} (exit {rc})"
     run["exit_code"] = rc
     run["log_tail"] = log.read_text()[-2000:] if rc != 0 else ""
     print(f"{result.stem}: {run['status']}, final val loss {run['final_val_loss']}", flush=True)
@@ -332,8 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     args.deadline = t0 + args.time_budget - 20          # the runs stop themselves, evaluate and save
     done = run_workers(args, [(n, args.seed) for n in names], out, len(names) if args.parallel else 1,
                        kill_at=t0 + args.time_budget + 40)   # then they are killed
-    runs = {n: done.get((n, args.seed)) or {"config": n, "label": CONFIGS[n][0], "status": "not started: time budget",
-                                            "train": [], "val": [], "final_val_loss": None} for n in names}
+    runs = {n: done.get((n, args.seed)) or no_run(n, "not started: time budget") for n in names}
     res = headline(args, runs, tokens, t0)
     path = write_results(res, out, "convergence")
     bf16, opt, full = res["bf16_val_loss"], res["coat_opt_val_loss"], res["coat_val_loss"]

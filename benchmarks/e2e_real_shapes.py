@@ -10,13 +10,12 @@ keeps the others' rows, each saying where and how it was measured (docs/benchmar
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 from benchmarks import e2e
-from benchmarks.common import (RESULTS, check_positive, command, device_name, git_commit, now, provenance,
+from benchmarks.common import (RESULTS, check_positive, command, device_name, git_commit, now, provenance, read_json,
                                write_results)
 
 NAME = "e2e_real_shapes"
@@ -99,8 +98,7 @@ def case_result(args: argparse.Namespace, eargs: argparse.Namespace, rows: list[
 
 def earlier(out: Path) -> dict:
     """The cases of the results file in `out` (none yet: {})."""
-    path = out / f"{NAME}.json"
-    return json.loads(path.read_text()).get("cases", {}) if path.is_file() else {}
+    return read_json(out / f"{NAME}.json", {}).get("cases", {})
 
 
 def with_earlier_rows(rows: list[dict], case: dict | None) -> list[dict]:

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from benchmarks import e2e
-from benchmarks.common import (GIB, RESULTS, add_worker_args, check_positive, command, device_name, worker_cmd,
-                               names_of, now, run_worker, versions, write_results)
+from benchmarks.common import (GIB, RESULTS, add_worker_args, check_positive, command, device_name, names_of, now,
+                               read_json, run_worker, versions, worker_cmd, write_results)
 from benchmarks.render_tables import markdown, num
 from coat_ds.workloads.causal_lm import param_groups
 
@@ -294,10 +294,6 @@ def one_row(args: argparse.Namespace, model: str, config: str, avail: int, left:
     return {**row, **plan}
 
 
-def read_json(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.exists() else {}
-
-
 def _row_order(row: dict) -> tuple[int, int]:
     """MODELS x CONFIGS order; a model outside MODELS (the smoke's tiny) last."""
     models, configs = list(MODELS), list(CONFIGS)
@@ -316,9 +312,9 @@ def merge(old: dict, rows: list[dict], meta: dict) -> dict:
 
 def merge_files(paths: list[Path], out: Path) -> int:
     """offload.json files of separate invocations (one GPU command each) -> one, later rows winning."""
-    res = read_json(out / "offload.json")
+    res = read_json(out / "offload.json", {})
     for path in paths:
-        part = read_json(path)
+        part = read_json(path, {})
         invocations = part.pop("invocations", [])
         res = merge(res, part.pop("rows"), part)
         res["invocations"] = res["invocations"][:-1] + invocations
@@ -378,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if args.merge:
         return merge_files([Path(m) for m in args.merge], out)
-    args.t0, avail, rows, before = time.time(), host_available(), [], read_json(out / "offload.json")
+    args.t0, avail, rows, before = time.time(), host_available(), [], read_json(out / "offload.json", {})
     for model in args.models:
         for config in args.configs:
             row = one_row(args, model, config, avail, args.time_budget - (time.time() - args.t0))
