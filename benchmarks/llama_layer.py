@@ -289,7 +289,8 @@ def measure_host(name, shape, cfg, base, x, cos, sin, iters, warmup, top: int = 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", help="default: benchmarks/results/llama_layer.json (--host: host_overhead.json)")
+    ap.add_argument("--out", help="default: benchmarks/results/llama_layer.json (--host: host_overhead.json; "
+                                  "--account: none)")
     ap.add_argument("--shapes", nargs="+", choices=list(SHAPES), help=f"default {LAYER_SHAPES} (--host: {HOST_SHAPES})")
     ap.add_argument("--variants", nargs="+", choices=VARIANTS,
                     help="default: all (--host: bf16_eager coat_linear coat_full)")
@@ -309,7 +310,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"--seq={args.seq} is invalid; allowed: a multiple of 16")
     if args.host and any(v.endswith("compiled") for v in args.variants or ()):
         ap.error("--host runs the eager variants only")
-    args.out = args.out or str(RESULTS / ("host_overhead.json" if args.host else "llama_layer.json"))
+    if not args.account:   # --account prints; it writes only to an --out named (not over llama_layer.json)
+        args.out = args.out or str(RESULTS / ("host_overhead.json" if args.host else "llama_layer.json"))
     args.shapes = args.shapes or (HOST_SHAPES if args.host else LAYER_SHAPES)
     args.variants = args.variants or (["bf16_eager", "coat_linear", "coat_full"] if args.host else VARIANTS)
     args.iters = args.iters or (20 if args.host else 8)
@@ -320,7 +322,9 @@ def main(argv: list[str] | None = None) -> None:
     global BATCH, SEQ
     args = parse_args(argv)
     if args.account:
-        write_json(args.out, account(args.shapes, args.variants))
+        rows = account(args.shapes, args.variants)
+        if args.out:
+            write_json(args.out, rows)
         return
     if args.dry_run:
         dry_run()
