@@ -202,6 +202,13 @@ def read_json(path: str | Path, default=None):
     return json.loads(path.read_text()) if path.is_file() else default
 
 
+def replace_rows(old: list[dict], new: list[dict], key) -> list[dict]:
+    """`old`'s rows whose `key` no row of `new` has, then `new`: a results file that several runs fill, each row
+    saying where and how it was measured."""
+    keys = {key(r) for r in new}
+    return [r for r in old if key(r) not in keys] + new
+
+
 def write_json(path: str | Path, obj, indent: int = 1) -> Path:
     """obj as JSON in `path`, its folder made first."""
     path = Path(path)

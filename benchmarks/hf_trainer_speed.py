@@ -27,8 +27,8 @@ import torch
 
 from benchmarks import e2e
 from benchmarks.common import (GIB, RESULTS, ROOT, WarningLog, add_worker_args, check_positive, chrome_trace,
-                               gpu_gaps, profiler, provenance, read_json, run_worker, sync_sites, top_events,
-                               worker_cmd, write_results)
+                               gpu_gaps, profiler, provenance, read_json, replace_rows, run_worker, sync_sites,
+                               top_events, worker_cmd, write_results)
 from coat_ds.workloads import causal_lm as train_lib
 
 HF_CONFIG = "ds_configs/hf/zero2_coat.json"
@@ -405,8 +405,8 @@ def main(argv: list[str] | None = None) -> int:
     built = prebuild() if torch.cuda.is_available() else None
     print(f"prebuild: {built}", flush=True)
     rows = run_all(specs, args, out, t0)
-    if args.merge:
-        rows = [r for r in read_json(out / "hf_trainer.json", {"runs": []})["runs"] if r["spec"] not in specs] + rows
+    if args.merge:   # the runs not rerun now stay
+        rows = replace_rows(read_json(out / "hf_trainer.json", {"runs": []})["runs"], rows, lambda r: r["spec"])
     res = {"seq_len": args.seq_len, "warmup_steps": args.warmup, "timed_steps": args.steps, "hf_config": HF_CONFIG,
            "tunings": TUNINGS, "presets": {k: v[0] for k, v in PRESETS.items()}, "runs": rows, **summarize(rows),
            "targets": TARGETS, **provenance()}

@@ -20,7 +20,8 @@ import torch
 
 from benchmarks import e2e
 from benchmarks.common import (GIB, RESULTS, add_worker_args, check_positive, command, device_name, names_of, now,
-                               read_json, run_worker, versions, worker_cmd, write_results)
+                               read_json, replace_rows, run_worker, versions, worker_cmd,
+                               write_results)
 from benchmarks.render_tables import markdown, num
 from coat_ds.workloads.causal_lm import param_groups
 
@@ -255,11 +256,9 @@ def launch(args: argparse.Namespace, model: str, config: str, micro_batch: int, 
     cmd += [] if args.pin_memory else ["--no-pin-memory"]
     print(f"== {model} / {config}, micro-batch {micro_batch}: {' '.join(cmd)}", flush=True)
     rc, tail = run_worker(cmd, budget)
-    if result.exists():
-        return json.loads(result.read_text())
     why = "host OOM: killed by SIGKILL" if rc in (-9, 137) else f"worker exit {rc}"
-    return {"model": model, "config": config, "micro_batch": micro_batch, "fits": False, "why_not": why,
-            "error_tail": tail[-1500:]}
+    return read_json(result) or {"model": model, "config": config, "micro_batch": micro_batch, "fits": False,
+                                 "why_not": why, "error_tail": tail[-1500:]}
 
 
 def plan_row(args: argparse.Namespace, model: str, config: str, avail: int) -> dict:
@@ -303,8 +302,7 @@ def _row_order(row: dict) -> tuple[int, int]:
 def merge(old: dict, rows: list[dict], meta: dict) -> dict:
     """An offload.json (`old`) with these rows replacing its rows of the same (model, config), in MODELS x
     CONFIGS order, each saying whether it was pinned (rows of several invocations mix both)."""
-    new = {(r["model"], r["config"]) for r in rows}
-    merged = sorted([r for r in old.get("rows", []) if (r["model"], r["config"]) not in new] + rows, key=_row_order)
+    merged = sorted(replace_rows(old.get("rows", []), rows, lambda r: (r["model"], r["config"])), key=_row_order)
     for r in merged:
         r["pinned"] = pinned(r)
     return {**meta, "rows": merged, "invocations": old.get("invocations", []) + [meta]}

@@ -19,7 +19,7 @@ import traceback
 
 import torch
 
-from benchmarks.common import RESULTS, call_ms, cpu_info, device_name, provenance, read_json, write_json
+from benchmarks.common import RESULTS, call_ms, cpu_info, device_name, provenance, read_json, replace_rows, write_json
 from coat_ds import kernels as ops
 from coat_ds.formats import E4M3, get_format, n_groups
 
@@ -278,9 +278,7 @@ def with_machines(result: dict, out: str) -> dict:
     """result plus `machines`: the headline of every machine measured into out, this run's replacing its own."""
     old = read_json(out, {})
     machines = old.get("machines") or ([machine_row(old)] if "host" in old else [])
-    new = machine_row(result)
-    same = ("cpu_model", "nproc")
-    return {**result, "machines": [m for m in machines if any(m[k] != new[k] for k in same)] + [new]}
+    return {**result, "machines": replace_rows(machines, [machine_row(result)], lambda m: (m["cpu_model"], m["nproc"]))}
 
 
 def main() -> None:

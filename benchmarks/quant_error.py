@@ -12,6 +12,7 @@ import argparse
 import torch
 
 from benchmarks.common import RESULTS, provenance, write_json
+from benchmarks.render_tables import markdown
 from coat_ds.formats import relative_error
 
 SCHEMES = [  # name, format, group size, expansion
@@ -61,9 +62,8 @@ def main(argv: list[str] | None = None) -> None:
         m, v = adam_moments(args.steps)
         source = f"torch AdamW, MLP 64-256-256-8, {args.steps} steps"
     rows = error_table(m, v)
-    print(f"{'scheme':44s} {'m rel err':>10s} {'v rel err':>10s}")
-    for r in rows:
-        print(f"{r['scheme']:44s} {r['m_rel_err']:10.4%} {r['v_rel_err']:10.4%}")
+    print(markdown(["scheme", "m rel err", "v rel err"],
+                   [[r["scheme"], f"{r['m_rel_err']:.4%}", f"{r['v_rel_err']:.4%}"] for r in rows]))
     write_json(args.out, {**provenance(), "device": "cpu", "source": source, "numel": m.numel(), "rows": rows},
                indent=2)
 

@@ -373,7 +373,7 @@ def test_seed_spread_smoke_statistics_recompute_from_each_seed_and_merge_keeps_w
 def test_e2e_real_shapes_smoke_merges_its_case_and_records_the_loss_path(smoke_runs):
     """e2e_real_shapes --smoke --configs lowest_memory: the tiny case through e2e's worker (the chunked loss, a
     bf16 master, attention in FP8); a later run of one configuration keeps the case's other rows."""
-    from benchmarks import e2e_real_shapes
+    from benchmarks.common import replace_rows
 
     tmp, outs = smoke_runs
     log, rc = outs["real_shapes"]
@@ -392,8 +392,7 @@ def test_e2e_real_shapes_smoke_merges_its_case_and_records_the_loss_path(smoke_r
     assert all(math.isfinite(x["loss"]) for r in case["configs"] for x in r["rungs"])
     assert all(r["measured"]["command"] and r["measured"]["date"] for r in case["configs"])
     # a later run of one configuration keeps the case's other rows
-    earlier = {"configs": [dict(coat, name="bf16"), coat]}
-    kept = e2e_real_shapes.with_earlier_rows([dict(coat, tokens_per_s=1.0)], earlier)
+    kept = replace_rows([dict(coat, name="bf16"), coat], [dict(coat, tokens_per_s=1.0)], lambda r: r["name"])
     assert [r["name"] for r in kept] == ["bf16", "lowest_memory"] and kept[1]["tokens_per_s"] == 1.0
     assert (tmp / "real_shapes" / "e2e_real_shapes.png").stat().st_size > 10_000
 
