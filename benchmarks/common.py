@@ -3,6 +3,7 @@ output files and the profiler's read-outs. One copy here, so every results file 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -195,6 +196,19 @@ def run_worker(cmd: list[str], timeout: float, echo=lambda line: False) -> tuple
 
 
 # --- Output files -----------------------------------------------------------------------------------------------------
+def read_json(path: str | Path, default=None):
+    """The JSON in `path`, or `default` where there is no such file (a results file not written yet)."""
+    path = Path(path)
+    return json.loads(path.read_text()) if path.is_file() else default
+
+
+def replace_rows(old: list[dict], new: list[dict], key) -> list[dict]:
+    """`old`'s rows whose `key` no row of `new` has, then `new`: a results file that several runs fill, each row
+    saying where and how it was measured."""
+    keys = {key(r) for r in new}
+    return [r for r in old if key(r) not in keys] + new
+
+
 def write_json(path: str | Path, obj, indent: int = 1) -> Path:
     """obj as JSON in `path`, its folder made first."""
     path = Path(path)
@@ -264,32 +278,24 @@ def top_events(prof, on_cuda: bool, top: int) -> dict:
     return {"time_source": attr, "kernels": kernels, "device_ms": device_ms, "host": host, "host_ms": host_ms}
 
 
-class SyncSites:
-    """Device syncs made inside the block, by the Python line that made them, most first (`sites`), from CUDA's
-    sync debug mode (nothing off CUDA). A sync drains the launch queue: the GPU then waits on Python."""
-
-    def __init__(self, on_cuda: bool) -> None:
-        self.on_cuda, self.sites = on_cuda, {}
-
-    def __enter__(self) -> SyncSites:
-        if self.on_cuda:
-            self._catch = warnings.catch_warnings(record=True)
-            self._caught = self._catch.__enter__()
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if not self.on_cuda:
-            return
-
-        torch.cuda.set_sync_debug_mode("default")
-        self._catch.__exit__(*exc)
-        for w in self._caught:
-            if "synchroniz" in str(w.message):
-                where = f"{Path(w.filename).name}:{w.lineno}"
-                self.sites[where] = self.sites.get(where, 0) + 1
-        self.sites = dict(sorted(self.sites.items(), key=lambda kv: -kv[1]))
+@contextlib.contextmanager
+def sync_sites(on_cuda: bool):
+    """The device syncs made inside the block, by the Python line that made them, most first (a dict, filled as
+    the block ends), from CUDA's sync debug mode (nothing off CUDA). A sync drains the launch queue: the GPU then
+    waits on Python."""
+    sites: dict[str, int] = {}
+    if not on_cuda:
+        yield sites
+        return
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield sites
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    where = [f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+    sites.update(sorted(((k, where.count(k)) for k in set(where)), key=lambda kv: -kv[1]))
 
 
 def chrome_trace(prof) -> dict:

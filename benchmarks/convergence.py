@@ -14,20 +14,22 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 from benchmarks import e2e
-from benchmarks.common import RESULTS, ROOT, add_worker_args, provenance, worker_cmd, worker_env, write_results
+from benchmarks.common import (RESULTS, ROOT, add_worker_args, provenance, read_json, run_worker, worker_cmd,
+                               write_results)
 from benchmarks.e2e import CONFIGS, base_optimizer, check_args, ds_config
 from coat_ds.workloads import causal_lm as train_lib, data as data_lib
 from coat_ds.workloads.causal_lm import FAMILIES
 
 TARGET_GAP = 0.005   # final validation loss within 0.5% of BF16
+DEFAULT_CONFIGS = "bf16,coat_opt,coat_full,coat_full_bf16sr,coat_full_bf16rn"   # the runs of convergence.json
 RECIPE = ("model_size", "family", "data", "data_bytes", "vocab_size", "seq_len", "micro_batch", "steps", "lr",
           "warmup_steps", "log_every", "eval_every", "eval_batches", "seed")   # the options a worker trains by
 
@@ -175,24 +177,22 @@ def dump_adam_state(engine, path: Path, sample: int, what: str) -> dict:
             "optimizer": type(base).__name__}
 
 
-def launch(args: argparse.Namespace, name: str, out: Path,
-           tag: str | None = None) -> tuple[subprocess.Popen, Path, Path]:
-    """Start one configuration's worker; its result and log are named after `tag` (default: the name)."""
-    result, log = out / f"convergence_{tag or name}.json", out / f"convergence_{tag or name}.log"
+def launch(args: argparse.Namespace, name: str, out: Path, tag: str, timeout: float) -> dict:
+    """One configuration's worker, its progress lines echoed, killed after `timeout` s -> its result (named after
+    `tag`)."""
+    result = out / f"convergence_{tag}.json"
     result.unlink(missing_ok=True)
     cmd = worker_cmd("benchmarks.convergence", args, RECIPE + ("deadline",), config=name, result=result)
     if name == "bf16" and args.state_sample:
         cmd += ["--dump-state", str(out / "adam_state_bf16.pt"), "--state-sample", str(args.state_sample)]
-    print(f"== {name}: {' '.join(cmd)}  (log {log})", flush=True)
-    fh = open(log, "w")
-    proc = subprocess.Popen(cmd, env=worker_env(), stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
-    fh.close()
-    return proc, result, log
+    print(f"== {name}: {' '.join(cmd)}", flush=True)
+    rc, tail = run_worker(cmd, timeout, echo=lambda line: line.startswith("[") or "rror" in line)
+    return collect(name, rc, result, tail)
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from {list(CONFIGS)}")
+    p.add_argument("--configs", default=DEFAULT_CONFIGS, help=f"comma-separated, from {list(CONFIGS)}")
     p.add_argument("--model-size", default="125m", help="a size from coat_ds.workloads.causal_lm's MODEL_SIZES")
     p.add_argument("--family", default="llama", choices=FAMILIES, help="the model family of that size")
     p.add_argument("--data", help="as examples/train.py --data (default: the standard-library corpus)")
@@ -211,7 +211,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
                    help="Adam-state values saved from the BF16 run (0: none)")
     p.add_argument("--parallel", action="store_true", help="run the configurations at the same time")
     p.add_argument("--time-budget", type=float, default=3600.0, help="seconds before the runs are killed")
-    p.add_argument("--smoke", action="store_true", help="tiny model, few steps, small corpus (CPU is fine)")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny model, few steps, small corpus, bf16 and coat_full unless --configs (CPU is fine)")
     p.add_argument("--out", default=str(RESULTS))
     add_worker_args(p)
     p.add_argument("--config", help=argparse.SUPPRESS)
@@ -225,38 +226,30 @@ def run_workers(rec: argparse.Namespace, jobs: list[tuple[str, int]], out: Path,
     """Each (config, seed) job's worker, at most max_parallel at once, in order -> its result. A worker still
     running at kill_at is killed (its last saved result is kept); a job not started a minute before the workers'
     own deadline (rec.deadline) is left out."""
-    pending, active, done = list(jobs), {}, {}
-    while pending or active:
-        while pending and len(active) < max_parallel and time.time() < rec.deadline - 60:
-            name, seed = pending.pop(0)
-            active[(name, seed)] = launch(argparse.Namespace(**{**vars(rec), "seed": seed}), name, out,
-                                          tag=tag(name, seed))
+    def run(job: tuple[str, int]) -> dict | None:
+        name, seed = job
         if time.time() >= rec.deadline - 60:
-            pending.clear()
-        for key, (proc, result, log) in list(active.items()):
-            rc = proc.poll()
-            if rc is None and time.time() >= kill_at:
-                os.killpg(proc.pid, 9)
-                proc.wait()
-                rc = 124
-            if rc is not None:
-                done[key] = collect(key[0], rc, result, log)
-                del active[key]
-        time.sleep(0.5)
-    return done
+            return None
+        return launch(argparse.Namespace(**{**vars(rec), "seed": seed}), name, out, tag(name, seed),
+                      kill_at - time.time())
+
+    with ThreadPoolExecutor(max_parallel) as pool:
+        return {job: res for job, res in zip(jobs, pool.map(run, jobs)) if res is not None}
 
 
-def collect(name: str, rc: int, result: Path, log: Path) -> dict:
-    """A finished (or killed) worker's result: what it last saved, with its exit code; a stub when it saved none."""
-    if result.exists():
-        run = json.loads(result.read_text())
-        if rc != 0 and run["status"] in ("running", "ok"):
-            run["status"] = f"stopped at step {run['steps_done']} (exit {rc})"
-    else:
-        run = {"config": name, "label": CONFIGS[name][0], "status": f"failed (exit {rc})", "train": [], "val": [],
-               "final_val_loss": None}
+def no_run(name: str, status: str) -> dict:
+    """What stands for a run that saved no result."""
+    return {"config": name, "label": CONFIGS[name][0], "status": status, "train": [], "val": [], "final_val_loss": None}
+
+
+def collect(name: str, rc: int, result: Path, tail: str) -> dict:
+    """A finished (or killed) worker's result: what it last saved, with its exit code and, when that is not 0, the
+    end of its output; a stub when it saved none."""
+    run = read_json(result) or no_run(name, f"failed (exit {rc})")
+    if rc != 0 and run["status"] in ("running", "ok"):
+        run["status"] = f"stopped at step {run['steps_done']} (exit {rc})"
     run["exit_code"] = rc
-    run["log_tail"] = log.read_text()[-2000:] if rc != 0 else ""
+    run["log_tail"] = tail[-2000:] if rc != 0 else ""
     print(f"{result.stem}: {run['status']}, final val loss {run['final_val_loss']}", flush=True)
     return run
 
@@ -321,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         return worker(args)
     if args.smoke:
         smoke_recipe(args)
+        args.configs = "bf16,coat_full" if args.configs == DEFAULT_CONFIGS else args.configs   # two processes
     names = check_args(p, args, ("seq_len", "micro_batch", "steps", "log_every", "eval_every", "eval_batches"))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -329,8 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     args.deadline = t0 + args.time_budget - 20          # the runs stop themselves, evaluate and save
     done = run_workers(args, [(n, args.seed) for n in names], out, len(names) if args.parallel else 1,
                        kill_at=t0 + args.time_budget + 40)   # then they are killed
-    runs = {n: done.get((n, args.seed)) or {"config": n, "label": CONFIGS[n][0], "status": "not started: time budget",
-                                            "train": [], "val": [], "final_val_loss": None} for n in names}
+    runs = {n: done.get((n, args.seed)) or no_run(n, "not started: time budget") for n in names}
     res = headline(args, runs, tokens, t0)
     path = write_results(res, out, "convergence")
     bf16, opt, full = res["bf16_val_loss"], res["coat_opt_val_loss"], res["coat_val_loss"]

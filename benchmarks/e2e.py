@@ -28,9 +28,9 @@ import deepspeed.comm as dist  # noqa: E402
 import torch  # noqa: E402
 from deepspeed.accelerator import get_accelerator  # noqa: E402
 
-from benchmarks.common import (GIB, RESULTS, ROOT, SyncSites, WarningLog, add_worker_args, check_positive,  # noqa: E402
-                               names_of, profiler, provenance, run_worker, top_events, worker_cmd,
-                               write_results)
+from benchmarks.common import (GIB, RESULTS, ROOT, WarningLog, add_worker_args, check_positive,  # noqa: E402
+                               names_of, profiler, provenance, run_worker, sync_sites, top_events,
+                               worker_cmd, write_results)
 from coat_ds.hf.loss import is_applied  # noqa: E402
 from coat_ds.workloads import causal_lm as train_lib  # noqa: E402  (engine initialisation and the loss)
 from coat_ds.workloads.causal_lm import MODEL_SIZES, from_shape  # noqa: E402  (the main job's shapes)
@@ -146,11 +146,8 @@ def _tensors(obj, depth: int = 0):
     """Every tensor in a (nested) container."""
     if isinstance(obj, torch.Tensor):
         yield obj
-    elif depth < 4 and isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v, depth + 1)
-    elif depth < 4 and isinstance(obj, (list, tuple)):
-        for v in obj:
+    elif depth < 4 and isinstance(obj, (dict, list, tuple)):
+        for v in obj.values() if isinstance(obj, dict) else obj:
             yield from _tensors(v, depth + 1)
 
 
@@ -397,7 +394,7 @@ class PlainLoop:
 
     def __init__(self, module, optimizer, device):
         self.module, self.optimizer, self.device = module, optimizer, device
-        self.compiled = __import__("torch").compile(module)
+        self.compiled = torch.compile(module)
 
     def __call__(self, **kw):
         return self.compiled(**kw)
@@ -491,7 +488,7 @@ def profile_step(inputs, one_step, sync, on_cuda: bool, b: int, top: int = 15) -
         one_step(x, y)
         sync()
         wall_ms = (time.perf_counter() - t0) * 1e3
-        with SyncSites(on_cuda) as syncs:   # every synchronizing call of one step, by the Python line that made it
+        with sync_sites(on_cuda) as syncs:   # every synchronizing call of one step, by the Python line that made it
             one_step(x, y)
             sync()
         with profiler(on_cuda) as prof:
@@ -500,7 +497,7 @@ def profile_step(inputs, one_step, sync, on_cuda: bool, b: int, top: int = 15) -
         ev = top_events(prof, on_cuda, top)
         return {"kind": "profile", "micro_batch": b, "time_source": ev["time_source"], "total_ms": ev["device_ms"],
                 "step_wall_ms": wall_ms, "host_self_ms": ev["host_ms"], "top": ev["kernels"], "host_top": ev["host"],
-                "syncs": syncs.sites}
+                "syncs": syncs}
     except Exception as e:  # noqa: BLE001 - a profile is a diagnostic; the measurements above stand without it
         return {"kind": "profile", "micro_batch": b, "error": f"{type(e).__name__}: {e}"}
 

@@ -10,14 +10,14 @@ keeps the others' rows, each saying where and how it was measured (docs/benchmar
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 from benchmarks import e2e
-from benchmarks.common import (RESULTS, check_positive, command, device_name, git_commit, now, provenance,
-                               write_results)
+from benchmarks.common import (RESULTS, check_positive, command, device_name, git_commit, now, provenance, read_json,
+                               replace_rows, write_results)
+from benchmarks.render_tables import markdown, num
 
 NAME = "e2e_real_shapes"
 # target: the lowest-memory preset's largest micro-batch (issue 30: 2; issue 34, with per-parameter gradients: 6
@@ -59,12 +59,9 @@ def worker_args(args: argparse.Namespace) -> tuple[argparse.Namespace, list[str]
     """e2e.py's options for this case, and its configuration names (checked)."""
     case = CASES[args.case]
     argv = ["--model", case["model"], "--seq-len", str(case["seq_len"]), "--configs", args.configs or case["configs"],
-            "--equal-batch", str(args.start_batch), "--max-batch", str(args.max_batch), "--max-rungs",
-            str(args.max_rungs), "--steps", str(args.steps),
+            "--equal-batch", str(args.start_batch), "--max-batch", str(2 if args.smoke else args.max_batch),
+            "--max-rungs", str(args.max_rungs), "--steps", str(args.steps), "--warmup", str(0 if args.smoke else 1),
             "--time-budget", str(args.time_budget), "--out", args.out]
-    if args.smoke:
-        argv[argv.index("--max-batch") + 1] = "2"
-        argv += ["--warmup", "0"]
     p, eargs = e2e.parse_args(argv)
     return eargs, e2e.check_args(p, eargs, ())
 
@@ -97,19 +94,6 @@ def case_result(args: argparse.Namespace, eargs: argparse.Namespace, rows: list[
             "configs": rows, "wall_s": time.time() - t0, "smoke": args.smoke}
 
 
-def earlier(out: Path) -> dict:
-    """The cases of the results file in `out` (none yet: {})."""
-    path = out / f"{NAME}.json"
-    return json.loads(path.read_text()).get("cases", {}) if path.is_file() else {}
-
-
-def with_earlier_rows(rows: list[dict], case: dict | None) -> list[dict]:
-    """This run's configuration rows, after the case's earlier rows of configurations it did not run (each row
-    says when, where and how it was measured)."""
-    ran = {r["name"] for r in rows}
-    return [r for r in (case or {}).get("configs", []) if r["name"] not in ran] + rows
-
-
 def with_provenance(cases: dict) -> dict:
     """The file: its cases, and at the top where, when and how each was measured (cases run on different GPUs)."""
     per = lambda key: {name: c[key] for name, c in cases.items()}  # noqa: E731
@@ -126,13 +110,14 @@ def main(argv: list[str] | None = None) -> int:
     rows = e2e.run_configs(eargs, names, out, f"{NAME}_{args.case}")
     for r in rows:
         r["measured"] = {"device": device_name(), "date": now(), "command": command(), "commit": git_commit()}
-    cases = earlier(out)
-    res = case_result(args, eargs, with_earlier_rows(rows, cases.get(args.case)), t0)
+    cases = read_json(out / f"{NAME}.json", {}).get("cases", {})
+    # the case's earlier rows of configurations not run now stay, before this run's
+    rows = replace_rows(cases.get(args.case, {}).get("configs", []), rows, lambda r: r["name"])
+    res = case_result(args, eargs, rows, t0)
     path = write_results(with_provenance({**cases, args.case: res}), out, NAME)
-    for s in res["summary"]:
-        tps = "-" if s["tokens_per_s"] is None else f"{s['tokens_per_s']:,.0f} tokens/s"
-        need = "" if s["needed_gb_at_1"] is None else f", needs >= {s['needed_gb_at_1']:.1f} GiB at 1"
-        print(f"{args.case} {s['name']}: largest micro-batch {s['max_micro_batch']} ({tps}{need})")
+    print(markdown(["case", "configuration", "largest micro-batch", "tokens/s there", "needs at 1 (GiB, >=)"],
+                   [[args.case, s["name"], s["max_micro_batch"], num(s["tokens_per_s"], 0), num(s["needed_gb_at_1"])]
+                    for s in res["summary"]]))
     print(f"meets target ({res['coat_row']} micro-batch >= {res['target_micro_batch']}): {res['meets_target']}; "
           f"tokens/s at the largest against torchao's: {res['speedup_vs_torchao_at_largest']}  ->  {path}")
     return 0 if all(r["equal_batch"] or r.get("max_micro_batch") == 0 for r in rows) else 1

@@ -11,6 +11,7 @@ a run measures, docs/deepspeed.md ("HF Trainer speed") what each tuning changes.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import json
 import os
@@ -25,9 +26,9 @@ import deepspeed
 import torch
 
 from benchmarks import e2e
-from benchmarks.common import (GIB, RESULTS, ROOT, SyncSites, WarningLog, add_worker_args, check_positive,
-                               chrome_trace, gpu_gaps, profiler, provenance, run_worker, top_events,
-                               worker_cmd, write_results)
+from benchmarks.common import (GIB, RESULTS, ROOT, WarningLog, add_worker_args, check_positive, chrome_trace,
+                               gpu_gaps, profiler, provenance, read_json, replace_rows, run_worker, sync_sites,
+                               top_events, worker_cmd, write_results)
 from coat_ds.workloads import causal_lm as train_lib
 
 HF_CONFIG = "ds_configs/hf/zero2_coat.json"
@@ -118,27 +119,26 @@ def python_stats(cprof, n: int = 40) -> dict:
                                    if name == "average_tensor" and "stage_1_and_2" in fn)}
 
 
-class count_synchronize:
-    """Counts torch.cuda.synchronize calls by the first caller outside torch and DeepSpeed's accelerator until
-    stop() (CUDA's sync debug mode does not report an explicit device sync; DeepSpeed's ZeRO-1/2 make one per
-    gradient bucket under overlap_comm where use_multi_rank_bucket_allreduce is false)."""
+@contextlib.contextmanager
+def synchronize_calls():
+    """The torch.cuda.synchronize calls made inside the block, by the first caller outside torch and DeepSpeed's
+    accelerator, most first (a dict, filled as the block ends). CUDA's sync debug mode does not report an
+    explicit device sync; DeepSpeed's ZeRO-1/2 make one per gradient bucket under overlap_comm where
+    use_multi_rank_bucket_allreduce is false."""
+    orig, calls, sites = torch.cuda.synchronize, [], {}
 
-    def __init__(self) -> None:
-        self.sites: dict[str, int] = {}
-        self._orig = torch.cuda.synchronize
-
-        def counted(*a, **kw):
-            f = sys._getframe(1)
-            while f is not None and ("/torch/" in f.f_code.co_filename or "/accelerator/" in f.f_code.co_filename):
-                f = f.f_back
-            where = "?" if f is None else f"{Path(f.f_code.co_filename).name}:{f.f_lineno}"
-            self.sites[where] = self.sites.get(where, 0) + 1
-            return self._orig(*a, **kw)
-        torch.cuda.synchronize = counted
-
-    def stop(self) -> dict[str, int]:
-        torch.cuda.synchronize = self._orig
-        return dict(sorted(self.sites.items(), key=lambda kv: -kv[1]))
+    def counted(*a, **kw):
+        f = sys._getframe(1)
+        while f is not None and ("/torch/" in f.f_code.co_filename or "/accelerator/" in f.f_code.co_filename):
+            f = f.f_back
+        calls.append("?" if f is None else f"{Path(f.f_code.co_filename).name}:{f.f_lineno}")
+        return orig(*a, **kw)
+    torch.cuda.synchronize = counted
+    try:
+        yield sites
+    finally:
+        torch.cuda.synchronize = orig
+        sites.update(sorted(((k, calls.count(k)) for k in set(calls)), key=lambda kv: -kv[1]))
 
 
 class Meter:
@@ -177,16 +177,15 @@ class Meter:
     def probe_window(self, i: int) -> None:
         """i = 0: the first window opens; 1: it closes and the profiler's opens; 2: the profiler's closes."""
         if i == 0:
-            self._syncs = SyncSites(self.on_cuda).__enter__()
-            self._sync_calls = count_synchronize() if self.on_cuda else None
-            self._cprof = cProfile.Profile()
-            self._cprof.enable()
+            self._window = contextlib.ExitStack()
+            self._syncs = self._window.enter_context(sync_sites(self.on_cuda))
+            self._sync_calls = self._window.enter_context(synchronize_calls()) if self.on_cuda else None
+            self._cprof = self._window.enter_context(cProfile.Profile())
         elif i == 1:
-            self._cprof.disable()
-            self._syncs.__exit__(None, None, None)
-            self.probe.update(python_stats(self._cprof), syncs=self._syncs.sites)
+            self._window.close()
+            self.probe.update(python_stats(self._cprof), syncs=self._syncs)
             if self._sync_calls is not None:
-                self.probe["device_synchronize"] = self._sync_calls.stop()
+                self.probe["device_synchronize"] = self._sync_calls
             self._prof = profiler(self.on_cuda).__enter__()
             self._t_prof = time.perf_counter()
         else:
@@ -406,8 +405,8 @@ def main(argv: list[str] | None = None) -> int:
     built = prebuild() if torch.cuda.is_available() else None
     print(f"prebuild: {built}", flush=True)
     rows = run_all(specs, args, out, t0)
-    if args.merge and (out / "hf_trainer.json").exists():
-        rows = [r for r in json.loads((out / "hf_trainer.json").read_text())["runs"] if r["spec"] not in specs] + rows
+    if args.merge:   # the runs not rerun now stay
+        rows = replace_rows(read_json(out / "hf_trainer.json", {"runs": []})["runs"], rows, lambda r: r["spec"])
     res = {"seq_len": args.seq_len, "warmup_steps": args.warmup, "timed_steps": args.steps, "hf_config": HF_CONFIG,
            "tunings": TUNINGS, "presets": {k: v[0] for k, v in PRESETS.items()}, "runs": rows, **summarize(rows),
            "targets": TARGETS, **provenance()}

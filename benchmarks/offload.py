@@ -19,8 +19,10 @@ from pathlib import Path
 import torch
 
 from benchmarks import e2e
-from benchmarks.common import (GIB, RESULTS, add_worker_args, check_positive, command, device_name, worker_cmd,
-                               names_of, now, run_worker, versions, write_results)
+from benchmarks.common import (GIB, RESULTS, add_worker_args, check_positive, command, device_name, names_of, now,
+                               read_json, replace_rows, run_worker, versions, worker_cmd,
+                               write_results)
+from benchmarks.render_tables import markdown, num
 from coat_ds.workloads.causal_lm import param_groups
 
 CONFIGS = {"bf16": "BF16 + DeepSpeedCPUAdam", "coat_full": "coat_ds full (fp32 master)",
@@ -254,11 +256,9 @@ def launch(args: argparse.Namespace, model: str, config: str, micro_batch: int, 
     cmd += [] if args.pin_memory else ["--no-pin-memory"]
     print(f"== {model} / {config}, micro-batch {micro_batch}: {' '.join(cmd)}", flush=True)
     rc, tail = run_worker(cmd, budget)
-    if result.exists():
-        return json.loads(result.read_text())
     why = "host OOM: killed by SIGKILL" if rc in (-9, 137) else f"worker exit {rc}"
-    return {"model": model, "config": config, "micro_batch": micro_batch, "fits": False, "why_not": why,
-            "error_tail": tail[-1500:]}
+    return read_json(result) or {"model": model, "config": config, "micro_batch": micro_batch, "fits": False,
+                                 "why_not": why, "error_tail": tail[-1500:]}
 
 
 def plan_row(args: argparse.Namespace, model: str, config: str, avail: int) -> dict:
@@ -293,10 +293,6 @@ def one_row(args: argparse.Namespace, model: str, config: str, avail: int, left:
     return {**row, **plan}
 
 
-def read_json(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.exists() else {}
-
-
 def _row_order(row: dict) -> tuple[int, int]:
     """MODELS x CONFIGS order; a model outside MODELS (the smoke's tiny) last."""
     models, configs = list(MODELS), list(CONFIGS)
@@ -306,8 +302,7 @@ def _row_order(row: dict) -> tuple[int, int]:
 def merge(old: dict, rows: list[dict], meta: dict) -> dict:
     """An offload.json (`old`) with these rows replacing its rows of the same (model, config), in MODELS x
     CONFIGS order, each saying whether it was pinned (rows of several invocations mix both)."""
-    new = {(r["model"], r["config"]) for r in rows}
-    merged = sorted([r for r in old.get("rows", []) if (r["model"], r["config"]) not in new] + rows, key=_row_order)
+    merged = sorted(replace_rows(old.get("rows", []), rows, lambda r: (r["model"], r["config"])), key=_row_order)
     for r in merged:
         r["pinned"] = pinned(r)
     return {**meta, "rows": merged, "invocations": old.get("invocations", []) + [meta]}
@@ -315,9 +310,9 @@ def merge(old: dict, rows: list[dict], meta: dict) -> dict:
 
 def merge_files(paths: list[Path], out: Path) -> int:
     """offload.json files of separate invocations (one GPU command each) -> one, later rows winning."""
-    res = read_json(out / "offload.json")
+    res = read_json(out / "offload.json", {})
     for path in paths:
-        part = read_json(path)
+        part = read_json(path, {})
         invocations = part.pop("invocations", [])
         res = merge(res, part.pop("rows"), part)
         res["invocations"] = res["invocations"][:-1] + invocations
@@ -333,17 +328,13 @@ def pinned(row: dict) -> bool | None:
 
 
 def table(rows: list[dict]) -> str:
-    f = lambda v, d=2: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
-    lines = [f"{'model':10} {'config':17} {'pin':5} {'fits':5} {'mb':>3} {'opt B/p':>8} {'host B/p':>8} {'rss GiB':>8} "
-             f"{'peak GiB':>8} {'gpu GiB':>8} {'tok/s':>8}  why not"]
-    for r in rows:
-        acc = r.get("host_accounting") or {}
-        lines.append(f"{r['model']:10} {r['config']:17} {str(r['pinned']):5} {str(r['fits']):5} "
-                     f"{r.get('micro_batch') or '-':>3} "
-                     f"{f(r.get('host_optimizer_bytes_per_param')):>8} {f(acc.get('host_total_bytes_per_param')):>8} "
-                     f"{f(r.get('host_rss_gb')):>8} {f(r.get('host_rss_peak_gb')):>8} {f(r.get('gpu_peak_gb')):>8} "
-                     f"{f(r.get('tokens_per_s'), 0):>8}  {r.get('why_not') or ''}")
-    return "\n".join(lines)
+    return markdown(["model", "config", "pinned", "fits", "micro-batch", "optimizer B/param", "host B/param",
+                     "RSS GiB", "peak RSS GiB", "GPU GiB", "tokens/s", "why not"],
+                    [[r["model"], r["config"], r["pinned"], r["fits"], r.get("micro_batch") or "-",
+                      num(r.get("host_optimizer_bytes_per_param"), 2),
+                      num((r.get("host_accounting") or {}).get("host_total_bytes_per_param"), 2),
+                      num(r.get("host_rss_gb"), 2), num(r.get("host_rss_peak_gb"), 2), num(r.get("gpu_peak_gb"), 2),
+                      num(r.get("tokens_per_s"), 0), r.get("why_not") or ""] for r in rows])
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
@@ -381,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if args.merge:
         return merge_files([Path(m) for m in args.merge], out)
-    args.t0, avail, rows, before = time.time(), host_available(), [], read_json(out / "offload.json")
+    args.t0, avail, rows, before = time.time(), host_available(), [], read_json(out / "offload.json", {})
     for model in args.models:
         for config in args.configs:
             row = one_row(args, model, config, avail, args.time_budget - (time.time() - args.t0))

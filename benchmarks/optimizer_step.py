@@ -19,7 +19,7 @@ import traceback
 
 import torch
 
-from benchmarks.common import RESULTS, call_ms, command, cpu_info, device_name, now, versions, write_json
+from benchmarks.common import RESULTS, call_ms, cpu_info, device_name, provenance, read_json, replace_rows, write_json
 from coat_ds import kernels as ops
 from coat_ds.formats import E4M3, get_format, n_groups
 
@@ -276,14 +276,9 @@ def machine_row(result: dict) -> dict:
 
 def with_machines(result: dict, out: str) -> dict:
     """result plus `machines`: the headline of every machine measured into out, this run's replacing its own."""
-    machines = []
-    if os.path.exists(out):
-        with open(out) as f:
-            old = json.load(f)
-        machines = old.get("machines") or ([machine_row(old)] if "host" in old else [])
-    new = machine_row(result)
-    same = ("cpu_model", "nproc")
-    return {**result, "machines": [m for m in machines if any(m[k] != new[k] for k in same)] + [new]}
+    old = read_json(out, {})
+    machines = old.get("machines") or ([machine_row(old)] if "host" in old else [])
+    return {**result, "machines": replace_rows(machines, [machine_row(result)], lambda m: (m["cpu_model"], m["nproc"]))}
 
 
 def main() -> None:
@@ -308,9 +303,8 @@ def main() -> None:
     copy_bw = copy_gbps(int(max(sizes)), device, runs)
     host = host_info() if device == "cpu" else None
     rows = [row for n in sizes for row in bench_size(int(n), device, peers, 2 if args.smoke else 3, runs, copy_bw)]
-    result = dict(command=command(), device=device_name(device), date=now(),
-                  versions=versions("torchao", "bitsandbytes"), hyperparams=HP, group_size=128, v_format="e4m3",
-                  copy_gbps=round(copy_bw, 1), rows=rows)
+    result = dict(provenance(("torchao", "bitsandbytes")), device=device_name(device), hyperparams=HP, group_size=128,
+                  v_format="e4m3", copy_gbps=round(copy_bw, 1), rows=rows)
     if host is not None:
         host["loadavg_end"] = list(os.getloadavg())
         result["host"] = host

@@ -45,7 +45,7 @@ def plot_e2e(res: dict, path: Path) -> None:
     rows = res["configs"]
     labels = [r["label"].replace(" + ", "\n+ ").replace("coat_ds ", "coat_ds\n") for r in rows]
     fig, axes = _plt().subplots(1, 3, figsize=(15, 4.8))
-    ax = axes[0]
+    ax, tops = axes[0], [1e-9]
     for i, r in enumerate(rows):
         bd = r.get("breakdown") or {}
         bottom = 0.0
@@ -56,13 +56,12 @@ def plot_e2e(res: dict, path: Path) -> None:
         peak = (r.get("equal_batch") or {}).get("peak_alloc_gb")
         if peak:
             ax.text(i, max(bottom, peak), f"{peak:.1f} GiB", ha="center", va="bottom", fontsize=9)
+        tops.append(max(bottom, peak or 0.0))
     red = res.get("memory_reduction")
     ax.set(xticks=range(len(rows)), xticklabels=labels, ylabel="GiB (rank 0)",
            title=f"peak memory at micro-batch {res['equal_micro_batch']}" +
                  (f" ({red:.2f}x less)" if red else ""))
-    tops = [max((r.get("equal_batch") or {}).get("peak_alloc_gb") or 0.0,
-                sum(max((r.get("breakdown") or {}).get(k) or 0.0, 0.0) for k, _ in PARTS)) for r in rows]
-    ax.set_ylim(0, 1.6 * max(tops + [1e-9]))
+    ax.set_ylim(0, 1.6 * max(tops))
     ax.legend(fontsize=7, loc="upper left", ncol=2)
 
     best = [r.get("max_batch") or {} for r in rows]

@@ -12,6 +12,7 @@ import argparse
 import torch
 
 from benchmarks.common import RESULTS, provenance, write_json
+from benchmarks.render_tables import markdown
 from coat_ds.formats import relative_error
 
 SCHEMES = [  # name, format, group size, expansion
@@ -48,12 +49,12 @@ def error_table(m: torch.Tensor, v: torch.Tensor) -> list[dict]:
             for name, fmt, g, exp in SCHEMES]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--state", help="a torch.save'd dict with 'exp_avg' and 'exp_avg_sq' flat tensors")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--out", default=str(RESULTS / "quant_error.json"))
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.state:
         st = torch.load(args.state)
         m, v, source = st["exp_avg"].float(), st["exp_avg_sq"].float(), args.state
@@ -61,9 +62,8 @@ def main() -> None:
         m, v = adam_moments(args.steps)
         source = f"torch AdamW, MLP 64-256-256-8, {args.steps} steps"
     rows = error_table(m, v)
-    print(f"{'scheme':44s} {'m rel err':>10s} {'v rel err':>10s}")
-    for r in rows:
-        print(f"{r['scheme']:44s} {r['m_rel_err']:10.4%} {r['v_rel_err']:10.4%}")
+    print(markdown(["scheme", "m rel err", "v rel err"],
+                   [[r["scheme"], f"{r['m_rel_err']:.4%}", f"{r['v_rel_err']:.4%}"] for r in rows]))
     write_json(args.out, {**provenance(), "device": "cpu", "source": source, "numel": m.numel(), "rows": rows},
                indent=2)
 

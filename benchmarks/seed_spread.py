@@ -11,7 +11,6 @@ what the sections run and how the statistics compare the runs.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -19,8 +18,9 @@ import time
 from pathlib import Path
 
 from benchmarks import convergence
-from benchmarks.common import RESULTS, check_positive, provenance, write_results
+from benchmarks.common import RESULTS, check_positive, provenance, read_json, write_results
 from benchmarks.e2e import CONFIGS, check_args
+from benchmarks.render_tables import markdown
 
 DEFAULT_CONFIGS = "bf16,coat_opt,coat_full,coat_full_bf16sr"
 LONG_CONFIGS = "bf16,coat_full"
@@ -47,10 +47,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, argparse.Nam
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args(argv)
     check_positive(p, args, ("max_parallel", "steps"))
-    try:
-        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
-    except ValueError:
-        p.error(f"--seeds={args.seeds!r} is invalid; allowed: comma-separated integers")
+    parts = [s.strip() for s in args.seeds.split(",") if s.strip()]
+    if not parts or not all(s.lstrip("-").isdigit() for s in parts) or len(set(map(int, parts))) != len(parts):
+        p.error(f"--seeds={args.seeds!r} is invalid; allowed: distinct comma-separated integers")
+    seeds = [int(s) for s in parts]
     if args.long and args.family != "llama":
         p.error(f"--family={args.family!r} runs the default recipe; allowed with --long: 'llama'")
     if args.data and not (args.long or args.smoke):
@@ -59,10 +59,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, argparse.Nam
     args.configs = args.configs or (LONG_CONFIGS if args.long else DEFAULT_CONFIGS)
     if args.smoke:
         args.configs, seeds = ("bf16,coat_full" if args.configs == DEFAULT_CONFIGS else args.configs), seeds[:2]
-    names = check_args(p, args, ())
-    if not seeds or len(set(seeds)) != len(seeds):
-        p.error(f"--seeds={args.seeds!r} is invalid; allowed: distinct comma-separated integers")
-    return args, rec, names, seeds
+    return args, rec, check_args(p, args, ()), seeds
 
 
 def recipe_args(args: argparse.Namespace) -> argparse.Namespace:
@@ -151,7 +148,7 @@ def section_recipe(rec: argparse.Namespace, tokens, smoke: bool) -> dict:
 
 def load_existing(path: Path, key: str, recipe: dict) -> dict:
     """The JSON in --out (or a fresh one); exits with one line when its `key` section ran another recipe."""
-    res = json.loads(path.read_text()) if path.exists() else {"calls": []}
+    res = read_json(path, {"calls": []})
     old = res.get(key)
     if old and old["recipe"] != recipe:
         diff = sorted(k for k in set(old["recipe"]) | set(recipe) if old["recipe"].get(k) != recipe.get(k))
@@ -173,19 +170,14 @@ def merge(section: dict, done: dict[tuple[str, int], dict], call: int) -> None:
 
 # --- Table ------------------------------------------------------------------------------------------------------------
 def table(res: dict, keys: list[str]) -> str:
+    """Every section's statistics, a configuration a row."""
     f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
-    lines = []
-    for key in keys:
-        sec = res[key]
-        lines += [f"{key}: {sec['recipe']['data']}, seq {sec['recipe']['seq_len']}, compared at step "
-                  f"{sec['steps_compared']}", f"{'config':<18} {'seeds':>5} {'final mean +- std':>20} "
-                  f"{'best mean +- std':>20} {'gap':>8}  within BF16 spread"]
-        for name, st in sec["summary"].items():
-            lines.append(f"{name:<18} {len(st['seeds']):>5} {f(st['final_mean'], '.4f'):>11} +- "
-                         f"{f(st['final_std'], '.4f'):<6} {f(st['best_mean'], '.4f'):>11} +- "
-                         f"{f(st['best_std'], '.4f'):<6} {f(st['gap_rel_mean'], '+.2%'):>8}  "
-                         f"{st['within_bf16_spread']} ({', '.join(st['statuses'])})")
-    return "\n".join(lines)
+    rows = [[key, res[key]["steps_compared"], name, len(st["seeds"]), f"{f(st['final_mean'], '.4f')} +- "
+             f"{f(st['final_std'], '.4f')}", f"{f(st['best_mean'], '.4f')} +- {f(st['best_std'], '.4f')}",
+             f(st["gap_rel_mean"], "+.2%"), f"{st['within_bf16_spread']} ({', '.join(st['statuses'])})"]
+            for key in keys for name, st in res[key]["summary"].items()]
+    return markdown(["section", "compared at step", "config", "seeds", "final mean +- std", "best mean +- std", "gap",
+                     "within BF16 spread"], rows)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,8 +2,8 @@
 configuration) and the micro-batch search they rely on.
 
 The smokes run at the same time (they are mostly process start-up) and write to a temporary directory,
-never to benchmarks/results/. The coat_ds kernels are tested elsewhere; here COAT_DISABLE_OPS=1 keeps a
-cold CI cache from JIT-building them inside the time budget."""
+never to benchmarks/results/. Their coat workers step with coat_ds's CPU op, which CI's setup JIT-builds into
+the cache every test process shares (tests/conftest.py): its reference path took half of such a worker's time."""
 from __future__ import annotations
 
 import json
@@ -18,9 +18,10 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.e2e import CONFIGS, E2E_CONFIGS, ds_config, max_micro_batch, next_batch, oom_needed_gb  # noqa: E402
+from benchmarks.e2e import CONFIGS, ds_config, max_micro_batch, next_batch, oom_needed_gb  # noqa: E402
 
 GIB = 2 ** 30
+E2E_SMOKE = "bf16,coat_opt,coat_full"   # e2e.py's default but the bf16 master, which real_shapes' smoke runs
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -125,29 +126,37 @@ def test_grad_accum_dtype_reaches_every_config_and_only_when_asked():
 # ---------------------------------------------------------------------------------------------------------
 # Both smokes, end to end
 # ---------------------------------------------------------------------------------------------------------
+def smoke_env(tmp: Path) -> dict[str, str]:
+    """A smoke's environment: this checkout, its own corpus cache, no launcher's rank variables."""
+    env = dict(os.environ, COAT_DATA_CACHE=str(tmp / "data_cache"), PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "COAT_DISABLE_OPS"):
+        env.pop(k, None)
+    return env
+
+
 @pytest.fixture(scope="module")
 def smoke_runs(tmp_path_factory):
-    """The four smokes side by side, ~3.5 min on 2 cores: the tests that read them are marked slow."""
+    """The four smokes side by side, ~2.5 min on 2 cores (10 worker processes): the tests that read them are
+    marked slow. The e2e ladders' rungs are capped by the smoke, not by a time budget: on a loaded machine the
+    first worker's set-up alone may take a default share."""
     tmp = tmp_path_factory.mktemp("bench")
-    env = dict(os.environ, COAT_DISABLE_OPS="1", COAT_DATA_CACHE=str(tmp / "data_cache"), PYTHONUNBUFFERED="1",
-               PYTHONPATH=str(ROOT))
-    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
+    env = smoke_env(tmp)
     runs = {
-        "e2e": [sys.executable, "-m", "benchmarks.e2e", "--smoke", "--profile", "--out", str(tmp / "e2e")],
+        "e2e": [sys.executable, "-m", "benchmarks.e2e", "--smoke", "--profile", "--configs", E2E_SMOKE,
+                "--time-budget", "1200", "--out", str(tmp / "e2e")],
         "convergence": [sys.executable, "-m", "benchmarks.convergence", "--smoke", "--parallel",
                         "--out", str(tmp / "convergence")],
         "hf_trainer": [sys.executable, "-m", "benchmarks.hf_trainer_speed", "--smoke", "--out",
                        str(tmp / "hf_trainer")],
-        "real_shapes": [sys.executable, "-m", "benchmarks.e2e_real_shapes", "--smoke",
-                        "--out", str(tmp / "real_shapes")],
+        "real_shapes": [sys.executable, "-m", "benchmarks.e2e_real_shapes", "--smoke", "--configs", "lowest_memory",
+                        "--time-budget", "1200", "--out", str(tmp / "real_shapes")],   # its bf16 row: e2e's smoke
     }
     procs = {k: subprocess.Popen(cmd, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for k, cmd in runs.items()}
     outs = {}
     for k, proc in procs.items():
         try:
-            outs[k] = (proc.communicate(timeout=420)[0], proc.returncode)
+            outs[k] = (proc.communicate(timeout=600)[0], proc.returncode)
         except subprocess.TimeoutExpired:
             proc.kill()
             outs[k] = (proc.communicate()[0], "timeout")
@@ -164,12 +173,14 @@ def test_e2e_smoke_writes_json_and_png(smoke_runs):
                 "date", "seq_len", "equal_micro_batch", "world_size", "zero_stage"):
         assert key in res, key
     assert res["model"] == "tiny" and res["smoke"] is True
-    assert {r["name"] for r in res["configs"]} == set(E2E_CONFIGS.split(","))  # its default
+    assert {r["name"] for r in res["configs"]} == set(E2E_SMOKE.split(","))
     assert math.isfinite(res["memory_reduction"]) and res["memory_reduction"] > 0
     assert math.isfinite(res["speedup_at_max_batch"]) and res["speedup_at_max_batch"] > 0
     for key in ("torch", "deepspeed", "transformers", "coat_ds"):
         assert key in res["versions"]
     by = {r["name"]: r for r in res["configs"]}
+    # the chunked loss wherever a "coat" section is, but optimizer-only (BF16's loss, as BF16's activations)
+    assert {n: r["chunked_loss"] for n, r in by.items()} == {"bf16": False, "coat_opt": False, "coat_full": True}
     for r in by.values():
         assert r["errors"] == [], r["errors"]
         assert r["equal_batch"]["micro_batch"] == 1 and r["equal_batch"]["tokens_per_s"] > 0
@@ -250,7 +261,7 @@ def test_hf_trainer_runs_are_checked_before_any_process_starts():
 def test_hf_trainer_counts_device_synchronize_by_the_caller_outside_torch(monkeypatch):
     """The probe's count of explicit device syncs (which CUDA's sync debug mode does not report), by call site."""
     import torch
-    from benchmarks.hf_trainer_speed import count_synchronize
+    from benchmarks.hf_trainer_speed import synchronize_calls
 
     calls = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: calls.append(a))   # no device here: count only
@@ -259,11 +270,10 @@ def test_hf_trainer_counts_device_synchronize_by_the_caller_outside_torch(monkey
         torch.cuda.synchronize()
 
     patched = torch.cuda.synchronize
-    counter = count_synchronize()
-    for _ in range(3):
-        zero_step()
-    torch.cuda.synchronize()
-    sites = counter.stop()
+    with synchronize_calls() as sites:
+        for _ in range(3):
+            zero_step()
+        torch.cuda.synchronize()
     line = zero_step.__code__.co_firstlineno + 1
     assert sites == {f"test_benchmarks_smoke.py:{line}": 3, f"test_benchmarks_smoke.py:{line + 6}": 1}
     assert len(calls) == 4 and torch.cuda.synchronize is patched   # each call went through; the original is back
@@ -271,6 +281,8 @@ def test_hf_trainer_counts_device_synchronize_by_the_caller_outside_torch(monkey
 
 @pytest.mark.slow
 def test_convergence_smoke_writes_json_png_and_a_state_quant_error_reads(smoke_runs):
+    from benchmarks import quant_error
+
     tmp, outs = smoke_runs
     log, rc = outs["convergence"]
     assert rc == 0, log[-4000:]
@@ -293,17 +305,15 @@ def test_convergence_smoke_writes_json_png_and_a_state_quant_error_reads(smoke_r
 
     state = out / "adam_state_bf16.pt"
     assert res["adam_state"]["path"] == str(state)
-    qe = subprocess.run([sys.executable, "-m", "benchmarks.quant_error", "--state", str(state),
-                         "--out", str(tmp / "quant_error.json")], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert qe.returncode == 0, qe.stderr[-3000:]
+    quant_error.main(["--state", str(state), "--out", str(tmp / "quant_error.json")])
     table = json.loads((tmp / "quant_error.json").read_text())
     assert table["numel"] == res["adam_state"]["numel"] > 0
     assert all(0 <= r["m_rel_err"] < 1 and 0 <= r["v_rel_err"] < 1 for r in table["rows"])
 
 
-def test_host_overhead_dry_run_reports_per_layer_host_time(tmp_path):
+def test_llama_layer_host_dry_run_reports_per_layer_host_time(tmp_path):
     out = tmp_path / "host.json"
-    cmd = [sys.executable, "-m", "benchmarks.host_overhead", "--dry-run", "--shapes", "llama-1b",
+    cmd = [sys.executable, "-m", "benchmarks.llama_layer", "--host", "--dry-run", "--shapes", "llama-1b",
            "--variants", "bf16_eager", "coat_full", "--iters", "2", "--warmup", "1", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -322,12 +332,8 @@ def test_seed_spread_smoke_statistics_recompute_from_each_seed_and_merge_keeps_w
 
     from benchmarks import seed_spread
 
-    env = dict(os.environ, COAT_DISABLE_OPS="1", COAT_DATA_CACHE=str(tmp_path / "data_cache"), PYTHONUNBUFFERED="1",
-               PYTHONPATH=str(ROOT))
-    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.seed_spread", "--smoke", "--out",
-                           str(tmp_path / "out")], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.seed_spread", "--smoke", "--out", str(tmp_path / "out")],
+                          cwd=tmp_path, env=smoke_env(tmp_path), capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     res = json.loads((tmp_path / "out" / "seed_spread.json").read_text())
     for key in ("device", "versions", "command", "date", "calls", "default"):
@@ -364,9 +370,9 @@ def test_seed_spread_smoke_statistics_recompute_from_each_seed_and_merge_keeps_w
 
 @pytest.mark.slow
 def test_e2e_real_shapes_smoke_merges_its_case_and_records_the_loss_path(smoke_runs):
-    """e2e_real_shapes --smoke: the tiny case's two configurations through e2e's workers; lowest_memory runs
-    the chunked loss (a "coat" section), BF16 the stock one; a second case merges beside the first."""
-    from benchmarks import e2e_real_shapes
+    """e2e_real_shapes --smoke --configs lowest_memory: the tiny case through e2e's worker (the chunked loss, a
+    bf16 master, attention in FP8); a later run of one configuration keeps the case's other rows."""
+    from benchmarks.common import replace_rows
 
     tmp, outs = smoke_runs
     log, rc = outs["real_shapes"]
@@ -375,19 +381,17 @@ def test_e2e_real_shapes_smoke_merges_its_case_and_records_the_loss_path(smoke_r
     case = json.loads(path.read_text())["cases"]["tiny"]
     for key in ("device", "model", "shape", "seq_len", "summary", "configs", "versions", "command", "date"):
         assert key in case, key
-    by = {s["name"]: s for s in case["summary"]}
-    assert set(by) == {"bf16", "lowest_memory"} and case["smoke"] is True
-    assert by["lowest_memory"]["chunked_loss"] is True and by["bf16"]["chunked_loss"] is False
-    for s in by.values():
-        assert s["max_micro_batch"] == 2 and s["tokens_per_s"] > 0   # the smoke's cap
-    assert case["meets_target"] is True and case["bf16_fits_at_1"] is True
-    coat = next(r for r in case["configs"] if r["name"] == "lowest_memory")
+    (s,) = case["summary"]
+    assert s["name"] == "lowest_memory" and s["chunked_loss"] is True and case["smoke"] is True
+    assert s["max_micro_batch"] == 2 and s["tokens_per_s"] > 0   # the smoke's cap
+    assert case["meets_target"] is True and case["bf16_fits_at_1"] is None   # BF16 not run here
+    (coat,) = case["configs"]
     assert coat["ds_config"]["coat"]["master_weights"] == "bf16_sr"
     assert coat["ds_config"]["coat"]["activation"]["attention_fp8"] is True
     assert all(math.isfinite(x["loss"]) for r in case["configs"] for x in r["rungs"])
     assert all(r["measured"]["command"] and r["measured"]["date"] for r in case["configs"])
     # a later run of one configuration keeps the case's other rows
-    kept = e2e_real_shapes.with_earlier_rows([dict(coat, tokens_per_s=1.0)], case)
+    kept = replace_rows([dict(coat, name="bf16"), coat], [dict(coat, tokens_per_s=1.0)], lambda r: r["name"])
     assert [r["name"] for r in kept] == ["bf16", "lowest_memory"] and kept[1]["tokens_per_s"] == 1.0
     assert (tmp / "real_shapes" / "e2e_real_shapes.png").stat().st_size > 10_000
 
@@ -400,12 +404,9 @@ def test_offload_smoke_rows_account_for_every_host_byte(tmp_path):
     prediction the benchmark skips rows by."""
     from benchmarks import offload
 
-    env = dict(os.environ, COAT_DISABLE_OPS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
-    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
     cmd = [sys.executable, "-m", "benchmarks.offload", "--smoke", "--configs",
            "coat_full,coat_full_bf16sr", "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=tmp_path, env=smoke_env(tmp_path), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads((tmp_path / "offload.json").read_text())
     assert {"device", "versions", "command", "date"} <= res.keys()
