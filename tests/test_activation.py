@@ -232,21 +232,6 @@ def test_fp8_layer_close_to_bf16(kind, mode):
         assert rel <= BOUNDS.get(name, 0.15), (name, rel)
 
 
-@pytest.mark.slow
-@pytest.mark.one_core   # ~35 s of inductor compiling in a fresh clone (a cold inductor cache)
-def test_fp8_layer_compiles_without_graph_breaks():
-    """torch.compile(fullgraph=True) traces the FP8 layer (custom ops with fake kernels, no graph break);
-    compiled and eager agree (cosine >= 0.998: the compiler reorders bf16 element-wise math)."""
-    cfg, ref = _layer()
-    fp8 = CoatDecoderLayer(ref)
-    x = torch.randn(2, 16, 128, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
-    eager = _run(fp8, cfg, x)
-    fp8.zero_grad(set_to_none=True)
-    compiled = _run(torch.compile(fp8, fullgraph=True), cfg, x)
-    for a, b in zip(compiled, eager):
-        assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), 0).item() >= 0.998
-
-
 def test_layer_keeps_params_and_reverts():
     _, ref = _layer()
     keys = list(ref.state_dict())

@@ -165,9 +165,12 @@ def test_compiled_layer_saves_what_eager_saves():
         assert got == eager + extra, (options, got, eager)
 
 
+@pytest.mark.slow
+@pytest.mark.one_core   # ~40 s of inductor compiling in a fresh clone (a cold inductor cache), on one core
 @pytest.mark.parametrize("options", [{}, {"attention_fp8": True}], ids=["full", "full-attention_fp8"])
 def test_inductor_grads_match_eager(options):
-    """Default backend (inductor, CPU): it fuses the bf16 element-wise math around the custom ops, so
+    """Default backend (inductor, CPU), as users compile the layer: fullgraph=True traces it whole (custom ops
+    with fake kernels, no graph break); inductor fuses the bf16 element-wise math around the custom ops, so
     results move by bf16 roundings: cosine >= 0.998 for every tensor, none all-zero, all finite."""
     cfg, ref = _layer()
     eager_layer = CoatDecoderLayer(copy.deepcopy(ref), options)

@@ -4,7 +4,8 @@ Two launched jobs (tests/ds_scripts/zero_state_job.py):
   W1  world 1: bf16_sr master, ZeRO-2 (the world-size reference; its checkpoint re-partitions to 2 ranks)
   W2  world 2: coat_ds's ZeRO step against DeepSpeed's own (ZeRO-1/2/3; bf16 gradients, fp32-accumulated
       bf16, fp16 where the accelerator has it), bf16_sr / bf16_rn masters on the device and under Offload,
-      cross-setting and re-partitioning loads, universal conversion, refusals
+      cross-setting and re-partitioning loads, universal conversion, refusals; the fp32_remainder master against
+      the fp32 one (last section: issue 31)
 
 Part 1 is exact by construction (the kernel widens the same gradient and multiplies by the same fp32
 scalar DeepSpeed would), so losses are compared with ==. bf16_sr is exact across world sizes because its
@@ -12,10 +13,12 @@ random bits are keyed by positions in parameters, not in partitions.
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from coat_ds.deepspeed.zero.master import MASTER_WEIGHTS
-from harness import DS_SCRIPTS, SAVE_AT, STEPS, launch_worlds, task_result as _task
+from harness import DS_SCRIPTS, SAVE_AT, STEPS, launch_job, launch_worlds, require_launcher, task_result as _task
 
 JOB = DS_SCRIPTS / "zero_state_job.py"
 
@@ -28,6 +31,8 @@ W2 = EXACT + GRADS + ["master:2:bf16_sr", "master:1:bf16_sr:bf16grads", "master:
               "master:2:bf16_sr:offload", "resume:2:bf16_sr:1", "resume:3:bf16_sr:1", "universal:2:bf16_sr:1",
               "cross:2:fp32:bf16_sr", "cross:2:bf16_sr:fp32", "cross:3:bf16_sr:fp32", "refuse:2",
               "master:2:fp32", "master:2:fp32_remainder"]
+REMAINDER = [f"remainder:{s}:bf16" for s in (1, 2, 3)]
+W2 += REMAINDER + ["refuse_remainder:2"]   # in the same launch: one import of torch and DeepSpeed per rank, not two
 
 
 @pytest.fixture(scope="module")
@@ -126,3 +131,62 @@ def test_bf16_master_refused_where_it_cannot_run(runs):
                                      "'bf16_sr' or 'bf16_rn' (CoatAdamW's step writes the bf16 master); this config "
                                      "has 'fp32'")
     assert f"coat.master_weights='bf16' is invalid; allowed: {list(MASTER_WEIGHTS)}" == out["bad_value"]
+
+
+# ------------------------------------------------------------------ the fp32_remainder master (issue 31)
+# `"coat": {"master_weights": "fp32_remainder"}` (task `remainder`): ZeRO-1/2/3 against the fp32 master, 100 steps
+# with gradient clipping, checkpoints both ways; the same on one GPU (`gpu`).
+#
+# The remainder master is exact, and an fp32 master's bf16 weights are written as the split's high half too
+# (nearest, ties away from zero: formats.remainder says why no 16-bit split can round ties to even), so the two
+# runs are bit-identical at every step: losses, masters and weights `==`. The job counts, per step, the fp32
+# run's masters on an exact tie with an even high half (about 2^-17 of the values a step writes), where a
+# nearest-even weight copy would have made the runs part: the runs must cross at least one.
+
+
+def check_bit_identical(out: dict) -> None:
+    """100 steps: losses, then masters and weights at the end, `==`; an even tie crossed on the way."""
+    assert len(out["fp32"]) == len(out["fp32_ties"]) == 100
+    assert out["fp32_remainder"] == out["fp32"]
+    assert out["masters_equal"] and out["weights_equal"]
+    assert sum(out["fp32_ties"]) > 0, out["fp32_ties"]
+    assert out["remainder_dtypes"] == ["torch.bfloat16"]  # DeepSpeed's fp32 partition is gone
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_remainder_master_trains_bit_identically_to_the_fp32_master(runs, stage):
+    check_bit_identical(_task(runs, "w2", f"remainder:{stage}:bf16"))
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_remainder_checkpoints_are_fp32_masters(runs, stage):
+    """Saved as fp32 masters (bit-identical to the live ones); resume exact; the file loads into an fp32 engine
+    exactly and into bf16_sr rounded once; an fp32-master checkpoint loads into remainders exactly."""
+    out = _task(runs, "w2", f"remainder:{stage}:bf16")
+    assert out["saved_dtypes"] == "torch.float32" and out["saved_exact"]
+    assert out["resumed"] == out["fp32_remainder"][60:]
+    assert out["into_fp32_exact"] and out["into_bf16_sr_exact"] and out["from_fp32_exact"]
+
+
+def test_remainder_refused_under_offload(runs):
+    out = _task(runs, "w2", "refuse_remainder:2")
+    for case in ("offload_z2", "offload_z3"):
+        assert out[case] == ("coat.master_weights='fp32_remainder' keeps bf16 weights + int16 remainders on the "
+                             "device; under Offload the host master would cost what DeepSpeed's fp32 one does (4 "
+                             "B/param); allowed there: 'fp32' (exact) or 'bf16_sr'"), case
+    assert "needs a bf16 model" in out["fp32_model"]
+
+
+@pytest.mark.gpu
+def test_remainder_master_is_the_fp32_master_on_one_gpu(tmp_path):
+    """The same job on one GPU (the CUDA kernel, bf16): bit-identical to the fp32 master over 100 steps,
+    ZeRO-1/2/3, and its checkpoints as on the CPU."""
+    require_launcher()
+    ckpt = str(tmp_path / "ckpt")
+    os.makedirs(ckpt)
+    res = {"g1": launch_job(str(tmp_path / "g1.json"), ckpt, REMAINDER, 1, job=JOB)}
+    for task in REMAINDER:
+        out = _task(res, "g1", task)
+        check_bit_identical(out)
+        assert out["saved_exact"] and out["resumed"] == out["fp32_remainder"][60:], task
+        assert out["into_fp32_exact"] and out["into_bf16_sr_exact"] and out["from_fp32_exact"], task
