@@ -80,7 +80,8 @@ def test_every_measured_end_to_end_peak_is_planned_within_10_percent():
 
 def test_an_out_of_memory_row_is_planned_not_to_fit():
     """Rows where even micro-batch 1 ran out of memory: the plan says no, and needs at least what the OOM
-    message showed (allocated + the failed request, a lower bound of the peak)."""
+    message showed (allocated + the failed request, a lower bound of the peak). A micro-batch 1 that ran but
+    reserved more than the fit rule allows is a measured row (the 10% test): the plan still says no."""
     checked = 0
     for path in sorted(RESULTS.glob("e2e*.json")):
         for doc in _docs(path):
@@ -90,7 +91,8 @@ def test_an_out_of_memory_row_is_planned_not_to_fit():
                                ds_config=c["ds_config"], date=doc["date"], chunked=c.get("chunked_loss"))
                     p = P.plan(job_of(row), 1)
                     memory = P.GPUS["h200" if "H200" in doc["device"] else "h100"] * GIB
-                    assert not p.fits(memory) and p.peak / GIB >= c["needed_gb_at_1"], (path.name, c["name"])
+                    ran = c.get("needed_from") == "peak reserved"
+                    assert not p.fits(memory) and (ran or p.peak / GIB >= c["needed_gb_at_1"]), (path.name, c["name"])
                     checked += 1
     assert checked >= 1
 
