@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+import textwrap
 from pathlib import Path
 
 COLORS = {"bf16": "#4c72b0", "coat_opt": "#dd8452", "coat_full": "#55a868"}
@@ -43,7 +44,7 @@ def bars(ax, values: list, texts: list[str], colors, xticklabels, fontsize: int 
 def plot_e2e(res: dict, path: Path) -> None:
     """Memory breakdown at the equal micro-batch, the largest micro-batch, and tokens/s there."""
     rows = res["configs"]
-    labels = [r["label"].replace(" + ", "\n+ ").replace("coat_ds ", "coat_ds\n") for r in rows]
+    labels = [textwrap.fill(r["label"], 26) for r in rows]   # a panel is ~26 characters a bar wide
     fig, axes = _plt().subplots(1, 3, figsize=(15, 4.8))
     ax, tops = axes[0], [1e-9]
     for i, r in enumerate(rows):
