@@ -235,7 +235,6 @@ def _diff(a: list, b: list) -> float:
 def test_gpu_two_ranks(tmp_path):
     """The launched jobs on 2 GPUs (NCCL), a smaller set than on CPU; the summary goes to
     $COAT_ZERO_GPU_SUMMARY when set (benchmarks/results/zero_multi_gpu.json is made from it)."""
-    require_launcher()
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     ckpt = str(tmp_path / "ckpt")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from coat_ds.deepspeed.check import check_config
-from harness import DS_SCRIPTS, SAVE_AT, STEPS, launch_job, launch_worlds, require_launcher, task_result
+from harness import DS_SCRIPTS, SAVE_AT, STEPS, launch_job, launch_worlds, task_result
 
 JOB = DS_SCRIPTS / "release_job.py"
 EQUAL_STEPS = 100   # release_job.py's
@@ -74,7 +74,6 @@ def test_release_steps_as_per_parameter_bit_for_bit(runs, job, task):
 def test_release_steps_as_per_parameter_on_one_gpu(tmp_path):
     """The same on one GPU, ZeRO-1/2/3: the CUDA step kernels run per bucket on DeepSpeed's reduction stream
     during backward (release_job.py turns deterministic algorithms on where CUDA is)."""
-    require_launcher()
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     res = {"g1": launch_job(tmp_path / "g1.json", ckpt, EQUAL_W1, 1, job=JOB)}

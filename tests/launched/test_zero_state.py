@@ -18,7 +18,7 @@ import os
 import pytest
 
 from coat_ds.deepspeed.zero.master import MASTER_WEIGHTS
-from harness import DS_SCRIPTS, SAVE_AT, STEPS, launch_job, launch_worlds, require_launcher, task_result as _task
+from harness import DS_SCRIPTS, SAVE_AT, STEPS, launch_job, launch_worlds, task_result as _task
 
 JOB = DS_SCRIPTS / "zero_state_job.py"
 
@@ -181,7 +181,6 @@ def test_remainder_refused_under_offload(runs):
 def test_remainder_master_is_the_fp32_master_on_one_gpu(tmp_path):
     """The same job on one GPU (the CUDA kernel, bf16): bit-identical to the fp32 master over 100 steps,
     ZeRO-1/2/3, and its checkpoints as on the CPU."""
-    require_launcher()
     ckpt = str(tmp_path / "ckpt")
     os.makedirs(ckpt)
     res = {"g1": launch_job(str(tmp_path / "g1.json"), ckpt, REMAINDER, 1, job=JOB)}
