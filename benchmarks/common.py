@@ -244,24 +244,6 @@ def call_ms(fn, device: str) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def device_time_attr(events) -> str:
-    """The profiler's per-event device-time attribute (older torch releases name it self_cuda_time_total)."""
-    return "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
-
-
-def is_device_event(e) -> bool:
-    """A kernel or memory op on the device: CPU-side ops carry a CPU device type."""
-    return getattr(e, "device_type", None) is None or "CUDA" in str(e.device_type)
-
-
-def rows_of(events, attr: str, keep, n: int) -> tuple[list[dict], float]:
-    """The n events with the most `attr` time among those `keep` accepts, and the total over all of them (ms)."""
-    rows = sorted((e for e in events if getattr(e, attr, 0) > 0 and keep(e)), key=lambda e: -getattr(e, attr))
-    total = sum(getattr(e, attr) for e in rows) or 1.0
-    return [{"name": e.key[:120], "calls": e.count, "ms": getattr(e, attr) / 1e3,
-             "share": getattr(e, attr) / total} for e in rows[:n]], total / 1e3
-
-
 def profiler(on_cuda: bool):
     """A torch.profiler context over the host and, on CUDA, the device."""
     from torch.profiler import ProfilerActivity, profile
@@ -270,12 +252,23 @@ def profiler(on_cuda: bool):
 
 
 def top_events(prof, on_cuda: bool, top: int) -> dict:
-    """A profiled step's kernels by device time (on the CPU: calls by CPU time) and host calls by self CPU time."""
+    """A profiled step's kernels by device time (on the CPU: calls by CPU time) and host calls by self CPU time,
+    the `top` of each with the total over all of them (ms). Older torch releases name the device time
+    self_cuda_time_total; CPU-side events carry a CPU device type."""
     events = prof.key_averages()
-    attr = device_time_attr(events) if on_cuda else "self_cpu_time_total"
-    kernels, device_ms = rows_of(events, attr, is_device_event if on_cuda else (lambda e: True), top)
-    host, host_ms = rows_of(events, "self_cpu_time_total", lambda e: True, top)
-    return {"time_source": attr, "kernels": kernels, "device_ms": device_ms, "host": host, "host_ms": host_ms}
+    dev = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
+    on_device = lambda e: getattr(e, "device_type", None) is None or "CUDA" in str(e.device_type)  # noqa: E731
+
+    def rows(attr: str, keep) -> tuple[list[dict], float]:
+        kept = sorted((e for e in events if getattr(e, attr, 0) > 0 and keep(e)), key=lambda e: -getattr(e, attr))
+        total = sum(getattr(e, attr) for e in kept) or 1.0
+        return [{"name": e.key[:120], "calls": e.count, "ms": getattr(e, attr) / 1e3,
+                 "share": getattr(e, attr) / total} for e in kept[:top]], total / 1e3
+
+    kernels, device_ms = rows(dev, on_device) if on_cuda else rows("self_cpu_time_total", lambda e: True)
+    host, host_ms = rows("self_cpu_time_total", lambda e: True)
+    return {"time_source": dev if on_cuda else "self_cpu_time_total", "kernels": kernels, "device_ms": device_ms,
+            "host": host, "host_ms": host_ms}
 
 
 @contextlib.contextmanager
@@ -296,6 +289,32 @@ def sync_sites(on_cuda: bool):
             torch.cuda.set_sync_debug_mode("default")
     where = [f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
     sites.update(sorted(((k, where.count(k)) for k in set(where)), key=lambda kv: -kv[1]))
+
+
+class StepProbe:
+    """Two consecutive steps seen from both sides: the device syncs of the first by the Python line that made
+    them, the second under torch.profiler (its kernels by device time, its host calls by self CPU time, the GPU's
+    idle gaps). `mark()` before the first step and after each; `result` holds the read-outs after the third."""
+
+    def __init__(self, on_cuda: bool, top: int = 15) -> None:
+        self.on_cuda, self.top, self.marks, self.result = on_cuda, top, 0, {}
+
+    def mark(self) -> None:
+        if self.marks == 0:
+            self._window = sync_sites(self.on_cuda)
+            self.result["syncs"] = self._window.__enter__()
+        elif self.marks == 1:
+            self._window.__exit__(None, None, None)
+            self._window, self._t0 = profiler(self.on_cuda), time.perf_counter()
+            self._prof = self._window.__enter__()
+        elif self.marks == 2:
+            if self.on_cuda:
+                torch.cuda.synchronize()
+            self._window.__exit__(None, None, None)
+            self.result.update(profiled_step_ms=(time.perf_counter() - self._t0) * 1e3,
+                               **top_events(self._prof, self.on_cuda, self.top),
+                               gpu_gaps=gpu_gaps(chrome_trace(self._prof)).splitlines())
+        self.marks += 1
 
 
 def chrome_trace(prof) -> dict:

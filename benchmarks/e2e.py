@@ -28,9 +28,8 @@ import deepspeed.comm as dist  # noqa: E402
 import torch  # noqa: E402
 from deepspeed.accelerator import get_accelerator  # noqa: E402
 
-from benchmarks.common import (GIB, RESULTS, ROOT, WarningLog, add_worker_args, check_positive,  # noqa: E402
-                               names_of, profiler, provenance, run_worker, sync_sites, top_events,
-                               worker_cmd, write_results)
+from benchmarks.common import (GIB, RESULTS, ROOT, StepProbe, WarningLog, add_worker_args,  # noqa: E402
+                               check_positive, names_of, provenance, run_worker, worker_cmd, write_results)
 from coat_ds.hf.loss import is_applied  # noqa: E402
 from coat_ds.workloads import causal_lm as train_lib  # noqa: E402  (engine initialisation and the loss)
 from coat_ds.workloads.causal_lm import MODEL_SIZES, from_shape  # noqa: E402  (the main job's shapes)
@@ -476,10 +475,10 @@ def oom_needed_gb(msg: str) -> float | None:
     return sum(float(m.group(1)) * unit[m.group(2)] for m in (tried, held)) / GIB
 
 
-def profile_step(inputs, one_step, sync, on_cuda: bool, b: int, top: int = 15) -> dict:
-    """One training step at micro-batch `b`, seen from both sides: the kernels by device time (what limits
-    a GPU-bound step), the host-side calls by self CPU time and the device syncs with their Python call
-    sites (what limits a host-bound one: a sync drains the launch queue, so the GPU then waits on Python)."""
+def profile_step(inputs, one_step, sync, on_cuda: bool, b: int) -> dict:
+    """One training step at micro-batch `b` timed alone, then two seen from both sides (common.StepProbe): the
+    kernels by device time (what limits a GPU-bound step), the host calls and the device syncs with their Python
+    lines (what limits a host-bound one: a sync drains the launch queue, so the GPU then waits on Python)."""
     try:
         x, y = inputs()
         one_step(x, y)
@@ -488,16 +487,13 @@ def profile_step(inputs, one_step, sync, on_cuda: bool, b: int, top: int = 15) -
         one_step(x, y)
         sync()
         wall_ms = (time.perf_counter() - t0) * 1e3
-        with sync_sites(on_cuda) as syncs:   # every synchronizing call of one step, by the Python line that made it
+        probe = StepProbe(on_cuda)
+        for _ in range(2):
+            probe.mark()
             one_step(x, y)
             sync()
-        with profiler(on_cuda) as prof:
-            one_step(x, y)
-            sync()
-        ev = top_events(prof, on_cuda, top)
-        return {"kind": "profile", "micro_batch": b, "time_source": ev["time_source"], "total_ms": ev["device_ms"],
-                "step_wall_ms": wall_ms, "host_self_ms": ev["host_ms"], "top": ev["kernels"], "host_top": ev["host"],
-                "syncs": syncs}
+        probe.mark()
+        return {"kind": "profile", "micro_batch": b, "step_wall_ms": wall_ms, **probe.result}
     except Exception as e:  # noqa: BLE001 - a profile is a diagnostic; the measurements above stand without it
         return {"kind": "profile", "micro_batch": b, "error": f"{type(e).__name__}: {e}"}
 

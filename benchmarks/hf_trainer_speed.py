@@ -11,13 +11,9 @@ a run measures, docs/deepspeed.md ("HF Trainer speed") what each tuning changes.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import cProfile
 import json
 import os
-import pstats
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,9 +22,8 @@ import deepspeed
 import torch
 
 from benchmarks import e2e
-from benchmarks.common import (GIB, RESULTS, ROOT, WarningLog, add_worker_args, check_positive, chrome_trace,
-                               gpu_gaps, profiler, provenance, read_json, replace_rows, run_worker, sync_sites,
-                               top_events, worker_cmd, write_results)
+from benchmarks.common import (GIB, RESULTS, ROOT, StepProbe, WarningLog, add_worker_args, check_positive,
+                               provenance, read_json, replace_rows, run_worker, worker_cmd, write_results)
 from coat_ds.workloads import causal_lm as train_lib
 
 HF_CONFIG = "ds_configs/hf/zero2_coat.json"
@@ -105,47 +100,10 @@ def training_args(run: dict, cfg: dict, steps: int, out_dir: str):
 
 
 # --- Measuring: the same clock and probe for both paths, driven at each step's end ------------------------------------
-def python_stats(cprof, n: int = 40) -> dict:
-    """One step's Python functions with the most cumulative time (cProfile, which slows Python ~2x: read the
-    ranking, not the milliseconds), a function per file:line, the profiler's own frames left out; and the ZeRO-1/2
-    gradient reductions (buckets) of that step."""
-    stats = pstats.Stats(cprof).stats
-    rows = sorted(((ct, nc, tt, f"{Path(fn).parent.name}/{Path(fn).name}:{ln} {name}")
-                   for (fn, ln, name), (_, nc, tt, ct, _) in stats.items()
-                   if "hf_trainer_speed.py" not in fn and "cProfile" not in fn and fn != "~"), reverse=True)
-    return {"python_top": [{"function": f, "calls": nc, "cum_ms": ct * 1e3, "self_ms": tt * 1e3}
-                           for ct, nc, tt, f in rows[:n]],
-            "zero_reductions": sum(v[1] for (fn, _, name), v in stats.items()
-                                   if name == "average_tensor" and "stage_1_and_2" in fn)}
-
-
-@contextlib.contextmanager
-def synchronize_calls():
-    """The torch.cuda.synchronize calls made inside the block, by the first caller outside torch and DeepSpeed's
-    accelerator, most first (a dict, filled as the block ends). CUDA's sync debug mode does not report an
-    explicit device sync; DeepSpeed's ZeRO-1/2 make one per gradient bucket under overlap_comm where
-    use_multi_rank_bucket_allreduce is false."""
-    orig, calls, sites = torch.cuda.synchronize, [], {}
-
-    def counted(*a, **kw):
-        f = sys._getframe(1)
-        while f is not None and ("/torch/" in f.f_code.co_filename or "/accelerator/" in f.f_code.co_filename):
-            f = f.f_back
-        calls.append("?" if f is None else f"{Path(f.f_code.co_filename).name}:{f.f_lineno}")
-        return orig(*a, **kw)
-    torch.cuda.synchronize = counted
-    try:
-        yield sites
-    finally:
-        torch.cuda.synchronize = orig
-        sites.update(sorted(((k, calls.count(k)) for k in set(calls)), key=lambda kv: -kv[1]))
-
-
 class Meter:
     """What either path calls at each step's end: the clock (the intervals between step ends after the warm-up,
     whose median is the headline, and their mean between two device syncs; the allocator's peaks are reset where
-    the timed steps begin) and, for a profiled run, two probe windows of one step each: the device syncs by
-    Python line and the Python functions (cProfile) of the first, a torch.profiler trace of the second."""
+    the timed steps begin) and, for a profiled run, common.StepProbe over the two steps after them."""
 
     def __init__(self, run: dict, args: argparse.Namespace, on_cuda: bool) -> None:
         self.run, self.args, self.on_cuda = run, args, on_cuda
@@ -153,7 +111,7 @@ class Meter:
         self.total = self.last + (2 if run["profiled"] else 0)
         self.t0 = self.t_end = None
         self.ends: list[float] = []
-        self.probe: dict | None = {} if run["profiled"] else None
+        self.probe = StepProbe(on_cuda) if run["profiled"] else None
 
     def sync(self) -> None:
         if self.on_cuda:
@@ -172,30 +130,7 @@ class Meter:
             self.sync()
             self.t_end = time.perf_counter()
         if self.probe is not None and self.last <= k <= self.last + 2:
-            self.probe_window(k - self.last)
-
-    def probe_window(self, i: int) -> None:
-        """i = 0: the first window opens; 1: it closes and the profiler's opens; 2: the profiler's closes."""
-        if i == 0:
-            self._window = contextlib.ExitStack()
-            self._syncs = self._window.enter_context(sync_sites(self.on_cuda))
-            self._sync_calls = self._window.enter_context(synchronize_calls()) if self.on_cuda else None
-            self._cprof = self._window.enter_context(cProfile.Profile())
-        elif i == 1:
-            self._window.close()
-            self.probe.update(python_stats(self._cprof), syncs=self._syncs)
-            if self._sync_calls is not None:
-                self.probe["device_synchronize"] = self._sync_calls
-            self._prof = profiler(self.on_cuda).__enter__()
-            self._t_prof = time.perf_counter()
-        else:
-            self.sync()
-            self._prof.__exit__(None, None, None)
-            ev = top_events(self._prof, self.on_cuda, 15)
-            self.probe.update(step_wall_ms=(time.perf_counter() - self._t_prof) * 1e3, host_self_ms=ev["host_ms"],
-                              device_ms=ev["device_ms"] if self.on_cuda else None, host_top=ev["host"],
-                              top_kernels=ev["kernels"] if self.on_cuda else [],
-                              gpu_gaps=gpu_gaps(chrome_trace(self._prof)).splitlines())
+            self.probe.mark()
 
     def result(self, engine, loss: float) -> dict:
         """The run's row: step times, memory, what the engine was built with, the last loss, the probe's."""
@@ -211,7 +146,7 @@ class Meter:
                    "fits": res <= self.args.mem_fraction * torch.cuda.get_device_properties(0).total_memory}
         return {"step_time_s": med, "step_time_mean_s": mean, "tokens_per_s": tokens / med,
                 "tokens_per_s_mean": tokens / mean, "step_times_s": intervals, **mem, **engine_facts(engine),
-                "loss": loss, "profile": self.probe}
+                "loss": loss, "profile": self.probe and self.probe.result}
 
 
 def engine_facts(engine) -> dict:
@@ -329,19 +264,6 @@ def targets_met(summary: dict) -> dict:
             "coat_over_bf16_trainer_1b_mb4": None if cob is None else cob >= TARGETS["coat_over_bf16_trainer_mb4"]}
 
 
-def prebuild() -> dict:
-    """JIT-build the CUDA ops side by side before any timed run (a bare node has none built); their exit codes
-    and seconds (a failed build leaves the runs on the slow reference path: coat_warnings say so too)."""
-    snippets = {"FusedAdam": "from deepspeed.ops.op_builder import FusedAdamBuilder; FusedAdamBuilder().load()",
-                "CoatAdam": "from coat_ds.kernels.loader import load_op; assert load_op('CoatAdamBuilder')",
-                "CoatQuant": "from coat_ds.kernels.loader import load_op; assert load_op('CoatQuantBuilder')"}
-    t0 = time.time()
-    procs = {k: subprocess.Popen([sys.executable, "-c", s], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                 text=True) for k, s in snippets.items()}
-    out = {k: {"rc": p.wait(), "tail": p.stdout.read()[-500:]} for k, p in procs.items()}
-    return {"seconds": time.time() - t0, **{k: v if v["rc"] else {"rc": 0} for k, v in out.items()}}
-
-
 def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     p = argparse.ArgumentParser(description="HF Trainer against a plain deepspeed.initialize loop, same config")
     p.add_argument("--plan", default="all", choices=[k for k in PLANS if k != "smoke"])
@@ -402,15 +324,13 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    built = prebuild() if torch.cuda.is_available() else None
-    print(f"prebuild: {built}", flush=True)
     rows = run_all(specs, args, out, t0)
     if args.merge:   # the runs not rerun now stay
         rows = replace_rows(read_json(out / "hf_trainer.json", {"runs": []})["runs"], rows, lambda r: r["spec"])
     res = {"seq_len": args.seq_len, "warmup_steps": args.warmup, "timed_steps": args.steps, "hf_config": HF_CONFIG,
            "tunings": TUNINGS, "presets": {k: v[0] for k, v in PRESETS.items()}, "runs": rows, **summarize(rows),
            "targets": TARGETS, **provenance()}
-    res.update(targets_met=targets_met(res), wall_s=time.time() - t0, smoke=args.smoke, prebuild=built)
+    res.update(targets_met=targets_met(res), wall_s=time.time() - t0, smoke=args.smoke)
     path = write_results(res, out, "hf_trainer")
     print(json.dumps({k: res[k] for k in ("trainer_over_plain", "coat_over_bf16", "targets_met")}, indent=1))
     print(f"-> {path}")

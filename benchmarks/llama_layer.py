@@ -2,12 +2,10 @@
 
     python -m benchmarks.llama_layer --out benchmarks/results/llama_layer.json [--shapes 7b 8b] [--variants ...]
     python -m benchmarks.llama_layer --account [--variants ...]   # CPU: what each layer keeps, tensor by tensor
-    python -m benchmarks.llama_layer --host --out benchmarks/results/host_overhead.json   # host time per layer
-    python -m benchmarks.llama_layer --host --dry-run --out /tmp/host.json              # CPU, tiny: the script only
+    python -m benchmarks.llama_layer --dry-run --out /tmp/layer.json                 # CPU, tiny: the script only
 
 Each variant runs a stack of 4 identical layers on the same weights and input (docs/benchmarks.md says how
-memory, time and gradient quality are measured). `--host` runs the stack at a tiny token count instead, where
-the wall time is the host's: what bounds a training step when the GPU waits on Python.
+memory, time and gradient quality are measured).
 """
 from __future__ import annotations
 
@@ -17,24 +15,19 @@ import json
 import statistics
 import time
 import traceback
-from collections import Counter
 
 import torch
 from torch import nn
 
-from benchmarks.common import (RESULTS, call_ms, check_positive, chrome_trace, device_time_attr, gpu_gaps,
-                               is_device_event, profiler, provenance, sync_sites, write_json)
+from benchmarks.common import RESULTS, call_ms, check_positive, provenance, write_json
 from coat_ds.workloads.shapes import ALIASES, SHAPES as MODELS
 
 LAYER = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")   # a layer's shape fields
-SHAPES = {name: {k: MODELS[ALIASES.get(name, name)][k] for k in LAYER} for name in ("llama2-7b", "llama3-8b",
-                                                                                      "llama-1b")}
-LAYER_SHAPES, HOST_SHAPES = ["llama2-7b", "llama3-8b"], ["llama-1b", "llama2-7b"]   # --shapes' defaults
+SHAPES = {name: {k: MODELS[ALIASES.get(name, name)][k] for k in LAYER} for name in ("llama2-7b", "llama3-8b")}
 VARIANTS = ["bf16_eager", "bf16_compiled", "torchao_fp8_compiled", "coat_linear", "coat_full", "coat_full_compiled",
             "coat_full_attn_fp8", "coat_full_attn_fp8_compiled"]
 N_LAYERS, BATCH, SEQ = 4, 4, 2048
 DEV = "cuda"
-LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
 
 
 class Stack(nn.Module):
@@ -185,27 +178,6 @@ def measure(name, shape, cfg, base, x, cos, sin, iters, warmup):
     return row
 
 
-def profile(shape, base, x, cos, sin, path, variant="coat_full"):
-    """Top CUDA kernels of one forward+backward of a variant (cache emptied), the GPU's idle gaps and the
-    host syncs, for the write-up."""
-    stack = make_variant(variant, base)
-    grad = torch.randn_like(x) * 1e-3
-    warm_up(stack, x, cos, sin, grad, 2)
-    clear_cache(stack)
-    with sync_sites(True) as syncs:
-        step(stack, x, cos, sin, grad)
-        torch.cuda.synchronize()
-    clear_cache(stack)
-    with profiler(True) as p:
-        step(stack, x, cos, sin, grad)
-        torch.cuda.synchronize()
-    gaps = gpu_gaps(chrome_trace(p))
-    with open(path, "a") as f:
-        f.write(f"== {shape} {variant}, 4 layers, one fwd+bwd\n")
-        f.write(p.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70))
-        f.write(f"\n{gaps}host syncs: {syncs or 'none'}\n\n")
-
-
 def account(shapes, variants, seq: int = 64):
     """CPU, full-size shapes, a short sequence: each tensor autograd keeps for one layer's backward, in
     B/token/hidden (shape-proportional, so these are the GPU run's figures; its `act_bytes_per_token_hidden`
@@ -249,77 +221,23 @@ def dry_run():
     torch.cuda.memory_allocated = torch.cuda.max_memory_allocated = lambda *a, **k: 0
 
 
-def host_counts(stack, x, cos, sin, grad, top: int) -> dict:
-    """One profiled step's kernel launches, aten calls, kernels (device time) and host calls, per layer."""
-    on_cuda = DEV == "cuda"
-    with profiler(on_cuda) as prof:
-        step(stack, x, cos, sin, grad)
-        torch.cuda.synchronize()
-    events, n = prof.key_averages(), N_LAYERS
-    kernels, kernel_us = Counter(), 0.0
-    if on_cuda:
-        dev_attr = device_time_attr(events)
-        for e in events:
-            if getattr(e, dev_attr, 0) > 0 and is_device_event(e):
-                kernels[e.key[:90]] += e.count
-                kernel_us += getattr(e, dev_attr)
-    host = sorted(events, key=lambda e: -e.self_cpu_time_total)[:top]
-    return {"launches_per_layer": sum(e.count for e in events if e.key in LAUNCHES) / n,
-            "aten_calls_per_layer": sum(e.count for e in events if e.key.startswith("aten::")) / n,
-            "kernel_ms_per_layer": kernel_us / 1e3 / n,
-            "kernels_per_layer": {k: v / n for k, v in kernels.most_common()},
-            "host_top_per_layer": [{"name": e.key[:90], "calls": e.count / n,
-                                    "self_ms": e.self_cpu_time_total / 1e3 / n} for e in host]}
-
-
-def measure_host(name, shape, cfg, base, x, cos, sin, iters, warmup, top: int = 25) -> dict:
-    """--host: the wall time of the stack's forward+backward per layer, cache emptied each time (the first
-    micro-batch of a step: weights are quantized in the forward), and what one step launches and calls."""
-    stack = make_variant(name, base)
-    grad = torch.randn_like(x) * 1e-3
-    warm_up(stack, x, cos, sin, grad, warmup)
-    times = []
-    for _ in range(iters):
-        clear_cache(stack)
-        times.append(call_ms(lambda: (step(stack, x, cos, sin, grad), torch.cuda.synchronize()), "cpu") / N_LAYERS)
-    clear_cache(stack)
-    return {"shape": shape, "variant": name, "host_ms_per_layer": statistics.median(times),
-            "host_ms_per_layer_min": min(times), **host_counts(stack, x, cos, sin, grad, top)}
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", help="default: benchmarks/results/llama_layer.json (--host: host_overhead.json; "
-                                  "--account: none)")
-    ap.add_argument("--shapes", nargs="+", choices=list(SHAPES), help=f"default {LAYER_SHAPES} (--host: {HOST_SHAPES})")
-    ap.add_argument("--variants", nargs="+", choices=VARIANTS,
-                    help="default: all (--host: bf16_eager coat_linear coat_full)")
-    ap.add_argument("--iters", type=int, help="timed iterations (default 8; --host: 20)")
+    ap.add_argument("--out", help="default: benchmarks/results/llama_layer.json (--account: none)")
+    ap.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=["llama2-7b", "llama3-8b"])
+    ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=VARIANTS)
+    ap.add_argument("--iters", type=int, default=8, help="timed iterations")
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--profile", default="", help="a text file: the top CUDA kernels of --profile-variants")
-    ap.add_argument("--profile-variants", nargs="+", default=["coat_full"])
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU: checks the script only")
     ap.add_argument("--account", action="store_true", help="CPU, full shapes: the kept tensors of each variant")
-    ap.add_argument("--host", action="store_true", help="host time per layer at --batch x --seq tokens")
-    ap.add_argument("--batch", type=int, default=1, help="with --host")
-    ap.add_argument("--seq", type=int, default=256, help="with --host: a multiple of 16 (the FP8 GEMMs' alignment)")
-    ap.add_argument("--top", type=int, default=25, help="with --host: host calls listed per variant")
     args = ap.parse_args(argv)
-    check_positive(ap, args, ("batch", "seq", "iters", "top"))
-    if args.seq % 16:
-        ap.error(f"--seq={args.seq} is invalid; allowed: a multiple of 16")
-    if args.host and any(v.endswith("compiled") for v in args.variants or ()):
-        ap.error("--host runs the eager variants only")
+    check_positive(ap, args, ("iters",))
     if not args.account:   # --account prints; it writes only to an --out named (not over llama_layer.json)
-        args.out = args.out or str(RESULTS / ("host_overhead.json" if args.host else "llama_layer.json"))
-    args.shapes = args.shapes or (HOST_SHAPES if args.host else LAYER_SHAPES)
-    args.variants = args.variants or (["bf16_eager", "coat_linear", "coat_full"] if args.host else VARIANTS)
-    args.iters = args.iters or (20 if args.host else 8)
+        args.out = args.out or str(RESULTS / "llama_layer.json")
     return args
 
 
 def main(argv: list[str] | None = None) -> None:
-    global BATCH, SEQ
     args = parse_args(argv)
     if args.account:
         rows = account(args.shapes, args.variants)
@@ -328,16 +246,13 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.dry_run:
         dry_run()
-    elif args.host:
-        BATCH, SEQ = args.batch, args.seq
     meta = dict(**provenance(extra=("torchao",)), layers=N_LAYERS, batch=BATCH, seq=SEQ)
     rows = []
     for shape in args.shapes:
         cfg, base, x, cos, sin = build_base(shape)
         for name in args.variants:
             try:
-                row = (measure_host(name, shape, cfg, base, x, cos, sin, args.iters, args.warmup, args.top)
-                       if args.host else measure(name, shape, cfg, base, x, cos, sin, args.iters, args.warmup))
+                row = measure(name, shape, cfg, base, x, cos, sin, args.iters, args.warmup)
             except Exception as exc:  # noqa: BLE001 - a variant that fails is reported, not fatal
                 traceback.print_exc()
                 row = dict(shape=shape, variant=name, error=f"{type(exc).__name__}: {exc}"[:500])
@@ -346,12 +261,6 @@ def main(argv: list[str] | None = None) -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
             write_json(args.out, rows)
-        if args.profile:
-            try:
-                for variant in args.profile_variants:
-                    profile(shape, base, x, cos, sin, args.profile, variant)
-            except Exception:  # noqa: BLE001
-                traceback.print_exc()
         del base
         torch.cuda.empty_cache()
 

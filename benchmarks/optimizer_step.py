@@ -19,7 +19,7 @@ import traceback
 
 import torch
 
-from benchmarks.common import RESULTS, call_ms, cpu_info, device_name, provenance, read_json, replace_rows, write_json
+from benchmarks.common import RESULTS, call_ms, cpu_info, device_name, provenance, write_json
 from coat_ds import kernels as ops
 from coat_ds.formats import E4M3, get_format, n_groups
 
@@ -105,33 +105,6 @@ def coat_kernel(p: torch.Tensor, g: torch.Tensor, group_size: int = 128, v_forma
     return step, sum(t.numel() * t.element_size() for t in (*m, *v))
 
 
-def moment_passes(numel: int, group_size: int = 128) -> dict:
-    """The CPU op's quantize and dequantize of both moments (preallocated outputs), timed beside the step: what
-    re-encoding alone costs bounds the step from below, whatever the fusion saves in memory traffic."""
-    from coat_ds.kernels.loader import load_op
-
-    op = load_op("CPUCoatAdamBuilder")
-    if op is None:
-        return {}
-    ng = n_groups(numel, group_size)
-    m = torch.randn(numel) * 1e-3 * torch.exp(torch.randn(numel))  # Adam-like spread over several decades
-    xs = (m, (torch.randn(numel) * 1e-3) ** 2 * torch.exp(torch.randn(numel)))
-    codes = [torch.empty(numel, dtype=torch.uint8) for _ in xs]
-    scales = [(torch.empty(ng), torch.empty(ng)) for _ in xs]
-    outs = [torch.empty(numel) for _ in xs]
-
-    def encode():
-        for x, c, (d, k) in zip(xs, codes, scales):
-            op.quantize(x, c, d, k, group_size, False, True)
-
-    def decode():
-        for c, (d, k), o in zip(codes, scales, outs):
-            op.dequantize(c, d, k, o, group_size, False)
-
-    encode()
-    return {"coat_encode": encode, "coat_decode": decode}
-
-
 # name: (module, class, keyword arguments beside HP); each imported only when it runs (a missing one is an error
 # in its row)
 PEERS = {"coat_step": ("coat_ds.optim", "CoatAdamW", {}),
@@ -189,15 +162,12 @@ def peer_fields(name: str, times: dict, moved: int, state_per_param: float, pair
               f"{name}_state_bytes_per_param": round(state_per_param, 4), f"speedup_vs_{name}": round(pms / coat, 2)}
     if paired:
         fields.update({f"{name}_min_ms": round(min(times[name]), 4), f"speedup_vs_{name}_paired": ratio(name, "coat")})
-        if "coat_encode" in times:  # > 1: re-encoding the moments alone outlasts the peer's whole step
-            fields[f"encode_over_{name}_paired"] = ratio("coat_encode", name)
     return fields
 
 
 def bench_case(p, g32, grad_dtype, master: str, peers: list[str], device: str, warmup: int, runs: int,
                copy_bw: float) -> dict:
-    """One case's row: CoatAdamW's kernel step, its moment passes alone (CPU, fp32 case) and each peer that
-    takes the case."""
+    """One case's row: CoatAdamW's kernel step and each peer that takes the case."""
     numel, rem = p.numel(), master == "float32_remainder"
     g = g32 if grad_dtype == torch.float32 else g32.to(grad_dtype)
     pm = p.data if master == "float32" else p.data.to(torch.bfloat16)   # a bf16 master: a remainder's high halves
@@ -205,7 +175,7 @@ def bench_case(p, g32, grad_dtype, master: str, peers: list[str], device: str, w
                master=master, copy_gbps=round(copy_bw, 1), errors={})
     step, sbytes = coat_kernel(pm, g, remainder=rem)
     fp32 = grad_dtype == torch.float32 and master == "float32"
-    fns = {"coat": step, **(moment_passes(numel) if fp32 and device == "cpu" else {})}
+    fns = {"coat": step}
     for name in ([] if fp32 else peers):
         row[f"{name}_ms"] = None
         row["errors"][name] = PEERS_NEED
@@ -219,8 +189,6 @@ def bench_case(p, g32, grad_dtype, master: str, peers: list[str], device: str, w
                coat_frac_of_copy=round(gbps / copy_bw, 3), state_bytes_per_param=round(sbytes / numel, 4))
     if device == "cpu":
         row["coat_min_ms"] = round(min(times["coat"]), 4)
-        row.update({f"{n}_ms": round(statistics.median(times[n]), 4) for n in ("coat_encode", "coat_decode")
-                    if n in times})
     for name, sb in states.items():
         row.update(peer_fields(name, times, moved_bytes(p.data, g, sb), sb / numel, paired=device == "cpu"))
     print(json.dumps(row), flush=True)
@@ -260,27 +228,6 @@ def host_info() -> dict:
     return info
 
 
-def machine_row(result: dict) -> dict:
-    """One CPU run's headline (fp32 grads and master, as ZeRO-Offload hands them): kept per machine."""
-    row = next(r for r in result["rows"] if r["grad_dtype"] == "float32" and r.get("master", "float32") == "float32")
-    host = result.get("host", {})
-    return {"cpu_model": host.get("cpu_model"), "nproc": host.get("nproc", host.get("cores")),
-            "threads": host.get("threads"), "simd": host.get("simd"), "kernels": host.get("coat_cpu_kernels"),
-            "numel": row["numel"], "cpu_adam_ms": row.get("cpu_adam_ms"), "coat_ms": row["coat_ms"],
-            "speedup_vs_cpu_adam": row.get("speedup_vs_cpu_adam"),
-            "speedup_vs_cpu_adam_paired": row.get("speedup_vs_cpu_adam_paired"),
-            "coat_encode_ms": row.get("coat_encode_ms"), "coat_decode_ms": row.get("coat_decode_ms"),
-            "encode_over_cpu_adam_paired": row.get("encode_over_cpu_adam_paired"), "date": result["date"],
-            "command": result["command"], "coat_ds_commit": result["versions"].get("coat_ds_commit")}
-
-
-def with_machines(result: dict, out: str) -> dict:
-    """result plus `machines`: the headline of every machine measured into out, this run's replacing its own."""
-    old = read_json(out, {})
-    machines = old.get("machines") or ([machine_row(old)] if "host" in old else [])
-    return {**result, "machines": replace_rows(machines, [machine_row(result)], lambda m: (m["cpu_model"], m["nproc"]))}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -308,8 +255,6 @@ def main() -> None:
     if host is not None:
         host["loadavg_end"] = list(os.getloadavg())
         result["host"] = host
-    if out and host is not None:
-        result = with_machines(result, out)
     if out:
         print(f"wrote {write_json(out, result)}")
     else:

@@ -204,7 +204,7 @@ def test_e2e_smoke_writes_json_and_png(smoke_runs):
         prof = r["profile"]
         assert "error" not in prof, prof
         assert prof["micro_batch"] == 2 and prof["step_wall_ms"] > 0 and prof["syncs"] == {}   # CPU: no syncs
-        assert prof["host_top"] and all(h["ms"] > 0 for h in prof["host_top"])
+        assert prof["host"] and all(h["ms"] > 0 for h in prof["host"]) and prof["profiled_step_ms"] > 0
 
 
 @pytest.mark.slow
@@ -234,11 +234,8 @@ def test_hf_trainer_smoke_compares_the_trainer_with_the_plain_loop_on_the_config
         if not r["profiled"]:
             assert prof is None
             continue
-        assert prof["syncs"] == {} and prof["host_top"] and prof["step_wall_ms"] > 0   # CPU: no device syncs
-        step = "training_step" if r["path"] == "trainer" else "one_step"   # the probe's window holds one step
-        assert [f["calls"] for f in prof["python_top"] if f["function"].endswith(" " + step)] == [1]
-        # ZeRO-2's gradient buckets in that step: 5e7 holds the whole tiny model, HF's hidden_size^2 does not
-        assert (prof["zero_reductions"] > 5) if r["tuning"] == "hf_auto" else (prof["zero_reductions"] == 1)
+        assert prof["syncs"] == {} and prof["host"] and prof["profiled_step_ms"] > 0   # CPU: no device syncs
+        assert all(h["ms"] > 0 for h in prof["host"]) and prof["gpu_gaps"] == ["no device events"]
     assert set(res["trainer_over_plain"]) == {"coat:tiny:1:one_gpu"}
     assert res["trainer_over_plain"]["coat:tiny:1:one_gpu"] > 0
     assert set(res["coat_over_bf16"]) == {"trainer:tiny:1:hf_auto"}
@@ -256,27 +253,6 @@ def test_hf_trainer_runs_are_checked_before_any_process_starts():
                      ("plain:coat:llama-1b:4:fast", "tuning 'fast'")):
         with pytest.raises(ValueError, match=key):
             parse_run(bad)
-
-
-def test_hf_trainer_counts_device_synchronize_by_the_caller_outside_torch(monkeypatch):
-    """The probe's count of explicit device syncs (which CUDA's sync debug mode does not report), by call site."""
-    import torch
-    from benchmarks.hf_trainer_speed import synchronize_calls
-
-    calls = []
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: calls.append(a))   # no device here: count only
-
-    def zero_step():
-        torch.cuda.synchronize()
-
-    patched = torch.cuda.synchronize
-    with synchronize_calls() as sites:
-        for _ in range(3):
-            zero_step()
-        torch.cuda.synchronize()
-    line = zero_step.__code__.co_firstlineno + 1
-    assert sites == {f"test_benchmarks_smoke.py:{line}": 3, f"test_benchmarks_smoke.py:{line + 6}": 1}
-    assert len(calls) == 4 and torch.cuda.synchronize is patched   # each call went through; the original is back
 
 
 @pytest.mark.slow
@@ -311,19 +287,20 @@ def test_convergence_smoke_writes_json_png_and_a_state_quant_error_reads(smoke_r
     assert all(0 <= r["m_rel_err"] < 1 and 0 <= r["v_rel_err"] < 1 for r in table["rows"])
 
 
-def test_llama_layer_host_dry_run_reports_per_layer_host_time(tmp_path):
-    out = tmp_path / "host.json"
-    cmd = [sys.executable, "-m", "benchmarks.llama_layer", "--host", "--dry-run", "--shapes", "llama-1b",
+def test_llama_layer_dry_run_times_each_variant_and_compares_its_gradients_with_bf16(tmp_path):
+    out = tmp_path / "layer.json"
+    cmd = [sys.executable, "-m", "benchmarks.llama_layer", "--dry-run", "--shapes", "llama2-7b",
            "--variants", "bf16_eager", "coat_full", "--iters", "2", "--warmup", "1", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = json.loads(out.read_text())
     assert [r["variant"] for r in rows] == ["bf16_eager", "coat_full"]
     for r in rows:
-        assert r["host_ms_per_layer"] > 0 and r["aten_calls_per_layer"] > 0
-        assert r["host_top_per_layer"] and r["date"] and r["command"] and r["versions"]["torch"]
-    bad = subprocess.run(cmd[:3] + ["--seq", "100"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "--seq=100 is invalid; allowed: a multiple of 16" in bad.stderr
+        assert r["fwd_bwd_ms"] > 0 and r["date"] and r["command"] and r["versions"]["torch"]
+    assert rows[0]["dx_cos_vs_bf16_eager"] == pytest.approx(1.0)          # bf16 against itself
+    assert 0.99 < rows[1]["dx_cos_vs_bf16_eager"] < 1.0 + 1e-6              # FP8: close, not equal
+    bad = subprocess.run(cmd[:3] + ["--iters", "0"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--iters=0 is invalid; allowed: an integer >= 1" in bad.stderr
 
 
 @pytest.mark.slow  # ~15 s with warm caches, 20-45 s in a fresh clone

@@ -26,8 +26,6 @@ def test_optimizer_step_smoke_writes_a_row_per_case(tmp_path):
         assert row["coat_ms"] > 0 and row["coat_frac_of_copy"] > 0
         assert abs(row["state_bytes_per_param"] - state / 2) < 1e-3
     assert cases[("float32", "float32")]["coat_step_ms"] > 0  # the optimizer's full step beside the kernel
-    # the op's quantize / dequantize of both moments alone, timed in the same rounds, on the headline case only
-    head = cases[("float32", "float32")]
-    assert head["coat_encode_ms"] > 0 and head["coat_decode_ms"] > 0 and head["encode_over_coat_step_paired"] > 0
-    assert "coat_encode_ms" not in cases[("bfloat16", "float32")]
+    head = cases[("float32", "float32")]   # CPU: contenders interleaved, the per-round ratio beside the medians
+    assert head["coat_min_ms"] > 0 and head["speedup_vs_coat_step_paired"] > 0
     assert cases[("bfloat16", "bfloat16_sr")]["coat_step_ms"] is None
