@@ -1,9 +1,6 @@
-"""The benchmarks' charts; also redraws one from its JSON alone (README.md's tables: render_tables.py).
+"""The benchmarks' charts, also drawn later from a JSON alone (a node without matplotlib still writes the JSON):
 
     python -m benchmarks.plot_utils benchmarks/results/e2e.json benchmarks/results/convergence.json
-
-The JSON files hold every number a chart shows, so a node without matplotlib can run the benchmark and
-the chart can be drawn later anywhere.
 """
 from __future__ import annotations
 
@@ -17,6 +14,7 @@ COLORS = {"bf16": "#4c72b0", "coat_opt": "#dd8452", "coat_full": "#55a868"}
 PARTS = [("weights_gb", "weights (16-bit, fp32 master, FP8 copies)"), ("optimizer_state_gb", "optimizer state"),
          ("grads_gb", "gradients"), ("activations_gb", "activations (saved for backward)"),
          ("other_gb", "other (transients at peak)")]
+OFFLOAD_PARTS = ["master", "optimizer_states", "master_grads", "bf16_staging", "grad_staging", "accumulated_grads"]
 
 
 def _plt():
@@ -48,8 +46,7 @@ def plot_e2e(res: dict, path: Path) -> None:
     fig, axes = _plt().subplots(1, 3, figsize=(15, 4.8))
     ax, tops = axes[0], [1e-9]
     for i, r in enumerate(rows):
-        bd = r.get("breakdown") or {}
-        bottom = 0.0
+        bd, bottom = r.get("breakdown") or {}, 0.0
         for j, (key, name) in enumerate(PARTS):
             v = max(bd.get(key) or 0.0, 0.0)
             ax.bar(i, v, bottom=bottom, color=f"C{j}", label=name if i == 0 else None, width=0.6)
@@ -59,10 +56,8 @@ def plot_e2e(res: dict, path: Path) -> None:
             ax.text(i, max(bottom, peak), f"{peak:.1f} GiB", ha="center", va="bottom", fontsize=9)
         tops.append(max(bottom, peak or 0.0))
     red = res.get("memory_reduction")
-    ax.set(xticks=range(len(rows)), xticklabels=labels, ylabel="GiB (rank 0)",
-           title=f"peak memory at micro-batch {res['equal_micro_batch']}" +
-                 (f" ({red:.2f}x less)" if red else ""))
-    ax.set_ylim(0, 1.6 * max(tops))
+    ax.set(xticks=range(len(rows)), xticklabels=labels, ylabel="GiB (rank 0)", ylim=(0, 1.6 * max(tops)),
+           title=f"peak memory at micro-batch {res['equal_micro_batch']}" + (f" ({red:.2f}x less)" if red else ""))
     ax.legend(fontsize=7, loc="upper left", ncol=2)
 
     best = [r.get("max_batch") or {} for r in rows]
@@ -82,8 +77,7 @@ def plot_e2e(res: dict, path: Path) -> None:
 
 
 def plot_e2e_real_shapes(res: dict, path: Path) -> None:
-    """e2e_real_shapes.json: per case, each configuration's peak at its largest micro-batch (or, where micro-batch
-    1 did not fit, what it needed), against the device."""
+    """Per case, each configuration's peak at its largest micro-batch (or what micro-batch 1 needed), per device."""
     cases = list(res["cases"].values())
     fig, axes = _plt().subplots(1, len(cases), figsize=(5.5 * len(cases), 4.8), squeeze=False)
     for ax, case in zip(axes[0], cases):
@@ -106,24 +100,16 @@ def plot_convergence(res: dict, path: Path) -> None:
     """Train (thin) and validation (markers) loss of every configuration, and the validation gap to BF16."""
     fig, (ax, ax2) = _plt().subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [2, 1]})
     runs = res["runs"]
-    base = {s: v for s, v in (runs.get("bf16") or {}).get("val", [])}
+    base = dict((runs.get("bf16") or {}).get("val", []))
     for name, run in runs.items():
-        c = COLORS.get(name, None)
-        tr = run.get("train", [])
-        if tr:
-            ax.plot([s for s, _ in tr], [v for _, v in tr], lw=0.8, alpha=0.6, color=c,
-                    label=f"{run.get('label', name)} train")
-        va = run.get("val", [])
-        if va:
-            ax.plot([s for s, _ in va], [v for _, v in va], "o-", ms=3, lw=1.5, color=c,
-                    label=f"{run.get('label', name)} val")
-        if name != "bf16" and base:
-            gap = [(s, 100 * (v - base[s]) / base[s]) for s, v in va if s in base]
-            if gap:
-                ax2.plot([s for s, _ in gap], [g for _, g in gap], "o-", ms=3, color=c, label=run.get("label", name))
+        c, label = COLORS.get(name), run.get("label", name)
+        for key, fmt, style in (("train", "-", {"lw": 0.8, "alpha": 0.6}), ("val", "o-", {"ms": 3, "lw": 1.5})):
+            if run.get(key):
+                ax.plot(*zip(*run[key]), fmt, color=c, label=f"{label} {key}", **style)
+        gap = [(s, 100 * (v - base[s]) / base[s]) for s, v in run.get("val", []) if s in base]
+        if name != "bf16" and gap:
+            ax2.plot(*zip(*gap), "o-", ms=3, color=c, label=label)
     ax.set(xlabel="step", ylabel="loss", title=f"{res.get('model')} from scratch, {res.get('data', '')}"[:90])
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
     lo = [v for run in runs.values() for key in ("train", "val") for _, v in run.get(key, [])]
     val = [v for run in runs.values() for _, v in run.get("val", [])]
     if lo and val:   # the whole train curve (it falls below val once the corpus repeats), not the first steps'
@@ -131,16 +117,16 @@ def plot_convergence(res: dict, path: Path) -> None:
     ax2.axhline(0, color="black", lw=0.8)
     ax2.axhspan(-0.5, 0.5, color="green", alpha=0.08, label="target: within 0.5%")
     ax2.set(xlabel="step", ylabel="val loss vs BF16 (%)", title="validation loss gap to BF16")
-    ax2.grid(alpha=0.3)
-    ax2.legend(fontsize=8)
+    for a in (ax, ax2):
+        a.grid(alpha=0.3)
+        a.legend(fontsize=8)
     save(fig, path)
 
 
 def plot_offload(res: dict, path: Path) -> None:
-    """offload.json: host bytes per parameter by category (measured; predicted where a row did not run), per model."""
+    """Host bytes per parameter by category (measured; predicted where a row did not run), per model."""
     models = list(dict.fromkeys(r["model"] for r in res["rows"]))
     fig, axes = _plt().subplots(1, len(models), figsize=(5.5 * len(models), 4.8), squeeze=False)
-    cats = ["master", "optimizer_states", "master_grads", "bf16_staging", "grad_staging", "accumulated_grads"]
     for ax, model in zip(axes[0], models):
         rows = [r for r in res["rows"] if r["model"] == model]
         for i, r in enumerate(rows):
@@ -150,10 +136,9 @@ def plot_offload(res: dict, path: Path) -> None:
                 ax.bar(i, v, color="none", edgecolor="gray", hatch="//", width=0.6)
                 ax.text(i, v, f"not run\n{r.get('why_not', '')[:28]}", ha="center", va="bottom", fontsize=7)
                 continue
-            for j, c in enumerate(cats):
-                v = acc[c]["per_param"]
-                ax.bar(i, v, bottom=bottom, color=f"C{j}", width=0.6, label=c)
-                bottom += v
+            for j, c in enumerate(OFFLOAD_PARTS):
+                ax.bar(i, acc[c]["per_param"], bottom=bottom, color=f"C{j}", width=0.6, label=c)
+                bottom += acc[c]["per_param"]
             ax.text(i, bottom, f"RSS {r['host_rss_gb']:.1f} GiB\npeak {r['host_rss_peak_gb']:.1f}\n"
                     f"{'pinned' if r.get('pinned') else 'unpinned'}, {r['tokens_per_s']:,.0f} tok/s",
                     ha="center", va="bottom", fontsize=7)
@@ -161,14 +146,13 @@ def plot_offload(res: dict, path: Path) -> None:
                title=f"{model}: ZeRO-2 Offload host memory")
         ax.set_ylim(0, ax.get_ylim()[1] * 1.25)   # room for the labels above the tallest bar
         handles, labels = ax.get_legend_handles_labels()
-        first = dict(zip(labels[::-1], handles[::-1]))   # one entry per category
-        shown = [c for c in cats if c in first]
-        ax.legend([first[c] for c in shown], shown, fontsize=7, loc="upper right")
+        per_part = dict(zip(labels, handles))   # one entry per category, in the order drawn
+        ax.legend(per_part.values(), per_part.keys(), fontsize=7, loc="upper right")
     save(fig, path)
 
 
 def plot_hf_trainer(res: dict, path: Path) -> None:
-    """hf_trainer.json: tokens/s and peak memory of every run that finished, Trainer beside the plain loop."""
+    """Tokens/s and peak memory of every run that finished, Trainer beside the plain loop."""
     rows = [r for r in res["runs"] if r.get("tokens_per_s")]
     labels = [f"{r['path']}\n{r['preset']}\n{r['model']} mb{r['micro_batch']}\n{r['tuning']}" for r in rows]
     colors = [("#1f77b4" if r["path"] == "trainer" else "#aec7e8") if r["preset"] == "bf16" else
@@ -196,7 +180,7 @@ def plot_seed_spread(res: dict, path: Path) -> None:
             c = COLORS.get(name, f"C{i + 3}")
             curves = [e["val"] for e in runs.values() if e["val"]]
             for v in curves:
-                ax.plot([s for s, _ in v], [x for _, x in v], lw=0.7, alpha=0.5, color=c)
+                ax.plot(*zip(*v), lw=0.7, alpha=0.5, color=c)
             common = sorted(set.intersection(*[{s for s, _ in v} for v in curves])) if curves else []
             mean = [statistics.mean(dict(v)[s] for v in curves) for s in common]
             ax.plot(common, mean, lw=2.2, color=c, label=f"{LABELS[name]} (mean of {len(curves)})")
@@ -204,27 +188,22 @@ def plot_seed_spread(res: dict, path: Path) -> None:
             ax2.scatter([i] * len(st["final"]), st["final"], color=c, s=14)
             if st["final_std"] is not None:
                 ax2.errorbar(i, st["final_mean"], yerr=st["final_std"], fmt="_", color=c, capsize=6, ms=16)
-        _seed_spread_axes(key, sec, ax, ax2)
+        if sec.get("bf16_band"):
+            ax2.axhspan(*sec["bf16_band"], color="gray", alpha=0.15, label="BF16 [min, max] +- 1 std")
+            ax2.legend(fontsize=8)
+        rc, names = sec["recipe"], list(sec["runs"])
+        ax.set(xlabel="step", ylabel="validation loss",
+               title=f"{key}: {rc['model']}, seq {rc['seq_len']} x {rc['micro_batch']}, {rc['data']}"[:100])
+        finals = [x for st in sec["summary"].values() for x in st["final"]]
+        if finals:
+            ax.set_ylim(min(finals) * 0.97, min(finals) * 1.5)
+        ax.legend(fontsize=8)
+        ax2.set(xlim=(-0.5, len(names) - 0.5), xticks=range(len(names)),
+                xticklabels=[n.replace("_", "\n", 1) for n in names],
+                ylabel=f"val loss at step {sec['steps_compared']}", title="each seed, mean +- std")
+        for a in (ax, ax2):
+            a.grid(alpha=0.3)
     save(fig, path)
-
-
-def _seed_spread_axes(key: str, sec: dict, ax, ax2) -> None:
-    if sec.get("bf16_band"):
-        ax2.axhspan(*sec["bf16_band"], color="gray", alpha=0.15, label="BF16 [min, max] +- 1 std")
-        ax2.legend(fontsize=8)
-    rc = sec["recipe"]
-    ax.set(xlabel="step", ylabel="validation loss", title=f"{key}: {rc['model']}, seq {rc['seq_len']} x "
-           f"{rc['micro_batch']}, {rc['data']}"[:100])
-    finals = [x for st in sec["summary"].values() for x in st["final"]]
-    if finals:
-        ax.set_ylim(min(finals) * 0.97, min(finals) * 1.5)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    names = list(sec["runs"])
-    ax2.set(xlim=(-0.5, len(names) - 0.5), xticks=range(len(names)),
-            xticklabels=[n.replace("_", "\n", 1) for n in names],
-            ylabel=f"val loss at step {sec['steps_compared']}", title="each seed, mean +- std")
-    ax2.grid(alpha=0.3)
 
 
 def kind(res: dict) -> str:
