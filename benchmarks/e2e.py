@@ -5,10 +5,8 @@ harness (workers, micro-batch ladder, memory breakdown) that e2e_real_shapes, hf
     python -m benchmarks.e2e --model llama2-7b --num-gpus 2 --zero-stage 2 --out /tmp/e2e  # ZeRO-2, 2 GPUs
     python -m benchmarks.e2e --smoke --out /tmp/e2e_smoke                                # CPU, tiny, < 60 s
 
-A DeepSpeed engine never gives its memory back, so each configuration runs in its own worker process, which
-climbs a ladder of micro-batch sizes on one engine (peak *allocated* memory does not depend on the sizes run
-before it). docs/benchmarks.md says how the ladder searches, what the memory breakdown counts and what
-e2e.json holds.
+A DeepSpeed engine never gives its memory back: each configuration climbs its ladder in a worker of its own
+(docs/benchmarks.md: the search, the memory breakdown, e2e.json's fields).
 """
 from __future__ import annotations
 
@@ -283,7 +281,8 @@ class Worker:
     def breakdown(self, x, y) -> dict:
         """One instrumented step: tensors per category and the allocator's view around it."""
         engine, counter = self.engine, StorageCounter()
-        weights = counter.add(p for p in engine.module.parameters())
+        # ZeRO-3 keeps each parameter's partition in `ds_tensor` (the parameter itself is empty between uses)
+        weights = counter.add(t for p in engine.module.parameters() for t in (p, getattr(p, "ds_tensor", None)))
         base = base_optimizer(engine)
         master = counter.add(p for g in base.param_groups for p in g["params"])
         # coat.master_weights 'fp32_remainder': the masters' low halves, kept by the partition layouts
@@ -659,39 +658,36 @@ def run_configs(args: argparse.Namespace, names: list[str], out: Path, prefix: s
 
 
 def headline(args: argparse.Namespace, rows: list[dict], t0: float) -> dict:
-    """e2e.json: the ratios between configurations, the rows, and how they were measured."""
+    """e2e.json: every configuration's ratios to BF16 (coat full's at the top), the rows, how they were measured."""
     by = {r["name"]: r for r in rows}
-    peak = lambda n: (by.get(n) or {}).get("equal_batch") and by[n]["equal_batch"]["peak_alloc_gb"]  # noqa: E731
-    tps = lambda n: (by.get(n) or {}).get("max_batch") and by[n]["max_batch"]["tokens_per_s"]  # noqa: E731
-    tps_eq = lambda n: (by.get(n) or {}).get("equal_batch") and by[n]["equal_batch"]["tokens_per_s"]  # noqa: E731
+    at = lambda n, which, key: ((by.get(n) or {}).get(which) or {}).get(key)  # noqa: E731
+    vs_bf16 = {n: {"memory_reduction": ratio(at("bf16", "equal_batch", "peak_alloc_gb"),
+                                             at(n, "equal_batch", "peak_alloc_gb")),
+                   "speedup_at_max_batch": ratio(at(n, "max_batch", "tokens_per_s"), at("bf16", "max_batch",
+                                                                                         "tokens_per_s")),
+                   "speedup_at_equal_batch": ratio(at(n, "equal_batch", "tokens_per_s"),
+                                                   at("bf16", "equal_batch", "tokens_per_s"))} for n in by if n != "bf16"}
     common: dict[str, float] = {}
     if "bf16" in by and "coat_full" in by:
         full = {r["micro_batch"]: r["peak_alloc_gb"] for r in by["coat_full"]["rungs"]}
-        for r in by["bf16"]["rungs"]:
-            if r["micro_batch"] in full:
-                common[str(r["micro_batch"])] = r["peak_alloc_gb"] / full[r["micro_batch"]]
-    setup = rows[0]
+        common = {str(r["micro_batch"]): r["peak_alloc_gb"] / full[r["micro_batch"]] for r in by["bf16"]["rungs"]
+                  if r["micro_batch"] in full}
+    setup, shape = rows[0], MODELS[args.model]
     return {
-        **provenance(), "model": args.model, "params": setup.get("params"), "shape": MODELS[args.model],
+        **provenance(), "model": args.model, "params": setup.get("params"), "shape": shape,
         "grad_accum_dtype": args.grad_accum_dtype or "config default",
         "world_size": args.num_gpus, "zero_stage": args.zero_stage if args.zero_stage is not None else
         ((setup.get("ds_config") or {}).get("zero_optimization") or {}).get("stage"),
         "seq_len": args.seq_len, "equal_micro_batch": args.equal_batch,
-        "memory_reduction": ratio(peak("bf16"), peak("coat_full")),
-        "memory_reduction_optimizer_only": ratio(peak("bf16"), peak("coat_opt")),
-        "memory_reduction_by_batch": common,
-        "speedup_at_max_batch": ratio(tps("coat_full"), tps("bf16")),
-        "speedup_at_max_batch_optimizer_only": ratio(tps("coat_opt"), tps("bf16")),
-        "memory_reduction_bf16sr": ratio(peak("bf16"), peak("coat_full_bf16sr")),
-        "speedup_at_max_batch_bf16sr": ratio(tps("coat_full_bf16sr"), tps("bf16")),
+        **{k: vs_bf16.get("coat_full", {}).get(k) for k in ("memory_reduction", "speedup_at_max_batch",
+                                                             "speedup_at_equal_batch")},
+        "vs_bf16": vs_bf16, "memory_reduction_by_batch": common,
         "max_micro_batch": {r["name"]: r.get("max_micro_batch") for r in rows},
         # a whole model's forward, through the engine: all it keeps for backward per token, hidden unit and layer
         "forward_kept_b_per_token_hidden_layer": {
             r["name"]: r["breakdown"]["alloc_forward_delta_gb"] * GIB / (
-                r["breakdown"]["at_micro_batch"] * args.seq_len * MODELS[args.model]["hidden_size"]
-                * MODELS[args.model]["num_hidden_layers"])
+                r["breakdown"]["at_micro_batch"] * args.seq_len * shape["hidden_size"] * shape["num_hidden_layers"])
             for r in rows if r["breakdown"] and r["breakdown"].get("alloc_forward_delta_gb") is not None},
-        "speedup_at_equal_batch": ratio(tps_eq("coat_full"), tps_eq("bf16")),
         "targets": TARGETS, "fit_rule": f"peak reserved <= {args.mem_fraction} x device memory",
         "configs": rows, "wall_s": time.time() - t0, "smoke": args.smoke,
     }

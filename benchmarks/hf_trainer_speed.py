@@ -264,7 +264,8 @@ def targets_met(summary: dict) -> dict:
             "coat_over_bf16_trainer_1b_mb4": None if cob is None else cob >= TARGETS["coat_over_bf16_trainer_mb4"]}
 
 
-def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    """The options and the runs (--runs, or the plan's), every run checked before any process starts."""
     p = argparse.ArgumentParser(description="HF Trainer against a plain deepspeed.initialize loop, same config")
     p.add_argument("--plan", default="all", choices=[k for k in PLANS if k != "smoke"])
     p.add_argument("--runs", nargs="+", help="path:preset:model:micro_batch:tuning ... (instead of --plan)")
@@ -283,21 +284,15 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     p.add_argument("--scratch", default="/tmp/hf_trainer_out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     check_positive(p, args, ("seq_len", "warmup", "steps"))
-    return p, args
-
-
-def specs_of(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
     if args.smoke:
         args.seq_len, args.warmup, args.steps = 32, 1, 2
-        specs = args.runs or PLANS["smoke"]
-    else:
-        specs = args.runs or PLANS[args.plan]
+    specs = args.runs or PLANS["smoke" if args.smoke else args.plan]
     for s in specs:
         try:
             parse_run(s)
         except ValueError as e:
             p.error(str(e))
-    return specs
+    return args, specs
 
 
 def run_all(specs: list[str], args: argparse.Namespace, out: Path, t0: float) -> list[dict]:
@@ -317,10 +312,9 @@ def run_all(specs: list[str], args: argparse.Namespace, out: Path, t0: float) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    p, args = parse_args(argv)
+    args, specs = parse_args(argv)
     if args.worker:
         return worker(args)
-    specs = specs_of(p, args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()

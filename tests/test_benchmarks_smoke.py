@@ -412,9 +412,9 @@ def test_offload_smoke_rows_account_for_every_host_byte(tmp_path):
     assert (tmp_path / "offload.png").stat().st_size > 10_000
 
 
-def test_llama_layer_gpu_gaps_of_a_trace():
-    """llama_layer's idle-time read-out: overlapping device events count once, gaps between them are idle."""
-    from benchmarks.llama_layer import gpu_gaps
+def test_gpu_gaps_of_a_trace():
+    """The step probe's idle-time read-out: overlapping device events count once, gaps between them are idle."""
+    from benchmarks.common import gpu_gaps
 
     ev = [("kernel", 0, 10, "a"), ("kernel", 5, 10, "b"), ("gpu_memset", 40, 5, "c"), ("cpu_op", 0, 100, "x"),
           ("kernel", 50, 10, "d")]
