@@ -661,12 +661,11 @@ def headline(args: argparse.Namespace, rows: list[dict], t0: float) -> dict:
     """e2e.json: every configuration's ratios to BF16 (coat full's at the top), the rows, how they were measured."""
     by = {r["name"]: r for r in rows}
     at = lambda n, which, key: ((by.get(n) or {}).get(which) or {}).get(key)  # noqa: E731
-    vs_bf16 = {n: {"memory_reduction": ratio(at("bf16", "equal_batch", "peak_alloc_gb"),
-                                             at(n, "equal_batch", "peak_alloc_gb")),
-                   "speedup_at_max_batch": ratio(at(n, "max_batch", "tokens_per_s"), at("bf16", "max_batch",
-                                                                                         "tokens_per_s")),
-                   "speedup_at_equal_batch": ratio(at(n, "equal_batch", "tokens_per_s"),
-                                                   at("bf16", "equal_batch", "tokens_per_s"))} for n in by if n != "bf16"}
+    peak, tps = ("equal_batch", "peak_alloc_gb"), ("max_batch", "tokens_per_s")
+    tps_eq = ("equal_batch", "tokens_per_s")
+    vs_bf16 = {n: {"memory_reduction": ratio(at("bf16", *peak), at(n, *peak)),
+                   "speedup_at_max_batch": ratio(at(n, *tps), at("bf16", *tps)),
+                   "speedup_at_equal_batch": ratio(at(n, *tps_eq), at("bf16", *tps_eq))} for n in by if n != "bf16"}
     common: dict[str, float] = {}
     if "bf16" in by and "coat_full" in by:
         full = {r["micro_batch"]: r["peak_alloc_gb"] for r in by["coat_full"]["rungs"]}
