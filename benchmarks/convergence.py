@@ -209,11 +209,13 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     return p, p.parse_args(argv)
 
 
-def run_workers(rec: argparse.Namespace, jobs: list[tuple[str, int]], out: Path, max_parallel: int, kill_at: float,
-                tag=lambda name, seed: name) -> dict[tuple[str, int], dict]:
-    """Each (config, seed) job's worker, at most max_parallel at once, in order -> its result. A worker still
-    running at kill_at is killed (its last saved result is kept); a job not started a minute before the workers'
-    own deadline (rec.deadline) is left out."""
+def run_workers(rec: argparse.Namespace, jobs: list[tuple[str, int]], out: Path, max_parallel: int, stop_at: float,
+                kill_at: float, tag=lambda name, seed: name) -> dict[tuple[str, int], dict]:
+    """Each (config, seed) job's worker, at most max_parallel at once, in order -> its result. Workers stop
+    themselves at stop_at (evaluate, save) and are killed at kill_at; a job not started a minute before stop_at
+    is left out."""
+    rec.deadline = stop_at
+
     def run(job: tuple[str, int]) -> dict | None:
         name, seed = job
         if time.time() >= rec.deadline - 60:
@@ -232,8 +234,7 @@ def no_run(name: str, status: str) -> dict:
 
 # --- Comparing runs (seed_spread's too) -------------------------------------------------------------------------------
 def last_common_step(curves) -> int | None:
-    """The last step every one of these validation curves evaluated: where the runs are compared (all of them,
-    unless the time budget stopped one early)."""
+    """The last step every one of these validation curves evaluated: where the runs are compared."""
     steps = [{s for s, _ in curve} for curve in curves]
     return max(set.intersection(*steps), default=None) if steps else None
 
@@ -313,9 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     tokens = load_tokens(args, t0)
-    args.deadline = t0 + args.time_budget - 20          # the runs stop themselves, evaluate and save
     done = run_workers(args, [(n, args.seed) for n in names], out, len(names) if args.parallel else 1,
-                       kill_at=t0 + args.time_budget + 40)   # then they are killed
+                       stop_at=t0 + args.time_budget - 20, kill_at=t0 + args.time_budget + 40)
     runs = {n: done.get((n, args.seed)) or no_run(n, "not started: time budget") for n in names}
     res = headline(args, runs, tokens, t0)
     path = write_results(res, out, "convergence")

@@ -220,8 +220,8 @@ def launch(args: argparse.Namespace, model: str, config: str, micro_batch: int, 
     result = Path(args.out) / f"offload_{model}_{config}.row.json"
     result.unlink(missing_ok=True)
     cmd = worker_cmd("benchmarks.offload", args, ("seq_len", "steps", "warmup", "seed"), models=model,
-                     configs=config, micro_batch=micro_batch, budget_s=max(budget - 30, 10), result=result)
-    cmd += [] if args.pin_memory else ["--no-pin-memory"]
+                     configs=config, micro_batch=micro_batch, budget_s=max(budget - 30, 10), result=result,
+                     no_pin_memory=not args.pin_memory)
     print(f"== {model} / {config}, micro-batch {micro_batch}: {' '.join(cmd)}", flush=True)
     rc, tail = run_worker(cmd, budget)
     why = "host OOM: killed by SIGKILL" if rc in (-9, 137) else f"worker exit {rc}"
@@ -258,8 +258,8 @@ def one_row(args: argparse.Namespace, model: str, config: str, avail: int, left:
 
 def _row_order(row: dict) -> tuple[int, int]:
     """MODELS x CONFIGS order; a model outside MODELS (the smoke's tiny) last."""
-    models, configs = list(MODELS), list(CONFIGS)
-    return (models.index(row["model"]) if row["model"] in models else len(models), configs.index(row["config"]))
+    m = row["model"]
+    return MODELS.index(m) if m in MODELS else len(MODELS), list(CONFIGS).index(row["config"])
 
 
 def table(rows: list[dict]) -> str:

@@ -93,8 +93,7 @@ def mean_std(xs: list[float]) -> tuple[float | None, float | None]:
 
 
 def config_stats(runs: dict[str, dict], step: int | None) -> dict:
-    """One configuration's seeds at `step`: each seed's final and best (lowest up to `step`) loss, their mean, std,
-    min and max."""
+    """One configuration's seeds at `step`: each seed's final and best (lowest so far) loss, mean, std, min, max."""
     seeds = sorted((s for s, e in runs.items() if dict(e["val"] or []).get(step) is not None), key=int)
     final = [dict(runs[s]["val"])[step] for s in seeds]
     best = [min(v for st, v in runs[s]["val"] if st <= step) for s in seeds]
@@ -170,10 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     res = load_existing(path, key, recipe)
     at_once = min(args.max_parallel, len(names) * len(seeds))
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // at_once)))   # the cores shared
-    rec.deadline = t0 + args.time_budget - STOP_MARGIN_S
     pairs = [(n, s) for s in seeds for n in names]          # seed-major: a short budget still covers every config
-    done = convergence.run_workers(rec, pairs, out, args.max_parallel, kill_at=t0 + args.time_budget - KILL_MARGIN_S,
-                                   tag=lambda name, seed: f"{name}_seed{seed}")
+    done = convergence.run_workers(rec, pairs, out, args.max_parallel, stop_at=t0 + args.time_budget - STOP_MARGIN_S,
+                                   kill_at=t0 + args.time_budget - KILL_MARGIN_S, tag=lambda n, s: f"{n}_seed{s}")
     res["calls"].append({"section": key, "configs": names, "seeds": seeds, **provenance(),
                          "max_parallel": args.max_parallel, "omp_num_threads": os.environ["OMP_NUM_THREADS"],
                          "time_budget_s": args.time_budget, "wall_s": time.time() - t0})
