@@ -1,12 +1,7 @@
 """Convergence: a ~125M Llama pretrained from scratch with BF16 + AdamW, coat_ds optimizer-only and coat_ds full
 (with an fp32 master, and with a bf16 master written by stochastic rounding or, as an ablation, to nearest).
-
-    python -m benchmarks.convergence --steps 2000 --parallel --out /tmp/conv     # one GPU, ~125M, 5 runs
-    python -m benchmarks.convergence --smoke --out /tmp/conv_smoke                # CPU, tiny, < 60 s
-
-One process per run, all from the same weights on the same batches; the BF16 run also saves samples of its
-final Adam moments for `python -m benchmarks.quant_error --state OUT/adam_state_bf16.pt`. docs/benchmarks.md
-says what convergence.json holds.
+One process per run, all from the same weights on the same batches; docs/benchmarks.md has the commands and what
+convergence.json holds.
 """
 from __future__ import annotations
 
@@ -30,6 +25,7 @@ from coat_ds.workloads.causal_lm import FAMILIES
 
 TARGET_GAP = 0.005   # final validation loss within 0.5% of BF16
 DEFAULT_CONFIGS = "bf16,coat_opt,coat_full,coat_full_bf16sr,coat_full_bf16rn"   # the runs of convergence.json
+SMOKE_CONFIGS = "bf16,coat_full"   # a smoke's processes unless --configs names others (seed_spread's too)
 RECIPE = ("model_size", "family", "data", "data_bytes", "vocab_size", "seq_len", "micro_batch", "steps", "lr",
           "warmup_steps", "log_every", "eval_every", "eval_batches", "seed")   # the options a worker trains by
 
@@ -40,8 +36,7 @@ def model_name(args: argparse.Namespace) -> str:
 
 
 class Worker(e2e.Worker):
-    """One configuration's run (e2e's worker set-up): the engine, the fixed batches, the loss curves and the
-    result file."""
+    """One configuration's run: the engine, the fixed batches, the loss curves and the result file."""
 
     def setup_engine(self):
         args = self.args
@@ -59,10 +54,8 @@ class Worker(e2e.Worker):
         return train_lib.initialize(model, self.cfg)
 
     def fetch(self, step: int):
-        x, y = self.batches.train_batch(step, 0)
-        if self.on_cuda:
-            return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
-        return x, y
+        batch = self.batches.train_batch(step, 0)
+        return tuple(t.pin_memory().to(self.device, non_blocking=True) for t in batch) if self.on_cuda else batch
 
     def evaluate(self) -> float:
         self.engine.eval()
@@ -117,10 +110,7 @@ class Worker(e2e.Worker):
             x, y = nxt
             if step + 1 < args.steps:
                 nxt = self.fetch(step + 1)       # the copy overlaps this step's compute
-            loss = train_lib.lm_loss(engine, x, y)
-            engine.backward(loss)
-            engine.step()
-            acc += loss.detach().float()
+            acc += self.one_step(x, y).detach().float()
             done = step + 1
             if (done % args.log_every == 0 or done == args.steps) and not self.log_train(done, acc):
                 break
@@ -146,40 +136,31 @@ def worker(args: argparse.Namespace) -> int:
 
 
 def dump_adam_state(engine, path: Path, sample: int, what: str) -> dict:
-    """Save `sample` values of the final exp_avg / exp_avg_sq (fp32), in 64 contiguous 128-aligned windows
-    spread evenly over the flat state, in the format quant_error's --state reads."""
+    """`sample` values of the final exp_avg / exp_avg_sq (fp32), 64 128-aligned windows, saved for quant_error."""
     base = base_optimizer(engine)
-    ms, vs = [], []
-    for g in base.param_groups:
-        for p in g["params"]:
-            st = base.state.get(p, {})
-            if "exp_avg" in st and "exp_avg_sq" in st:
-                ms.append(st["exp_avg"].detach().reshape(-1).float())
-                vs.append(st["exp_avg_sq"].detach().reshape(-1).float())
-    if not ms:
+    states = [base.state.get(p, {}) for g in base.param_groups for p in g["params"]]
+    states = [st for st in states if "exp_avg" in st and "exp_avg_sq" in st]
+    if not states:
         raise RuntimeError(f"{type(base).__name__} holds no exp_avg/exp_avg_sq state to dump")
-    m, v = torch.cat(ms), torch.cat(vs)
+    m, v = (torch.cat([st[k].detach().reshape(-1).float() for st in states]) for k in ("exp_avg", "exp_avg_sq"))
     n = m.numel()
     if sample >= n:
         idx = torch.arange(n, device=m.device)
         layout = f"all {n} values"
     else:
-        n_win = 64
-        win = max(128, sample // n_win // 128 * 128)
-        starts = torch.linspace(0, max(n - win, 0), n_win).long() // 128 * 128
+        win = max(128, sample // 64 // 128 * 128)
+        starts = torch.linspace(0, max(n - win, 0), 64).long() // 128 * 128
         idx = (starts[:, None] + torch.arange(win)[None, :]).reshape(-1).clamp_(max=n - 1).to(m.device)
-        layout = f"{n_win} windows of {win} contiguous values out of {n}"
-    out = {"exp_avg": m[idx].cpu(), "exp_avg_sq": v[idx].cpu(), "source": f"{what}: {layout}",
-           "optimizer": type(base).__name__}
+        layout = f"64 windows of {win} contiguous values out of {n}"
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(out, path)
+    torch.save({"exp_avg": m[idx].cpu(), "exp_avg_sq": v[idx].cpu(), "source": f"{what}: {layout}",
+                "optimizer": type(base).__name__}, path)
     return {"path": str(path), "numel": int(idx.numel()), "of": n, "layout": layout,
             "optimizer": type(base).__name__}
 
 
 def launch(args: argparse.Namespace, name: str, out: Path, tag: str, timeout: float) -> dict:
-    """One configuration's worker, its progress lines echoed, killed after `timeout` s -> its result (named after
-    `tag`)."""
+    """One configuration's worker, its progress lines echoed, killed after `timeout` s -> its result."""
     result = out / f"convergence_{tag}.json"
     result.unlink(missing_ok=True)
     cmd = worker_cmd("benchmarks.convergence", args, RECIPE + ("deadline",), config=name, result=result)
@@ -187,12 +168,19 @@ def launch(args: argparse.Namespace, name: str, out: Path, tag: str, timeout: fl
         cmd += ["--dump-state", str(out / "adam_state_bf16.pt"), "--state-sample", str(args.state_sample)]
     print(f"== {name}: {' '.join(cmd)}", flush=True)
     rc, tail = run_worker(cmd, timeout, echo=lambda line: line.startswith("[") or "rror" in line)
-    return collect(name, rc, result, tail)
+    # what the worker last saved, with its exit code and, when that is not 0, the end of its output
+    run = read_json(result) or no_run(name, f"failed (exit {rc})")
+    if rc != 0 and run["status"] in ("running", "ok"):
+        run["status"] = f"stopped at step {run['steps_done']} (exit {rc})"
+    run["exit_code"] = rc
+    run["log_tail"] = tail[-2000:] if rc != 0 else ""
+    print(f"{result.stem}: {run['status']}, final val loss {run['final_val_loss']}", flush=True)
+    return run
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--configs", default=DEFAULT_CONFIGS, help=f"comma-separated, from {list(CONFIGS)}")
+    p.add_argument("--configs", help=f"comma-separated, from {list(CONFIGS)} (default {DEFAULT_CONFIGS})")
     p.add_argument("--model-size", default="125m", help="a size from coat_ds.workloads.causal_lm's MODEL_SIZES")
     p.add_argument("--family", default="llama", choices=FAMILIES, help="the model family of that size")
     p.add_argument("--data", help="as examples/train.py --data (default: the standard-library corpus)")
@@ -221,11 +209,13 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     return p, p.parse_args(argv)
 
 
-def run_workers(rec: argparse.Namespace, jobs: list[tuple[str, int]], out: Path, max_parallel: int, kill_at: float,
-                tag=lambda name, seed: name) -> dict[tuple[str, int], dict]:
-    """Each (config, seed) job's worker, at most max_parallel at once, in order -> its result. A worker still
-    running at kill_at is killed (its last saved result is kept); a job not started a minute before the workers'
-    own deadline (rec.deadline) is left out."""
+def run_workers(rec: argparse.Namespace, jobs: list[tuple[str, int]], out: Path, max_parallel: int, stop_at: float,
+                kill_at: float, tag=lambda name, seed: name) -> dict[tuple[str, int], dict]:
+    """Each (config, seed) job's worker, at most max_parallel at once, in order -> its result. Workers stop
+    themselves at stop_at (evaluate, save) and are killed at kill_at; a job not started a minute before stop_at
+    is left out."""
+    rec.deadline = stop_at
+
     def run(job: tuple[str, int]) -> dict | None:
         name, seed = job
         if time.time() >= rec.deadline - 60:
@@ -242,42 +232,46 @@ def no_run(name: str, status: str) -> dict:
     return {"config": name, "label": CONFIGS[name][0], "status": status, "train": [], "val": [], "final_val_loss": None}
 
 
-def collect(name: str, rc: int, result: Path, tail: str) -> dict:
-    """A finished (or killed) worker's result: what it last saved, with its exit code and, when that is not 0, the
-    end of its output; a stub when it saved none."""
-    run = read_json(result) or no_run(name, f"failed (exit {rc})")
-    if rc != 0 and run["status"] in ("running", "ok"):
-        run["status"] = f"stopped at step {run['steps_done']} (exit {rc})"
-    run["exit_code"] = rc
-    run["log_tail"] = tail[-2000:] if rc != 0 else ""
-    print(f"{result.stem}: {run['status']}, final val loss {run['final_val_loss']}", flush=True)
-    return run
+# --- Comparing runs (seed_spread's too) -------------------------------------------------------------------------------
+def last_common_step(curves) -> int | None:
+    """The last step every one of these validation curves evaluated: where the runs are compared."""
+    steps = [{s for s, _ in curve} for curve in curves]
+    return max(set.intersection(*steps), default=None) if steps else None
+
+
+def rel_gap(x: float | None, base: float | None) -> float | None:
+    """(x - base) / base; None where either is missing."""
+    return (x - base) / base if x is not None and base else None
+
+
+def fmt(v, spec: str = ".4f") -> str:
+    return "-" if v is None else format(v, spec)
 
 
 def headline(args: argparse.Namespace, runs: dict[str, dict], tokens, t0: float) -> dict:
     """convergence.json: the validation losses compared at the last step every run evaluated, and the runs."""
-    # compare at the last step every run evaluated (all of them, unless the time budget stopped one early)
-    val_steps = [{st for st, _ in r.get("val", [])} for r in runs.values()]
-    common = max(set.intersection(*val_steps), default=None) if val_steps else None
-    at = lambda n: next((v for st, v in (runs.get(n) or {}).get("val", []) if st == common), None)  # noqa: E731
-    bf16, full, opt = at("bf16"), at("coat_full"), at("coat_opt")
-    sr, rn = at("coat_full_bf16sr"), at("coat_full_bf16rn")
-    gap = lambda c: (c - bf16) / bf16 if c is not None and bf16 else None  # noqa: E731
-    tail = lambda n: [v for _, v in (runs.get(n) or {}).get("train", [])[-5:]]  # noqa: E731
+    common = last_common_step(r.get("val", []) for r in runs.values())
+    loss = {n: dict(r.get("val", [])).get(common) for n, r in runs.items()}
+    bf16, full, opt, sr, rn = map(loss.get, ("bf16", "coat_full", "coat_opt", "coat_full_bf16sr", "coat_full_bf16rn"))
+
+    def within_target(x: float | None) -> bool | None:
+        return None if rel_gap(x, bf16) is None else abs(rel_gap(x, bf16)) <= TARGET_GAP
+
+    def tail(n: str) -> float | None:   # the mean train loss of the last 5 records (50 steps)
+        last = [v for _, v in (runs.get(n) or {}).get("train", [])[-5:]]
+        return sum(last) / len(last) if last else None
+
     return {
         **provenance(), **recipe_facts(args, tokens),
         "params": next((r.get("params") for r in runs.values() if r.get("params")), None),
-        "seed": args.seed, "parallel": args.parallel,
-        "steps": common or 0, "steps_requested": args.steps,
+        "seed": args.seed, "parallel": args.parallel, "steps": common or 0, "steps_requested": args.steps,
         "bf16_val_loss": bf16, "coat_val_loss": full, "coat_opt_val_loss": opt,
-        "val_loss_gap_rel": gap(full), "val_loss_gap_rel_optimizer_only": gap(opt),
-        "coat_bf16sr_val_loss": sr, "val_loss_gap_rel_bf16sr": gap(sr),
-        "coat_bf16rn_val_loss": rn, "val_loss_gap_rel_bf16rn": gap(rn),
-        "within_target_bf16sr": None if gap(sr) is None else abs(gap(sr)) <= TARGET_GAP,
-        "bf16_train_loss_last50": sum(tail("bf16")) / len(tail("bf16")) if tail("bf16") else None,
-        "coat_train_loss_last50": sum(tail("coat_full")) / len(tail("coat_full")) if tail("coat_full") else None,
-        "target_gap_rel": TARGET_GAP,
-        "within_target": None if gap(full) is None else abs(gap(full)) <= TARGET_GAP,
+        "val_loss_gap_rel": rel_gap(full, bf16), "val_loss_gap_rel_optimizer_only": rel_gap(opt, bf16),
+        "coat_bf16sr_val_loss": sr, "val_loss_gap_rel_bf16sr": rel_gap(sr, bf16),
+        "coat_bf16rn_val_loss": rn, "val_loss_gap_rel_bf16rn": rel_gap(rn, bf16),
+        "within_target_bf16sr": within_target(sr),
+        "bf16_train_loss_last50": tail("bf16"), "coat_train_loss_last50": tail("coat_full"),
+        "target_gap_rel": TARGET_GAP, "within_target": within_target(full),
         "adam_state": (runs.get("bf16") or {}).get("adam_state"),
         "runs": runs, "wall_s": time.time() - t0, "smoke": args.smoke,
     }
@@ -314,24 +308,22 @@ def main(argv: list[str] | None = None) -> int:
         return worker(args)
     if args.smoke:
         smoke_recipe(args)
-        args.configs = "bf16,coat_full" if args.configs == DEFAULT_CONFIGS else args.configs   # two processes
+    args.configs = args.configs or (SMOKE_CONFIGS if args.smoke else DEFAULT_CONFIGS)
     names = check_args(p, args, ("seq_len", "micro_batch", "steps", "log_every", "eval_every", "eval_batches"))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     tokens = load_tokens(args, t0)
-    args.deadline = t0 + args.time_budget - 20          # the runs stop themselves, evaluate and save
     done = run_workers(args, [(n, args.seed) for n in names], out, len(names) if args.parallel else 1,
-                       kill_at=t0 + args.time_budget + 40)   # then they are killed
+                       stop_at=t0 + args.time_budget - 20, kill_at=t0 + args.time_budget + 40)
     runs = {n: done.get((n, args.seed)) or no_run(n, "not started: time budget") for n in names}
     res = headline(args, runs, tokens, t0)
     path = write_results(res, out, "convergence")
     bf16, opt, full = res["bf16_val_loss"], res["coat_opt_val_loss"], res["coat_val_loss"]
     sr, rn = res["coat_bf16sr_val_loss"], res["coat_bf16rn_val_loss"]
-    f = lambda v, s=".4f": "-" if v is None else format(v, s)  # noqa: E731
-    print(f"final val loss: bf16 {f(bf16)}, coat optimizer-only {f(opt)}, coat full {f(full)} (bf16 master: SR "
-          f"{f(sr)}, RN {f(rn)}); gap {f(res['val_loss_gap_rel'], '+.3%')}, bf16 SR "
-          f"{f(res['val_loss_gap_rel_bf16sr'], '+.3%')} (target within {TARGET_GAP:.1%})  ->  {path}", flush=True)
+    print(f"final val loss: bf16 {fmt(bf16)}, coat optimizer-only {fmt(opt)}, coat full {fmt(full)} (bf16 master: "
+          f"SR {fmt(sr)}, RN {fmt(rn)}); gap {fmt(res['val_loss_gap_rel'], '+.3%')}, bf16 SR "
+          f"{fmt(res['val_loss_gap_rel_bf16sr'], '+.3%')} (target within {TARGET_GAP:.1%})  ->  {path}", flush=True)
     return 0 if all(r.get("status") == "ok" for r in runs.values()) else 1
 
 

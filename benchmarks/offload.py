@@ -1,11 +1,8 @@
 """ZeRO-2 + ZeRO-Offload (optimizer on the host): host memory per parameter, GPU peak, tokens/s; one process per row.
 
-    python -m benchmarks.offload --models llama-1b --out $OUT/offload              # 1 GPU; rows merge into offload.json
-    python -m benchmarks.offload --smoke --out /tmp/offload_smoke                  # CPU, tiny model, < 60 s
-
-A row predicted not to fit the host (`predict_host`) is skipped instead of taking the node down; rows are
-written as they finish. docs/benchmarks.md says what a row reports, docs/notes_offload.md where every host
-byte goes.
+A row predicted not to fit the host (`predict_host`) is skipped instead of taking the node down. Rows merge into
+--out's offload.json as they finish: to add rows to the committed one, copy it into --out first. docs/benchmarks.md
+has the commands and what a row reports, docs/notes_offload.md where every host byte goes.
 """
 from __future__ import annotations
 
@@ -20,8 +17,7 @@ import torch
 
 from benchmarks import e2e
 from benchmarks.common import (GIB, RESULTS, add_worker_args, check_positive, command, device_name, names_of, now,
-                               read_json, replace_rows, run_worker, versions, worker_cmd,
-                               write_results)
+                               read_json, replace_rows, run_worker, versions, worker_cmd, write_results)
 from benchmarks.render_tables import markdown, num
 from coat_ds.workloads.causal_lm import param_groups
 
@@ -38,14 +34,6 @@ HOST_MARGIN = 0.85
 STATE_B = {"bf16": 8.0, "coat_full": 2 + 16 / 128, "coat_full_bf16sr": 2 + 16 / 128}
 
 
-def offload_config(name: str, micro_batch: int, pin_memory: bool) -> dict:
-    """e2e.py's configuration `name` under ZeRO-2 with the optimizer offloaded to the host. The BF16 row keeps
-    "type": "AdamW", which DeepSpeed runs as DeepSpeedCPUAdam under Offload (on CPU too: no torch_adam)."""
-    cfg = e2e.ds_config(name, micro_batch=micro_batch, zero_stage=2)
-    cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": pin_memory}
-    return cfg
-
-
 # --- Prediction: what DeepSpeed 0.19.8's ZeRO-2 Offload allocates on the host -----------------------------------------
 def pinned_size(nbytes: int, pow2: bool) -> int:
     """Bytes a pinned block really takes: torch's pinned allocator rounds each block up to a power of two."""
@@ -54,24 +42,20 @@ def pinned_size(nbytes: int, pow2: bool) -> int:
 
 def predict_host(group_numels: list[int], largest_param: int, config: str, pinned: bool, pow2: bool,
                  base: int = BASE_RSS) -> dict:
-    """Host bytes (RSS) at DeepSpeed's engine set-up (its peak) and in steady training, per config.
-
-    Set-up: per param group a master partition, a bf16 staging buffer and a gradient partition, each pinned
-    through an unpinned copy of the same size (the transient), and a bf16 gradient buffer of the largest
-    parameter. Master and gradient are fp32, except with bf16_sr: ZeRO builds them in bf16 from the start
-    (DeepSpeed's bf16_master_weights_and_grads, set by coat_ds's engine hook), and the master then also
-    serves as the staging buffer, whose own block is freed (master.py)."""
+    """Host bytes (RSS) at DeepSpeed's engine set-up (its peak) and in steady training, per config: per param
+    group a master and a gradient partition (fp32; bf16 with bf16_sr, whose master is also the staging buffer)
+    and a bf16 staging buffer, each pinned through an unpinned copy (the transient), and a bf16 gradient buffer
+    of the largest parameter. docs/notes_offload.md has the derivation."""
     pin = (lambda b: pinned_size(b, pow2)) if pinned else (lambda b: b)
-    n = sum(group_numels)
     fp32 = sum(pin(4 * k) for k in group_numels)
     bf16 = sum(pin(2 * k) for k in group_numels)
     temp = pin(2 * largest_param)
     transient = 4 * max(group_numels) if pinned else 0
-    setup_peak = base + fp32 + bf16 + temp + transient + fp32
     if config == "coat_full_bf16sr":
-        setup_peak = base + 3 * bf16 + temp + transient // 2
-    states = int(STATE_B[config] * n)
-    held = (bf16 + bf16 + temp) if config == "coat_full_bf16sr" else (fp32 + bf16 + fp32 + temp)
+        setup_peak, held = base + 3 * bf16 + temp + transient // 2, 2 * bf16 + temp
+    else:
+        setup_peak, held = base + 2 * fp32 + bf16 + temp + transient, 2 * fp32 + bf16 + temp
+    states = int(STATE_B[config] * sum(group_numels))
     steady = base + held + states
     return {"setup_peak_bytes": setup_peak, "steady_bytes": steady, "peak_bytes": max(setup_peak, steady),
             "states_bytes": states, "base_bytes_assumed": base, "pinned": pinned, "pinned_pow2": pow2 and pinned}
@@ -84,38 +68,25 @@ def model_numels(model: str) -> tuple[list[int], int]:
     return numels, max(p.numel() for p in net.parameters())
 
 
-def kib_field(path: str, key: str) -> int:
-    """Bytes of a `key: N kB` line of a /proc file (0 if absent)."""
+def proc_bytes(key: str, path: str = "/proc/self/status") -> int:
+    """Bytes of a `key: N kB` line of a /proc file (0 if absent): this process's VmRSS, its VmHWM (the peak RSS
+    since the last reset_peak_rss), or /proc/meminfo's MemAvailable (what the OOM killer leaves workers)."""
     with open(path) as fh:
-        for line in fh:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def host_available() -> int:
-    """MemAvailable of this host (what a worker may take before the kernel's OOM killer steps in)."""
-    return kib_field("/proc/meminfo", "MemAvailable")
+        return next((int(line.split()[1]) * 1024 for line in fh if line.startswith(key + ":")), 0)
 
 
 # --- Worker: one (model, config) row ----------------------------------------------------------------------------------
-def rss_bytes() -> int:
-    return kib_field("/proc/self/status", "VmRSS")
-
-
-def peak_rss_bytes() -> int:
-    """VmHWM: the peak RSS since the last reset_peak_rss (or since start)."""
-    return kib_field("/proc/self/status", "VmHWM")
+def rss_gb() -> float:
+    return proc_bytes("VmRSS") / GIB
 
 
 def reset_peak_rss() -> bool:
     """Start a new peak-RSS window (VmHWM); False where the kernel does not allow it."""
     try:
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")
-        return True
+        Path("/proc/self/clear_refs").write_text("5")
     except OSError:
         return False
+    return True
 
 
 def step_phases(w) -> dict:
@@ -123,18 +94,15 @@ def step_phases(w) -> dict:
     host-side transients of the CPU optimizer would show)."""
     x, y = w.rung_inputs(w.args.micro_batch)
     w.sync()
-    out = {"before_gb": rss_bytes() / GIB}
-    ok = reset_peak_rss()
-    loss = w.train_lib.lm_loss(w.engine, x, y)
-    w.engine.backward(loss)
-    w.sync()
-    out["forward_backward_peak_gb"] = peak_rss_bytes() / GIB if ok else None
-    out["after_backward_gb"] = rss_bytes() / GIB
-    ok = reset_peak_rss()
-    w.engine.step()
-    w.sync()
-    out["optimizer_step_peak_gb"] = peak_rss_bytes() / GIB if ok else None
-    out["after_step_gb"] = rss_bytes() / GIB
+    out = {"before_gb": rss_gb()}
+    for phase, after, run in (("forward_backward", "after_backward",
+                               lambda: w.engine.backward(w.train_lib.lm_loss(w.engine, x, y))),
+                              ("optimizer_step", "after_step", w.engine.step)):
+        ok = reset_peak_rss()
+        run()
+        w.sync()
+        out[f"{phase}_peak_gb"] = proc_bytes("VmHWM") / GIB if ok else None
+        out[f"{after}_gb"] = rss_gb()
     return out
 
 
@@ -165,27 +133,29 @@ def host_accounting(engine, n_params: int) -> dict:
         pinned = [t.untyped_storage().nbytes() for t in counter.new if _is_pinned(t)]
         out[name] = {"bytes": b, "per_param": b / n_params, "pinned_bytes": sum(pinned),
                      "pinned_rounded_bytes": sum(pinned_size(x, True) for x in pinned)}
-    named = [k for k in out if k != "other"]
-    total = sum(out[k]["bytes"] for k in named)
+    total = sum(c["bytes"] for k, c in out.items() if k != "other")
+    opt = out["master"]["bytes"] + out["optimizer_states"]["bytes"]
     return {"categories": out, "host_total_bytes": total, "host_total_bytes_per_param": total / n_params,
-            "host_optimizer_bytes": out["master"]["bytes"] + out["optimizer_states"]["bytes"],
-            "host_optimizer_bytes_per_param": (out["master"]["bytes"] + out["optimizer_states"]["bytes"]) / n_params}
+            "host_optimizer_bytes": opt, "host_optimizer_bytes_per_param": opt / n_params}
 
 
 class OffloadWorker(e2e.Worker):
-    """e2e's worker with the offload config; records RSS at each stage of its life."""
+    """e2e's worker with e2e's configuration under ZeRO-2, the optimizer offloaded to the host; records RSS at each
+    stage of its life. The BF16 row keeps "type": "AdamW", which DeepSpeed runs as DeepSpeedCPUAdam under Offload
+    (on CPU too: no torch_adam)."""
 
     def setup_engine(self):
         args = self.args
-        self.rss = {"start": rss_bytes()}
+        self.rss = {"start": rss_gb()}
         net = self.model()
-        self.rss["model_built"] = rss_bytes()
-        cfg = offload_config(args.config, args.micro_batch, args.pin_memory)
+        self.rss["model_built"] = rss_gb()
+        cfg = e2e.ds_config(args.config, micro_batch=args.micro_batch, zero_stage=2)
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": args.pin_memory}
         cfg.pop("_source")
         engine = self.train_lib.initialize(net, cfg)
         engine.train()
-        self.rss["engine_built"] = rss_bytes()
-        self.rss["engine_built_peak"] = peak_rss_bytes()
+        self.rss["engine_built"] = rss_gb()
+        self.rss["engine_built_peak"] = proc_bytes("VmHWM") / GIB
         self.ds_cfg = cfg
         return engine
 
@@ -204,7 +174,7 @@ def run_row(w: OffloadWorker) -> dict:
     args, b = w.args, w.args.micro_batch
     x, y = w.rung_inputs(b)
     w.one_step(x, y)
-    w.rss["first_step"] = rss_bytes()
+    w.rss["first_step"] = rss_gb()
     for _ in range(args.warmup - 1):
         w.one_step(x, y)
     w.sync()
@@ -217,15 +187,15 @@ def run_row(w: OffloadWorker) -> dict:
     w.sync()
     dt = time.perf_counter() - t0
     acc = host_accounting(w.engine, w.n_params)
-    peak = peak_rss_bytes()   # before step_phases starts new peak windows
+    peak = proc_bytes("VmHWM") / GIB   # before step_phases starts new peak windows
     phases = step_phases(w)
-    peak = max([peak] + [v * GIB for k, v in phases.items() if k.endswith("peak_gb") and v is not None])
+    peak = max([peak] + [v for k, v in phases.items() if k.endswith("peak_gb") and v is not None])
     return {"model": args.model, "config": args.config, "label": CONFIGS[args.config], "params": w.n_params,
             "micro_batch": b, "seq_len": args.seq_len, "timed_steps": steps, "step_time_s": dt / steps,
             "tokens_per_s": b * args.seq_len * steps / dt, "loss": float(loss.detach().float()),
             "host_optimizer_bytes_per_param": acc["host_optimizer_bytes_per_param"],
-            "host_rss_gb": rss_bytes() / GIB, "host_rss_peak_gb": peak / GIB,
-            "host_rss_stages_gb": {k: v / GIB for k, v in w.rss.items()}, "host_rss_step_phases": phases,
+            "host_rss_gb": rss_gb(), "host_rss_peak_gb": peak, "host_rss_stages_gb": w.rss,
+            "host_rss_step_phases": phases,
             "gpu_peak_gb": torch.cuda.max_memory_allocated() / GIB if w.on_cuda else None,
             "gpu_peak_reserved_gb": torch.cuda.max_memory_reserved() / GIB if w.on_cuda else None,
             "pinned_allocator": pinned_stats(), "host_accounting": acc, "basic_optimizer":
@@ -234,26 +204,24 @@ def run_row(w: OffloadWorker) -> dict:
 
 
 def worker(args: argparse.Namespace) -> int:
-    args.start_batch, args.zero_stage, args.grad_accum_dtype, args.mem_fraction = args.micro_batch, 2, None, 1.0
     w = OffloadWorker(args)
     try:
         row = run_row(w)
     except torch.OutOfMemoryError as e:
         row = {"model": args.model, "config": args.config, "micro_batch": args.micro_batch, "fits": False,
-               "why_not": f"GPU OOM: {str(e).splitlines()[0]}", "gpu_oom": True,
-               "host_rss_stages_gb": {k: v / GIB for k, v in w.rss.items()}}
+               "why_not": f"GPU OOM: {str(e).splitlines()[0]}", "gpu_oom": True, "host_rss_stages_gb": w.rss}
     Path(args.result).write_text(json.dumps(row))
     return 0
 
 
-# --- Parent: prediction, one worker per row, merge into offload.json --------------------------------------------------
+# --- Parent: prediction, one worker per row, merged into offload.json -------------------------------------------------
 def launch(args: argparse.Namespace, model: str, config: str, micro_batch: int, budget: float) -> dict:
     """One row's worker process -> its row (or why it has none)."""
     result = Path(args.out) / f"offload_{model}_{config}.row.json"
     result.unlink(missing_ok=True)
     cmd = worker_cmd("benchmarks.offload", args, ("seq_len", "steps", "warmup", "seed"), models=model,
-                     configs=config, micro_batch=micro_batch, budget_s=max(budget - 30, 10), result=result)
-    cmd += [] if args.pin_memory else ["--no-pin-memory"]
+                     configs=config, micro_batch=micro_batch, budget_s=max(budget - 30, 10), result=result,
+                     no_pin_memory=not args.pin_memory)
     print(f"== {model} / {config}, micro-batch {micro_batch}: {' '.join(cmd)}", flush=True)
     rc, tail = run_worker(cmd, budget)
     why = "host OOM: killed by SIGKILL" if rc in (-9, 137) else f"worker exit {rc}"
@@ -261,27 +229,21 @@ def launch(args: argparse.Namespace, model: str, config: str, micro_batch: int, 
                                  "why_not": why, "error_tail": tail[-1500:]}
 
 
-def plan_row(args: argparse.Namespace, model: str, config: str, avail: int) -> dict:
-    """The predicted host memory of a row, and whether it is worth trying on this host."""
+def one_row(args: argparse.Namespace, model: str, config: str, avail: int, left: float) -> dict | None:
+    """The predicted host memory, then the worker if it is worth trying on this host (halving the micro-batch once
+    after a GPU OOM); None: no time left."""
     groups, largest = model_numels(model)
     on_cuda = torch.cuda.is_available()
-    pred = predict_host(groups, largest, config, pinned=args.pin_memory and on_cuda,
-                        pow2=os.environ.get("DS_PIN_MEMORY_BACKEND", "torch") != "native",
-                        base=BASE_RSS if on_cuda else 0)
-    pred["per_param"] = {k: v / sum(groups) for k, v in pred.items() if k.endswith("_bytes")}
-    fits = pred["peak_bytes"] <= HOST_MARGIN * avail or not on_cuda
-    return {"prediction": pred, "host_available_bytes": avail, "params": sum(groups), "predicted_fits": fits}
-
-
-def one_row(args: argparse.Namespace, model: str, config: str, avail: int, left: float) -> dict | None:
-    """Prediction, then the worker (halving the micro-batch once after a GPU OOM); None: no time left."""
-    plan = plan_row(args, model, config, avail)
+    p = predict_host(groups, largest, config, pinned=args.pin_memory and on_cuda,
+                     pow2=os.environ.get("DS_PIN_MEMORY_BACKEND", "torch") != "native", base=BASE_RSS if on_cuda else 0)
+    p["per_param"] = {k: v / sum(groups) for k, v in p.items() if k.endswith("_bytes")}
+    plan = {"prediction": p, "host_available_bytes": avail, "params": sum(groups),
+            "predicted_fits": p["peak_bytes"] <= HOST_MARGIN * avail or not on_cuda}
     if not plan["predicted_fits"]:
-        p = plan["prediction"]
-        return {"model": model, "config": config, "label": CONFIGS[config], "params": plan["params"], "fits": False,
+        return {"model": model, "config": config, "label": CONFIGS[config], "fits": False,
                 "why_not": f"host OOM predicted: peak {p['peak_bytes'] / GIB:.1f} GiB (set-up "
                            f"{p['setup_peak_bytes'] / GIB:.1f}, steady {p['steady_bytes'] / GIB:.1f}) > "
-                           f"{HOST_MARGIN} x {avail / GIB:.1f} GiB available; not run", **plan}
+                           f"{HOST_MARGIN} x {avail / GIB:.1f} GiB available; not run", **plan, "pinned": p["pinned"]}
     est = EST_S.get(model, 300)
     if left < min(est, 60):
         return None
@@ -290,41 +252,14 @@ def one_row(args: argparse.Namespace, model: str, config: str, avail: int, left:
     left = args.time_budget - (time.time() - args.t0)
     if row.get("gpu_oom") and mb > 1 and left > est:
         row = launch(args, model, config, mb // 2, left)
-    return {**row, **plan}
+    # pinned: as the worker's DeepSpeed config said, or as predicted where no engine was built
+    return {**row, **plan, "pinned": args.pin_memory if "ds_config" in row else p["pinned"]}
 
 
 def _row_order(row: dict) -> tuple[int, int]:
     """MODELS x CONFIGS order; a model outside MODELS (the smoke's tiny) last."""
-    models, configs = list(MODELS), list(CONFIGS)
-    return (models.index(row["model"]) if row["model"] in models else len(models), configs.index(row["config"]))
-
-
-def merge(old: dict, rows: list[dict], meta: dict) -> dict:
-    """An offload.json (`old`) with these rows replacing its rows of the same (model, config), in MODELS x
-    CONFIGS order, each saying whether it was pinned (rows of several invocations mix both)."""
-    merged = sorted(replace_rows(old.get("rows", []), rows, lambda r: (r["model"], r["config"])), key=_row_order)
-    for r in merged:
-        r["pinned"] = pinned(r)
-    return {**meta, "rows": merged, "invocations": old.get("invocations", []) + [meta]}
-
-
-def merge_files(paths: list[Path], out: Path) -> int:
-    """offload.json files of separate invocations (one GPU command each) -> one, later rows winning."""
-    res = read_json(out / "offload.json", {})
-    for path in paths:
-        part = read_json(path, {})
-        invocations = part.pop("invocations", [])
-        res = merge(res, part.pop("rows"), part)
-        res["invocations"] = res["invocations"][:-1] + invocations
-    write_results(res, out, "offload")
-    print(table(res["rows"]))
-    return 0
-
-
-def pinned(row: dict) -> bool | None:
-    """Whether a row's host buffers were (or were predicted) pinned."""
-    offload = ((row.get("ds_config") or {}).get("zero_optimization") or {}).get("offload_optimizer")
-    return offload["pin_memory"] if offload else (row.get("prediction") or {}).get("pinned")
+    m = row["model"]
+    return MODELS.index(m) if m in MODELS else len(MODELS), list(CONFIGS).index(row["config"])
 
 
 def table(rows: list[dict]) -> str:
@@ -337,7 +272,7 @@ def table(rows: list[dict]) -> str:
                       num(r.get("tokens_per_s"), 0), r.get("why_not") or ""] for r in rows])
 
 
-def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, from {list(e2e.MODELS)}")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from {list(CONFIGS)}")
@@ -351,18 +286,28 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--smoke", action="store_true", help="tiny model, seq 32, CPU is fine")
     p.add_argument("--out", default=str(RESULTS))
-    p.add_argument("--merge", nargs="+", metavar="JSON", help="no runs: merge these offload.json files into --out")
     add_worker_args(p)
     p.add_argument("--budget-s", type=float, default=1e9, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.models = names_of(p, "models", args.models, e2e.MODELS)
     args.configs = names_of(p, "configs", args.configs, CONFIGS)
     check_positive(p, args, ("micro_batch", "seq_len", "steps", "warmup"))
-    return p, args
+    return args
+
+
+def meta(args: argparse.Namespace, rows: list[dict], avail: int) -> dict:
+    """How the rows were measured; device and versions as a worker saw them (no CUDA context in the parent)."""
+    ran = next((r for r in reversed(rows) if r.get("device")), None)
+    ran = ran or {"device": device_name(), "versions": versions()}
+    return {"what": "ZeRO-2 + offload_optimizer cpu, 1 rank: host memory per parameter, GPU peak, tokens/s",
+            "device": ran["device"], "versions": ran["versions"], "host_available_gb": avail / GIB,
+            "pin_memory": args.pin_memory, "pin_backend": os.environ.get("DS_PIN_MEMORY_BACKEND", "torch"),
+            "seq_len": args.seq_len, "command": command(), "date": now(), "wall_s": time.time() - args.t0,
+            "smoke": args.smoke}
 
 
 def main(argv: list[str] | None = None) -> int:
-    _, args = parse_args(argv)
+    args = parse_args(argv)
     if args.worker:
         args.model, args.config = args.models[0], args.configs[0]
         return worker(args)
@@ -370,9 +315,8 @@ def main(argv: list[str] | None = None) -> int:
         args.models, args.seq_len, args.steps, args.warmup = ["tiny"], 32, 2, 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    if args.merge:
-        return merge_files([Path(m) for m in args.merge], out)
-    args.t0, avail, rows, before = time.time(), host_available(), [], read_json(out / "offload.json", {})
+    args.t0, avail, rows = time.time(), proc_bytes("MemAvailable", "/proc/meminfo"), []
+    old = read_json(out / "offload.json", {})
     for model in args.models:
         for config in args.configs:
             row = one_row(args, model, config, avail, args.time_budget - (time.time() - args.t0))
@@ -380,24 +324,15 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"== {model} / {config}: skipped, time budget spent", flush=True)
                 continue
             rows.append(row)
-            res = merge(before, rows, meta(args, rows, avail))
+            # the rows so far replace old's rows of the same (model, config); this invocation joins old's
+            merged = replace_rows(old.get("rows", []), rows, lambda r: (r["model"], r["config"]))
+            run = meta(args, rows, avail)
+            res = {**run, "rows": sorted(merged, key=_row_order), "invocations": old.get("invocations", []) + [run]}
             write_results(res, out, "offload")
     if not rows:
         return 1
-    print(table(res["rows"]))
-    print(f"-> {out / 'offload.json'}")
+    print(table(res["rows"]) + f"\n-> {out / 'offload.json'}")
     return 0 if all(r["fits"] or "predicted" in (r.get("why_not") or "") for r in rows) else 1
-
-
-def meta(args: argparse.Namespace, rows: list[dict], avail: int) -> dict:
-    """How the rows were measured. Device and versions come from a worker (asking CUDA here would put a context
-    on the GPU beside the workers)."""
-    ran = next((r for r in reversed(rows) if r.get("device")), None)
-    return {"what": "ZeRO-2 + offload_optimizer cpu, 1 rank: host memory per parameter, GPU peak, tokens/s",
-            "device": ran["device"] if ran else device_name(), "versions": ran["versions"] if ran else
-            versions(), "host_available_gb": avail / GIB, "pin_memory": args.pin_memory,
-            "pin_backend": os.environ.get("DS_PIN_MEMORY_BACKEND", "torch"), "seq_len": args.seq_len,
-            "command": command(), "date": now(), "wall_s": time.time() - args.t0, "smoke": args.smoke}
 
 
 if __name__ == "__main__":

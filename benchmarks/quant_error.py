@@ -38,15 +38,8 @@ def adam_moments(steps: int = 200, seed: int = 0) -> tuple[torch.Tensor, torch.T
         opt.zero_grad()
         loss.backward()
         opt.step()
-    states = [opt.state[p] for p in model.parameters()]
-    return (torch.cat([s["exp_avg"].reshape(-1) for s in states]),
-            torch.cat([s["exp_avg_sq"].reshape(-1) for s in states]))
-
-
-def error_table(m: torch.Tensor, v: torch.Tensor) -> list[dict]:
-    return [{"scheme": name, "format": fmt, "group_size": g, "expansion": exp,
-             "m_rel_err": relative_error(m, fmt, g, exp), "v_rel_err": relative_error(v, fmt, g, exp)}
-            for name, fmt, g, exp in SCHEMES]
+    m, v = (torch.cat([opt.state[p][k].reshape(-1) for p in model.parameters()]) for k in ("exp_avg", "exp_avg_sq"))
+    return m, v
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -61,7 +54,9 @@ def main(argv: list[str] | None = None) -> None:
     else:
         m, v = adam_moments(args.steps)
         source = f"torch AdamW, MLP 64-256-256-8, {args.steps} steps"
-    rows = error_table(m, v)
+    rows = [{"scheme": name, "format": fmt, "group_size": g, "expansion": exp,
+             "m_rel_err": relative_error(m, fmt, g, exp), "v_rel_err": relative_error(v, fmt, g, exp)}
+            for name, fmt, g, exp in SCHEMES]
     print(markdown(["scheme", "m rel err", "v rel err"],
                    [[r["scheme"], f"{r['m_rel_err']:.4%}", f"{r['v_rel_err']:.4%}"] for r in rows]))
     write_json(args.out, {**provenance(), "device": "cpu", "source": source, "numel": m.numel(), "rows": rows},

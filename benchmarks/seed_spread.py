@@ -1,12 +1,6 @@
 """Seed spread: is coat's validation loss inside BF16's own seed-to-seed spread? One convergence worker per
-(configuration, seed), up to --max-parallel at once, on convergence's default recipe.
-
-    python -m benchmarks.seed_spread --configs bf16,coat_full --seeds 0,1 --time-budget 555 --out OUT
-    python -m benchmarks.seed_spread --long --seeds 0 --time-budget 555 --out OUT
-    python -m benchmarks.seed_spread --smoke --out /tmp/seeds                       # CPU, tiny, < 60 s
-
-Calls merge into one seed_spread.json; docs/benchmarks.md says how the calls split a GPU's 600 s commands,
-what the sections run and how the statistics compare the runs.
+(configuration, seed), up to --max-parallel at once, on convergence's default recipe. Calls merge into one
+seed_spread.json; docs/benchmarks.md has the commands, what the sections run and how the statistics compare.
 """
 from __future__ import annotations
 
@@ -18,7 +12,8 @@ import time
 from pathlib import Path
 
 from benchmarks import convergence
-from benchmarks.common import RESULTS, check_positive, provenance, read_json, write_results
+from benchmarks.common import RESULTS, provenance, read_json, write_results
+from benchmarks.convergence import SMOKE_CONFIGS, fmt, last_common_step, rel_gap
 from benchmarks.e2e import CONFIGS, check_args
 from benchmarks.render_tables import markdown
 
@@ -46,20 +41,17 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, argparse.Nam
     p.add_argument("--smoke", action="store_true", help="tiny model, few steps, 2 configs x 2 seeds (CPU is fine)")
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args(argv)
-    check_positive(p, args, ("max_parallel", "steps"))
+    args.configs = args.configs or (LONG_CONFIGS if args.long else SMOKE_CONFIGS if args.smoke else DEFAULT_CONFIGS)
+    names = check_args(p, args, ("max_parallel", "steps"))
     parts = [s.strip() for s in args.seeds.split(",") if s.strip()]
     if not parts or not all(s.lstrip("-").isdigit() for s in parts) or len(set(map(int, parts))) != len(parts):
         p.error(f"--seeds={args.seeds!r} is invalid; allowed: distinct comma-separated integers")
-    seeds = [int(s) for s in parts]
     if args.long and args.family != "llama":
         p.error(f"--family={args.family!r} runs the default recipe; allowed with --long: 'llama'")
     if args.data and not (args.long or args.smoke):
         p.error("--data applies to --long only (the default section is convergence.py's own corpus)")
-    rec = recipe_args(args)
-    args.configs = args.configs or (LONG_CONFIGS if args.long else DEFAULT_CONFIGS)
-    if args.smoke:
-        args.configs, seeds = ("bf16,coat_full" if args.configs == DEFAULT_CONFIGS else args.configs), seeds[:2]
-    return args, rec, check_args(p, args, ()), seeds
+    seeds = [int(s) for s in parts]
+    return args, recipe_args(args), names, seeds[:2] if args.smoke else seeds
 
 
 def recipe_args(args: argparse.Namespace) -> argparse.Namespace:
@@ -78,9 +70,7 @@ def recipe_args(args: argparse.Namespace) -> argparse.Namespace:
             rec.data = os.path.dirname(transformers.__file__)
         if rec.data_bytes is None and Path(rec.data).is_dir():
             rec.data_bytes = LONG_DATA_BYTES
-    rec.steps = args.steps or rec.steps
-    rec.family = args.family
-    rec.state_sample = 0
+    rec.steps, rec.family, rec.state_sample = args.steps or rec.steps, args.family, 0
     return rec
 
 
@@ -97,23 +87,16 @@ def entry(run: dict, call: int) -> dict:
 
 
 # --- Statistics -------------------------------------------------------------------------------------------------------
-def at_step(val: list, step: int | None) -> tuple[float | None, float | None]:
-    """(the validation loss at `step`, the best one up to it) of one curve."""
-    upto = [v for s, v in val if step is not None and s <= step]
-    final = next((v for s, v in val if s == step), None)
-    return final, (min(upto) if upto else None)
-
-
 def mean_std(xs: list[float]) -> tuple[float | None, float | None]:
     """Mean and sample standard deviation (n - 1); None where there are too few values."""
     return (statistics.mean(xs) if xs else None), (statistics.stdev(xs) if len(xs) > 1 else None)
 
 
 def config_stats(runs: dict[str, dict], step: int | None) -> dict:
-    """One configuration's seeds at `step`: each seed's final and best loss, their mean, std, min and max."""
-    seeds = sorted((s for s, e in runs.items() if at_step(e["val"] or [], step)[0] is not None), key=int)
-    final = [at_step(runs[s]["val"], step)[0] for s in seeds]
-    best = [at_step(runs[s]["val"], step)[1] for s in seeds]
+    """One configuration's seeds at `step`: each seed's final and best (lowest so far) loss, mean, std, min, max."""
+    seeds = sorted((s for s, e in runs.items() if dict(e["val"] or []).get(step) is not None), key=int)
+    final = [dict(runs[s]["val"])[step] for s in seeds]
+    best = [min(v for st, v in runs[s]["val"] if st <= step) for s in seeds]
     (fm, fs), (bm, bs) = mean_std(final), mean_std(best)
     return {"seeds": [int(s) for s in seeds], "final": final, "best": best, "final_mean": fm, "final_std": fs,
             "best_mean": bm, "best_std": bs, "final_min": min(final, default=None),
@@ -122,30 +105,24 @@ def config_stats(runs: dict[str, dict], step: int | None) -> dict:
 
 def summarize(section: dict) -> None:
     """steps_compared, the BF16 band and every configuration's statistics and gap, written into `section`."""
-    curves = [{s for s, _ in e["val"]} for r in section["runs"].values() for e in r.values() if e["val"]]
-    step = max(set.intersection(*curves), default=None) if curves else None
+    step = last_common_step(e["val"] for r in section["runs"].values() for e in r.values() if e["val"])
     stats = {n: config_stats(r, step) for n, r in section["runs"].items()}
-    base = stats.get("bf16")
+    base = stats.get("bf16") or config_stats({}, step)   # no BF16 seeds: every figure None
     band = None
-    if base and base["final_std"] is not None:
+    if base["final_std"] is not None:
         band = [base["final_min"] - base["final_std"], base["final_max"] + base["final_std"]]
     for st in stats.values():
-        ok = base and base["final_mean"] and st["final_mean"] is not None
-        st["gap_rel_mean"] = (st["final_mean"] - base["final_mean"]) / base["final_mean"] if ok else None
-        st["gap_rel_mean_best"] = (st["best_mean"] - base["best_mean"]) / base["best_mean"] if ok else None
-        inside = band is not None and st["final_mean"] is not None and band[0] <= st["final_mean"] <= band[1]
-        st["within_bf16_spread"] = None if band is None or st["final_mean"] is None else inside
-        st["outside_bf16_spread_rel"] = (None if st["within_bf16_spread"] is None else 0.0 if inside else
-                                         min(abs(st["final_mean"] - b) for b in band) / base["final_mean"])
+        mean = st["final_mean"]
+        st["gap_rel_mean"] = rel_gap(mean, base["final_mean"])
+        st["gap_rel_mean_best"] = rel_gap(st["best_mean"], base["best_mean"])
+        st["within_bf16_spread"] = st["outside_bf16_spread_rel"] = None
+        if band is not None and mean is not None:
+            inside = st["within_bf16_spread"] = band[0] <= mean <= band[1]
+            st["outside_bf16_spread_rel"] = 0.0 if inside else min(abs(mean - b) for b in band) / base["final_mean"]
     section.update(steps_compared=step, bf16_band=band, summary=stats)
 
 
 # --- The JSON: merged with what --out already holds -------------------------------------------------------------------
-def section_recipe(rec: argparse.Namespace, tokens, smoke: bool) -> dict:
-    return {**convergence.recipe_facts(rec, tokens), "steps": rec.steps, "eval_every": rec.eval_every,
-            "eval_batches": rec.eval_batches, "smoke": smoke}
-
-
 def load_existing(path: Path, key: str, recipe: dict) -> dict:
     """The JSON in --out (or a fresh one); exits with one line when its `key` section ran another recipe."""
     res = read_json(path, {"calls": []})
@@ -171,10 +148,9 @@ def merge(section: dict, done: dict[tuple[str, int], dict], call: int) -> None:
 # --- Table ------------------------------------------------------------------------------------------------------------
 def table(res: dict, keys: list[str]) -> str:
     """Every section's statistics, a configuration a row."""
-    f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
-    rows = [[key, res[key]["steps_compared"], name, len(st["seeds"]), f"{f(st['final_mean'], '.4f')} +- "
-             f"{f(st['final_std'], '.4f')}", f"{f(st['best_mean'], '.4f')} +- {f(st['best_std'], '.4f')}",
-             f(st["gap_rel_mean"], "+.2%"), f"{st['within_bf16_spread']} ({', '.join(st['statuses'])})"]
+    rows = [[key, res[key]["steps_compared"], name, len(st["seeds"]), f"{fmt(st['final_mean'])} +- "
+             f"{fmt(st['final_std'])}", f"{fmt(st['best_mean'])} +- {fmt(st['best_std'])}",
+             fmt(st["gap_rel_mean"], "+.2%"), f"{st['within_bf16_spread']} ({', '.join(st['statuses'])})"]
             for key in keys for name, st in res[key]["summary"].items()]
     return markdown(["section", "compared at step", "config", "seeds", "final mean +- std", "best mean +- std", "gap",
                      "within BF16 spread"], rows)
@@ -188,13 +164,14 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     tokens = convergence.load_tokens(rec, t0)
     path = out / "seed_spread.json"
-    res = load_existing(path, key, section_recipe(rec, tokens, args.smoke))
+    recipe = {**convergence.recipe_facts(rec, tokens), "steps": rec.steps, "eval_every": rec.eval_every,
+              "eval_batches": rec.eval_batches, "smoke": args.smoke}
+    res = load_existing(path, key, recipe)
     at_once = min(args.max_parallel, len(names) * len(seeds))
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // at_once)))   # the cores shared
-    rec.deadline = t0 + args.time_budget - STOP_MARGIN_S
     pairs = [(n, s) for s in seeds for n in names]          # seed-major: a short budget still covers every config
-    done = convergence.run_workers(rec, pairs, out, args.max_parallel, kill_at=t0 + args.time_budget - KILL_MARGIN_S,
-                                   tag=lambda name, seed: f"{name}_seed{seed}")
+    done = convergence.run_workers(rec, pairs, out, args.max_parallel, stop_at=t0 + args.time_budget - STOP_MARGIN_S,
+                                   kill_at=t0 + args.time_budget - KILL_MARGIN_S, tag=lambda n, s: f"{n}_seed{s}")
     res["calls"].append({"section": key, "configs": names, "seeds": seeds, **provenance(),
                          "max_parallel": args.max_parallel, "omp_num_threads": os.environ["OMP_NUM_THREADS"],
                          "time_budget_s": args.time_budget, "wall_s": time.time() - t0})
