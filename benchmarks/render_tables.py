@@ -72,35 +72,6 @@ def _gap(s: dict) -> list[str]:
 
 # --- the tables -------------------------------------------------------------------------------------------------------
 @table
-def results(res: Path):
-    """docs/results.md: peak memory and tokens/s, BF16 vs torchao vs coat, end to end (benchmarks/e2e.py)."""
-    configs = (("bf16", "BF16 + FusedAdam"), ("torchao_fp8", "torchao float8 (compiled) + AdamWFp8, plain loop"),
-               ("coat_full", "coat_ds, DeepSpeed's fp32 master"),
-               ("coat_full_rem", "coat_ds, fp32 master as bf16 + remainders (exact preset)"),
-               ("coat_full_bf16sr", "coat_ds, bf16_sr master (lowest-memory preset without attention_fp8)"))
-    yield ["model, GPU (file)", "configuration", "peak GiB at micro-batch N", "tokens/s at N",
-           "largest micro-batch that fits", "tokens/s there"]
-    # (model, its e2e run, the run of torchao beside the lowest-memory preset: a torchao compile takes minutes a shape)
-    for model, name, peer_name in (("Llama 1.1B", "e2e_llama-1b.json", "e2e_torchao_llama-1b.json"),
-                                   ("Llama-2-7B", "e2e_7b_one_gpu.json", "e2e_torchao_llama2-7b.json")):
-        run, peer = load(res, name), load(res, peer_name)
-        for key, label in configs:
-            file, src = (peer_name, peer) if key == "torchao_fp8" else (name, run)
-            c = _configs(src).get(key)
-            where = [f"{model}, {gpu(run['device'])} (`{file}`)", label]
-            if c is None or (c.get("errors") and not c.get("equal_batch") and c.get("needed_gb_at_1") is None):
-                yield [*where, "not run" if c is None else "no result (see the file's errors)", "-", "-", "-"]
-                continue
-            eq = c.get("equal_batch")
-            peak = (f"{num(eq['peak_alloc_gb'])} (N={src['equal_micro_batch']})" if eq else
-                    f"does not fit at 1 (needs ~{num(c.get('needed_gb_at_1'))})")
-            largest = c.get("max_micro_batch", "-")
-            if len(c.get("rungs") or ()) == 1 and c.get("smallest_failing_batch") is None:
-                largest = f">= {largest} (the one size run)"   # a single size, no search (torchao's compile)
-            yield [*where, peak, tokens(eq), largest, tokens(c.get("max_batch"))]
-
-
-@table
 def presets(res: Path):
     """docs/presets.md: what each preset keeps per parameter and per token, and the measured rows behind it."""
     rows = (  # intent -> (e2e run and config behind its state bytes, the Offload row's config, llama_layer variant)
@@ -243,13 +214,15 @@ def llama_layer(res: Path):
 
 @table
 def e2e_runs(res: Path):
-    """docs/results.md: every configuration of every committed e2e run, one row each."""
+    """docs/results.md: every configuration of every committed e2e run, one row each; torchao's runs (a compile
+    takes minutes a shape: one size each) beside the one-GPU runs."""
     yield ["run (file)", "configuration", "micro-batch N", "peak GiB at N", "tokens/s at N", "largest micro-batch",
            "tokens/s there"]
-    for name in ("e2e_7b_one_gpu.json", "e2e.json", "e2e_grad_accum_fp32.json", "e2e_llama-1b.json",
-                 "e2e_llama-1b_grad_accum_fp32.json"):
+    for name in ("e2e_llama-1b.json", "e2e_torchao_llama-1b.json", "e2e_7b_one_gpu.json", "e2e_torchao_llama2-7b.json",
+                 "e2e.json", "e2e_grad_accum_fp32.json", "e2e_llama-1b_grad_accum_fp32.json"):
         run = load(res, name)
-        where = f"{run['model']}, {run['world_size']}x {gpu(run['device'])}, ZeRO-{run['zero_stage']} (`{name}`)"
+        zero = "no DeepSpeed" if run["zero_stage"] is None else f"ZeRO-{run['zero_stage']}"
+        where = f"{run['model']}, {run['world_size']}x {gpu(run['device'])}, {zero} (`{name}`)"
         for c in run["configs"]:
             eq, top = c.get("equal_batch"), c.get("max_batch")
             peak = num(eq["peak_alloc_gb"]) if eq else f"does not fit (~{num(c.get('needed_gb_at_1'))} at 1)"
