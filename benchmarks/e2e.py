@@ -33,7 +33,7 @@ from coat_ds.workloads import causal_lm as train_lib  # noqa: E402  (engine init
 from coat_ds.workloads.causal_lm import MODEL_SIZES, from_shape  # noqa: E402  (the main job's shapes)
 from coat_ds.workloads.shapes import SHAPES  # noqa: E402  (public shapes: TinyLlama's, Llama-2's, Llama-3.1's)
 
-# Llama shapes by name: the main job's 125m, OpenLLaMA-3B's, and the public ones of coat_ds.workloads.shapes.
+# Llama shapes by name: the main job's 125m and the public ones of coat_ds.workloads.shapes.
 MODELS = {
     "tiny": dict(hidden_size=256, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
                  intermediate_size=512, vocab_size=512),   # wide enough that the decoder layer's activations dominate
@@ -41,8 +41,6 @@ MODELS = {
                               num_key_value_heads=2, head_dim=64, intermediate_size=512, vocab_size=512)
        for family in ("qwen3", "gemma3_text")},                  # the other families' smoke shapes
     "llama-125m": dict(MODEL_SIZES["125m"], vocab_size=32000),
-    "llama-3b": dict(hidden_size=3200, num_hidden_layers=26, num_attention_heads=32, num_key_value_heads=32,
-                     intermediate_size=8640, vocab_size=32000),
     **SHAPES,
 }
 
@@ -88,8 +86,7 @@ def merge_into(section: dict, extra: dict) -> None:
 
 
 def ds_config(name: str, *, micro_batch: int, zero_stage: int | None = None, on_cpu: bool = False,
-              lr: float | None = None, total_steps: int | None = None, warmup_steps: int | None = None,
-              grad_accum_dtype: str | None = None) -> dict:
+              lr: float | None = None, total_steps: int | None = None, warmup_steps: int | None = None) -> dict:
     """The DeepSpeed config of configuration `name` with the benchmark's overrides applied.
 
     On CPU the BF16 baseline uses torch's AdamW (`torch_adam`): FusedAdam would JIT-build a C++ op there."""
@@ -106,8 +103,6 @@ def ds_config(name: str, *, micro_batch: int, zero_stage: int | None = None, on_
     cfg.setdefault("wall_clock_breakdown", False)
     if zero_stage is not None:
         cfg.setdefault("zero_optimization", {})["stage"] = zero_stage
-    if grad_accum_dtype is not None:   # DeepSpeed's gradient-partition dtype (docs/deepspeed.md: the step peak)
-        cfg.setdefault("data_types", {})["grad_accum_dtype"] = grad_accum_dtype
     opt = cfg.get("optimizer", {})
     if on_cpu and opt.get("type", "").lower() in ("adam", "adamw"):
         opt.setdefault("params", {})["torch_adam"] = True
@@ -226,7 +221,7 @@ class Worker:
         """Build the model and the engine; emit the set-up record (parameters, config, memory limit)."""
         args, net = self.args, self.model()
         cfg = ds_config(args.config, micro_batch=args.start_batch, zero_stage=args.zero_stage,
-                        on_cpu=not self.on_cuda, grad_accum_dtype=args.grad_accum_dtype)
+                        on_cpu=not self.on_cuda)
         source = cfg.pop("_source")
         try:
             engine = self.train_lib.initialize(net, cfg)
@@ -530,7 +525,7 @@ def launch(args: argparse.Namespace, name: str, result: Path, start: int, known_
     """Run one worker (under `deepspeed --num_gpus N` when N > 1); returns its exit code and output tail. The
     worker stops climbing at `budget - 20` s; `budget + 30` s is the hard stop."""
     cmd = worker_cmd("benchmarks.e2e", args, ("model", "seq_len", "max_batch", "steps", "warmup", "mem_fraction",
-                     "seed", "max_rungs", "zero_stage", "grad_accum_dtype", "profile_batch", "profile"),
+                     "seed", "max_rungs", "zero_stage", "profile_batch", "profile"),
                      args.num_gpus, config=name, start_batch=start, known_fail=known_fail,
                      budget_s=max(budget - 20, 10), result=result)
     print(f"== {name}: {' '.join(cmd)}", flush=True)
@@ -612,8 +607,6 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     p.add_argument("--profile", action="store_true",
                    help="record one step's top kernels, top host-side calls and device syncs (at the largest batch)")
     p.add_argument("--profile-batch", type=int, help="profile at this micro-batch instead of the largest that fits")
-    p.add_argument("--grad-accum-dtype", choices=["fp32", "bf16"],
-                   help="set DeepSpeed's data_types.grad_accum_dtype in every configuration (default: the configs')")
     p.add_argument("--verbose", action="store_true", help="echo the workers' whole output")
     add_worker_args(p)
     p.add_argument("--config", help=argparse.SUPPRESS)
@@ -674,7 +667,6 @@ def headline(args: argparse.Namespace, rows: list[dict], t0: float) -> dict:
     setup, shape = rows[0], MODELS[args.model]
     return {
         **provenance(), "model": args.model, "params": setup.get("params"), "shape": shape,
-        "grad_accum_dtype": args.grad_accum_dtype or "config default",
         "world_size": args.num_gpus, "zero_stage": args.zero_stage if args.zero_stage is not None else
         ((setup.get("ds_config") or {}).get("zero_optimization") or {}).get("stage"),
         "seq_len": args.seq_len, "equal_micro_batch": args.equal_batch,

@@ -117,12 +117,6 @@ def test_max_micro_batch_is_zero_with_what_one_needed_when_one_does_not_fit():
     assert max_micro_batch([], None) == {"max_micro_batch": None}
 
 
-def test_grad_accum_dtype_reaches_every_config_and_only_when_asked():
-    for n in CONFIGS:
-        assert ds_config(n, micro_batch=1, grad_accum_dtype="fp32")["data_types"]["grad_accum_dtype"] == "fp32"
-        assert "grad_accum_dtype" not in ds_config(n, micro_batch=1).get("data_types", {})
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Both smokes, end to end
 # ---------------------------------------------------------------------------------------------------------
