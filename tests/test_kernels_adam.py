@@ -474,6 +474,53 @@ def test_adamw_step_with_a_device_grad_scale_does_not_sync():
         torch.cuda.set_sync_debug_mode("default")
 
 
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("master", ["fp32", "bf16_sr", "fp32_remainder"])
+@pytest.mark.parametrize("device,simd", DEVICES + [pytest.param("cpu", "reference", id="reference")])
+def test_adam_step_with_a_non_finite_grad_scale_changes_nothing(request, monkeypatch, device, simd, master):
+    """A non-finite grad_scale (NaN, +-inf; tensor or float) skips the step, the convention that lets release skip
+    a bucket without a host read: params, remainders, bf16 copies, moments' codes, scales and exponents all keep
+    their bits (fresh random inputs, bf16 copies holding random bits). A finite scale then steps as the
+    reference does. `reference`: kernels.adamw_step without a compiled op (adam_reference)."""
+    from coat_ds import kernels as ops
+
+    if simd == "reference":
+        monkeypatch.setattr("coat_ds.kernels.adam._op", lambda device: None)
+    else:
+        op = _op(request, device, simd)
+    g = 64
+    sizes = GPU_SIZES if device == "cuda" else CPU_SIZES
+    params, grads, ms, vs, keys = _master_case(device, sizes, g, torch.bfloat16,
+                                               "bf16_sr" if master == "bf16_sr" else "fp32", seed=41)
+    rems = []
+    if master == "fp32_remainder":
+        params, rems = (list(t) for t in zip(*(split_remainder(p) for p in params)))
+    gen = torch.Generator().manual_seed(42)
+    out = [torch.randint(-2**15, 2**15, p.shape, dtype=torch.int16, generator=gen).view(torch.bfloat16).to(device)
+           for p in params]
+
+    def fields():
+        return [*params, *rems, *out, *(t for x in ms for t in x), *(t for x in vs for t in x)]
+
+    def step(scale):
+        ops.adamw_step(params, grads, ms, vs, **HP, step=5, v_format=E5M2, group_size=g, expansion=True,
+                       bf16_out=out, grad_scale=scale, sr_keys=keys, sr_seed=SR_SEED, remainders=rems)
+
+    before = [t.clone() for t in fields()]
+    for scale in (torch.tensor([NAN], device=device), torch.tensor([INF], device=device),
+                  torch.tensor([-INF], device=device), NAN, INF):
+        step(scale)
+        assert all(_same_bits(a, b) for a, b in zip(fields(), before)), scale
+    if simd != "reference" and master != "fp32_remainder":  # (remainders: the fp32 master's test above)
+        _run_and_check(op, params, grads, ms, vs, g, E5M2, True, step=5, bf16_copy=True,
+                       grad_scale=torch.tensor([1 / 37.5], device=device), sr_keys=keys)
+    step(torch.tensor([1 / 37.5], device=device))  # and the comparison above would have seen a step
+    changed = [not _same_bits(a, b) for a, b in zip(fields(), before)]
+    assert any(changed[:len(params)]) and any(changed[len(params):])
+
+
 def test_adamw_step_rejects_bad_inputs():
     from coat_ds import kernels as ops
 

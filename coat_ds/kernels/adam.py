@@ -10,7 +10,7 @@ import torch
 
 from ..formats import E4M3, FP8Format, bf16_weight, dequantize as ref_dequantize, get_format, quantize as ref_quantize
 from .loader import load_op
-from .adam_reference import adamw_step_reference
+from .adam_reference import adamw_step_reference, skipped, unless_skipped
 
 
 def _op(device: torch.device):
@@ -60,7 +60,11 @@ def adamw_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], m:
     rounded back, stochastically when sr_keys[i] = (stream, offset) is given (stream names the parameter,
     offset is where tensor i starts in it; see formats.rounding), to nearest even otherwise, or with
     remainders[i] (int16) the high half of an exact fp32 master whose low half remainders[i] holds
-    (formats.remainder). bf16_out: a bf16 copy of every updated param (of an fp32 one: formats.bf16_weight)."""
+    (formats.remainder). bf16_out: a bf16 copy of every updated param (of an fp32 one: formats.bf16_weight).
+
+    A non-finite grad_scale (NaN, +-inf) skips the step: nothing is written, params, moments, bf16_out and
+    remainders stay bit for bit. A caller that finds a gradient non-finite on the device passes NaN there and
+    never reads the verdict on the host (coat.gradients "release" does, per bucket)."""
     if not params:
         return
     _check_step_args(params, grads, sr_keys, grad_scale, remainders)
@@ -76,6 +80,7 @@ def adamw_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], m:
                      lr, beta1, beta2, eps, weight_decay, step, group_size, v_format.name == "e5m2", expansion,
                      scale_t, scale, keys, sr_seed)
         return
+    skip = skipped(grad_scale)
     for i, (p, g, mi, vi) in enumerate(zip(params, grads, m, v)):
         new_m, new_v = adamw_step_reference(p, g, mi, vi, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                                             weight_decay=weight_decay, step=step, m_format=E4M3,
@@ -85,7 +90,7 @@ def adamw_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], m:
         for dst, src in zip((*mi, *vi), (*new_m, *new_v)):
             dst.copy_(src)
         if bf16_out:  # an fp32 master's copy is its split's high half, as the kernels write it
-            bf16_out[i].copy_(bf16_weight(p) if p.dtype == torch.float32 else p)
+            bf16_out[i].copy_(unless_skipped(skip, bf16_out[i], bf16_weight(p) if p.dtype == torch.float32 else p))
 
 
 def quantize(x: torch.Tensor, fmt: str | FP8Format = "e4m3", group_size: int = 128, expansion: bool = True):

@@ -153,6 +153,7 @@ void adam_step(const std::vector<torch::Tensor>& params, const std::vector<torch
     coat_ops::check_grad_scale(grad_scale_t, params);
     const coat::AdamCoefs c = coat_ops::adam_coefs(lr, beta1, beta2, eps, weight_decay, step,
                                                    grad_scale_t.has_value() ? grad_scale_t->item<float>() : grad_scale);
+    if (!std::isfinite(c.grad_scale)) return;  // a non-finite grad scale skips the step: nothing is written
     const uint32_t sr_prefix = coat::sr_prefix((uint64_t)sr_seed, (uint64_t)step);
     [[maybe_unused]] const bool avx512 = use_avx512();
     for (const auto& t : refs) {

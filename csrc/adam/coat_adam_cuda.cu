@@ -152,13 +152,14 @@ __global__ void __launch_bounds__(kThreads, 4) adam_kernel(const AdamTensor* __r
     // chunk q (4 values) of a lane starts at q * G/W + 4 * lane within the group: each load/store
     // instruction of a segment covers one contiguous span (full 32-byte sectors, no holes)
     constexpr int kChunkStride = G / W;
+    const float scale = grad_scale != nullptr ? __ldg(grad_scale) : c.grad_scale;  // on the device: no host sync
+    if (!isfinite(scale)) return;  // the convention of a skipped step (every thread alike): change nothing
     __shared__ float s_log2_m[128];
     __shared__ float s_log2_v[128];
     for (int i = threadIdx.x; i < 128; i += blockDim.x) {
         s_log2_m[i] = coat::log2_abs_code_table(i, false);
         s_log2_v[i] = coat::log2_abs_code_table(i, v_e5m2);
     }
-    const float scale = grad_scale != nullptr ? __ldg(grad_scale) : c.grad_scale;  // on the device: no host sync
     __syncthreads();
 
     const int seg = threadIdx.x / T::kLanes;

@@ -17,9 +17,14 @@ TASK (stage S: 1, 2 or 3, master M: fp32 | fp32_remainder | bf16_sr):
   resume:S:M    clipping 1.0: 50 steps saved at 30, and the resumed tail
   refuse:S      engines release refuses: the error of each (stage S with gradient accumulation, fp32
                 gradients, Offload; stage 0)
+  syncs:S:M     clipping 1.0, three steps, the second with a NaN in rank 0's gradient of the weight reduced first
+                (the last layer's; ZeRO-1's: the first layer's): the host reads of a tensor (item, tolist, float,
+                bool, int) that code under coat_ds/ makes during backward and during engine.step(); whether the
+                NaN step left every rank's masters, states (step counts included) and weights as they were
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -30,6 +35,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
+import coat_ds  # noqa: E402
 import common  # noqa: E402
 import job  # noqa: E402
 from zero_state_job import _all, _joined, build, build_outcomes, config, masters  # noqa: E402
@@ -54,10 +60,11 @@ def release_config(stage: int, world: int, master: str, gradients: str = "releas
     return cfg
 
 
-def train(engine, steps: range, spike: int | None = None, nan: int | None = None) -> list[float]:
-    """Mean loss of each step's global batch, one backward per step on each rank's share."""
+def train(engine, steps: range, spike: int | None = None, nan: int | None = None, nan_layer: int = 0) -> list[float]:
+    """Mean loss of each step's global batch, one backward per step on each rank's share (at step `nan` rank 0's
+    gradient of layer `nan_layer`'s weight is NaN)."""
     rank, world, micro = engine.global_rank, engine.world_size, engine.train_micro_batch_size_per_gpu()
-    first = engine.module[0].weight
+    first = engine.module[nan_layer].weight
     losses = []
     for step in steps:
         x, y = common.batch(step)
@@ -198,7 +205,62 @@ def task_refuse(args, world, stage, dtype, rest):
     return build_outcomes(cases)
 
 
-TASKS = {"equal": task_equal, "spike": task_spike, "nan": task_nan, "resume": task_resume, "refuse": task_refuse}
+COAT_DS = os.path.dirname(coat_ds.__file__)
+HOST_READS = ("item", "tolist", "__float__", "__bool__", "__int__")
+
+
+@contextlib.contextmanager
+def host_reads(ignore: set[int]):
+    """[file:line method] of each host read of a tensor (HOST_READS) made from a file under coat_ds/ while active;
+    tensors whose id is in `ignore` (the host step counts) left out."""
+    seen, originals = [], {name: getattr(torch.Tensor, name) for name in HOST_READS}
+
+    def watched(name, read):
+        def wrapper(self, *args, **kwargs):
+            frame = sys._getframe(1)
+            where = frame.f_code.co_filename
+            if where.startswith(COAT_DS) and id(self) not in ignore:
+                seen.append(f"{os.path.relpath(where, COAT_DS)}:{frame.f_lineno} {name}")
+            return read(self, *args, **kwargs)
+        return wrapper
+
+    for name, read in originals.items():
+        setattr(torch.Tensor, name, watched(name, read))
+    try:
+        yield seen
+    finally:
+        for name, read in originals.items():
+            setattr(torch.Tensor, name, read)
+
+
+def task_syncs(args, world, stage, master, rest):
+    engine = build(release_config(stage, world, master, clip=CLIP))
+    train(engine, range(NAN_AT - 1))  # every state made
+    ignore = {id(s["step"]) for s in engine.basic_optimizer.state.values() if "step" in s}
+    out = {"backward": [], "step": []}
+    for name in out:
+        call = getattr(engine, name)
+
+        def counted(*a, _call=call, _log=out[name], **kw):
+            with host_reads(ignore) as seen:
+                result = _call(*a, **kw)
+            _log.append(seen)
+            return result
+
+        setattr(engine, name, counted)
+    losses = train(engine, range(NAN_AT - 1, NAN_AT))
+    kept = (_joined(engine), states(engine), weights(engine))
+    first = 0 if stage == 1 else 4  # ZeRO-1 reduces after backward, in the parameters' order
+    losses += train(engine, range(NAN_AT, NAN_AT + 1), nan=NAN_AT, nan_layer=first)
+    now = (_joined(engine), states(engine), weights(engine))
+    unchanged = all(torch.equal(a, b) for a, b in zip(kept[:2], now[:2]))
+    unchanged = _all(unchanged and all(torch.equal(w, now[2][n]) for n, w in kept[2].items()))
+    losses += train(engine, range(NAN_AT + 1, NAN_AT + 2))
+    return {**out, "losses": losses, "skipped": engine.skipped_steps, "unchanged": unchanged}
+
+
+TASKS = {"equal": task_equal, "spike": task_spike, "nan": task_nan, "resume": task_resume, "refuse": task_refuse,
+         "syncs": task_syncs}
 
 if __name__ == "__main__":
     job.main(TASKS)

@@ -5,7 +5,7 @@ tests/ds_scripts/ranks.py; CPU accelerator, gloo), one job per world size (tests
   W1  world 1: release == per_parameter, ZeRO-1/2/3
   W2  world 2: the same with cut groups swapped between ranks, all three masters; a gradient spike under
       clipping, a NaN gradient midway through backward, a resume with clipping on, the engine's refusals,
-      each under ZeRO-2 and ZeRO-3
+      each under ZeRO-2 and ZeRO-3; the host reads during backward, ZeRO-1/2/3
   G1  one GPU (`gpu`): W1's equality with the CUDA kernels, deterministic algorithms on
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ EQUAL_W1 = ["equal:1:fp32_remainder", "equal:2:bf16_sr", "equal:3:fp32_remainder
 EQUAL_W2 = ["equal:1:bf16_sr", "equal:2:bf16_sr", "equal:2:fp32_remainder", "equal:2:fp32", "equal:2:bf16_sr:overlap",
             "equal:3:bf16_sr", "equal:3:fp32_remainder", "equal:3:fp32"]
 W2 = EQUAL_W2 + [t for s in STAGES for t in (f"spike:{s}:bf16_sr", f"nan:{s}:bf16_sr", f"resume:{s}:fp32_remainder",
-                                             f"refuse:{s}")]
+                                             f"refuse:{s}")] + [f"syncs:{s}:fp32_remainder" for s in (1, 2, 3)]
 
 
 def _config(**extra) -> dict:
@@ -138,3 +138,16 @@ def test_engine_refuses_what_release_cannot_run(runs, stage):
                                     "has ") and out["stage0"].endswith(ALLOWED)
     assert out["offload"] == ("coat.gradients='release' runs on the device, not under Offload "
                               f"(zero_optimization.offload_optimizer); {ALLOWED}")
+
+
+@pytest.mark.parametrize("stage", (1, 2, 3))
+def test_release_reads_nothing_on_the_host_during_backward(runs, stage):
+    """No tensor is read on the host (item, tolist, float, bool, int) from coat_ds during backward, so the host
+    queues backward ahead of the device: per bucket the norm, clipping scale and skip stay on the device, the
+    NaN step's included. engine.step() reads the step's squared norm once, and after an overflow the flags
+    of the partitions whose step counts it rolls back. The NaN is in the first bucket reduced: every rank's
+    masters, FP8 states, step counts (advanced during backward, rolled back) and weights stay as they were."""
+    out = task_result(runs, "w2", f"syncs:{stage}:fp32_remainder")
+    assert out["backward"] == [[], [], []]
+    assert [len(reads) for reads in out["step"]] == [1, 2, 1], out["step"]
+    assert out["unchanged"] and out["skipped"] == 1 and all(x == x and x < 3 for x in out["losses"])

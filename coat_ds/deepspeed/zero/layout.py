@@ -159,19 +159,24 @@ class ShardLayout:
         self.remainder[start:start + n] = lo
 
     # ---------------------------------------------------------------- the step
+    def master_at(self, flat: torch.Tensor, start: int, n: int) -> torch.Tensor:
+        """fp32 master values start..start+n-1 of flat (joined with their remainders if kept so)."""
+        hi = flat.view(-1).narrow(0, start, n)
+        return hi if self.remainder is None else join_remainder(hi, self.remainder.narrow(0, start, n))
+
     def _exchange(self, p: torch.Tensor, grads: "FlatPieces", mq: torch.Tensor, vq: torch.Tensor,
                   check: bool) -> tuple:
         """Whole cut groups (master, grad, m codes, v codes) on every owner, and whether any rank saw inf/NaN
-        (asked only when `check`; with nothing to swap and nothing to check there is no collective)."""
+        (asked only when `check`, the one host read; with nothing to swap and nothing to check there is no
+        collective)."""
         g = self.group_size
         n_cut = len(self.cut_index)
         if n_cut == 0 and not check:
             return None, False
         buf = torch.zeros(n_cut * 4 * g + 1, dtype=torch.float32, device=p.device)
         rows = buf[:-1].view(n_cut, 4, g)
-        master = self.master(p) if self.cuts else p
         for cid, _, flat, pos, n in self.cuts:
-            rows[cid, 0, pos:pos + n] = master[flat:flat + n]
+            rows[cid, 0, pos:pos + n] = self.master_at(p, flat, n)
             rows[cid, 1, pos:pos + n] = grads.narrow(flat, n)
             rows[cid, 2, pos:pos + n] = mq.view(torch.uint8)[flat:flat + n].float()
             rows[cid, 3, pos:pos + n] = vq.view(torch.uint8)[flat:flat + n].float()
@@ -179,10 +184,12 @@ class ShardLayout:
             buf[-1] = grads.nonfinite()
         if self.process_group is not None and dist.is_initialized() and dist.get_world_size(self.process_group) > 1:
             moved = buf.to(self.comm_device)
-            dist.all_reduce(moved, group=self.process_group)  # parts are disjoint: the sum is exact
+            dist.all_reduce(moved, group=self.process_group)  # parts are disjoint: the sum is exact,
             buf = moved.to(p.device)
             rows = buf[:-1].view(n_cut, 4, g)
-        return rows, bool(buf[-1] > 0)
+            for cid, _, flat, pos, n in self.cuts:  # but for -0.0 + 0.0: this rank's own masters, bit for bit
+                rows[cid, 0, pos:pos + n] = self.master_at(p, flat, n)
+        return rows, check and bool(buf[-1] > 0)
 
     def _body_views(self, flat: torch.Tensor, m_all: Fp8Moment, v_all: Fp8Moment) -> tuple[list, list, list]:
         """Per-parameter views of the partition and its states, made once while their storage stays.
@@ -206,7 +213,8 @@ class ShardLayout:
         """One CoatAdamW step on the flat partition p; False (nothing changed) if any rank's gradient is not finite.
 
         grad: a flat tensor or FlatPieces (any dtype; the gradient is never copied whole); grad_scale
-        multiplies it in fp32 inside the kernel (DeepSpeed's unscale and clip); lp_out: the model's copy
+        multiplies it in fp32 inside the kernel (DeepSpeed's unscale and clip; a non-finite one: the kernel
+        changes nothing and the copies below write back what is there, with no host read); lp_out: the model's copy
         of the partition, written by the kernel (bf16) or copied after; finite: True when the caller knows
         every rank's gradient is finite (the check and its collective are skipped)."""
         g = group["group_size"]
@@ -227,7 +235,7 @@ class ShardLayout:
         rem = self.remainder
         rems = [] if rem is None else [rem.narrow(0, start, n) for start, n, _ in self.bodies]
         whole = []
-        for cid, meta, _, _, _ in self.cuts:  # one tensor of exactly G values per cut group
+        for cid, meta, start, pos, n in self.cuts:  # one tensor of exactly G values per cut group
             # (a remainder master's cut group steps as an fp32 master: the same arithmetic, split below)
             pc = rows[cid, 0].to(flat.dtype if rem is None else torch.float32, copy=True)
             gc = rows[cid, 1].clone()
@@ -237,8 +245,9 @@ class ShardLayout:
             grad_list.append(gc)
             m.append((mc, m_all.scale.narrow(0, meta, 1), m_all.expo.narrow(0, meta, 1)))
             v.append((vc, v_all.scale.narrow(0, meta, 1), v_all.expo.narrow(0, meta, 1)))
-            if in_kernel:
-                outs.append(torch.empty(g, dtype=torch.bfloat16, device=flat.device))
+            if in_kernel:  # holding this rank's weights: a skipped kernel (non-finite grad_scale) copies them back
+                outs.append(torch.zeros(g, dtype=torch.bfloat16, device=flat.device))
+                outs[-1][pos:pos + n] = lp_out.view(-1)[start:start + n]
             whole.append((pc, mc, vc, outs[-1] if in_kernel else None))
             if rem is not None:
                 rems.append(None)

@@ -16,10 +16,14 @@ ZeRO-1/2 all-gathers the weights, ZeRO-3 its persistent parameters (the others a
 ZeRO-1 without overlap_comm reduces only after backward (its full gradients live until then): release saves
 the partition buffer there; ZeRO-2 and ZeRO-3 the gradients too.
 
-Per bucket one scalar all-reduce gives the bucket's squared gradient norm (the global norm as it accumulates):
-- non-finite: that bucket and every later one of the step are skipped (their gradients dropped); pieces stepped
-  before stay stepped (their gradients were finite). The step counts as overflowed (DeepSpeed's `overflow`,
-  skipped_steps, loss scale) and CoatAdamW counts a skipped step. No inf/NaN reaches weights or states.
+Per bucket one scalar all-reduce adds the bucket's squared gradient norm to the step's running sum, a device tensor
+(the global norm as it accumulates); nothing is read on the host until engine.step(), so the host queues backward
+ahead of the device. The kernel's gradient scale is computed on the device from that sum:
+- non-finite: the scale is NaN, which the step kernel takes as "change nothing" (kernels.adamw_step), so that
+  bucket and every later one of the step are skipped (their gradients dropped); pieces stepped before stay stepped
+  (their gradients were finite). engine.step() reads the sum once: the step counts as overflowed (DeepSpeed's
+  `overflow`, skipped_steps, loss scale), CoatAdamW counts a skipped step and the step counts of partitions first
+  reached at or after the bad bucket are rolled back. No inf/NaN reaches weights or states.
 - clipping (`gradient_clipping` c > 0): the global norm is known only after backward, so a bucket's gradient is
   multiplied by 1 / max(1, (N_prev + 1e-6) / c, (N_sofar + 1e-6) / c): N_prev the previous step's global
   norm (DeepSpeed's formula with it; saved in checkpoints), N_sofar the norm of this step's gradients reduced
@@ -133,8 +137,8 @@ Slice = tuple  # (master partition index, flat start, gradient slice) of one par
 
 
 class Release:
-    """Releasing at any ZeRO stage (module docstring): per bucket the norm, the non-finite check, the clipping scale
-    and the step of this rank's pieces; at engine.step() what no gradient reached and DeepSpeed's bookkeeping. The
+    """Releasing at any ZeRO stage (module docstring): per bucket the norm, the clipping scale and the step of this
+    rank's pieces, all on the device; at engine.step() what no gradient reached and DeepSpeed's bookkeeping. The
     stage's mixin says when buckets are reduced and where pieces lie: `_coat_index(p)`, the master partition holding
     p's piece, `_coat_target(i)`, (master, model partition to write or None, param group) of partition i, and
     `_coat_grad_scale`, DeepSpeed's own gradient scale (step.py)."""
@@ -148,9 +152,10 @@ class Release:
 
     def _coat_release_reset(self) -> None:
         self._coat_released: set[int] = set()  # param ids whose gradients were reduced (and dropped) this step
-        self._coat_begun: set[int] = set()  # partitions whose step count advanced this step
-        self._coat_sumsq = 0.0
-        self._coat_bad = False
+        # partitions whose step count advanced this step -> whether the sum was finite when they were first reached
+        self._coat_begun: dict[int, torch.Tensor] = {}
+        device = torch.device(get_accelerator().current_device_name())
+        self._coat_sumsq = torch.zeros(1, dtype=torch.float32, device=device)  # this step's, so far (all ranks')
 
     def _coat_rest(self, groups: list) -> list:
         """The parameters of `groups` that no gradient reached this step (the same on every rank)."""
@@ -158,40 +163,30 @@ class Release:
 
     @torch.no_grad()
     def _coat_release(self, params: list, *grads: list) -> None:
-        """Step this rank's slices of `params` (the same list on every rank; `_coat_slice(p, *grads)` of each) unless
-        the step went non-finite."""
+        """Step this rank's slices of `params` (the same list on every rank; `_coat_slice(p, *grads)` of each); once
+        the step's sum is non-finite the kernel's scale is NaN and nothing changes. No host read."""
         if not params:
             return
         self._coat_ready()
         self._coat_released.update(self.get_param_id(p) for p in params)
-        if self._coat_bad:
-            return
         slices = [s for s in map(self._coat_slice, params, *grads) if s is not None]
-        device = torch.device(get_accelerator().current_device_name())
-        if self._coat_bucket_finite(slices, device):
-            self._coat_step_pieces(params, slices, self._coat_release_scale(device))
+        self._coat_add_bucket(slices)
+        self._coat_step_pieces(params, slices, self._coat_release_scale())
 
-    def _coat_bucket_finite(self, slices: list[Slice], device: torch.device) -> bool:
-        """Add the bucket's squared norm (all ranks') to this step's; False, counted and warned, if not finite."""
-        sumsq = torch.zeros(1, dtype=torch.float32, device=device)
+    def _coat_add_bucket(self, slices: list[Slice]) -> None:
+        """Add the bucket's squared norm (all ranks') to this step's, on the device."""
+        sumsq = torch.zeros_like(self._coat_sumsq)
         for _, _, g in slices:
             sumsq += torch.linalg.vector_norm(g, dtype=torch.float32).square()
         if dist.get_world_size(group=self.dp_process_group) > 1:
             dist.all_reduce(sumsq, group=self.dp_process_group)
-        sumsq = float(sumsq.item())
-        if math.isfinite(sumsq):
-            self._coat_sumsq += sumsq
-            return True
-        self._coat_bad = True
-        self.optimizer.skipped_steps += 1
-        warnings.warn("CoatAdamW: non-finite gradient on some rank (coat.gradients 'release'); the rest of "
-                      "this step is skipped on every rank, pieces stepped before it stay stepped", RuntimeWarning)
-        return False
+        self._coat_sumsq += sumsq
 
     def _coat_step_pieces(self, params: list, slices: list[Slice], scale: torch.Tensor) -> None:
         opt, names = self.optimizer, {}
         for p in params:
             names.setdefault(self._coat_index(p), set()).add(self.param_names[p])
+        flag = None  # the sum's finiteness after this bucket, made once where a partition is first reached
         for i in sorted(names):  # every rank: the partitions of the bucket's parameters, in order
             master, lp, group = self._coat_target(i)
             sub = self._coat_subs[i].of(frozenset(names[i]))
@@ -199,33 +194,53 @@ class Release:
             if not mine and not sub.cut_index:
                 continue
             opt._init_state(master, group)
-            if i not in self._coat_begun:
-                self._coat_begun.add(i)
+            if i not in self._coat_begun:  # counted now, rolled back at engine.step() if this bucket was skipped
+                flag = self._coat_sumsq.isfinite() if flag is None else flag
+                self._coat_begun[i] = flag
                 opt.state[master]["step"] += 1
-            sub.step(opt, master, group, int(opt.state[master]["step"].item()), SlicePieces(mine),
-                     grad_scale=scale, lp_out=lp, finite=True)
+            step = int(opt.state[master]["step"].item())  # a host tensor (fp8_zeros): no device sync
+            sub.step(opt, master, group, step, SlicePieces(mine), grad_scale=scale, lp_out=lp, finite=True)
 
-    def _coat_release_scale(self, device: torch.device) -> torch.Tensor:
-        """What this bucket's gradient is multiplied by (module docstring); with clipping off, DeepSpeed's own."""
+    def _coat_release_scale(self) -> torch.Tensor:
+        """What this bucket's gradient is multiplied by (module docstring), on the device: with clipping off
+        DeepSpeed's own; NaN (the kernel changes nothing) once the step's sum is non-finite."""
+        sumsq = self._coat_sumsq
         if self.clip_grad <= 0:
-            return self._coat_grad_scale(None, device)
-        norms = [math.sqrt(self._coat_sumsq) / self.loss_scale]
-        if self._coat_release_norm is not None:
-            norms.append(self._coat_release_norm)
-        clip = max(1.0, *((n + 1e-6) / self.clip_grad for n in norms))
-        return torch.full((1,), 1.0 / (clip * self.loss_scale), dtype=torch.float32, device=device)
+            scale = self._coat_grad_scale(None, sumsq.device)
+        else:
+            prev = self._coat_release_norm
+            floor = 1.0 if prev is None else max(1.0, (prev + 1e-6) / self.clip_grad)
+            clip = ((sumsq.sqrt() / self.loss_scale + 1e-6) / self.clip_grad).clamp(min=floor)
+            scale = 1.0 / (clip * self.loss_scale)
+        return torch.where(sumsq.isfinite(), scale, float("nan"))
 
     def _coat_step_end(self) -> None:
-        """DeepSpeed's bookkeeping of a released step: overflow, loss scale, this step's (unclipped) global norm."""
-        self.overflow = self._coat_bad
+        """DeepSpeed's bookkeeping of a released step from the step's one host read (its squared norm): overflow,
+        loss scale, this step's (unclipped) global norm."""
+        sumsq = float(self._coat_sumsq)
+        self.overflow = not math.isfinite(sumsq)
+        if self.overflow:
+            self._coat_overflowed()
         prev_scale = self.loss_scale
         self._update_scale(self.overflow)
         if self.overflow:
             self._global_grad_norm = float("inf")
         else:
-            self._global_grad_norm = math.sqrt(self._coat_sumsq) / prev_scale
+            self._global_grad_norm = math.sqrt(sumsq) / prev_scale
             self._coat_release_norm = self._global_grad_norm
         self._coat_release_reset()
+
+    def _coat_overflowed(self) -> None:
+        """A skipped step: the step counts of partitions first reached at or after the bad bucket rolled back (one
+        read of their flags), the skip counted and warned."""
+        begun = list(self._coat_begun.items())
+        finite = torch.cat([f for _, f in begun]).tolist() if begun else []
+        for (i, _), ok in zip(begun, finite):
+            if not ok:
+                self.optimizer.state[self._coat_target(i)[0]]["step"] -= 1
+        self.optimizer.skipped_steps += 1
+        warnings.warn("CoatAdamW: non-finite gradient on some rank (coat.gradients 'release'); the rest of "
+                      "this step is skipped on every rank, pieces stepped before it stay stepped", RuntimeWarning)
 
 
 class ReleaseStep(Release, Zero12Step):
