@@ -19,6 +19,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from benchmarks import plot_utils
 from coat_ds.report import versions as package_versions
@@ -34,21 +35,19 @@ def git_commit() -> str | None:
     """COAT_GIT_COMMIT where set (a GPU node's copy of the tree may carry stale git metadata), else git's."""
     if os.environ.get("COAT_GIT_COMMIT"):
         return os.environ["COAT_GIT_COMMIT"]
+
+    def git(*a: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", "-C", str(ROOT), *a], capture_output=True, text=True, timeout=10)
+
     try:
-        git = ["git", "-C", str(ROOT)]
-        out = subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(git + ["status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, timeout=10)
-        if out.returncode == 0:
-            return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+        out, dirty = git("rev-parse", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.SubprocessError):
-        pass
-    return None
+        return None
+    return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "") if out.returncode == 0 else None
 
 
 def versions(*extra: str) -> dict:
-    """What shapes the numbers: coat_ds.report's versions (with the `extra` distributions), this checkout's
-    commit and the GPUs."""
+    """What shapes the numbers: coat_ds.report's versions (with `extra`), this checkout's commit, the GPUs."""
     v = {**package_versions(*extra), "coat_ds_commit": git_commit()}
     if torch.cuda.is_available():
         v.update(gpu=torch.cuda.get_device_name(0), gpu_count=torch.cuda.device_count())
@@ -210,7 +209,6 @@ def replace_rows(old: list[dict], new: list[dict], key) -> list[dict]:
 
 
 def write_json(path: str | Path, obj, indent: int = 1) -> Path:
-    """obj as JSON in `path`, its folder made first."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(obj, indent=indent))
@@ -242,13 +240,6 @@ def call_ms(fn, device: str) -> float:
     t0 = time.perf_counter()
     fn()
     return (time.perf_counter() - t0) * 1e3
-
-
-def profiler(on_cuda: bool):
-    """A torch.profiler context over the host and, on CUDA, the device."""
-    from torch.profiler import ProfilerActivity, profile
-
-    return profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else []))
 
 
 def top_events(prof, on_cuda: bool, top: int) -> dict:
@@ -305,7 +296,8 @@ class StepProbe:
             self.result["syncs"] = self._window.__enter__()
         elif self.marks == 1:
             self._window.__exit__(None, None, None)
-            self._window, self._t0 = profiler(self.on_cuda), time.perf_counter()
+            on_device = [ProfilerActivity.CUDA] if self.on_cuda else []
+            self._window, self._t0 = profile(activities=[ProfilerActivity.CPU, *on_device]), time.perf_counter()
             self._prof = self._window.__enter__()
         elif self.marks == 2:
             if self.on_cuda:

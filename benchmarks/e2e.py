@@ -29,8 +29,7 @@ from deepspeed.accelerator import get_accelerator  # noqa: E402
 from benchmarks.common import (GIB, RESULTS, ROOT, StepProbe, WarningLog, add_worker_args,  # noqa: E402
                                check_positive, names_of, provenance, run_worker, worker_cmd, write_results)
 from coat_ds.hf.loss import is_applied  # noqa: E402
-from coat_ds.workloads import causal_lm as train_lib  # noqa: E402  (engine initialisation and the loss)
-from coat_ds.workloads.causal_lm import MODEL_SIZES, from_shape  # noqa: E402  (the main job's shapes)
+from coat_ds.workloads import causal_lm as train_lib  # noqa: E402  (engine initialisation, the loss, the shapes)
 from coat_ds.workloads.shapes import SHAPES  # noqa: E402  (public shapes: TinyLlama's, Llama-2's, Llama-3.1's)
 
 # Llama shapes by name: the main job's 125m and the public ones of coat_ds.workloads.shapes.
@@ -40,7 +39,7 @@ MODELS = {
     **{f"tiny-{family}": dict(model_type=family, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
                               num_key_value_heads=2, head_dim=64, intermediate_size=512, vocab_size=512)
        for family in ("qwen3", "gemma3_text")},                  # the other families' smoke shapes
-    "llama-125m": dict(MODEL_SIZES["125m"], vocab_size=32000),
+    "llama-125m": dict(train_lib.MODEL_SIZES["125m"], vocab_size=32000),
     **SHAPES,
 }
 
@@ -87,9 +86,8 @@ def merge_into(section: dict, extra: dict) -> None:
 
 def ds_config(name: str, *, micro_batch: int, zero_stage: int | None = None, on_cpu: bool = False,
               lr: float | None = None, total_steps: int | None = None, warmup_steps: int | None = None) -> dict:
-    """The DeepSpeed config of configuration `name` with the benchmark's overrides applied.
-
-    On CPU the BF16 baseline uses torch's AdamW (`torch_adam`): FusedAdam would JIT-build a C++ op there."""
+    """The DeepSpeed config of configuration `name` with the benchmark's overrides applied. On CPU the BF16
+    baseline uses torch's AdamW (`torch_adam`): FusedAdam would JIT-build a C++ op there."""
     if name not in CONFIGS:
         raise ValueError(f"configuration {name!r} is unknown; allowed: {list(CONFIGS)}")
     _, source, coat = CONFIGS[name]
@@ -97,9 +95,7 @@ def ds_config(name: str, *, micro_batch: int, zero_stage: int | None = None, on_
     if coat:
         merge_into(cfg.setdefault("coat", {}), coat)
     cfg.pop("train_batch_size", None)
-    cfg["train_micro_batch_size_per_gpu"] = micro_batch
-    cfg["gradient_accumulation_steps"] = 1
-    cfg["steps_per_print"] = 10 ** 9
+    cfg.update(train_micro_batch_size_per_gpu=micro_batch, gradient_accumulation_steps=1, steps_per_print=10 ** 9)
     cfg.setdefault("wall_clock_breakdown", False)
     if zero_stage is not None:
         cfg.setdefault("zero_optimization", {})["stage"] = zero_stage
@@ -124,7 +120,7 @@ def build_model(model: str, device, dtype, seed: int):
     """A randomly initialised model of shape `model` (MODELS) on `device` in `dtype`."""
     if model not in MODELS:
         raise ValueError(f"--model {model!r} is unknown; allowed: {list(MODELS)}")
-    return from_shape(dict(MODELS[model], max_position_embeddings=4096), seed, device, dtype)
+    return train_lib.from_shape(dict(MODELS[model], max_position_embeddings=4096), seed, device, dtype)
 
 
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace, positive: tuple[str, ...]) -> list[str]:
@@ -176,15 +172,11 @@ def base_optimizer(engine):
 def grad_tensors(engine):
     """Gradient storage after backward: the model's `.grad`s, the master params' `.grad`s, and whatever the
     ZeRO / bf16 optimizer wrapper holds under a gradient-named attribute (buckets, partition buffers)."""
-    for p in engine.module.parameters():
-        yield p.grad
     base = base_optimizer(engine)
-    for g in base.param_groups:
-        for p in g["params"]:
-            yield p.grad
-    wrapper = engine.optimizer
-    if wrapper is not base:
-        for name, val in vars(wrapper).items():
+    yield from (p.grad for p in engine.module.parameters())
+    yield from (p.grad for g in base.param_groups for p in g["params"])
+    if engine.optimizer is not base:
+        for name, val in vars(engine.optimizer).items():
             if "grad" in name.lower() or "ipg" in name.lower():
                 yield from _tensors(val)
 
@@ -199,11 +191,9 @@ class Worker:
         train_lib.set_single_process_env()
         deepspeed.init_distributed()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.accel = accel = get_accelerator()
-        self.on_cuda = torch.cuda.is_available()
-        self.device = torch.device(accel.device_name(int(os.environ.get("LOCAL_RANK", 0)))) if self.on_cuda else \
-            torch.device("cpu")
+        self.accel, self.on_cuda, self.device = get_accelerator(), torch.cuda.is_available(), torch.device("cpu")
         if self.on_cuda:
+            self.device = torch.device(self.accel.device_name(int(os.environ.get("LOCAL_RANK", 0))))
             torch.cuda.set_device(self.device)
         self.out = Path(args.result)
         self.t_start = time.time()
@@ -226,7 +216,7 @@ class Worker:
         try:
             engine = self.train_lib.initialize(net, cfg)
         except torch.OutOfMemoryError as e:
-            oom_exit(self.out, self.rank, args.start_batch, e, "engine set-up")
+            self.oom_exit(args.start_batch, e, "engine set-up")
         return self.started(engine, config_source=source, chunked_loss=is_applied(engine.module), ds_config=cfg)
 
     def started(self, engine, **rec):
@@ -241,10 +231,19 @@ class Worker:
                    "limit_gb": self.limit / GIB if math.isfinite(self.limit) else None})
         return engine
 
-    def emit(self, rec: dict) -> None:
-        if self.rank == 0:
+    def emit(self, rec: dict, every_rank: bool = False) -> None:
+        if self.rank == 0 or every_rank:
             with open(self.out, "a") as fh:
                 fh.write(json.dumps(rec) + "\n")
+
+    def oom_exit(self, b: int, e: Exception, phase: str) -> None:
+        """Record an out-of-memory error (any rank: the one that ran out may not be rank 0) and end the worker now:
+        ranks may be mid-collective, the launcher stops the others."""
+        msg = str(e).splitlines()[0]
+        self.emit({"kind": "oom", "rank": self.rank, "micro_batch": b, "phase": phase, "error": msg,
+                   "needed_gb": oom_needed_gb(msg)}, every_rank=True)
+        sys.stdout.flush()
+        os._exit(17)
 
     def sync(self) -> None:
         if self.on_cuda:
@@ -262,13 +261,17 @@ class Worker:
         return loss
 
     def allocated(self) -> int | None:
+        """Bytes allocated once the queued kernels have run (None on CPU)."""
+        self.sync()
         return self.accel.memory_allocated() if self.on_cuda else None
 
-    def peak(self, reset: bool) -> int | None:
-        """The allocator's peak since the last reset (None on CPU); `reset` starts a new one."""
+    def peak_gb(self, reset: bool) -> float | None:
+        """The allocator's peak since the last reset once the queued kernels have run (None on CPU); `reset` starts
+        a new one."""
+        self.sync()
         if not self.on_cuda:
             return None
-        peak = self.accel.max_memory_allocated()
+        peak = self.accel.max_memory_allocated() / GIB
         if reset:
             self.accel.reset_peak_memory_stats()
         return peak
@@ -294,15 +297,12 @@ class Worker:
                 saved[key] = st.nbytes()
             return t
 
-        self.sync()
         a0 = self.allocated()
-        self.peak(reset=True)
+        self.peak_gb(reset=True)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = self.train_lib.lm_loss(engine, x, y)
-        self.sync()
         a1 = self.allocated()
         engine.backward(loss)
-        self.sync()
         a2 = self.allocated()
         fp8_cache = counter.add(t for m in engine.module.modules() for v in vars(m).values()
                                 if isinstance(getattr(v, "_codes", None), dict) for t in v._codes.values())
@@ -310,20 +310,17 @@ class Worker:
         # it: one allocated as backward goes may sit where a freed activation was, at the same address
         kept = set(counter.seen)
         grads = counter.add(grad_tensors(engine))
-        peak_fb = self.peak(reset=True)
+        peak_fb = self.peak_gb(reset=True)
         engine.step()
-        self.sync()
-        peak_step = self.peak(reset=False)
+        peak_step = self.peak_gb(reset=False)
         acts = sum(v for k, v in saved.items() if k not in kept)
         return {"weights_gb": (weights + master + fp8_cache) / GIB, "model_weights_gb": weights / GIB,
                 "master_weights_gb": master / GIB, "fp8_weight_cache_gb": fp8_cache / GIB,
-                "optimizer_state_gb": opt_state / GIB, "grads_gb": grads / GIB,
-                "activations_gb": acts / GIB,
+                "optimizer_state_gb": opt_state / GIB, "grads_gb": grads / GIB, "activations_gb": acts / GIB,
                 "alloc_forward_delta_gb": (a1 - a0) / GIB if self.on_cuda else None,
                 "alloc_backward_delta_gb": (a2 - a0) / GIB if self.on_cuda else None,
                 # which phase sets the peak: forward+backward, or the ZeRO optimizer step (fp32 gradient copies)
-                "peak_forward_backward_gb": peak_fb / GIB if self.on_cuda else None,
-                "peak_optimizer_step_gb": peak_step / GIB if self.on_cuda else None}
+                "peak_forward_backward_gb": peak_fb, "peak_optimizer_step_gb": peak_step}
 
     def rung_inputs(self, b: int):
         x_all = torch.randint(0, self.vocab, (b, self.args.seq_len + 1), generator=self.gen)
@@ -363,7 +360,7 @@ class Worker:
             try:
                 rec = self.rung(b, first)
             except torch.OutOfMemoryError as e:
-                oom_exit(self.out, self.rank, b, e, "training step")
+                self.oom_exit(b, e, "training step")
             rec["elapsed_s"] = time.time() - self.t_start
             self.emit(rec)
             if self.rank == 0:
@@ -375,10 +372,8 @@ class Worker:
                 points.append((b, rec["peak_reserved_gb"] * GIB))
             else:
                 hi = b if hi is None else min(hi, b)
-            over_time = time.time() - _T0 > args.budget_s
-            n_rungs = sum(1 for _ in points) + (0 if hi is None else 1)
-            b = None if over_time or n_rungs >= args.max_rungs else next_batch(points, lo, hi, self.limit,
-                                                                                 args.max_batch)
+            spent = time.time() - _T0 > args.budget_s or len(points) + (0 if hi is None else 1) >= args.max_rungs
+            b = None if spent else next_batch(points, lo, hi, self.limit, args.max_batch)
         return lo, hi
 
 
@@ -422,16 +417,11 @@ class PeerWorker(Worker):
 
     def breakdown(self, x, y) -> dict:
         """The allocator's view only (torchao's FP8 states are tensor subclasses without one storage)."""
-        self.sync()
-        self.peak(reset=True)
-        loss = self.train_lib.lm_loss(self.engine, x, y)
-        self.engine.backward(loss)
-        self.sync()
-        peak_fb = self.peak(reset=True)
+        self.peak_gb(reset=True)
+        self.engine.backward(self.train_lib.lm_loss(self.engine, x, y))
+        peak_fb = self.peak_gb(reset=True)
         self.engine.step()
-        self.sync()
-        return {"peak_forward_backward_gb": peak_fb / GIB if self.on_cuda else None,
-                "peak_optimizer_step_gb": self.peak(reset=False) / GIB if self.on_cuda else None}
+        return {"peak_forward_backward_gb": peak_fb, "peak_optimizer_step_gb": self.peak_gb(reset=False)}
 
 
 def worker(args: argparse.Namespace) -> int:
@@ -446,17 +436,6 @@ def worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def oom_exit(out: Path, rank: int, b: int, e: Exception, phase: str) -> None:
-    """Record an out-of-memory error (any rank: the one that ran out may not be rank 0) and end the worker now:
-    ranks may be mid-collective, the launcher stops the others."""
-    msg = str(e).splitlines()[0]
-    with open(out, "a") as fh:
-        fh.write(json.dumps({"kind": "oom", "rank": rank, "micro_batch": b, "phase": phase, "error": msg,
-                             "needed_gb": oom_needed_gb(msg)}) + "\n")
-    sys.stdout.flush()
-    os._exit(17)
-
-
 def oom_needed_gb(msg: str) -> float | None:
     """What the process needed when it ran out, from PyTorch's message: what PyTorch had allocated plus what it
     tried to allocate (a lower bound: the step would have gone on allocating)."""
@@ -464,9 +443,7 @@ def oom_needed_gb(msg: str) -> float | None:
     size = r"([0-9.]+) (B|KiB|MiB|GiB|TiB)"
     tried = re.search(r"Tried to allocate " + size, msg)
     held = re.search(size + r" is allocated by PyTorch", msg)
-    if not tried or not held:
-        return None
-    return sum(float(m.group(1)) * unit[m.group(2)] for m in (tried, held)) / GIB
+    return sum(float(m.group(1)) * unit[m.group(2)] for m in (tried, held)) / GIB if tried and held else None
 
 
 def profile_step(inputs, one_step, sync, on_cuda: bool, b: int) -> dict:
@@ -515,9 +492,7 @@ def next_batch(points: list[tuple[int, float]], lo: int | None, hi: int | None, 
 
 # --- Parent: one worker per configuration, then the summary and the chart ---------------------------------------------
 def read_records(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
 def launch(args: argparse.Namespace, name: str, result: Path, start: int, known_fail: int | None,
@@ -532,21 +507,21 @@ def launch(args: argparse.Namespace, name: str, result: Path, start: int, known_
     return run_worker(cmd, budget + 30, echo=lambda line: args.verbose or line.startswith("[") or "rror" in line)
 
 
+# what a row keeps of the rung at the equal micro-batch and of the largest that fit
+RUNG_FIELDS = ("micro_batch", "peak_alloc_gb", "peak_reserved_gb", "tokens_per_s", "step_time_s")
+
+
 def summarize_config(name: str, records: list[dict], equal_batch: int, errors: list[str]) -> dict:
     setup = next((r for r in records if r["kind"] == "setup"), {})
     rungs = [r for r in records if r["kind"] == "rung"]
     ooms = [r["micro_batch"] for r in records if r["kind"] == "oom"]
     warns = sorted({w for r in records if r["kind"] == "done" for w in r.get("coat_warnings", [])})
     eq = next((r for r in rungs if r["micro_batch"] == equal_batch), None)
-    fitting = [r for r in rungs if r["fits"]]
-    best = max(fitting, key=lambda r: r["micro_batch"]) if fitting else None
+    best = max((r for r in rungs if r["fits"]), key=lambda r: r["micro_batch"], default=None)
     failing = sorted([r["micro_batch"] for r in rungs if not r["fits"]] + ooms)
-    row = {"name": name, "label": LABELS[name], "config_source": setup.get("config_source"),
-           "ds_config": setup.get("ds_config"), "params": setup.get("params"),
-           "setup_s": setup.get("setup_s"), "chunked_loss": setup.get("chunked_loss"),
-           "equal_batch": None if eq is None else {k: eq[k] for k in ("micro_batch", "peak_alloc_gb",
-                                                                     "peak_reserved_gb", "tokens_per_s",
-                                                                     "step_time_s")},
+    row = {"name": name, "label": LABELS[name],
+           **{k: setup.get(k) for k in ("config_source", "ds_config", "params", "setup_s", "chunked_loss")},
+           "equal_batch": None if eq is None else {k: eq[k] for k in RUNG_FIELDS},
            "breakdown": None, "max_batch": None,
            "smallest_failing_batch": failing[0] if failing else None,
            "rungs": [{k: v for k, v in r.items() if k not in ("kind", "breakdown")} for r in rungs],
@@ -561,8 +536,7 @@ def summarize_config(name: str, records: list[dict], equal_batch: int, errors: l
         bd["at_micro_batch"] = first["micro_batch"]
         row["breakdown"] = bd
     if best is not None:
-        row["max_batch"] = {k: best[k] for k in ("micro_batch", "peak_alloc_gb", "peak_reserved_gb",
-                                                 "tokens_per_s", "step_time_s")}
+        row["max_batch"] = {k: best[k] for k in RUNG_FIELDS}
         row["max_batch"]["exact"] = bool(failing and failing[0] == best["micro_batch"] + 1)
     row.update(max_micro_batch(records, best))
     return row
@@ -626,8 +600,7 @@ def run_config(args: argparse.Namespace, name: str, result: Path, share: float, 
     if rc != 0:
         ooms = [r["micro_batch"] for r in recs if r["kind"] == "oom"]
         fit = [r["micro_batch"] for r in recs if r["kind"] == "rung" and r["fits"]]
-        errors.append(f"worker exit {rc}" + (f" (OOM at micro-batch {ooms[-1]})" if ooms else "") +
-                      ("" if ooms else f": {tail[-1500:]}"))
+        errors.append(f"worker exit {rc}" + (f" (OOM at micro-batch {ooms[-1]})" if ooms else f": {tail[-1500:]}"))
         left = remaining()
         if ooms and left > 90:        # restart once, below the failing size
             start = (max(fit) + ooms[-1]) // 2 if fit else ooms[-1] // 2
@@ -640,7 +613,9 @@ def run_config(args: argparse.Namespace, name: str, result: Path, share: float, 
 
 
 def run_configs(args: argparse.Namespace, names: list[str], out: Path, prefix: str) -> list[dict]:
-    """One worker per configuration, in turn, sharing args.time_budget -> their summary rows."""
+    """One worker per configuration, in turn, sharing args.time_budget -> their summary rows (their records in
+    `out`, made first)."""
+    out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     rows = []
     for i, name in enumerate(names):
@@ -654,16 +629,13 @@ def headline(args: argparse.Namespace, rows: list[dict], t0: float) -> dict:
     """e2e.json: every configuration's ratios to BF16 (coat full's at the top), the rows, how they were measured."""
     by = {r["name"]: r for r in rows}
     at = lambda n, which, key: ((by.get(n) or {}).get(which) or {}).get(key)  # noqa: E731
-    peak, tps = ("equal_batch", "peak_alloc_gb"), ("max_batch", "tokens_per_s")
-    tps_eq = ("equal_batch", "tokens_per_s")
+    peak, tps, tps_eq = ("equal_batch", "peak_alloc_gb"), ("max_batch", "tokens_per_s"), ("equal_batch", "tokens_per_s")
     vs_bf16 = {n: {"memory_reduction": ratio(at("bf16", *peak), at(n, *peak)),
                    "speedup_at_max_batch": ratio(at(n, *tps), at("bf16", *tps)),
                    "speedup_at_equal_batch": ratio(at(n, *tps_eq), at("bf16", *tps_eq))} for n in by if n != "bf16"}
-    common: dict[str, float] = {}
-    if "bf16" in by and "coat_full" in by:
-        full = {r["micro_batch"]: r["peak_alloc_gb"] for r in by["coat_full"]["rungs"]}
-        common = {str(r["micro_batch"]): r["peak_alloc_gb"] / full[r["micro_batch"]] for r in by["bf16"]["rungs"]
-                  if r["micro_batch"] in full}
+    full = {r["micro_batch"]: r["peak_alloc_gb"] for r in by.get("coat_full", {}).get("rungs", [])}
+    common = {str(r["micro_batch"]): r["peak_alloc_gb"] / full[r["micro_batch"]]
+              for r in by.get("bf16", {}).get("rungs", []) if r["micro_batch"] in full}
     setup, shape = rows[0], MODELS[args.model]
     return {
         **provenance(), "model": args.model, "params": setup.get("params"), "shape": shape,
@@ -697,7 +669,6 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--mem-fraction={args.mem_fraction} is invalid; allowed: a float in (0, 1]")
 
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     rows = run_configs(args, names, out, "e2e")
     res = headline(args, rows, t0)

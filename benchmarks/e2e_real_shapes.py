@@ -69,27 +69,26 @@ def worker_args(args: argparse.Namespace) -> tuple[argparse.Namespace, list[str]
 def summary(row: dict) -> dict:
     """What the case's table shows of one configuration."""
     best = row.get("max_batch") or {}
-    return {"name": row["name"], "label": row["label"], "max_micro_batch": row.get("max_micro_batch"),
-            "exact": best.get("exact"), "tokens_per_s": best.get("tokens_per_s"),
-            "peak_reserved_gb": best.get("peak_reserved_gb"), "peak_alloc_gb": best.get("peak_alloc_gb"),
-            "needed_gb_at_1": row.get("needed_gb_at_1"), "chunked_loss": row.get("chunked_loss")}
+    return {**{k: row.get(k) for k in ("name", "label", "max_micro_batch")},
+            **{k: best.get(k) for k in ("exact", "tokens_per_s", "peak_reserved_gb", "peak_alloc_gb")},
+            **{k: row.get(k) for k in ("needed_gb_at_1", "chunked_loss")}}
 
 
 def case_result(args: argparse.Namespace, eargs: argparse.Namespace, rows: list[dict], t0: float) -> dict:
     case = CASES[args.case]
-    coat, bf16, peer = (next((r for r in rows if r["name"] == n), None)
-                        for n in (case.get("coat", "lowest_memory"), "bf16", "torchao_fp8"))
+    coat_row = case.get("coat", "lowest_memory")
+    coat, bf16, peer = (next((r for r in rows if r["name"] == n), None) for n in (coat_row, "bf16", "torchao_fp8"))
     mb = coat and coat.get("max_micro_batch")
+    bf16_mb = bf16 and bf16.get("max_micro_batch")
     best = lambda row: (row.get("max_batch") or {}).get("tokens_per_s") if row else None  # noqa: E731
     return {"case": args.case, "target_gpu": case["gpu"], **provenance(), "model": case["model"],
             "params": next((r["params"] for r in rows if r.get("params")), None), "shape": e2e.MODELS[case["model"]],
             "seq_len": case["seq_len"], "target_micro_batch": case["target"],
             "meets_target": None if mb is None else mb >= case["target"],
-            "coat_row": case.get("coat", "lowest_memory"),
+            "coat_row": coat_row,
             "speedup_vs_torchao_at_largest": e2e.ratio(best(coat), best(peer)),
             "speedup_vs_bf16_at_largest": e2e.ratio(best(coat), best(bf16)),
-            "bf16_fits_at_1": None if bf16 is None or bf16.get("max_micro_batch") is None else
-            bf16["max_micro_batch"] >= 1,
+            "bf16_fits_at_1": None if bf16_mb is None else bf16_mb >= 1,
             "summary": [summary(r) for r in rows], "fit_rule": f"peak reserved <= {eargs.mem_fraction} x device memory",
             "configs": rows, "wall_s": time.time() - t0, "smoke": args.smoke}
 
@@ -105,13 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     eargs, names = worker_args(args)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     rows = e2e.run_configs(eargs, names, out, f"{NAME}_{args.case}")
     for r in rows:
         r["measured"] = {"device": device_name(), "date": now(), "command": command(), "commit": git_commit()}
     cases = read_json(out / f"{NAME}.json", {}).get("cases", {})
-    # the case's earlier rows of configurations not run now stay, before this run's
     rows = replace_rows(cases.get(args.case, {}).get("configs", []), rows, lambda r: r["name"])
     res = case_result(args, eargs, rows, t0)
     path = write_results(with_provenance({**cases, args.case: res}), out, NAME)
