@@ -41,9 +41,8 @@ class Worker(e2e.Worker):
     def setup_engine(self):
         args = self.args
         tokens = data_lib.load(args.data, args.seq_len, vocab_size=args.vocab_size, max_bytes=args.data_bytes)
-        model = train_lib.build_model(argparse.Namespace(model=None, model_size=args.model_size, family=args.family,
-                                                         seed=args.seed),
-                                      tokens.vocab_size, args.seq_len)
+        spec = argparse.Namespace(model=None, model_size=args.model_size, family=args.family, seed=args.seed)
+        model = train_lib.build_model(spec, tokens.vocab_size, args.seq_len)
         self.n_params = sum(p.numel() for p in model.parameters())
         self.cfg = ds_config(args.config, micro_batch=args.micro_batch, on_cpu=not self.on_cuda, lr=args.lr,
                              total_steps=args.steps, warmup_steps=args.warmup_steps)
@@ -74,8 +73,7 @@ class Worker(e2e.Worker):
                "ds_config": self.cfg, "params": self.n_params, "status": self.status, "steps_done": steps_done,
                "train": train_log, "val": val_log,
                "final_val_loss": val_log[-1][1] if val_log and val_log[-1][0] == steps_done else None,
-               "tokens_per_s": steps_done * args.micro_batch * args.seq_len / self.t_train if self.t_train > 0
-               else None,
+               "tokens_per_s": steps_done * args.micro_batch * args.seq_len / self.t_train if self.t_train else None,
                "peak_mem_gb": torch.cuda.max_memory_allocated() / 2 ** 30 if self.on_cuda else None,
                "coat_warnings": self.wlog.messages}
         if args.dump_state and not self.status.startswith("diverged"):   # every evaluation: a stopped run still has one
@@ -106,12 +104,11 @@ class Worker(e2e.Worker):
         engine.train()
         t_mark = time.perf_counter()
         nxt = self.fetch(0)
-        for step in range(args.steps):
+        for done in range(1, args.steps + 1):   # the step's number, 1-based
             x, y = nxt
-            if step + 1 < args.steps:
-                nxt = self.fetch(step + 1)       # the copy overlaps this step's compute
+            if done < args.steps:
+                nxt = self.fetch(done)       # the next batch's copy overlaps this step's compute
             acc += self.one_step(x, y).detach().float()
-            done = step + 1
             if (done % args.log_every == 0 or done == args.steps) and not self.log_train(done, acc):
                 break
             if done % args.eval_every == 0 or done == args.steps:
@@ -155,8 +152,7 @@ def dump_adam_state(engine, path: Path, sample: int, what: str) -> dict:
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save({"exp_avg": m[idx].cpu(), "exp_avg_sq": v[idx].cpu(), "source": f"{what}: {layout}",
                 "optimizer": type(base).__name__}, path)
-    return {"path": str(path), "numel": int(idx.numel()), "of": n, "layout": layout,
-            "optimizer": type(base).__name__}
+    return {"path": str(path), "numel": int(idx.numel()), "of": n, "layout": layout, "optimizer": type(base).__name__}
 
 
 def launch(args: argparse.Namespace, name: str, out: Path, tag: str, timeout: float) -> dict:
@@ -172,8 +168,7 @@ def launch(args: argparse.Namespace, name: str, out: Path, tag: str, timeout: fl
     run = read_json(result) or no_run(name, f"failed (exit {rc})")
     if rc != 0 and run["status"] in ("running", "ok"):
         run["status"] = f"stopped at step {run['steps_done']} (exit {rc})"
-    run["exit_code"] = rc
-    run["log_tail"] = tail[-2000:] if rc != 0 else ""
+    run.update(exit_code=rc, log_tail=tail[-2000:] if rc != 0 else "")
     print(f"{result.stem}: {run['status']}, final val loss {run['final_val_loss']}", flush=True)
     return run
 
@@ -211,9 +206,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
 
 def run_workers(rec: argparse.Namespace, jobs: list[tuple[str, int]], out: Path, max_parallel: int, stop_at: float,
                 kill_at: float, tag=lambda name, seed: name) -> dict[tuple[str, int], dict]:
-    """Each (config, seed) job's worker, at most max_parallel at once, in order -> its result. Workers stop
-    themselves at stop_at (evaluate, save) and are killed at kill_at; a job not started a minute before stop_at
-    is left out."""
+    """Each (config, seed) job's worker, at most max_parallel at once, in order -> its result. Workers stop themselves
+    at stop_at (evaluate, save) and are killed at kill_at; a job not started a minute before stop_at is left out."""
     rec.deadline = stop_at
 
     def run(job: tuple[str, int]) -> dict | None:
@@ -240,7 +234,6 @@ def last_common_step(curves) -> int | None:
 
 
 def rel_gap(x: float | None, base: float | None) -> float | None:
-    """(x - base) / base; None where either is missing."""
     return (x - base) / base if x is not None and base else None
 
 
@@ -319,10 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     runs = {n: done.get((n, args.seed)) or no_run(n, "not started: time budget") for n in names}
     res = headline(args, runs, tokens, t0)
     path = write_results(res, out, "convergence")
-    bf16, opt, full = res["bf16_val_loss"], res["coat_opt_val_loss"], res["coat_val_loss"]
-    sr, rn = res["coat_bf16sr_val_loss"], res["coat_bf16rn_val_loss"]
-    print(f"final val loss: bf16 {fmt(bf16)}, coat optimizer-only {fmt(opt)}, coat full {fmt(full)} (bf16 master: "
-          f"SR {fmt(sr)}, RN {fmt(rn)}); gap {fmt(res['val_loss_gap_rel'], '+.3%')}, bf16 SR "
+    print(f"final val loss: bf16 {fmt(res['bf16_val_loss'])}, coat optimizer-only {fmt(res['coat_opt_val_loss'])}, "
+          f"coat full {fmt(res['coat_val_loss'])} (bf16 master: SR {fmt(res['coat_bf16sr_val_loss'])}, "
+          f"RN {fmt(res['coat_bf16rn_val_loss'])}); gap {fmt(res['val_loss_gap_rel'], '+.3%')}, bf16 SR "
           f"{fmt(res['val_loss_gap_rel_bf16sr'], '+.3%')} (target within {TARGET_GAP:.1%})  ->  {path}", flush=True)
     return 0 if all(r.get("status") == "ok" for r in runs.values()) else 1
 

@@ -59,8 +59,7 @@ TARGETS = {"trainer_over_plain_coat": 0.9, "coat_over_bf16_trainer_mb4": 1.3}
 
 # --- What one run trains: the DeepSpeed config and the TrainingArguments ----------------------------------------------
 def parse_run(spec: str) -> dict:
-    """path:preset:model:micro_batch:tuning[:profile] -> a dict; ValueError naming the bad field and the allowed
-    values."""
+    """path:preset:model:micro_batch:tuning[:profile] -> a dict; ValueError: the bad field and the allowed values."""
     parts = spec.split(":")
     if len(parts) not in (5, 6) or parts[5:] not in ([], ["profile"]):
         raise ValueError(f"--runs {spec!r}: expected path:preset:model:micro_batch:tuning[:profile]")
@@ -75,25 +74,26 @@ def parse_run(spec: str) -> dict:
             "profiled": len(parts) == 6, "spec": spec}
 
 
-def hf_ds_config(preset: str, tuning: str, on_cpu: bool) -> dict:
-    """The HF-style config ("auto" values) of a preset under a tuning."""
-    cfg = json.loads((ROOT / PRESETS[preset][1]).read_text())
-    if preset == "bf16":   # the same settings with AdamW (FusedAdam on GPUs) and stock layers
+def hf_ds_config(run: dict) -> dict:
+    """The HF-style config ("auto" values) of the run's preset under its tuning."""
+    cfg = json.loads((ROOT / PRESETS[run["preset"]][1]).read_text())
+    if run["preset"] == "bf16":   # the same settings with AdamW (FusedAdam on GPUs) and stock layers
         cfg.pop("coat", None)
         cfg["optimizer"] = {"type": "AdamW", "params": {k: "auto" for k in ("lr", "betas", "eps", "weight_decay")}}
-        if on_cpu:
+        if not torch.cuda.is_available():
             cfg["optimizer"]["params"]["torch_adam"] = True
-    e2e.merge_into(cfg, TUNINGS[tuning][0])
+    e2e.merge_into(cfg, TUNINGS[run["tuning"]][0])
     return cfg
 
 
-def training_args(run: dict, cfg: dict, steps: int, out_dir: str):
-    """Default TrainingArguments but for what the benchmark fixes (steps, batch, warm-up, no saving or reports)."""
+def training_args(run: dict, steps: int, out_dir: str):
+    """Default TrainingArguments on the run's HF config but for what the benchmark fixes (steps, batch, warm-up,
+    no saving or reports)."""
     from transformers import TrainingArguments
 
     on_cuda = torch.cuda.is_available()
     kw = dict(output_dir=out_dir, max_steps=steps, per_device_train_batch_size=run["micro_batch"],
-              bf16=on_cuda, use_cpu=not on_cuda, deepspeed=cfg, report_to="none", save_strategy="no",
+              bf16=on_cuda, use_cpu=not on_cuda, deepspeed=hf_ds_config(run), report_to="none", save_strategy="no",
               warmup_steps=2, learning_rate=3e-4, weight_decay=0.1, adam_beta2=0.95, disable_tqdm=True, seed=1234)
     kw.update(TUNINGS[run["tuning"]][1])
     return TrainingArguments(**kw)
@@ -113,21 +113,18 @@ class Meter:
         self.ends: list[float] = []
         self.probe = StepProbe(on_cuda) if run["profiled"] else None
 
-    def sync(self) -> None:
-        if self.on_cuda:
-            torch.cuda.synchronize()
-
     def step_end(self, k: int) -> None:
         """k: the number of the step that just ended (1-based)."""
         if k == self.args.warmup:
-            self.sync()
             if self.on_cuda:
+                torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
             self.t0 = time.perf_counter()
         elif self.args.warmup < k <= self.last:
             self.ends.append(time.perf_counter())
         if k == self.last:
-            self.sync()
+            if self.on_cuda:
+                torch.cuda.synchronize()
             self.t_end = time.perf_counter()
         if self.probe is not None and self.last <= k <= self.last + 2:
             self.probe.mark()
@@ -144,18 +141,14 @@ class Meter:
             res = torch.cuda.max_memory_reserved()
             mem = {"peak_alloc_gb": torch.cuda.max_memory_allocated() / GIB, "peak_reserved_gb": res / GIB,
                    "fits": res <= self.args.mem_fraction * torch.cuda.get_device_properties(0).total_memory}
+        base = e2e.base_optimizer(engine)
         return {"step_time_s": med, "step_time_mean_s": mean, "tokens_per_s": tokens / med,
-                "tokens_per_s_mean": tokens / mean, "step_times_s": intervals, **mem, **engine_facts(engine),
+                "tokens_per_s_mean": tokens / mean, "step_times_s": intervals, **mem,
+                "engine": type(engine).__name__, "optimizer": type(base).__name__,
+                "param_groups": len(base.param_groups),
+                "zero_optimization": dict(engine._config._param_dict.get("zero_optimization", {})),
+                "fp8_layers": sum(type(m).__name__ == "CoatDecoderLayer" for m in engine.module.modules()),
                 "loss": loss, "profile": self.probe and self.probe.result}
-
-
-def engine_facts(engine) -> dict:
-    """What the engine was built with: the ZeRO settings DeepSpeed got, the optimizer and its param groups."""
-    base = e2e.base_optimizer(engine)
-    zero = dict(engine._config._param_dict.get("zero_optimization", {}))
-    return {"engine": type(engine).__name__, "optimizer": type(base).__name__,
-            "param_groups": len(base.param_groups), "zero_optimization": zero,
-            "fp8_layers": sum(type(m).__name__ == "CoatDecoderLayer" for m in engine.module.modules())}
 
 
 # --- Workers: one run each --------------------------------------------------------------------------------------------
@@ -164,7 +157,6 @@ def trainer_worker(run: dict, args: argparse.Namespace) -> dict:
     from transformers import Trainer, TrainerCallback
 
     train_lib.set_single_process_env()
-
     on_cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if on_cuda else torch.device("cpu")
     if on_cuda:
@@ -176,7 +168,7 @@ def trainer_worker(run: dict, args: argparse.Namespace) -> dict:
             meter.step_end(state.global_step)
 
     model = e2e.build_model(run["model"], device, torch.bfloat16 if on_cuda else torch.float32, 1234)
-    targs = training_args(run, hf_ds_config(run["preset"], run["tuning"], not on_cuda), meter.total, args.scratch)
+    targs = training_args(run, meter.total, args.scratch)
     ids = torch.randint(0, model.config.vocab_size, (meter.total * run["micro_batch"], args.seq_len),
                         generator=torch.Generator().manual_seed(1234))
     data = [{"input_ids": x, "labels": x} for x in ids]   # random tokens; HF shifts the labels itself
@@ -187,17 +179,14 @@ def trainer_worker(run: dict, args: argparse.Namespace) -> dict:
 
 
 class PlainWorker(e2e.Worker):
-    """e2e's loop (forward, engine.backward, engine.step) on the config HF Trainer would fill, the model as the
-    Trainer runs it (use_cache off) and one param group of every trainable parameter (HF's, for a config
-    "optimizer")."""
+    """e2e's loop (forward, engine.backward, engine.step) on the config HF Trainer would fill, the model as the Trainer
+    runs it (use_cache off) and one param group of every trainable parameter (HF's, for a config "optimizer")."""
 
     def setup_engine(self):
         run, total = self.args.run, self.args.total
         net = self.model()
         net.config.use_cache = False
-        self.limit = float("inf")
-        targs = training_args(run, hf_ds_config(run["preset"], run["tuning"], not self.on_cuda), total,
-                              self.args.scratch)
+        targs = training_args(run, total, self.args.scratch)
         targs.hf_deepspeed_config.trainer_config_finalize(targs, net, total)   # HF's own fill of the "auto" values
         engine, *_ = deepspeed.initialize(model=net, config=targs.hf_deepspeed_config.config,
                                           model_parameters=[q for q in net.parameters() if q.requires_grad])
@@ -222,9 +211,9 @@ def worker(args: argparse.Namespace) -> int:
     try:
         rec = (trainer_worker if run["path"] == "trainer" else plain_worker)(run, args)
     except torch.OutOfMemoryError as e:
-        rec = {"oom": str(e).splitlines()[0], "needed_gb": e2e.oom_needed_gb(str(e).splitlines()[0])}
-    cfg = hf_ds_config(run["preset"], run["tuning"], not torch.cuda.is_available())
-    rec.update(run, wall_s=time.time() - t0, config=cfg, coat_warnings=wlog.messages)
+        msg = str(e).splitlines()[0]
+        rec = {"oom": msg, "needed_gb": e2e.oom_needed_gb(msg)}
+    rec.update(run, wall_s=time.time() - t0, config=hf_ds_config(run), coat_warnings=wlog.messages)
     Path(args.result).write_text(json.dumps(rec))
     return 0
 

@@ -72,11 +72,9 @@ def make_variant(name: str, layers):
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
         layers = [convert_to_float8_training(layer, config=Float8LinearConfig()) for layer in layers]  # tensorwise
-    stack = Stack(layers)
-    if name.endswith("compiled"):
-        for i, layer in enumerate(stack.layers):  # one compiled graph, reused by the 4 layers
-            stack.layers[i] = torch.compile(layer)
-    return stack
+    if name.endswith("compiled"):  # one compiled graph, reused by the 4 layers
+        layers = [torch.compile(layer) for layer in layers]
+    return Stack(layers)
 
 
 def coat_layers(stack):
@@ -94,19 +92,10 @@ def cache_bytes(stack):
     return sum(layer.weight_cache_bytes() for layer in coat_layers(stack))
 
 
-def warm_up(stack, x, cos, sin, grad, n: int) -> None:
-    """n steps, each with the weight cache emptied first (coat's first steps tune GEMMs; compiled ones compile)."""
-    for _ in range(n):
-        clear_cache(stack)
-        step(stack, x, cos, sin, grad)
-    torch.cuda.synchronize()
-
-
 def step(stack, x, cos, sin, grad, keep=()):
     """The input gradient (and fp32 copies of the gradients of the parameters named in `keep`)."""
     xi = x.detach().requires_grad_()
-    out = stack(xi, cos, sin)
-    out.backward(grad)
+    stack(xi, cos, sin).backward(grad)
     grads = {n.replace("._orig_mod", ""): p.grad.float() for n, p in stack.named_parameters()
              if n.replace("._orig_mod", "") in keep}
     stack.zero_grad(set_to_none=True)
@@ -135,7 +124,10 @@ def measure(name, shape, cfg, base, x, cos, sin, iters, warmup):
     grad = torch.randn(x.shape, device=x.device, generator=torch.Generator(x.device).manual_seed(5)).to(x.dtype)
     torch.cuda.reset_peak_memory_stats()
     t0 = time.time()
-    warm_up(stack, x, cos, sin, grad, warmup)
+    for _ in range(warmup):   # the cache emptied each time: coat's first steps tune GEMMs, compiled ones compile
+        clear_cache(stack)
+        step(stack, x, cos, sin, grad)
+    torch.cuda.synchronize()
     warm_s = time.time() - t0
     # activation memory: first micro-batch (cache emptied)
     clear_cache(stack)
@@ -156,25 +148,21 @@ def measure(name, shape, cfg, base, x, cos, sin, iters, warmup):
         times = []
         for _ in range(iters):
             if not keep_cache:
-                clear_cache(stack)  # noqa: F821 (ruff's false positive on a name deleted after the closure ran)
-            times.append(call_ms(lambda: step(stack, x, cos, sin, grad), DEV) / N_LAYERS)  # noqa: F821 (as above)
+                clear_cache(stack)
+            times.append(call_ms(lambda: step(stack, x, cos, sin, grad), DEV) / N_LAYERS)
         return statistics.median(times)
 
     grad_cos = grad_quality(name, shape, stack, x, cos, sin, grad)
-    dx_cos = grad_cos.get("input")
     ms = timed(keep_cache=False)
     ms_cached = timed(keep_cache=True) if name.startswith("coat") else ms
     tokens = BATCH * SEQ
-    act = (after - before) / N_LAYERS
+    act, act_excl = (after - before) / N_LAYERS, (after - before - cache_fwd) / N_LAYERS
     row = dict(shape=shape, variant=name, act_bytes=int(act), act_bytes_per_token_hidden=act / tokens / cfg.hidden_size,
                weight_cache_bytes=int(cache_full / N_LAYERS), weight_cache_bytes_in_act=int(cache_fwd / N_LAYERS),
-               act_bytes_excl_cache=int(act - cache_fwd / N_LAYERS),
-               act_bytes_per_token_hidden_excl_cache=(act - cache_fwd / N_LAYERS) / tokens / cfg.hidden_size,
-               fwd_bwd_ms=ms, fwd_bwd_ms_cached=ms_cached, warmup_s=warm_s, dx_cos_vs_bf16_eager=dx_cos,
-               grad_cos_vs_bf16=grad_cos,
-               peak_mem_bytes=torch.cuda.max_memory_allocated())
-    del stack
-    torch.cuda.empty_cache()
+               act_bytes_excl_cache=int(act_excl),
+               act_bytes_per_token_hidden_excl_cache=act_excl / tokens / cfg.hidden_size,
+               fwd_bwd_ms=ms, fwd_bwd_ms_cached=ms_cached, warmup_s=warm_s, dx_cos_vs_bf16_eager=grad_cos.get("input"),
+               grad_cos_vs_bf16=grad_cos, peak_mem_bytes=torch.cuda.max_memory_allocated())
     return row
 
 
@@ -256,10 +244,9 @@ def main(argv: list[str] | None = None) -> None:
             except Exception as exc:  # noqa: BLE001 - a variant that fails is reported, not fatal
                 traceback.print_exc()
                 row = dict(shape=shape, variant=name, error=f"{type(exc).__name__}: {exc}"[:500])
-                torch.cuda.empty_cache()
-            row = {**meta, **row}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            torch.cuda.empty_cache()   # the variant's stack is gone with measure's frame
+            rows.append({**meta, **row})
+            print(json.dumps(rows[-1]), flush=True)
             write_json(args.out, rows)
         del base
         torch.cuda.empty_cache()

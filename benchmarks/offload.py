@@ -46,10 +46,10 @@ def predict_host(group_numels: list[int], largest_param: int, config: str, pinne
     group a master and a gradient partition (fp32; bf16 with bf16_sr, whose master is also the staging buffer)
     and a bf16 staging buffer, each pinned through an unpinned copy (the transient), and a bf16 gradient buffer
     of the largest parameter. docs/notes_offload.md has the derivation."""
-    pin = (lambda b: pinned_size(b, pow2)) if pinned else (lambda b: b)
-    fp32 = sum(pin(4 * k) for k in group_numels)
-    bf16 = sum(pin(2 * k) for k in group_numels)
-    temp = pin(2 * largest_param)
+    pow2 = pow2 and pinned   # only pinned blocks are rounded
+    fp32 = sum(pinned_size(4 * k, pow2) for k in group_numels)
+    bf16 = sum(pinned_size(2 * k, pow2) for k in group_numels)
+    temp = pinned_size(2 * largest_param, pow2)
     transient = 4 * max(group_numels) if pinned else 0
     if config == "coat_full_bf16sr":
         setup_peak, held = base + 3 * bf16 + temp + transient // 2, 2 * bf16 + temp
@@ -58,7 +58,7 @@ def predict_host(group_numels: list[int], largest_param: int, config: str, pinne
     states = int(STATE_B[config] * sum(group_numels))
     steady = base + held + states
     return {"setup_peak_bytes": setup_peak, "steady_bytes": steady, "peak_bytes": max(setup_peak, steady),
-            "states_bytes": states, "base_bytes_assumed": base, "pinned": pinned, "pinned_pow2": pow2 and pinned}
+            "states_bytes": states, "base_bytes_assumed": base, "pinned": pinned, "pinned_pow2": pow2}
 
 
 def model_numels(model: str) -> tuple[list[int], int]:
@@ -154,8 +154,7 @@ class OffloadWorker(e2e.Worker):
         cfg.pop("_source")
         engine = self.train_lib.initialize(net, cfg)
         engine.train()
-        self.rss["engine_built"] = rss_gb()
-        self.rss["engine_built_peak"] = proc_bytes("VmHWM") / GIB
+        self.rss.update(engine_built=rss_gb(), engine_built_peak=proc_bytes("VmHWM") / GIB)
         self.ds_cfg = cfg
         return engine
 
@@ -198,9 +197,9 @@ def run_row(w: OffloadWorker) -> dict:
             "host_rss_step_phases": phases,
             "gpu_peak_gb": torch.cuda.max_memory_allocated() / GIB if w.on_cuda else None,
             "gpu_peak_reserved_gb": torch.cuda.max_memory_reserved() / GIB if w.on_cuda else None,
-            "pinned_allocator": pinned_stats(), "host_accounting": acc, "basic_optimizer":
-            type(w.engine.basic_optimizer).__name__, "ds_config": w.ds_cfg, "fits": True, "why_not": None,
-            "coat_warnings": w.wlog.messages, "device": device_name(), "versions": versions()}
+            "pinned_allocator": pinned_stats(), "host_accounting": acc,
+            "basic_optimizer": type(w.engine.basic_optimizer).__name__, "ds_config": w.ds_cfg, "fits": True,
+            "why_not": None, "coat_warnings": w.wlog.messages, "device": device_name(), "versions": versions()}
 
 
 def worker(args: argparse.Namespace) -> int:
@@ -297,8 +296,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def meta(args: argparse.Namespace, rows: list[dict], avail: int) -> dict:
     """How the rows were measured; device and versions as a worker saw them (no CUDA context in the parent)."""
-    ran = next((r for r in reversed(rows) if r.get("device")), None)
-    ran = ran or {"device": device_name(), "versions": versions()}
+    ran = next((r for r in rows[::-1] if r.get("device")), None) or {"device": device_name(), "versions": versions()}
     return {"what": "ZeRO-2 + offload_optimizer cpu, 1 rank: host memory per parameter, GPU peak, tokens/s",
             "device": ran["device"], "versions": ran["versions"], "host_available_gb": avail / GIB,
             "pin_memory": args.pin_memory, "pin_backend": os.environ.get("DS_PIN_MEMORY_BACKEND", "torch"),

@@ -32,7 +32,6 @@ PEERS_NEED = "needs grads and master in fp32 (the param's dtype)"
 
 
 # --- measuring --------------------------------------------------------------------------------------------------------
-
 def timings(fns: dict, device: str, warmup: int, runs: int) -> dict[str, list[float]]:
     """Each contender's timed calls (ms), in interleaved rounds (each contender once per round), so a shared
     host's changing load falls on all of them alike."""
@@ -79,19 +78,14 @@ def moved_bytes(master: torch.Tensor, g: torch.Tensor, state_bytes: int, remaind
 
 
 # --- contenders -------------------------------------------------------------------------------------------------------
-
 def coat_kernel(p: torch.Tensor, g: torch.Tensor, group_size: int = 128, v_format: str = "e4m3",
                 remainder: bool = False):
     """ops.adamw_step on one flat tensor with states laid out as CoatAdamW's: the step alone (a bf16 p is a
     bf16 master, written by stochastic rounding, or with `remainder` the high halves of an exact fp32 one)."""
     ng = n_groups(p.numel(), group_size)
     vf = get_format(v_format)
-
-    def moment(fmt):
-        return (torch.zeros(p.shape, dtype=fmt.dtype, device=p.device), torch.zeros(ng, device=p.device),
-                torch.ones(ng, device=p.device))
-
-    m, v = moment(E4M3), moment(vf)
+    m, v = ((torch.zeros(p.shape, dtype=fmt.dtype, device=p.device), torch.zeros(ng, device=p.device),
+             torch.ones(ng, device=p.device)) for fmt in (E4M3, vf))
     state = {"step": 0}
     rem = [torch.zeros(p.shape, dtype=torch.int16, device=p.device)] if remainder else ()
     sr = [(0, 0)] if p.dtype == torch.bfloat16 and not remainder else None
@@ -105,8 +99,7 @@ def coat_kernel(p: torch.Tensor, g: torch.Tensor, group_size: int = 128, v_forma
     return step, sum(t.numel() * t.element_size() for t in (*m, *v))
 
 
-# name: (module, class, keyword arguments beside HP); each imported only when it runs (a missing one is an error
-# in its row)
+# name: (module, class, keyword arguments beside HP); each imported only when it runs (a missing one: its row's error)
 PEERS = {"coat_step": ("coat_ds.optim", "CoatAdamW", {}),
          "fused_adam": ("deepspeed.ops.adam", "FusedAdam", {"adam_w_mode": True}),
          "torch_adamw": ("torch.optim", "AdamW", {"fused": True}),
@@ -121,7 +114,6 @@ def make_optimizer(name: str, p: torch.nn.Parameter) -> torch.optim.Optimizer:
 
 
 # --- runs -------------------------------------------------------------------------------------------------------------
-
 def attempt(row: dict, name: str, fn):
     """fn(), or None with the error in the row: a peer that fails is reported, the run goes on."""
     try:
@@ -157,11 +149,11 @@ def peer_fields(name: str, times: dict, moved: int, state_per_param: float, pair
     """A peer's row fields; with interleaved timings (`paired`) its fastest step and the medians of the
     per-round ratios too, as a load change between rounds falls on both sides."""
     pms, coat = statistics.median(times[name]), statistics.median(times["coat"])
-    ratio = lambda a, b: round(statistics.median(x / y for x, y in zip(times[a], times[b])), 2)  # noqa: E731
     fields = {f"{name}_ms": round(pms, 4), f"{name}_gbps": round(moved / (pms * 1e6), 1),
               f"{name}_state_bytes_per_param": round(state_per_param, 4), f"speedup_vs_{name}": round(pms / coat, 2)}
     if paired:
-        fields.update({f"{name}_min_ms": round(min(times[name]), 4), f"speedup_vs_{name}_paired": ratio(name, "coat")})
+        per_round = statistics.median(a / b for a, b in zip(times[name], times["coat"]))
+        fields.update({f"{name}_min_ms": round(min(times[name]), 4), f"speedup_vs_{name}_paired": round(per_round, 2)})
     return fields
 
 
@@ -175,18 +167,17 @@ def bench_case(p, g32, grad_dtype, master: str, peers: list[str], device: str, w
                master=master, copy_gbps=round(copy_bw, 1), errors={})
     step, sbytes = coat_kernel(pm, g, remainder=rem)
     fp32 = grad_dtype == torch.float32 and master == "float32"
-    fns = {"coat": step}
     for name in ([] if fp32 else peers):
         row[f"{name}_ms"] = None
         row["errors"][name] = PEERS_NEED
     p.grad = g if fp32 else None
-    times, states = time_peers(p, peers if fp32 else [], row, fns, device, warmup, runs)
+    times, states = time_peers(p, peers if fp32 else [], row, {"coat": step}, device, warmup, runs)
     p.grad = None
-    ms = statistics.median(times["coat"])
-    gbps = moved_bytes(pm, g, sbytes, rem) / (ms * 1e6)
-    row.update(coat_ms=round(ms, 4), coat_bytes=moved_bytes(pm, g, sbytes, rem),
-               coat_bytes_per_param=round(moved_bytes(pm, g, sbytes, rem) / numel, 3), coat_gbps=round(gbps, 1),
-               coat_frac_of_copy=round(gbps / copy_bw, 3), state_bytes_per_param=round(sbytes / numel, 4))
+    ms, moved = statistics.median(times["coat"]), moved_bytes(pm, g, sbytes, rem)
+    gbps = moved / (ms * 1e6)
+    row.update(coat_ms=round(ms, 4), coat_bytes=moved, coat_bytes_per_param=round(moved / numel, 3),
+               coat_gbps=round(gbps, 1), coat_frac_of_copy=round(gbps / copy_bw, 3),
+               state_bytes_per_param=round(sbytes / numel, 4))
     if device == "cpu":
         row["coat_min_ms"] = round(min(times["coat"]), 4)
     for name, sb in states.items():

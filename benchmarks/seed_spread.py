@@ -108,9 +108,8 @@ def summarize(section: dict) -> None:
     step = last_common_step(e["val"] for r in section["runs"].values() for e in r.values() if e["val"])
     stats = {n: config_stats(r, step) for n, r in section["runs"].items()}
     base = stats.get("bf16") or config_stats({}, step)   # no BF16 seeds: every figure None
-    band = None
-    if base["final_std"] is not None:
-        band = [base["final_min"] - base["final_std"], base["final_max"] + base["final_std"]]
+    std = base["final_std"]
+    band = None if std is None else [base["final_min"] - std, base["final_max"] + std]
     for st in stats.values():
         mean = st["final_mean"]
         st["gap_rel_mean"] = rel_gap(mean, base["final_mean"])
@@ -163,10 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tokens = convergence.load_tokens(rec, t0)
-    path = out / "seed_spread.json"
     recipe = {**convergence.recipe_facts(rec, tokens), "steps": rec.steps, "eval_every": rec.eval_every,
               "eval_batches": rec.eval_batches, "smoke": args.smoke}
-    res = load_existing(path, key, recipe)
+    res = load_existing(out / "seed_spread.json", key, recipe)
     at_once = min(args.max_parallel, len(names) * len(seeds))
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // at_once)))   # the cores shared
     pairs = [(n, s) for s in seeds for n in names]          # seed-major: a short budget still covers every config
