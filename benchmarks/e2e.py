@@ -28,6 +28,7 @@ from deepspeed.accelerator import get_accelerator  # noqa: E402
 
 from benchmarks.common import (GIB, RESULTS, ROOT, StepProbe, WarningLog, add_worker_args,  # noqa: E402
                                check_positive, names_of, provenance, run_worker, worker_cmd, write_results)
+from coat_ds.deepspeed.zero.kind import master_partitions, zero_kind  # noqa: E402
 from coat_ds.hf.loss import is_applied  # noqa: E402
 from coat_ds.workloads import causal_lm as train_lib  # noqa: E402  (engine initialisation, the loss, the shapes)
 from coat_ds.workloads.shapes import SHAPES  # noqa: E402  (public shapes: TinyLlama's, Llama-2's, Llama-3.1's)
@@ -282,9 +283,12 @@ class Worker:
         # ZeRO-3 keeps each parameter's partition in `ds_tensor` (the parameter itself is empty between uses)
         weights = counter.add(t for p in engine.module.parameters() for t in (p, getattr(p, "ds_tensor", None)))
         base = base_optimizer(engine)
-        master = counter.add(p for g in base.param_groups for p in g["params"])
+        # the master partitions (ZeRO-3 lists them in its optimizer's param groups only while it steps)
+        zo = engine.optimizer
+        masters = master_partitions(zo) if zero_kind(zo) else [p for g in base.param_groups for p in g["params"]]
+        master = counter.add(masters)
         # coat.master_weights 'fp32_remainder': the masters' low halves, kept by the partition layouts
-        layouts = [getattr(base, "partition_of", lambda p: None)(p) for g in base.param_groups for p in g["params"]]
+        layouts = [getattr(base, "partition_of", lambda p: None)(p) for p in masters]
         master += counter.add(lay.remainder for lay in layouts if getattr(lay, "remainder", None) is not None)
         opt_state = counter.add(t for st in base.state.values() for t in _tensors(st))
         param_keys = set(counter.seen)
