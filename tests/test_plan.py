@@ -78,6 +78,19 @@ def test_every_measured_end_to_end_peak_is_planned_within_10_percent():
     assert not off, "\n".join(off)
 
 
+def test_every_measured_offload_row_is_planned_on_the_host():
+    """offload.json's rows: the host tensors DeepSpeed's ZeRO-2 Offload holds (master, states, master gradients,
+    the bf16 staging copy, the gradient staging buffer; counted from the engine) are what the plan's host
+    column says, within 1% (the planner leaves out only the pinned allocator's rounding)."""
+    rows = [r for r in json.loads((RESULTS / "offload.json").read_text())["rows"] if r.get("host_accounting")]
+    assert len(rows) >= 4, len(rows)
+    for r in rows:
+        job = P.job_from_config(r["ds_config"], P.resolve_shape(r["model"]), r["seq_len"], 1)
+        measured = r["host_accounting"]["host_total_bytes_per_param"]
+        planned = P.plan(job, r["micro_batch"]).host / r["params"]
+        assert planned == pytest.approx(measured, rel=0.01), (r["model"], r["config"], planned, measured)
+
+
 def test_an_out_of_memory_row_is_planned_not_to_fit():
     """Rows where even micro-batch 1 ran out of memory: the plan says no, and needs at least what the OOM
     message showed (allocated + the failed request, a lower bound of the peak). A micro-batch 1 that ran but

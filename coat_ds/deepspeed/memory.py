@@ -14,7 +14,8 @@ e2e*.json and offload.json; docs/plan.md has the derivation):
 - DeepSpeed's own step for a stock optimizer flattens the gradient partition and converts it to fp32
   (+2 +4 B per partition value, stage_1_and_2.py step); CoatAdamW's ZeRO step (zero/step.py) reads the
   partition in place, one parameter's fp32 pieces at a time;
-- Offload moves master, states and gradient partition to the host.
+- Offload moves master, states and gradient partition to the host, beside DeepSpeed's bf16 staging copy of the
+  partition (none with a bf16 master: the master is that copy) and a bf16 gradient buffer of the largest tensor.
 """
 from __future__ import annotations
 
@@ -100,8 +101,11 @@ def model_states(job: ZeroJob, n: int, layer_params: int, largest: int) -> dict[
     if job.gradients == "release" and job.stage >= 2:  # stepped per bucket: none outlives its bucket
         grads = 0.0
     optimizer = job.state_bytes * part
-    if job.offload:   # the host keeps master and gradient partition in fp32, or both in bf16 with a bf16 master
-        host = (2.0 if MASTER_BYTES[job.master] == 0 else 4.0) * 2 * part + optimizer
+    if job.offload:   # the host keeps master and gradient partition in fp32, or both in bf16 with a bf16 master,
+        # the bf16 copy of the partition it stages to the GPU (a bf16 master is that copy) and a bf16 gradient
+        # buffer of the largest tensor
+        bf16_master = MASTER_BYTES[job.master] == 0
+        host = (4.0 if bf16_master else 10.0) * part + 2.0 * largest + optimizer
         return dict(weights=weights, master=0.0, optimizer=0.0, gradients=0.0, host=host)
     return dict(weights=weights, master=master, optimizer=optimizer, gradients=grads, host=0.0)
 
