@@ -32,9 +32,9 @@ INTENTS = {  # what each intent lays over the "coat" section (master_weights Non
     "largest_model": {"master_weights": "bf16_sr", "gradients": "release",
                       "activation": {"attention_fp8": True, "cache_weights": False}},
 }
-# Intents some layouts refuse: release steps inside ZeRO-1/2's reduction, on the device
+# Intents some layouts refuse: release steps each bucket on the device as ZeRO reduces it, so not under Offload
 # (coat_ds/deepspeed/zero/release.py)
-ONLY_ON = {"largest_model": ("zero2",)}
+ONLY_ON = {"largest_model": ("zero2", "zero3")}
 HF_TWINS = ("zero2_coat.json", "zero3_coat.json")  # hf/ twins of measured configs, beside the presets'
 
 # What HF Trainer fills from TrainingArguments ("auto"); the scheduler is left out so that the Trainer builds

@@ -24,7 +24,7 @@ EQUAL_W1 = ["equal:1:fp32_remainder", "equal:2:bf16_sr", "equal:3:fp32_remainder
 EQUAL_W2 = ["equal:1:bf16_sr", "equal:2:bf16_sr", "equal:2:fp32_remainder", "equal:2:fp32", "equal:2:bf16_sr:overlap",
             "equal:3:bf16_sr", "equal:3:fp32_remainder", "equal:3:fp32"]
 W2 = EQUAL_W2 + [t for s in STAGES for t in (f"spike:{s}:bf16_sr", f"nan:{s}:bf16_sr", f"resume:{s}:fp32_remainder",
-                                             f"refuse:{s}")] + [f"syncs:{s}:fp32_remainder" for s in (1, 2, 3)]
+                                             f"refuse:{s}")] + [f"syncs:{s}:fp32_remainder" for s in STAGES]
 
 
 def _config(**extra) -> dict:
@@ -140,7 +140,7 @@ def test_engine_refuses_what_release_cannot_run(runs, stage):
                               f"(zero_optimization.offload_optimizer); {ALLOWED}")
 
 
-@pytest.mark.parametrize("stage", (1, 2, 3))
+@pytest.mark.parametrize("stage", STAGES)   # ZeRO-1 steps buckets through ZeRO-2's code (ReleaseStep)
 def test_release_reads_nothing_on_the_host_during_backward(runs, stage):
     """No tensor is read on the host (item, tolist, float, bool, int) from coat_ds during backward, so the host
     queues backward ahead of the device: per bucket the norm, clipping scale and skip stay on the device, the
