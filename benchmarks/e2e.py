@@ -66,6 +66,7 @@ CONFIGS = {
                                   "(before issue 34)", LOWEST, {"gradients": "partition_buffer"}),
     "largest_model": ("coat_ds largest-model preset: lowest memory with gradient release",
                       "ds_configs/zero2_largest_model.json", {}),
+    "largest_model_z3": ("coat_ds largest-model preset, ZeRO-3", "ds_configs/zero3_largest_model.json", {}),
 }
 # the peer a single-GPU user would pick instead: no DeepSpeed config, a plain loop (PeerWorker)
 PEERS = {"torchao_fp8": "torchao float8 (compiled, every linear but lm_head) + AdamWFp8 (bf16 stochastic "
