@@ -63,6 +63,15 @@ def shipped() -> list[tuple[str, str]]:
     return [(layout, intent) for layout in LAYOUTS for intent in INTENTS if layout in ONLY_ON.get(intent, LAYOUTS)]
 
 
+def file_name(layout: str, intent: str) -> str:
+    return f"{layout}_{intent}.json"
+
+
+def file_names() -> list[str]:
+    """The presets' file names, in ds_configs/ and in ds_configs/hf/."""
+    return [file_name(layout, intent) for layout, intent in shipped()]
+
+
 def hf_twin(cfg: dict) -> dict:
     """The same config for HF Trainer: "auto" wherever TrainingArguments decide, no DeepSpeed scheduler."""
     cfg = copy.deepcopy(cfg)
@@ -83,8 +92,8 @@ def rendered() -> dict[Path, str]:
     out = {}
     for layout, intent in shipped():
         cfg = preset(layout, intent)
-        out[CONFIGS / f"{layout}_{intent}.json"] = cfg
-        out[CONFIGS / "hf" / f"{layout}_{intent}.json"] = hf_twin(cfg)
+        out[CONFIGS / file_name(layout, intent)] = cfg
+        out[CONFIGS / "hf" / file_name(layout, intent)] = hf_twin(cfg)
     for name in HF_TWINS:
         out[CONFIGS / "hf" / name] = hf_twin(json.loads((CONFIGS / name).read_text()))
     return {path: json.dumps(cfg, indent=2) + "\n" for path, cfg in out.items()}

@@ -45,7 +45,7 @@ def task_plain(tmp: str) -> dict:
     out = {}
     x = torch.randint(0, LLAMA["vocab_size"], (2, SEQ), generator=torch.Generator().manual_seed(dist.get_rank()))
     for layout, intent in presets.shipped():
-        name = f"{layout}_{intent}.json"
+        name = presets.file_name(layout, intent)
         cfg = json.loads((ROOT / "ds_configs" / name).read_text())
         cfg["scheduler"]["params"].update(total_num_steps=PLAIN_STEPS, warmup_num_steps=1)
         cfg["train_micro_batch_size_per_gpu"] = 2

@@ -13,7 +13,7 @@ pytest.importorskip("deepspeed")
 
 from coat_ds.deepspeed import presets  # noqa: E402
 
-NAMES = [f"{layout}_{intent}.json" for layout, intent in presets.shipped()]
+NAMES = presets.file_names()
 
 
 def test_preset_files_are_what_the_package_writes():
@@ -27,9 +27,9 @@ def test_presets_differ_only_in_their_intent():
     for layout, intent in presets.shipped():
         base = json.loads((ROOT / "ds_configs" / presets.LAYOUTS[layout]).read_text())
         over = presets.INTENTS[intent]
-        cfg = json.loads((ROOT / "ds_configs" / f"{layout}_{intent}.json").read_text())
+        cfg = json.loads((ROOT / "ds_configs" / presets.file_name(layout, intent)).read_text())
         check_config(cfg)
-        hf = json.loads((ROOT / "ds_configs" / "hf" / f"{layout}_{intent}.json").read_text())
+        hf = json.loads((ROOT / "ds_configs" / "hf" / presets.file_name(layout, intent)).read_text())
         check_config(hf, hf_auto=True)
         assert {k: v for k, v in cfg.items() if k != "coat"} == {k: v for k, v in base.items() if k != "coat"}
         section = coat_section(cfg)
