@@ -3,7 +3,8 @@
 Two launched 2-rank jobs (CPU accelerator, gloo; tests/ds_scripts/section_job.py), shared by the tests:
   DS   2 ranks as `deepspeed --num_gpus 2` starts them (harness.ranks_launcher): a user's own script with plain
        deepspeed.initialize and a shipped config file; ZeRO-3 with the model built under HF's zero.Init; every
-       shipped config but the presets (test_presets) as it is; HF Trainer with an HF "auto" config (ds_configs/hf/); what the section refuses
+       shipped config but the presets (test_presets) as it is; HF Trainer with an HF "auto" config
+       (ds_configs/hf/); what the section refuses
   ACC  `accelerate launch` with an accelerate config naming a DeepSpeed config file
 Each route's losses are compared with ==, per rank, to coat_ds.deepspeed.initialize's on the same
 model, config and batches: the same FP8 model trains the same way whatever built the engine.
