@@ -41,7 +41,7 @@ def test_unknown_param_is_an_error():
 def test_coat_section():
     assert coat_section({}).activation is None
     with pytest.raises(ValueError, match=r"coat.optim: unknown key; allowed keys: "
-                                         r"\['activation', 'master_weights', 'loss', 'gradients'\]"):
+                                         r"\['activation', 'master_weights', 'loss', 'gradients', 'states'\]"):
         coat_section({"coat": {"optim": {}}})
     assert coat_section({}).gradients == coat_section({"coat": {}}).gradients == "per_parameter"
     with pytest.raises(ValueError, match=r"^coat.gradients='flat' is invalid; allowed: "

@@ -20,6 +20,7 @@ from .checkpoint.files import MODEL_FILE, CheckpointError, model_file, per_rank,
 from .config import SECTION, CoatSection, coat_section
 from .optimizer_type import NAME, validate_params
 from .zero.gradients import config_refusal as gradients_refusal
+from .zero.states import config_refusal as states_refusal
 from .zero.master import config_refusal
 
 AUTO = "auto"  # HF Trainer / accelerate fill "auto" values themselves
@@ -62,7 +63,7 @@ def _check_coat(cfg: Mapping, hf_auto: bool) -> None:
         keys = [f.name for f in dataclasses.fields(CoatSection)]
         raise ValueError(f"{SECTION}={cfg[SECTION]!r} is invalid; allowed: an object with keys {keys}")
     coat_section(cfg)
-    for refusal in (config_refusal, gradients_refusal):
+    for refusal in (config_refusal, gradients_refusal, states_refusal):
         reason = refusal(cfg, hf_auto)
         if reason is not None:
             raise ValueError(reason)

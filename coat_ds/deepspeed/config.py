@@ -5,6 +5,7 @@
                                       on by default wherever a "coat" section is present)
     "coat": {"master_weights": ...}   where ZeRO keeps the master weights (coat_ds.deepspeed.zero.master)
     "coat": {"gradients": ...}        where ZeRO keeps reduced gradients for the step (coat_ds.deepspeed.zero.gradients)
+    "coat": {"states": ...}           where CoatAdamW's FP8 moments live between steps (coat_ds.deepspeed.zero.states)
 
 DeepSpeed ignores top-level keys it does not know; after `import coat_ds` its engine applies this one.
 """
@@ -17,10 +18,11 @@ from ..activation import ActivationConfig
 from ..activation.loss import LossConfig
 from ..keys import unknown_key
 from .zero import gradients as _gradients
+from .zero import states as _states
 from .zero.master import check_master_weights
 
 SECTION = "coat"
-_KEYS = ("activation", "master_weights", "loss", "gradients")
+_KEYS = ("activation", "master_weights", "loss", "gradients", "states")
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,7 @@ class CoatSection:
     master_weights: str = "fp32"  # "fp32" | "bf16_sr" | "bf16_rn": coat_ds.deepspeed.zero.master
     loss: Any = None  # LossConfig (its defaults when the section has no "loss"): coat_ds.hf.loss
     gradients: str = _gradients.DEFAULT  # coat_ds.deepspeed.zero.gradients.GRADIENTS
+    states: str = _states.DEFAULT  # coat_ds.deepspeed.zero.states.STATES
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None) -> "CoatSection":
@@ -47,7 +50,9 @@ class CoatSection:
                 msg = str(exc)
                 raise ValueError("coat." + msg if msg.startswith("activation.") else msg) from None
         return cls(activation=activation, master_weights=check_master_weights(d.get("master_weights", "fp32")),
-                   loss=LossConfig.from_dict(d.get("loss")), gradients=_gradients.check_gradients(d.get("gradients", _gradients.DEFAULT)))
+                   loss=LossConfig.from_dict(d.get("loss")),
+                   gradients=_gradients.check_gradients(d.get("gradients", _gradients.DEFAULT)),
+                   states=_states.check_states(d.get("states", _states.DEFAULT)))
 
 
 def coat_section(config: Mapping[str, Any] | None) -> CoatSection:

@@ -35,6 +35,7 @@ import sys
 from typing import Any
 
 import torch
+from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from deepspeed.utils import log_dist
 
@@ -77,8 +78,8 @@ def _will_run_coat_adamw(engine, client_optimizer: Any) -> bool:
 
 
 def _bf16_master_from_setup(engine, client_optimizer: Any, *_: Any) -> None:
-    """A CoatAdamW master that is not fp32, under ZeRO-1/2: ZeRO builds it (under Offload the host gradient too)
-    in bf16."""
+    """A CoatAdamW master that is not fp32, under ZeRO-1/2 (under Offload the host gradient too) and ZeRO-3 on the
+    device: ZeRO builds it in bf16 (ZeRO-3: its master partitions are the bf16 ones, never an fp32 copy)."""
     if _will_run_coat_adamw(engine, client_optimizer) and bf16_master_from_setup(
             engine, engine_section(engine).master_weights):
         engine._config.bfloat16_config.bf16_master_weights_and_grads = True
@@ -123,7 +124,7 @@ def _wrap(engine_cls, name: str, before=None, after=None, around=None) -> None:
 def _bind_partitions(engine, *_: Any) -> None:
     if isinstance(getattr(engine, "basic_optimizer", None), CoatAdamW):
         section = engine_section(engine)
-        bind(engine, section.master_weights, section.gradients)
+        bind(engine, section.master_weights, section.gradients, section.states)
         checkpoint_hooks(engine)
 
 
@@ -153,3 +154,4 @@ def hook(engine_cls) -> None:
     _wrap(engine_cls, "_take_model_step", after=_new_weight_step)
     _wrap(engine_cls, "load_checkpoint", around=_load_checkpoint)
     _wrap(DeepSpeedZeroOptimizer, "_configure_master_weights", around=_coat_master_weights)
+    _wrap(DeepSpeedZeroOptimizer_Stage3, "_configure_master_weights", around=_coat_master_weights)

@@ -42,6 +42,8 @@ METHODS: dict[str, str] = {
         "overridden: zero.step.Zero12Step._load_legacy_checkpoint",
     "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer._configure_master_weights":
         "wrapped: engine._coat_master_weights",
+    "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3._configure_master_weights":
+        "wrapped: engine._coat_master_weights (a bf16 master from set-up: _create_fp32_partitions then aliases)",
     "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3.step":
         "calls the per-sub-group hooks below in the order zero.step.Zero3Step relies on; its frame (_pre_step, "
         "_partition_all_parameters, _post_step) re-stated: zero.release.Release3Step.step",
@@ -98,6 +100,8 @@ TESTED: dict[str, dict[str, str]] = {
         "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer._load_legacy_checkpoint":
             "bbc71a41c161d84e0431f7915c497cb13ea24fbe490b0cc46e7e32af29428938",
         "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer._configure_master_weights":
+            "943f724e2d63d918751167f25aaa950d9b1fa7f6d879b056a51d13559d0aeff5",
+        "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3._configure_master_weights":
             "943f724e2d63d918751167f25aaa950d9b1fa7f6d879b056a51d13559d0aeff5",
         "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3.step":
             "c751b3209f83d3b97f416a7bbdd9ca7e0eeafcb3a6072b5abd88440a683fdec9",

@@ -78,6 +78,8 @@ class Partition(Protocol):
 
     def step(self, opt: "CoatAdamW", p: torch.Tensor, group: dict, step: int, grad: Any, **inputs: Any) -> bool: ...
 
+    def place_state(self, p: torch.Tensor, saved: dict) -> dict: ...
+
 
 class CoatAdamW(torch.optim.Optimizer):
     """Decoupled-weight-decay Adam (torch.optim.AdamW's defaults) with 2-byte optimizer state per parameter.
@@ -237,8 +239,9 @@ class CoatAdamW(torch.optim.Optimizer):
                   for pid, p in zip(saved["params"], group["params"])}
         for pid, st in state_dict["state"].items():
             p = params[pid]
-            self.state[p] = {k: v.clone() if k == "step" else v.to(device=p.device, copy=True)
-                             for k, v in st.items()}
+            place = getattr(self.partition_of(p), "place_state", None)  # a partition may keep its state elsewhere
+            self.state[p] = place(p, st) if place is not None and st.keys() >= set(FP8_STATE_KEYS) else \
+                {k: v.clone() if k == "step" else v.to(device=p.device, copy=True) for k, v in st.items()}
 
     def _fp8_step(self, params: list, group: dict, step: int) -> None:
         plain = []

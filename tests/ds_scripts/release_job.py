@@ -17,6 +17,9 @@ TASK (stage S: 1, 2 or 3, master M: fp32 | fp32_remainder | bf16_sr):
   resume:S:M    clipping 1.0: 50 steps saved at 30, and the resumed tail
   refuse:S      engines release refuses: the error of each (stage S with gradient accumulation, fp32
                 gradients, Offload; stage 0)
+  host:3:M[:w1] coat.states "host" against "device" (ZeRO-3, sub-groups of ~600 values; w1: one device window, so
+                every sub-group is evicted and fetched again): clipping 1.0, a NaN at step NAN_AT, saved at SAVE_AT and
+                resumed: losses, every rank's final masters and FP8 states equal
   syncs:S:M     clipping 1.0, three steps, the second with a NaN in rank 0's gradient of the weight reduced first
                 (the last layer's; ZeRO-1's: the first layer's): the host reads of a tensor (item, tolist, float,
                 bool, int) that code under coat_ds/ makes during backward and during engine.step(); whether the
@@ -39,6 +42,7 @@ import coat_ds  # noqa: E402
 import common  # noqa: E402
 import job  # noqa: E402
 from zero_state_job import _all, _joined, build, build_outcomes, config, masters  # noqa: E402
+from coat_ds.deepspeed.zero import states as coat_states  # noqa: E402
 from coat_ds.deepspeed.zero.layout import meta_offsets  # noqa: E402
 from coat_ds.optim.coat_adamw import fp8_moments  # noqa: E402
 
@@ -48,6 +52,7 @@ if torch.cuda.is_available():   # two GPU runs agree bit for bit only with deter
     torch.use_deterministic_algorithms(True, warn_only=True)
 EQUAL_STEPS = 100   # the issue's run length for release == per_parameter
 SPIKE, NAN_AT, CLIP = 20, 20, 1.0
+HOST_SAVE, HOST_STEPS = NAN_AT + 4, NAN_AT + 8  # coat.states "host": saved after the NaN step, resumed for 4
 
 
 def release_config(stage: int, world: int, master: str, gradients: str = "release", clip: float = 0.0) -> dict:
@@ -93,6 +98,9 @@ def partitions(engine) -> list[tuple[torch.Tensor, dict]]:
 def states(engine) -> torch.Tensor:
     """This rank's FP8 states of every partition, as bytes (codes, scales, exponents)."""
     opt = engine.basic_optimizer
+    home = getattr(engine.optimizer, "_coat_home", None)
+    if home is not None:  # coat.states "host": the host blocks, once their copies back are done
+        home.sync()
     out = []
     for p, _ in partitions(engine):
         for t in opt.state[p].values():
@@ -259,8 +267,36 @@ def task_syncs(args, world, stage, master, rest):
     return {**out, "losses": losses, "skipped": engine.skipped_steps, "unchanged": unchanged}
 
 
-TASKS = {"equal": task_equal, "spike": task_spike, "nan": task_nan, "resume": task_resume, "refuse": task_refuse,
-         "syncs": task_syncs}
+def task_host(args, world, stage, master, rest):
+    if "w1" in rest:
+        coat_states.WINDOWS = 1
+    out, final = {}, {}
+    for where in ("device", "host"):
+        cfg = release_config(stage, world, master, clip=CLIP)
+        cfg["coat"]["states"] = where
+        cfg["zero_optimization"]["sub_group_size"] = 600
+        engine = build(cfg)
+        losses = train(engine, range(HOST_SAVE), nan=NAN_AT)
+        path = os.path.join(args.ckpt, f"host_w{world}_{where}_{'_'.join(rest) or 'w3'}")
+        engine.save_checkpoint(path, tag="t")
+        losses += train(engine, range(HOST_SAVE, HOST_STEPS))
+        final[where] = (_joined(engine), states(engine))
+        engine = build(cfg)
+        engine.load_checkpoint(path, tag="t")
+        resumed = train(engine, range(HOST_SAVE, HOST_STEPS))
+        out[where] = {"losses": losses, "resumed": resumed, "skipped": engine.skipped_steps,
+                      "subgroups": len(engine.optimizer.fp32_partitioned_groups_flat),
+                      "on_device": sum(t.numel() for s in engine.basic_optimizer.state.values()
+                                       for t in s.values() if torch.is_tensor(t) and t.device.type != "cpu")}
+        final[where + "_resumed"] = (_joined(engine), states(engine))
+    out["masters_equal"] = _all(torch.equal(final["host"][0], final["device"][0]))
+    out["states_equal"] = _all(torch.equal(final["host"][1], final["device"][1]))
+    out["resumed_equal"] = _all(torch.equal(final["host_resumed"][1], final["host"][1]))
+    return out
+
+
+TASKS = {"host": task_host, "equal": task_equal, "spike": task_spike, "nan": task_nan, "resume": task_resume,
+         "refuse": task_refuse, "syncs": task_syncs}
 
 if __name__ == "__main__":
     job.main(TASKS)

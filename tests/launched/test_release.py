@@ -6,6 +6,7 @@ tests/ds_scripts/ranks.py; CPU accelerator, gloo), one job per world size (tests
   W2  world 2: the same with cut groups swapped between ranks, all three masters; a gradient spike under
       clipping, a NaN gradient midway through backward, a resume with clipping on, the engine's refusals,
       each under ZeRO-2 and ZeRO-3; the host reads during backward, ZeRO-1/2/3
+      and coat.states "host" against "device" (ZeRO-3)
   G1  one GPU (`gpu`): W1's equality with the CUDA kernels, deterministic algorithms on
 """
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import pytest
 
 from coat_ds.deepspeed.check import check_config
+from coat_ds.deepspeed.zero.states import host_refusal
 from harness import DS_SCRIPTS, SAVE_AT, STEPS, launch_job, launch_worlds, task_result
 
 JOB = DS_SCRIPTS / "release_job.py"
@@ -23,8 +25,10 @@ STAGES = (2, 3)  # spike, NaN, resume and refusals: ZeRO-2 and ZeRO-3
 EQUAL_W1 = ["equal:1:fp32_remainder", "equal:2:bf16_sr", "equal:3:fp32_remainder"]
 EQUAL_W2 = ["equal:1:bf16_sr", "equal:2:bf16_sr", "equal:2:fp32_remainder", "equal:2:fp32", "equal:2:bf16_sr:overlap",
             "equal:3:bf16_sr", "equal:3:fp32_remainder", "equal:3:fp32"]
-W2 = EQUAL_W2 + [t for s in STAGES for t in (f"spike:{s}:bf16_sr", f"nan:{s}:bf16_sr", f"resume:{s}:fp32_remainder",
-                                             f"refuse:{s}")] + [f"syncs:{s}:fp32_remainder" for s in STAGES]
+HOST = ["host:3:bf16_sr", "host:3:fp32_remainder:w1"]  # coat.states "host"
+W2 = EQUAL_W2 + HOST + [t for s in STAGES for t in (f"spike:{s}:bf16_sr", f"nan:{s}:bf16_sr",
+                                                    f"resume:{s}:fp32_remainder", f"refuse:{s}")] + \
+    [f"syncs:{s}:fp32_remainder" for s in STAGES]
 
 
 def _config(**extra) -> dict:
@@ -56,6 +60,45 @@ def test_config_accepts_release_and_hf_auto():
     check_config(_config())
     check_config(_config(zero_optimization={"stage": 3}))
     check_config(_config(gradient_accumulation_steps="auto", bf16={"enabled": "auto"}), hf_auto=True)
+
+
+@pytest.mark.parametrize("zero,coat,why", [
+    ({"stage": 2}, {"gradients": "release"}, "streams ZeRO-3 sub-groups (zero_optimization.stage is 2; allowed: 3)"),
+    ({"stage": 3}, {}, "steps each sub-group as backward reduces it: needs coat.gradients 'release' "
+                       "(it is 'per_parameter')"),
+    ({"stage": 3, "offload_optimizer": {"device": "cpu"}}, {"gradients": "per_parameter"},
+     "steps each sub-group as backward reduces it: needs coat.gradients 'release' (it is 'per_parameter')"),
+])
+def test_config_refuses_host_states_where_they_cannot_run(zero, coat, why):
+    with pytest.raises(ValueError) as exc:
+        check_config(_config(zero_optimization=zero, coat={**coat, "states": "host"}))
+    assert str(exc.value) == f"coat.states='host' {why}; allowed there: ['device']"
+    with pytest.raises(ValueError, match=r"coat.states='cpu' is invalid; allowed: \['device', 'host'\]"):
+        check_config(_config(coat={"states": "cpu"}))
+
+
+def test_host_states_refused_before_allocation_when_the_node_is_short():
+    """The planner's host column per rank times the node's ranks, against 90% of MemAvailable; one line."""
+    gib = 2**30
+    assert host_refusal(35 * gib, 4, 512 * gib) is None
+    assert host_refusal(35 * gib, 4, None) is None  # unknown (not Linux): DeepSpeed's own allocation decides
+    assert host_refusal(35 * gib, 4, 150 * gib) == (
+        "coat.states='host' needs 35.0 GiB of pinned host memory per rank (4 ranks on this node: 140.0 GiB, the "
+        "planner's host column); this host has 150.0 GiB available (90% usable); allowed there: ['device'], or more "
+        "ranks (ZeRO-3 divides the states)")
+
+
+@pytest.mark.parametrize("task", HOST)
+def test_host_states_step_as_device_states_bit_for_bit(runs, task):
+    """coat.states "host" (ZeRO-3 release, 3 sub-groups a rank): clipping on, a NaN step, saved and resumed: losses,
+    every rank's masters and FP8 states equal the device run's, no state tensor on the device between steps; with
+    one window (w1) every sub-group is copied back and fetched again within a step."""
+    out = task_result(runs, "w2", task)
+    host, dev = out["host"], out["device"]
+    assert host["losses"] == dev["losses"]
+    assert host["resumed"] == dev["resumed"] == host["losses"][-len(host["resumed"]):]
+    assert out["masters_equal"] and out["states_equal"] and out["resumed_equal"]
+    assert host["subgroups"] >= 3 and host["on_device"] == 0 and dev["on_device"] > 0
 
 
 @pytest.fixture(scope="module")

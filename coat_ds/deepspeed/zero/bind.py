@@ -17,7 +17,7 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
 from ...optim import CoatAdamW
-from . import release
+from . import release, states as host_states
 from . import step as zero_step
 from .gradients import RELEASE
 from .layout import ShardLayout, local_cut_keys
@@ -32,9 +32,9 @@ def _group_of(opt: CoatAdamW, flat: torch.Tensor, index: int) -> dict:
     return opt.param_groups[min(index, len(opt.param_groups) - 1)]  # ZeRO-3 empties 'params' between steps
 
 
-def bind(engine, master: str, gradients: str) -> int:
-    """Give every flat partition of a CoatAdamW engine its layout, for its coat.master_weights `master` and
-    coat.gradients `gradients`; returns how many tensors were bound."""
+def bind(engine, master: str, gradients: str, states: str = host_states.DEFAULT) -> int:
+    """Give every flat partition of a CoatAdamW engine its layout, for its coat.master_weights `master`,
+    coat.gradients `gradients` and coat.states `states`; returns how many tensors were bound."""
     opt = engine.basic_optimizer
     if not isinstance(opt, CoatAdamW):
         return 0
@@ -62,6 +62,11 @@ def bind(engine, master: str, gradients: str) -> int:
         bound += 1
     if gradients == RELEASE:  # ZeRO-1/2/3's release step, or a one-line refusal (any other engine too)
         zero_step.install(zo, release.mixin(zo), gradients)
+    if states == host_states.HOST:  # ZeRO-3 with release only: the FP8 moments to pinned host memory
+        why = host_states.engine_refusal(zo, gradients)
+        if why is not None:
+            raise ValueError(why)
+        host_states.install(zo)
     elif bound and (zero_step.ENABLED or master != "fp32"):  # bound: ZeRO-1/2/3 or BF16_Optimizer (partitions())
         zero_step.install(zo, zero_step.mixin(zo), gradients)
     engine._coat_bound = bound

@@ -136,6 +136,7 @@ class ShardLayout:
             meta += len(js)
         self.n_meta = meta
         self.sr_keys = body_keys + cut_keys
+        self.home = None  # (HostStates, sub-group) where coat.states 'host' keeps this partition's moments (states.py)
 
     def record(self) -> list[tuple]:
         """Plain-data description saved with the optimizer state (checkpoints re-partition from it):
@@ -222,7 +223,7 @@ class ShardLayout:
             raise ValueError(f"CoatAdamW: group_size changed from {self.group_size} to {g} after DeepSpeed "
                              "partitioned the optimizer; allowed: the value the engine was built with")
         grads = grad if isinstance(grad, FlatPieces) else FlatPieces([grad])
-        m_all, v_all = fp8_moments(opt.state[p], group)
+        m_all, v_all = fp8_moments(opt.state[p] if self.home is None else self.home[0].window(self.home[1]), group)
         flat, mq, vq = p.view(-1), m_all.codes.view(-1), v_all.codes.view(-1)
         rows, bad = self._exchange(flat, grads, mq, vq, check=not finite)
         if bad:
@@ -270,5 +271,13 @@ class ShardLayout:
 
     def init_state(self, p: torch.Tensor, group: dict) -> dict:
         """A fresh state of the flat partition p: codes per value, metadata per group each piece touches."""
+        if self.home is not None:
+            return self.home[0].fresh(self.home[1])
         return fp8_zeros(p.shape, group, p.device, self.n_meta)
+
+    def place_state(self, p: torch.Tensor, saved: dict) -> dict:
+        """A loaded state of p where this partition keeps it: beside p, or in its host block (codes bit for bit)."""
+        if self.home is not None:
+            return self.home[0].adopt(self.home[1], saved)
+        return {k: v.clone() if k == "step" else v.to(device=p.device, copy=True) for k, v in saved.items()}
 

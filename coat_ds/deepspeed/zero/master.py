@@ -81,7 +81,7 @@ def config_refusal(cfg: Mapping, hf_auto: bool = False) -> str | None:
 
 
 def bf16_master_from_setup(engine, value: str) -> bool:
-    """Whether ZeRO-1/2 is to build the master of this CoatAdamW engine, whose coat.master_weights is `value`, in
+    """Whether ZeRO-1/2/3 is to build the master of this CoatAdamW engine, whose coat.master_weights is `value`, in
     bf16 from the start (DeepSpeed's bf16_master_weights_and_grads; under Offload its host gradient too): no
     master but "fp32" keeps an fp32 partition, and building one first costs 4 B/param at set-up (48 GiB for a
     13B model on one GPU, beside its bf16 weights: what kept 13B off an 80 GB H100; under Offload 8 B/param of
@@ -89,6 +89,10 @@ def bf16_master_from_setup(engine, value: str) -> bool:
     master."""
     zero12 = engine.bfloat16_enabled() and engine.zero_optimization_stage() in (1, 2)
     offload = engine.zero_cpu_offload()
+    on_device = str(getattr(engine.zero_offload_param(), "device", "none")).lower().endswith("none")
+    if engine.bfloat16_enabled() and engine.zero_optimization_stage() == 3 and not offload \
+            and on_device and value != "fp32":
+        return True  # ZeRO-3 then aliases its master partitions to the bf16 ones (no fp32 copy: 70B at 4 B/param)
     if value == "fp32" and zero12 and engine.bf16_master_weights_and_gradients():
         allowed = "'bf16_sr' or 'bf16_rn'" if offload else "'bf16_sr', 'bf16_rn' or 'fp32_remainder'"
         raise ValueError(f"bf16.bf16_master_weights_and_grads=true with CoatAdamW needs {KEY} {allowed} "

@@ -144,6 +144,7 @@ class Release:
     `_coat_grad_scale`, DeepSpeed's own gradient scale (step.py)."""
 
     _coat_release_norm: float | None = None  # the previous step's global gradient norm (clipping)
+    _coat_home = None  # states.HostStates under coat.states 'host' (ZeRO-3): the FP8 moments in host memory
 
     def _coat_ready(self) -> None:
         if "_coat_subs" not in vars(self):  # first use: the layouts are bound by now
@@ -172,6 +173,8 @@ class Release:
         slices = [s for s in map(self._coat_slice, params, *grads) if s is not None]
         self._coat_add_bucket(slices)
         self._coat_step_pieces(params, slices, self._coat_release_scale())
+        if self._coat_home is not None:  # coat.states 'host': sub-groups now complete go back to the host
+            self._coat_home.done(params)
 
     def _coat_add_bucket(self, slices: list[Slice]) -> None:
         """Add the bucket's squared norm (all ranks') to this step's, on the device."""
@@ -193,6 +196,8 @@ class Release:
             mine = {start: g for gi, start, g in slices if gi == i}
             if not mine and not sub.cut_index:
                 continue
+            if self._coat_home is not None:
+                self._coat_home.acquire(i)
             opt._init_state(master, group)
             if i not in self._coat_begun:  # counted now, rolled back at engine.step() if this bucket was skipped
                 flag = self._coat_sumsq.isfinite() if flag is None else flag
@@ -361,6 +366,8 @@ class Release3Step(Release, Zero3Step):
         self._partition_all_parameters()
         self.timers(OPTIMIZER_STEP_TIMER).start()
         self._coat_release(self._coat_rest(self.fp16_groups))
+        if self._coat_home is not None:
+            self._coat_home.flush()
         self.timers(OPTIMIZER_STEP_TIMER).stop()
         self._coat_step_end()
         self.zero_grad(set_to_none=True)
@@ -368,6 +375,8 @@ class Release3Step(Release, Zero3Step):
         self._post_step({OPTIMIZER_STEP_TIMER})
 
     def _rigid_state_dict(self):
+        if self._coat_home is not None:  # the host blocks hold the states once their copies back are done
+            self._coat_home.sync()
         sd = super()._rigid_state_dict()
         sd[SAVED_NORM] = self._coat_release_norm
         return sd
