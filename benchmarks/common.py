@@ -31,6 +31,13 @@ RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTE
 
 
 # --- Where and how a result was measured ------------------------------------------------------------------------------
+
+def proc_bytes(key: str, path: str = "/proc/self/status") -> int:
+    """Bytes of a `key: N kB` line of a /proc file (0 if absent): this process's VmRSS, its VmHWM (the peak RSS
+    since the last reset_peak_rss), or /proc/meminfo's MemAvailable (what the OOM killer leaves workers)."""
+    with open(path) as fh:
+        return next((int(line.split()[1]) * 1024 for line in fh if line.startswith(key + ":")), 0)
+
 def git_commit() -> str | None:
     """COAT_GIT_COMMIT where set (a GPU node's copy of the tree may carry stale git metadata), else git's."""
     if os.environ.get("COAT_GIT_COMMIT"):

@@ -26,7 +26,7 @@ import deepspeed.comm as dist  # noqa: E402
 import torch  # noqa: E402
 from deepspeed.accelerator import get_accelerator  # noqa: E402
 
-from benchmarks.common import (GIB, RESULTS, ROOT, StepProbe, WarningLog, add_worker_args,  # noqa: E402
+from benchmarks.common import (GIB, RESULTS, ROOT, StepProbe, WarningLog, add_worker_args, proc_bytes,  # noqa: E402
                                check_positive, names_of, provenance, run_worker, worker_cmd, write_results)
 from coat_ds.deepspeed.zero.kind import master_partitions, zero_kind  # noqa: E402
 from coat_ds.hf.loss import is_applied  # noqa: E402
@@ -67,6 +67,8 @@ CONFIGS = {
     "largest_model": ("coat_ds largest-model preset: lowest memory with gradient release",
                       "ds_configs/zero2_largest_model.json", {}),
     "largest_model_z3": ("coat_ds largest-model preset, ZeRO-3", "ds_configs/zero3_largest_model.json", {}),
+    "largest_model_z3_offload": ("coat_ds largest-model preset, ZeRO-3, FP8 states in pinned host memory",
+                                 "ds_configs/zero3_offload_largest_model.json", {}),
 }
 # the peer a single-GPU user would pick instead: no DeepSpeed config, a plain loop (PeerWorker)
 PEERS = {"torchao_fp8": "torchao float8 (compiled, every linear but lm_head) + AdamWFp8 (bf16 stochastic "
@@ -202,19 +204,23 @@ class Worker:
         self.engine = self.setup_engine()
         self.gen = torch.Generator(device="cpu").manual_seed(args.seed + self.rank)
 
-    def model(self, dtype=None):
-        """The randomly initialised model of --model on this device (bf16 on CUDA); sets vocab and n_params."""
+    def model(self, dtype=None, cfg: dict | None = None):
+        """The randomly initialised model of --model on this device (bf16 on CUDA), partitioned as it is built under
+        ZeRO-3 (`cfg`); sets vocab and n_params."""
         dtype = dtype or (torch.bfloat16 if self.on_cuda else torch.float32)
-        net = build_model(self.args.model, self.device, dtype, self.args.seed)
-        self.vocab, self.n_params = net.config.vocab_size, sum(p.numel() for p in net.parameters())
+        with train_lib.built_partitioned(cfg):
+            net = build_model(self.args.model, self.device, dtype, self.args.seed)
+        self.vocab = net.config.vocab_size
+        self.n_params = sum(getattr(p, "ds_numel", p.numel()) for p in net.parameters())
         return net
 
     def setup_engine(self):
         """Build the model and the engine; emit the set-up record (parameters, config, memory limit)."""
-        args, net = self.args, self.model()
+        args = self.args
         cfg = ds_config(args.config, micro_batch=args.start_batch, zero_stage=args.zero_stage,
                         on_cpu=not self.on_cuda)
         source = cfg.pop("_source")
+        net = self.model(cfg=cfg)
         try:
             engine = self.train_lib.initialize(net, cfg)
         except torch.OutOfMemoryError as e:
@@ -353,7 +359,32 @@ class Worker:
                "loss": float(loss.detach().float()), "fits": bool(peak_res <= self.limit)}
         if first:
             rec["breakdown"] = self.breakdown(x, y)
+            rec.update(self.phases(x, y), **self.host_memory())
         return rec
+
+    def phases(self, x, y) -> dict:
+        """One more step timed by phase, the device synced between them: forward, backward (under release the
+        optimizer's kernels run there too) and engine.step(), in seconds (slowest rank)."""
+        marks = [time.perf_counter()]
+        loss = self.train_lib.lm_loss(self.engine, x, y)
+        for act in (lambda: self.engine.backward(loss), self.engine.step, lambda: None):
+            self.sync()
+            marks.append(time.perf_counter())
+            act()
+        fwd, bwd, step = self.reduce_max([b - a for a, b in zip(marks, marks[1:])])
+        return {"phase_s": {"forward": fwd, "backward": bwd, "step": step}}
+
+    def host_memory(self) -> dict:
+        """Host memory of the whole job: every rank's resident set (pinned buffers included) and peak, summed, and
+        the node's used memory (MemTotal - MemAvailable) in GiB."""
+        rss, hwm = (float(sum(self.reduce_sum([proc_bytes(k)]))) / GIB for k in ("VmRSS", "VmHWM"))
+        used = proc_bytes("MemTotal", "/proc/meminfo") - proc_bytes("MemAvailable", "/proc/meminfo")
+        return {"host_rss_gb": rss, "host_peak_rss_gb": hwm, "node_used_gb": used / GIB}
+
+    def reduce_sum(self, vals: list[float]) -> list[float]:
+        t = torch.tensor(vals, dtype=torch.float64, device=self.device)
+        self.dist.all_reduce(t)
+        return t.tolist()
 
     def climb(self) -> tuple[int | None, int | None]:
         """The ladder of micro-batch sizes -> (largest that fit, smallest that did not)."""

@@ -17,7 +17,7 @@ import torch
 
 from benchmarks import e2e
 from benchmarks.common import (GIB, RESULTS, add_worker_args, check_positive, command, device_name, names_of, now,
-                               read_json, replace_rows, run_worker, versions, worker_cmd, write_results)
+                               proc_bytes, read_json, replace_rows, run_worker, versions, worker_cmd, write_results)
 from benchmarks.render_tables import markdown, num
 from coat_ds.workloads.causal_lm import param_groups
 
@@ -66,13 +66,6 @@ def model_numels(model: str) -> tuple[list[int], int]:
     net = e2e.build_model(model, "meta", torch.bfloat16, seed=0)
     numels = [sum(p.numel() for p in g["params"]) for g in param_groups(net)]
     return numels, max(p.numel() for p in net.parameters())
-
-
-def proc_bytes(key: str, path: str = "/proc/self/status") -> int:
-    """Bytes of a `key: N kB` line of a /proc file (0 if absent): this process's VmRSS, its VmHWM (the peak RSS
-    since the last reset_peak_rss), or /proc/meminfo's MemAvailable (what the OOM killer leaves workers)."""
-    with open(path) as fh:
-        return next((int(line.split()[1]) * 1024 for line in fh if line.startswith(key + ":")), 0)
 
 
 # --- Worker: one (model, config) row ----------------------------------------------------------------------------------

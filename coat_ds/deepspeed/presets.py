@@ -24,7 +24,11 @@ LAYOUTS = {  # preset prefix -> the measured config it starts from
     "zero2": "zero2_coat.json",
     "zero3": "zero3_coat.json",
     "zero2_offload": "zero2_coat_offload.json",
+    "zero3_offload": "zero3_coat.json",
 }
+# What a layout lays over its measured config. zero3_offload: CoatAdamW's FP8 moments in pinned host memory, streamed
+# per ZeRO-3 sub-group of 1e8 values a rank (coat.states 'host'; three sub-groups' states on the device at once)
+LAYOUT_OVER = {"zero3_offload": {"zero_optimization": {"sub_group_size": 100000000}, "coat": {"states": "host"}}}
 INTENTS = {  # what each intent lays over the "coat" section (master_weights None: EXACT_MASTER of the layout)
     "exact": {"master_weights": None},
     "lowest_memory": {"master_weights": "bf16_sr", "activation": {"attention_fp8": True, "cache_weights": False}},
@@ -32,9 +36,10 @@ INTENTS = {  # what each intent lays over the "coat" section (master_weights Non
     "largest_model": {"master_weights": "bf16_sr", "gradients": "release",
                       "activation": {"attention_fp8": True, "cache_weights": False}},
 }
-# Intents some layouts refuse: release steps each bucket on the device as ZeRO reduces it, so not under Offload
-# (coat_ds/deepspeed/zero/release.py)
-ONLY_ON = {"largest_model": ("zero2", "zero3")}
+# Where each intent is shipped: release steps each bucket on the device as ZeRO reduces it, so not under DeepSpeed's
+# Offload (coat_ds/deepspeed/zero/release.py); the host states step through release only (zero/states.py)
+ONLY_ON = {"largest_model": ("zero2", "zero3", "zero3_offload"), "exact": ("zero2", "zero3", "zero2_offload"),
+           "lowest_memory": ("zero2", "zero3", "zero2_offload")}  # host states step as release does
 HF_TWINS = ("zero2_coat.json", "zero3_coat.json")  # hf/ twins of measured configs, beside the presets'
 
 # What HF Trainer fills from TrainingArguments ("auto"); the scheduler is left out so that the Trainer builds
@@ -49,6 +54,8 @@ HF_AUTO = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "tra
 def preset(layout: str, intent: str) -> dict:
     """The plain-DeepSpeed preset: concrete values, DeepSpeed's scheduler (examples set its steps)."""
     cfg = json.loads((CONFIGS / LAYOUTS[layout]).read_text())
+    for section, keys in LAYOUT_OVER.get(layout, {}).items():
+        cfg.setdefault(section, {}).update(keys)
     over = INTENTS[intent]
     coat = cfg.setdefault("coat", {})
     coat["master_weights"] = over["master_weights"] or EXACT_MASTER[layout]

@@ -6,6 +6,7 @@ deepspeed.initialize after `import coat_ds` (the engine applies the "coat" secti
 with weight decay on matrices only; `lm_loss` is next-token cross-entropy in fp32 (HF's loss)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from typing import Any
@@ -83,6 +84,27 @@ def from_shape(shape: dict, seed: int, device: Any = "cpu", dtype: Any = None):
             return AutoModelForCausalLM.from_config(cfg)
     finally:
         torch.set_default_dtype(prev)
+
+
+@contextlib.contextmanager
+def built_partitioned(ds_config: dict | None):
+    """Under ZeRO-3, models built inside are partitioned over the ranks as each module is made (DeepSpeed's
+    zero.Init): no rank ever holds the whole model, on the host or a device (70B: 141 GB in bf16). HF's
+    `from_pretrained` then loads a checkpoint shard by shard into the partitions. Elsewhere a no-op. Needs
+    deepspeed.init_distributed() first; the model keeps the config (HF's HfDeepSpeedConfig, which its zero.Init and
+    weight initialisation follow) alive."""
+    stage = ((ds_config or {}).get("zero_optimization") or {}).get("stage", 0)
+    if stage != 3:
+        yield
+        return
+    from transformers.integrations import HfDeepSpeedConfig
+
+    hf_config = HfDeepSpeedConfig(ds_config)   # HF reads it through a weak reference: kept alive below
+    yield hf_config
+    _PARTITIONED_CONFIGS.append(hf_config)
+
+
+_PARTITIONED_CONFIGS: list = []   # HfDeepSpeedConfig objects of models built partitioned (see built_partitioned)
 
 
 def param_groups(model) -> list[dict]:

@@ -12,6 +12,7 @@ tests/ds_scripts/ranks.py; CPU accelerator, gloo), one job per world size (tests
 from __future__ import annotations
 
 import pytest
+import torch
 
 from coat_ds.deepspeed.check import check_config
 from coat_ds.deepspeed.zero.states import host_refusal
@@ -93,12 +94,7 @@ def test_host_states_step_as_device_states_bit_for_bit(runs, task):
     """coat.states "host" (ZeRO-3 release, 3 sub-groups a rank): clipping on, a NaN step, saved and resumed: losses,
     every rank's masters and FP8 states equal the device run's, no state tensor on the device between steps; with
     one window (w1) every sub-group is copied back and fetched again within a step."""
-    out = task_result(runs, "w2", task)
-    host, dev = out["host"], out["device"]
-    assert host["losses"] == dev["losses"]
-    assert host["resumed"] == dev["resumed"] == host["losses"][-len(host["resumed"]):]
-    assert out["masters_equal"] and out["states_equal"] and out["resumed_equal"]
-    assert host["subgroups"] >= 3 and host["on_device"] == 0 and dev["on_device"] > 0
+    check_host(task_result(runs, "w2", task))
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +118,26 @@ def test_release_steps_as_per_parameter_on_one_gpu(tmp_path):
     res = {"g1": launch_job(tmp_path / "g1.json", ckpt, EQUAL_W1, 1, job=JOB)}
     for task in EQUAL_W1:
         check_equal(task_result(res, "g1", task))
+
+
+@pytest.mark.gpu
+def test_host_states_step_as_device_states_on_two_gpus(tmp_path):
+    """coat.states "host" on CUDA: pinned host blocks, copy streams and events, the CUDA kernels, NCCL."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    res = {"g2": launch_job(tmp_path / "g2.json", ckpt, HOST, 2, job=JOB)}
+    for task in HOST:
+        check_host(task_result(res, "g2", task))
+
+
+def check_host(out: dict) -> None:
+    host, dev = out["host"], out["device"]
+    assert host["losses"] == dev["losses"]
+    assert host["resumed"] == dev["resumed"] == host["losses"][-len(host["resumed"]):]
+    assert out["masters_equal"] and out["states_equal"] and out["resumed_equal"]
+    assert host["subgroups"] >= 3 and host["on_device"] == 0 and dev["on_device"] > 0
 
 
 def check_equal(out: dict) -> None:
