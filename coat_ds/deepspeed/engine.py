@@ -46,7 +46,7 @@ from .checkpoint.load import install as checkpoint_hooks, load as checkpoint_loa
 from .config import SECTION, engine_section
 from .optimizer_type import NAME
 from .zero.bind import bind
-from .zero.master import bf16_master_from_setup
+from .zero.master import alias_zero3_masters, bf16_master_from_setup
 
 SECTION_KEY = "coat.activation"
 
@@ -96,6 +96,13 @@ def _coat_master_weights(zo, original, **kw: Any):
     if isinstance(zo.optimizer, CoatAdamW):
         kw["bf16_offload_validator"] = None
     return original(**kw)
+
+
+def _zero3_masters(zo, original, *args: Any, **kw: Any):
+    """DeepSpeedZeroOptimizer_Stage3._create_fp32_partitions: a CoatAdamW's bf16 master aliases the bf16 partitions."""
+    if not (isinstance(zo.optimizer, CoatAdamW) and alias_zero3_masters(zo)):
+        return original(*args, **kw)
+    return None
 
 
 def _wrap(engine_cls, name: str, before=None, after=None, around=None) -> None:
@@ -155,3 +162,4 @@ def hook(engine_cls) -> None:
     _wrap(engine_cls, "load_checkpoint", around=_load_checkpoint)
     _wrap(DeepSpeedZeroOptimizer, "_configure_master_weights", around=_coat_master_weights)
     _wrap(DeepSpeedZeroOptimizer_Stage3, "_configure_master_weights", around=_coat_master_weights)
+    _wrap(DeepSpeedZeroOptimizer_Stage3, "_create_fp32_partitions", around=_zero3_masters)

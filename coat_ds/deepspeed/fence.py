@@ -60,7 +60,7 @@ METHODS: dict[str, str] = {
     "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3._rigid_load_state_dict":
         "overridden: zero.step.Zero3Step",
     "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3._create_fp32_partitions":
-        "re-stated (its branch for equal dtypes): zero.master.use_bf16_master",
+        "re-stated (its branch for equal dtypes): zero.master.use_bf16_master and, wrapped, alias_zero3_masters",
     "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3.has_overflow":
         "overridden: zero.step.Zero3Step (reads the flat gradient buffer GradPartitions empties)",
     "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3.partition_grads":

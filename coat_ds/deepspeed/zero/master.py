@@ -120,6 +120,24 @@ def _refuse(engine, value: str) -> str | None:
     return None
 
 
+def alias_zero3_masters(zo) -> bool:
+    """ZeRO-3's `_create_fp32_partitions` for a bf16 master built from set-up (bf16_master_from_setup): the master
+    partitions *are* the bf16 model partitions, DeepSpeed 0.19.8's own branch for equal dtypes, which it never takes
+    on the device (it compares the partition's torch.device with its device name, a str). Otherwise it would copy
+    every partition (2 B/param at set-up, 33 GiB a GPU at 70B on 4). False: not that case, DeepSpeed's runs."""
+    flats = zo.fp16_partitioned_groups_flat
+    if zo.master_weights_and_grads_dtype != torch.bfloat16 or zo.offload_optimizer or zo.offload_param or \
+            getattr(zo, "use_muon", False) or any(f is None or f.dtype != torch.bfloat16 for f in flats):
+        return False
+    for i, flat in enumerate(flats):
+        ids = zo.fp16_partitioned_groups_flat_id[i]
+        flat.ds_id, flat.requires_grad = f"{ids[0]}_{ids[-1]}", True
+        zo.fp32_partitioned_groups_flat.append(flat)
+    for group in zo.optimizer.param_groups:  # populated per step (DeepSpeed's own end of the method)
+        group["params"] = []
+    return True
+
+
 @torch.no_grad()
 def use_bf16_master(engine, value: str) -> None:
     """Make ZeRO's master partitions bf16 for coat.master_weights `value` (the model partition itself on the
