@@ -26,7 +26,9 @@ class ActivationConfig:
     parameter for the whole step (12 GiB at 7B), so "when_accumulating" turns it on only where DeepSpeed's
     gradient_accumulation_steps > 1 (`resolve`); with one micro-batch per step there is nothing to reuse.
     `attention_fp8` (opt-in) saves attention's q, k, v in E4M3 instead of the backend's bf16 tensors and
-    recomputes attention in backward from them (`activation/attention.py`)."""
+    recomputes attention in backward from them (`activation/attention.py`). `checkpoint` recomputes each
+    decoder layer in backward (torch.utils.checkpoint, non-reentrant), keeping only its bf16 input: what HF's
+    gradient_checkpointing_enable() does, for users of plain deepspeed.initialize or coat_ds.inject."""
 
     enabled: bool = True
     mode: str = "full"
@@ -35,6 +37,7 @@ class ActivationConfig:
     group_size: int = 16
     cache_weights: bool | str = "when_accumulating"
     attention_fp8: bool = False
+    checkpoint: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):
@@ -51,6 +54,8 @@ class ActivationConfig:
                              f"{CACHE_WHEN_ACCUMULATING!r} (not 'auto': HF Trainer rejects 'auto' values it does not fill)")
         if not isinstance(self.attention_fp8, bool):
             raise ValueError(f"activation.attention_fp8={self.attention_fp8!r} must be true or false")
+        if not isinstance(self.checkpoint, bool):
+            raise ValueError(f"activation.checkpoint={self.checkpoint!r} must be true or false")
 
     @property
     def cache_enabled(self) -> bool:

@@ -6,11 +6,13 @@ return value and HF's own pieces for what stays bf16: rotary embeddings (`positi
 KV cache, masks and the attention backend (`ALL_ATTENTION_FUNCTIONS`: sdpa / eager / flash)."""
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ..activation.attention import Fp8AttentionFn
 from ..activation.config import ActivationConfig
@@ -63,6 +65,10 @@ def _check_layer(hf_layer: nn.Module, cfg: ActivationConfig, norms: Norms) -> No
 class CoatDecoderLayer(_Base):
     """FP8 twin of an HF decoder layer; same parameters, same forward signature and output."""
 
+    # coat.activation.checkpoint's recompute: non-reentrant, so ZeRO-3 re-gathers the layer's parameters in
+    # backward, and RNG state is restored for the replay (torch's preserve_rng_state: dropout draws the same mask)
+    CHECKPOINT = functools.partial(checkpoint, use_reentrant=False)
+
     def __init__(self, hf_layer: nn.Module, config: ActivationConfig | dict | None = None,
                  attention_kwargs: dict[str, Any] | None = None, norms: Norms | None = None) -> None:
         """attention_kwargs: extra keyword arguments for HF's attention function, what the family's policy
@@ -82,6 +88,7 @@ class CoatDecoderLayer(_Base):
             if hasattr(hf_layer, name):
                 setattr(self, name, getattr(hf_layer, name))
         self.gradient_checkpointing = getattr(hf_layer, "gradient_checkpointing", False)
+        self.checkpoint_if_configured()
         object.__setattr__(self, "_hf_layer", hf_layer)  # not a submodule: state_dict keys stay unchanged
         a, m, fwd, cache = self.self_attn, self.mlp, cfg.fwd, cfg.cache_enabled
         self._qkv = WeightGroup([a.q_proj, a.k_proj, a.v_proj], fwd, cache)
@@ -113,6 +120,17 @@ class CoatDecoderLayer(_Base):
             g.cache = self.coat_config.cache_enabled
             if not g.cache:
                 g.clear()
+
+    def checkpoint_if_configured(self) -> None:
+        """coat.activation.checkpoint: recompute this layer in backward as HF's gradient_checkpointing_enable()
+        does (the flag and function transformers' GradientCheckpointingLayer reads). Off leaves what HF set."""
+        if not self.coat_config.checkpoint:
+            return
+        if _Base is nn.Module:  # pragma: no cover - transformers without GradientCheckpointingLayer
+            raise ValueError("activation.checkpoint=true needs transformers' GradientCheckpointingLayer "
+                             "(transformers >= 4.52); allowed here: false")
+        self.gradient_checkpointing = True
+        self._gradient_checkpointing_func = self.CHECKPOINT
 
     def weight_cache_bytes(self) -> int:
         return sum(g.nbytes() for g in self.weight_groups)

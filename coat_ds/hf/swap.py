@@ -67,8 +67,10 @@ def _refuse_wrapped(model: nn.Module, what: str) -> None:
 
 def _serves(have: Any, want: Any) -> bool:
     """Whether layers built with ActivationConfig `have` serve a request for `want`: equal, but for a
-    cache_weights decision that one of them leaves to gradient accumulation ("when_accumulating")."""
+    cache_weights decision that one of them leaves to gradient accumulation ("when_accumulating") and for
+    checkpoint, which apply() switches on the built layers."""
     from ..activation.config import CACHE_WHEN_ACCUMULATING as when
+    have = replace(have, checkpoint=want.checkpoint)
     if when in (have.cache_weights, want.cache_weights):
         have = replace(have, cache_weights=want.cache_weights)
     return have == want
@@ -93,9 +95,11 @@ def _install_output_capture(model: nn.Module) -> None:
 def _move_attached_state(src: nn.Module, dst: nn.Module) -> None:
     """Give `dst` what the model attached to `src`: train/eval flag, gradient checkpointing, hooks."""
     dst.training = src.training
-    for attr in _CHECKPOINT_ATTRS:
-        if attr in src.__dict__:
-            setattr(dst, attr, src.__dict__[attr])
+    # HF's checkpointing moves; where coat.activation.checkpoint set it (either side), the FP8 layer keeps its own
+    if not any(m.__dict__.get(_CHECKPOINT_ATTRS[1]) is _decoder_layer().CHECKPOINT for m in (src, dst)):
+        for attr in _CHECKPOINT_ATTRS:
+            if attr in src.__dict__:
+                setattr(dst, attr, src.__dict__[attr])
     for table in _HOOK_TABLES:
         moved = getattr(src, table, None)
         if moved is None or not moved:
@@ -237,6 +241,7 @@ def apply(model: nn.Module, config: Any, gradient_accumulation_steps: int) -> in
     for layer in layers:
         layer.coat_config = cfg  # the request; resolve_weight_cache decides "when_accumulating" from it
         layer.resolve_weight_cache(gradient_accumulation_steps)
+        layer.checkpoint_if_configured()
     return len(layers)
 
 
