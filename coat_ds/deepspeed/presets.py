@@ -27,8 +27,11 @@ LAYOUTS = {  # preset prefix -> the measured config it starts from
     "zero3_offload": "zero3_coat.json",
 }
 # What a layout lays over its measured config. zero3_offload: CoatAdamW's FP8 moments in pinned host memory, streamed
-# per ZeRO-3 sub-group of 1e8 values a rank (coat.states 'host'; three sub-groups' states on the device at once)
-LAYOUT_OVER = {"zero3_offload": {"zero_optimization": {"sub_group_size": 100000000}, "coat": {"states": "host"}}}
+# per ZeRO-3 sub-group of 1e8 values a rank (coat.states 'host'; three sub-groups' states on the device at once), and
+# each decoder layer recomputed in backward (activation.checkpoint): what fits Llama-3.1-70B at seq 4096 on four
+# 80 GB GPUs (without it micro-batch 1 ran out of memory at 76.9 GiB, docs/deepspeed.md)
+LAYOUT_OVER = {"zero3_offload": {"zero_optimization": {"sub_group_size": 100000000},
+                                 "coat": {"states": "host", "activation": {"checkpoint": True}}}}
 INTENTS = {  # what each intent lays over the "coat" section (master_weights None: EXACT_MASTER of the layout)
     "exact": {"master_weights": None},
     "lowest_memory": {"master_weights": "bf16_sr", "activation": {"attention_fp8": True, "cache_weights": False}},
@@ -54,8 +57,7 @@ HF_AUTO = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "tra
 def preset(layout: str, intent: str) -> dict:
     """The plain-DeepSpeed preset: concrete values, DeepSpeed's scheduler (examples set its steps)."""
     cfg = json.loads((CONFIGS / LAYOUTS[layout]).read_text())
-    for section, keys in LAYOUT_OVER.get(layout, {}).items():
-        cfg.setdefault(section, {}).update(keys)
+    _merge(cfg, LAYOUT_OVER.get(layout, {}))
     over = INTENTS[intent]
     coat = cfg.setdefault("coat", {})
     coat["master_weights"] = over["master_weights"] or EXACT_MASTER[layout]
@@ -63,6 +65,15 @@ def preset(layout: str, intent: str) -> dict:
         coat["gradients"] = over["gradients"]
     coat["activation"] = {**coat.get("activation", {}), **over.get("activation", {})}
     return cfg
+
+
+def _merge(into: dict, over: dict) -> None:
+    """Lay `over` into `into`, section by nested section."""
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = copy.deepcopy(value)
 
 
 def shipped() -> list[tuple[str, str]]:

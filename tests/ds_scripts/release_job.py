@@ -267,6 +267,15 @@ def task_syncs(args, world, stage, master, rest):
     return {**out, "losses": losses, "skipped": engine.skipped_steps, "unchanged": unchanged}
 
 
+def _state_tensors(engine) -> list[torch.Tensor]:
+    return [t for s in engine.basic_optimizer.state.values() for k, t in s.items() if k != "step"]
+
+
+def _host_blocks(engine) -> set[int]:
+    home = getattr(engine.optimizer, "_coat_home", None)
+    return set() if home is None else {t.untyped_storage().data_ptr() for t in home.host}
+
+
 def task_host(args, world, stage, master, rest):
     if "w1" in rest:
         coat_states.WINDOWS = 1
@@ -286,8 +295,9 @@ def task_host(args, world, stage, master, rest):
         resumed = train(engine, range(HOST_SAVE, HOST_STEPS))
         out[where] = {"losses": losses, "resumed": resumed, "skipped": engine.skipped_steps,
                       "subgroups": len(engine.optimizer.fp32_partitioned_groups_flat),
-                      "on_device": sum(t.numel() for s in engine.basic_optimizer.state.values()
-                                       for t in s.values() if torch.is_tensor(t) and t.device.type != "cpu")}
+                      "on_device": sum(t.numel() for t in _state_tensors(engine) if t.device.type != "cpu"),
+                      "in_host_blocks": all(t.untyped_storage().data_ptr() in _host_blocks(engine)
+                                            for t in _state_tensors(engine))}
         final[where + "_resumed"] = (_joined(engine), states(engine))
     out["masters_equal"] = _all(torch.equal(final["host"][0], final["device"][0]))
     out["states_equal"] = _all(torch.equal(final["host"][1], final["device"][1]))

@@ -76,6 +76,13 @@ class Segment:
         """Whether this piece holds all of group j."""
         return j * g >= self.param_start and min((j + 1) * g, self.param_numel) <= self.param_start + self.numel
 
+    def cut(self, g: int) -> list[int]:
+        """The groups this piece holds only part of: at most its first and its last (the ones between are whole),
+        found without walking the groups (a 70B partition holds 1e8 of them per rank)."""
+        js = self.groups(g)
+        ends = [js[0]] if len(js) == 1 else [js[0], js[-1]] if len(js) else []
+        return [j for j in ends if not self.covers(j, g)]
+
     def piece(self, moment: Fp8Moment, meta: int) -> Fp8Moment:
         """This piece of the parameter in a partition's moment whose metadata holds the piece's groups from `meta`."""
         return moment.piece(self.flat_start, self.numel, meta, self.param_start % moment.group_size)
@@ -91,7 +98,7 @@ def meta_offsets(segments: list[Segment], g: int) -> list[int]:
 
 
 def local_cut_keys(segments: list[Segment], g: int) -> list[Key]:
-    return [(s.name, j) for s in segments for j in s.groups(g) if not s.covers(j, g)]
+    return [(s.name, j) for s in segments for j in s.cut(g)]
 
 
 class ShardLayout:
@@ -118,16 +125,14 @@ class ShardLayout:
         body_keys, cut_keys = [], []  # (stream, offset in the parameter) of each tensor the step hands the kernel
         meta = 0
         for s in self.segments:
-            js = list(s.groups(g))
-            whole = [j for j in js if s.covers(j, g)]
-            if whole:  # whole groups are consecutive: one contiguous run
-                start = whole[0] * g
-                end = min((whole[-1] + 1) * g, s.param_numel)
-                self.bodies.append((s.flat_start + start - s.param_start, end - start, meta + whole[0] - js[0]))
+            js, cut = s.groups(g), s.cut(g)
+            first, last = (js[0] + (js[0] in cut), js[-1] - (js[-1] in cut)) if len(js) else (0, -1)
+            if first <= last:  # whole groups are consecutive: one contiguous run
+                start = first * g
+                end = min((last + 1) * g, s.param_numel)
+                self.bodies.append((s.flat_start + start - s.param_start, end - start, meta + first - js[0]))
                 body_keys.append((stream_of(s.name), start))
-            for j in js:
-                if s.covers(j, g):
-                    continue
+            for j in cut:
                 lo = max(j * g, s.param_start)
                 hi = min((j + 1) * g, s.param_numel, s.param_start + s.numel)
                 self.cuts.append((self.cut_index[(s.name, j)], meta + j - js[0], s.flat_start + lo - s.param_start,
