@@ -40,6 +40,8 @@ MODELS = {
     **{f"tiny-{family}": dict(model_type=family, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
                               num_key_value_heads=2, head_dim=64, intermediate_size=512, vocab_size=512)
        for family in ("qwen3", "gemma3_text")},                  # the other families' smoke shapes
+    "tiny-gqa": dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=1,
+                     intermediate_size=512, vocab_size=512),    # the smoke's stand-in for Llama-3.1-70B (8:1 GQA)
     "llama-125m": dict(train_lib.MODEL_SIZES["125m"], vocab_size=32000),
     **SHAPES,
 }
@@ -67,6 +69,7 @@ CONFIGS = {
     "largest_model": ("coat_ds largest-model preset: lowest memory with gradient release",
                       "ds_configs/zero2_largest_model.json", {}),
     "largest_model_z3": ("coat_ds largest-model preset, ZeRO-3", "ds_configs/zero3_largest_model.json", {}),
+    "lowest_memory_z3": ("coat_ds lowest-memory preset, ZeRO-3", "ds_configs/zero3_lowest_memory.json", {}),
 }
 # the peer a single-GPU user would pick instead: no DeepSpeed config, a plain loop (PeerWorker)
 PEERS = {"torchao_fp8": "torchao float8 (compiled, every linear but lm_head) + AdamWFp8 (bf16 stochastic "
@@ -202,24 +205,34 @@ class Worker:
         self.engine = self.setup_engine()
         self.gen = torch.Generator(device="cpu").manual_seed(args.seed + self.rank)
 
-    def model(self, dtype=None):
-        """The randomly initialised model of --model on this device (bf16 on CUDA); sets vocab and n_params."""
+    def model(self, dtype=None, zero3: dict | None = None):
+        """The randomly initialised model of --model on this device (bf16 on CUDA); sets vocab and n_params. With
+        a ZeRO-3 config `zero3`, HF builds it under zero.Init: each rank holds its partition only, so a model
+        larger than one GPU (70B: 140 GB in bf16) can be built."""
+        from transformers.integrations import HfDeepSpeedConfig
+
         dtype = dtype or (torch.bfloat16 if self.on_cuda else torch.float32)
+        keep = HfDeepSpeedConfig(json.loads(json.dumps(zero3))) if zero3 else None   # alive while HF builds
         net = build_model(self.args.model, self.device, dtype, self.args.seed)
-        self.vocab, self.n_params = net.config.vocab_size, sum(p.numel() for p in net.parameters())
+        del keep
+        self.vocab = net.config.vocab_size
+        self.n_params = sum(getattr(p, "ds_numel", p.numel()) for p in net.parameters())
         return net
 
     def setup_engine(self):
         """Build the model and the engine; emit the set-up record (parameters, config, memory limit)."""
-        args, net = self.args, self.model()
+        args = self.args
         cfg = ds_config(args.config, micro_batch=args.start_batch, zero_stage=args.zero_stage,
                         on_cpu=not self.on_cuda)
         source = cfg.pop("_source")
+        net = self.model(zero3=cfg if args.zero_init else None)
+        partitioned = all(hasattr(p, "ds_id") for p in net.parameters())   # built under zero.Init
         try:
             engine = self.train_lib.initialize(net, cfg)
         except torch.OutOfMemoryError as e:
             self.oom_exit(args.start_batch, e, "engine set-up")
-        return self.started(engine, config_source=source, chunked_loss=is_applied(engine.module), ds_config=cfg)
+        return self.started(engine, config_source=source, chunked_loss=is_applied(engine.module), ds_config=cfg,
+                            built_partitioned=partitioned)
 
     def started(self, engine, **rec):
         """The engine in training mode, its set-up's transients (flat copies, fp32 partitions a bf16 master frees)
@@ -371,6 +384,8 @@ class Worker:
             if self.rank == 0:
                 print(f"[{args.config}] micro-batch {b}: peak {rec['peak_alloc_gb']:.2f} GiB allocated, "
                       f"{rec['peak_reserved_gb']:.2f} reserved, {rec['tokens_per_s']:,.0f} tokens/s", flush=True)
+            # --then-batch: the second size is given (a planner's prediction), not doubled
+            jump = args.then_batch if first and args.then_batch and (rec["fits"] or args.then_batch < b) else None
             first = False
             if rec["fits"]:
                 lo = b if lo is None else max(lo, b)
@@ -378,7 +393,7 @@ class Worker:
             else:
                 hi = b if hi is None else min(hi, b)
             spent = time.time() - _T0 > args.budget_s or len(points) + (0 if hi is None else 1) >= args.max_rungs
-            b = None if spent else next_batch(points, lo, hi, self.limit, args.max_batch)
+            b = None if spent else (jump or next_batch(points, lo, hi, self.limit, args.max_batch))
         return lo, hi
 
 
@@ -504,12 +519,15 @@ def launch(args: argparse.Namespace, name: str, result: Path, start: int, known_
            budget: float) -> tuple[int, str]:
     """Run one worker (under `deepspeed --num_gpus N` when N > 1); returns its exit code and output tail. The
     worker stops climbing at `budget - 20` s; `budget + 30` s is the hard stop."""
+    devices = getattr(args, "devices", None)   # CUDA ids ("2,3"): workers side by side (e2e_scaling); several go to
+    # the launcher's --include alone (beside CUDA_VISIBLE_DEVICES it would count only those GPUs)
     cmd = worker_cmd("benchmarks.e2e", args, ("model", "seq_len", "max_batch", "steps", "warmup", "mem_fraction",
-                     "seed", "max_rungs", "zero_stage", "profile_batch", "profile"),
-                     args.num_gpus, config=name, start_batch=start, known_fail=known_fail,
+                     "seed", "max_rungs", "zero_stage", "profile_batch", "profile", "zero_init", "then_batch"),
+                     args.num_gpus, devices, config=name, start_batch=start, known_fail=known_fail,
                      budget_s=max(budget - 20, 10), result=result)
     print(f"== {name}: {' '.join(cmd)}", flush=True)
-    return run_worker(cmd, budget + 30, echo=lambda line: args.verbose or line.startswith("[") or "rror" in line)
+    return run_worker(cmd, budget + 30, echo=lambda line: args.verbose or line.startswith("[") or "rror" in line,
+                      env={"CUDA_VISIBLE_DEVICES": devices} if devices and args.num_gpus == 1 else None)
 
 
 # what a row keeps of the rung at the equal micro-batch and of the largest that fit
@@ -525,7 +543,8 @@ def summarize_config(name: str, records: list[dict], equal_batch: int, errors: l
     best = max((r for r in rungs if r["fits"]), key=lambda r: r["micro_batch"], default=None)
     failing = sorted([r["micro_batch"] for r in rungs if not r["fits"]] + ooms)
     row = {"name": name, "label": LABELS[name],
-           **{k: setup.get(k) for k in ("config_source", "ds_config", "params", "setup_s", "chunked_loss")},
+           **{k: setup.get(k) for k in ("config_source", "ds_config", "params", "setup_s", "chunked_loss",
+                                        "built_partitioned")},
            "equal_batch": None if eq is None else {k: eq[k] for k in RUNG_FIELDS},
            "breakdown": None, "max_batch": None,
            "smallest_failing_batch": failing[0] if failing else None,
@@ -587,10 +606,13 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
                    help="record one step's top kernels, top host-side calls and device syncs (at the largest batch)")
     p.add_argument("--profile-batch", type=int, help="profile at this micro-batch instead of the largest that fits")
     p.add_argument("--verbose", action="store_true", help="echo the workers' whole output")
+    p.add_argument("--zero-init", action="store_true",
+                   help="ZeRO-3: build the model under zero.Init, partitioned as it is built (larger than one GPU)")
     add_worker_args(p)
     p.add_argument("--config", help=argparse.SUPPRESS)
     p.add_argument("--start-batch", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--known-fail", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--then-batch", type=int, help=argparse.SUPPRESS)
     p.add_argument("--budget-s", type=float, default=1e9, help=argparse.SUPPRESS)
     return p, p.parse_args(argv)
 
