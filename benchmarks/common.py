@@ -148,10 +148,18 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
 
 
 # --- Worker processes: a DeepSpeed engine never gives its memory back, so each measurement gets its own ---------------
+_PORTS: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now, and never one this process handed out before (workers started side by side)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _PORTS:
+            _PORTS.add(port)
+            return port
 
 
 def worker_env(**extra: str) -> dict[str, str]:
@@ -164,21 +172,22 @@ def worker_env(**extra: str) -> dict[str, str]:
 
 
 def worker_cmd(module: str, args: argparse.Namespace, names: tuple[str, ...], num_gpus: int = 1,
-               **given) -> list[str]:
+               devices: str | None = None, **given) -> list[str]:
     """The command that runs benchmarks.`module` as a worker (python -m, or the deepspeed launcher for several
-    GPUs) with args' options `names` and the `given` ones."""
+    GPUs: on `devices`, CUDA ids, where given) with args' options `names` and the `given` ones."""
     run = argparse.Namespace(**{**vars(args), **given})
     opts = ["--worker", *flags(run, *names, *given)]
     if num_gpus > 1:
-        return ["deepspeed", "--num_gpus", str(num_gpus), "--master_port", str(free_port()), "--module", module, *opts]
+        where = ["--include", f"localhost:{devices}"] if devices else ["--num_gpus", str(num_gpus)]
+        return ["deepspeed", *where, "--master_port", str(free_port()), "--module", module, *opts]
     return [sys.executable, "-m", module, *opts]
 
 
-def run_worker(cmd: list[str], timeout: float, echo=lambda line: False) -> tuple[int, str]:
-    """Run a worker in a process group of its own, printing the lines of its output that `echo` accepts ->
-    (exit code, its last 40 lines); after `timeout` s the group is killed and the code is 124."""
-    proc = subprocess.Popen(cmd, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+def run_worker(cmd: list[str], timeout: float, echo=lambda line: False, env: dict | None = None) -> tuple[int, str]:
+    """Run a worker (`env` added to its environment) in a process group of its own, printing the lines of its output
+    that `echo` accepts -> (exit code, its last 40 lines); after `timeout` s the group is killed and the code is 124."""
+    proc = subprocess.Popen(cmd, env=worker_env(**(env or {})), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
     tail: list[str] = []
     deadline = time.time() + timeout
     sel = selectors.DefaultSelector()

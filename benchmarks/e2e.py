@@ -40,6 +40,8 @@ MODELS = {
     **{f"tiny-{family}": dict(model_type=family, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
                               num_key_value_heads=2, head_dim=64, intermediate_size=512, vocab_size=512)
        for family in ("qwen3", "gemma3_text")},                  # the other families' smoke shapes
+    "tiny-gqa": dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=1,
+                     intermediate_size=512, vocab_size=512),    # the smoke's stand-in for Llama-3.1-70B (8:1 GQA)
     "llama-125m": dict(train_lib.MODEL_SIZES["125m"], vocab_size=32000),
     **SHAPES,
 }
@@ -69,6 +71,7 @@ CONFIGS = {
     "largest_model_z3": ("coat_ds largest-model preset, ZeRO-3", "ds_configs/zero3_largest_model.json", {}),
     "largest_model_z3_offload": ("coat_ds largest-model preset, ZeRO-3, FP8 states in pinned host memory",
                                  "ds_configs/zero3_offload_largest_model.json", {}),
+    "lowest_memory_z3": ("coat_ds lowest-memory preset, ZeRO-3", "ds_configs/zero3_lowest_memory.json", {}),
 }
 # the peer a single-GPU user would pick instead: no DeepSpeed config, a plain loop (PeerWorker)
 PEERS = {"torchao_fp8": "torchao float8 (compiled, every linear but lm_head) + AdamWFp8 (bf16 stochastic "
@@ -205,8 +208,9 @@ class Worker:
         self.gen = torch.Generator(device="cpu").manual_seed(args.seed + self.rank)
 
     def model(self, dtype=None, cfg: dict | None = None):
-        """The randomly initialised model of --model on this device (bf16 on CUDA), partitioned as it is built under
-        ZeRO-3 (`cfg`); sets vocab and n_params."""
+        """The randomly initialised model of --model on this device (bf16 on CUDA); sets vocab and n_params. Under a
+        ZeRO-3 config `cfg` it is partitioned as it is built (zero.Init): no rank holds the whole model, so one
+        larger than a GPU (70B: 141 GB in bf16) can be built."""
         dtype = dtype or (torch.bfloat16 if self.on_cuda else torch.float32)
         with train_lib.built_partitioned(cfg):
             net = build_model(self.args.model, self.device, dtype, self.args.seed)
@@ -221,11 +225,13 @@ class Worker:
                         on_cpu=not self.on_cuda)
         source = cfg.pop("_source")
         net = self.model(cfg=cfg)
+        partitioned = all(hasattr(p, "ds_id") for p in net.parameters())   # built under zero.Init
         try:
             engine = self.train_lib.initialize(net, cfg)
         except torch.OutOfMemoryError as e:
             self.oom_exit(args.start_batch, e, "engine set-up")
-        return self.started(engine, config_source=source, chunked_loss=is_applied(engine.module), ds_config=cfg)
+        return self.started(engine, config_source=source, chunked_loss=is_applied(engine.module), ds_config=cfg,
+                            built_partitioned=partitioned)
 
     def started(self, engine, **rec):
         """The engine in training mode, its set-up's transients (flat copies, fp32 partitions a bf16 master frees)
@@ -402,6 +408,8 @@ class Worker:
             if self.rank == 0:
                 print(f"[{args.config}] micro-batch {b}: peak {rec['peak_alloc_gb']:.2f} GiB allocated, "
                       f"{rec['peak_reserved_gb']:.2f} reserved, {rec['tokens_per_s']:,.0f} tokens/s", flush=True)
+            # --then-batch: the second size is given (a planner's prediction), not doubled
+            jump = args.then_batch if first and args.then_batch and (rec["fits"] or args.then_batch < b) else None
             first = False
             if rec["fits"]:
                 lo = b if lo is None else max(lo, b)
@@ -409,7 +417,7 @@ class Worker:
             else:
                 hi = b if hi is None else min(hi, b)
             spent = time.time() - _T0 > args.budget_s or len(points) + (0 if hi is None else 1) >= args.max_rungs
-            b = None if spent else next_batch(points, lo, hi, self.limit, args.max_batch)
+            b = None if spent else (jump or next_batch(points, lo, hi, self.limit, args.max_batch))
         return lo, hi
 
 
@@ -535,12 +543,15 @@ def launch(args: argparse.Namespace, name: str, result: Path, start: int, known_
            budget: float) -> tuple[int, str]:
     """Run one worker (under `deepspeed --num_gpus N` when N > 1); returns its exit code and output tail. The
     worker stops climbing at `budget - 20` s; `budget + 30` s is the hard stop."""
+    devices = getattr(args, "devices", None)   # CUDA ids ("2,3"): workers side by side (e2e_scaling); several go to
+    # the launcher's --include alone (beside CUDA_VISIBLE_DEVICES it would count only those GPUs)
     cmd = worker_cmd("benchmarks.e2e", args, ("model", "seq_len", "max_batch", "steps", "warmup", "mem_fraction",
-                     "seed", "max_rungs", "zero_stage", "profile_batch", "profile"),
-                     args.num_gpus, config=name, start_batch=start, known_fail=known_fail,
+                     "seed", "max_rungs", "zero_stage", "profile_batch", "profile", "then_batch"),
+                     args.num_gpus, devices, config=name, start_batch=start, known_fail=known_fail,
                      budget_s=max(budget - 20, 10), result=result)
     print(f"== {name}: {' '.join(cmd)}", flush=True)
-    return run_worker(cmd, budget + 30, echo=lambda line: args.verbose or line.startswith("[") or "rror" in line)
+    return run_worker(cmd, budget + 30, echo=lambda line: args.verbose or line.startswith("[") or "rror" in line,
+                      env={"CUDA_VISIBLE_DEVICES": devices} if devices and args.num_gpus == 1 else None)
 
 
 # what a row keeps of the rung at the equal micro-batch and of the largest that fit
@@ -556,7 +567,8 @@ def summarize_config(name: str, records: list[dict], equal_batch: int, errors: l
     best = max((r for r in rungs if r["fits"]), key=lambda r: r["micro_batch"], default=None)
     failing = sorted([r["micro_batch"] for r in rungs if not r["fits"]] + ooms)
     row = {"name": name, "label": LABELS[name],
-           **{k: setup.get(k) for k in ("config_source", "ds_config", "params", "setup_s", "chunked_loss")},
+           **{k: setup.get(k) for k in ("config_source", "ds_config", "params", "setup_s", "chunked_loss",
+                                        "built_partitioned")},
            "equal_batch": None if eq is None else {k: eq[k] for k in RUNG_FIELDS},
            "breakdown": None, "max_batch": None,
            "smallest_failing_batch": failing[0] if failing else None,
@@ -622,6 +634,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     p.add_argument("--config", help=argparse.SUPPRESS)
     p.add_argument("--start-batch", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--known-fail", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--then-batch", type=int, help=argparse.SUPPRESS)
     p.add_argument("--budget-s", type=float, default=1e9, help=argparse.SUPPRESS)
     return p, p.parse_args(argv)
 

@@ -96,6 +96,31 @@ def plot_e2e_real_shapes(res: dict, path: Path) -> None:
     save(fig, path)
 
 
+def plot_e2e_scaling(res: dict, path: Path) -> None:
+    """Per model, tokens/s per GPU against GPUs: each preset and stage at its largest micro-batch (solid) and at the
+    common one (dashed)."""
+    models = list(dict.fromkeys(s["model"] for s in res["summary"]))
+    fig, axes = _plt().subplots(1, max(len(models), 1), figsize=(6 * max(len(models), 1), 4.5), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        lines: dict[tuple, list] = {}
+        for s in res["summary"]:
+            if s["model"] == model:
+                lines.setdefault((s["preset"], s["zero_stage"]), []).append(s)
+        for i, ((preset, stage), rows) in enumerate(lines.items()):
+            for which, style in (("largest", "o-"), ("common", "s--")):
+                pts = [(s["world_size"], s[which]["tokens_per_s_per_gpu"]) for s in rows if s.get(which)]
+                if pts:
+                    ax.plot(*zip(*pts), style, color=f"C{i}", label=f"{preset}, ZeRO-{stage}" * (which == "largest"))
+        worlds = sorted({s["world_size"] for s in res["summary"]})
+        ax.set_xscale("log", base=2)
+        ax.set(xlabel="GPUs", ylabel="tokens/s per GPU", title=f"{model}, seq {res['seq_len']}", ylim=(0, None),
+               xticks=worlds, xticklabels=worlds)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+    fig.suptitle(f"{res.get('device')}: largest micro-batch (solid), common micro-batch (dashed)", fontsize=10)
+    save(fig, path)
+
+
 def plot_convergence(res: dict, path: Path) -> None:
     """Train (thin) and validation (markers) loss of every configuration, and the validation gap to BF16."""
     fig, (ax, ax2) = _plt().subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [2, 1]})
@@ -208,8 +233,8 @@ def plot_seed_spread(res: dict, path: Path) -> None:
 
 def kind(res: dict) -> str:
     """Which benchmark wrote a results file, from its fields."""
-    for key, name in (("hf_config", "hf_trainer"), ("calls", "seed_spread"), ("runs", "convergence"),
-                      ("cases", "e2e_real_shapes"), ("rows", "offload")):
+    for key, name in (("gpu_memory_gb", "e2e_scaling"), ("hf_config", "hf_trainer"), ("calls", "seed_spread"),
+                      ("runs", "convergence"), ("cases", "e2e_real_shapes"), ("rows", "offload")):
         if key in res:
             return name
     return "e2e"

@@ -161,6 +161,58 @@ def release_nccl(res: Path):
             yield [*where, f"does not fit ({why})", "-", "-"]
 
 
+def _scaling(res: Path) -> list[dict] | None:
+    """e2e_scaling.json's summary; None before the first device call has written it."""
+    return load(res, "e2e_scaling.json")["summary"] if (res / "e2e_scaling.json").is_file() else None
+
+
+NOT_YET = "not measured yet: `python -m benchmarks.e2e_scaling` (docs/benchmarks.md, \"Scaling\")"
+
+
+@table
+def scaling(res: Path):
+    """README: the largest-model preset's tokens/s per GPU as GPUs are added, at one micro-batch."""
+    header = ["model, ZeRO stage", "micro-batch", "tokens/s per GPU on 1 / 2 / 4 / 8 GPUs", "at the most GPUs over 1",
+              "over BF16 there (each at its largest micro-batch)"]
+    yield header
+    rows = _scaling(res)
+    if rows is None:
+        yield [NOT_YET, *["-"] * (len(header) - 1)]
+        return
+    groups: dict[tuple, list] = {}
+    for s in rows:
+        if s["preset"] == "largest_model":
+            groups.setdefault((s["model"], s["zero_stage"]), []).append(s)
+    for (model, stage), ss in groups.items():
+        by = {s["world_size"]: s for s in ss}
+        top = max((s for s in ss if s.get("largest")), key=lambda s: s["world_size"], default={})
+        yield [f"{model}, ZeRO-{stage}", next((s["common"]["micro_batch"] for s in ss if s.get("common")), "-"),
+               " / ".join(tokens(by.get(w, {}).get("common")) for w in (1, 2, 4, 8)),
+               num(top.get("efficiency_common"), 2), num(top.get("coat_over_bf16"), 2)]
+
+
+@table
+def e2e_scaling(res: Path):
+    """docs/results.md: every row of e2e_scaling.json, per GPU: coat's presets and BF16 + FusedAdam on 1 to 8 GPUs."""
+    header = ["model, GPUs, ZeRO stage", "configuration", "largest micro-batch (planner's)", "tokens/s per GPU there",
+              "peak GiB per GPU there (planner's)", "tokens/s per GPU at the common micro-batch",
+              "over 1 GPU: common / largest", "over BF16 (largest)"]
+    yield header
+    rows = _scaling(res)
+    for s in rows or []:
+        where = [f"{s['model']}, {s['world_size']}, ZeRO-{s['zero_stage']}", s["label"]]
+        top, eq = s.get("largest"), s.get("common")
+        if top is None:
+            yield [*where, s.get("verdict") or f"no size fit ({s['planner_max_micro_batch']})", *["-"] * 5]
+            continue
+        yield [*where, f"{'' if top['exact'] else '>= '}{top['micro_batch']} ({s['planner_max_micro_batch']})",
+               num(top["tokens_per_s_per_gpu"], 0), f"{num(top['peak_alloc_gb'])} ({num(top['planner_peak_gb'])})",
+               f"{num(eq and eq['tokens_per_s_per_gpu'], 0)} at {eq['micro_batch']}" if eq else "-",
+               f"{num(s['efficiency_common'], 2)} / {num(s['efficiency_largest'], 2)}", num(s["coat_over_bf16"], 2)]
+    if rows is None:
+        yield [NOT_YET, *["-"] * (len(header) - 1)]
+
+
 @table
 def hf_trainer(res: Path):
     """README / docs/deepspeed.md: HF Trainer beside a plain deepspeed.initialize loop on the same config."""

@@ -1,0 +1,390 @@
+"""Scaling over the GPUs of one host (issues 44, 47): per-GPU tokens/s and peak of coat's presets against BF16 +
+FusedAdam, Llama-3.1-8B and Llama-2-13B at seq 4096 on 1, 2, 4 (8) GPUs, ZeRO-2 and ZeRO-3.
+
+    python -m benchmarks.e2e_scaling --plan-only                       # the schedule and its predicted wall time
+    . .whl/prelude.sh && python3 -m benchmarks.e2e_scaling --deadline 450 --out $OUT/scaling     # 4 H100s
+    python -m benchmarks.e2e_scaling --merge benchmarks/results/e2e_scaling.json --out $OUT/s   # what is missing
+    python -m benchmarks.e2e_scaling --smoke --gpus 1 --stages 3 --configs largest_model --out /tmp/s   # CPU, ~30 s
+    python -m benchmarks.e2e_scaling --smoke --num-gpus 8 --gpus 8 --models tiny-gqa --out /tmp/s8     # world 8, CPU
+
+Every (model, GPUs, ZeRO stage, preset) is one e2e.py worker; workers run side by side on disjoint GPUs, in waves
+ordered by importance (docs/benchmarks.md, "Scaling").
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from benchmarks import e2e
+from benchmarks.common import (GIB, RESULTS, check_positive, command, device_name, git_commit, names_of, now,
+                               read_json, write_results)
+from benchmarks.render_tables import render
+from coat_ds import plan
+from coat_ds.report import versions as package_versions
+
+NAME = "e2e_scaling"
+MODELS, BIG = ("llama3.1-8b", "llama2-13b"), "llama3.1-70b"   # BIG: issue 47, 8 GPUs, ZeRO-3, built under zero.Init
+SMOKE_MODELS, SMOKE_BIG = ("tiny",), "tiny-gqa"
+ORDER = [*MODELS, BIG, *SMOKE_MODELS, SMOKE_BIG]
+PRESETS = {"largest_model": {2: "largest_model", 3: "largest_model_z3"},
+           "lowest_memory": {2: "lowest_memory", 3: "lowest_memory_z3"}, "bf16": {2: "bf16", 3: "bf16"}}
+# issue 44: per-GPU tokens/s at N GPUs over 1 at the same micro-batch (issue 47: ZeRO-3 at 8 >= 0.90); coat's
+# tokens/s over BF16's, each at its largest micro-batch, where BF16 fits
+TARGETS = {"efficiency_zero2": 0.95, "efficiency_zero3": 0.90, "coat_over_bf16": 1.5}
+START_S = (10.0, 30.0)   # a worker's start and exit outside its own clock: python -m (1 GPU), the launcher
+
+
+@dataclass
+class Run:
+    """One row of the matrix: what the planner says of it and what its worker will try."""
+    model: str
+    world: int
+    stage: int
+    preset: str
+    order: tuple = ()         # priority; its first three: the tier (preset, model, BF16 or not)
+    planned: int = 0          # the planner's largest micro-batch (0: not even 1 fits)
+    common: int = 0           # the micro-batch every GPU count of the model is compared at
+    rungs: tuple = ()
+    est_s: float = 0.0
+
+    @property
+    def key(self) -> tuple:
+        return self.model, self.world, self.stage, self.preset
+
+    @property
+    def config(self) -> str:
+        return PRESETS[self.preset][self.stage]
+
+
+# --- The matrix, the planner's verdicts and the schedule --------------------------------------------------------------
+def job(model: str, config: str, stage: int, world: int, seq: int) -> plan.Job:
+    """The planner's job for configuration `config` of e2e.py, as its worker will run it."""
+    cfg = e2e.ds_config(config, micro_batch=1, zero_stage=stage)
+    cfg.pop("_source")
+    return plan.job_from_config(cfg, plan.shape_from_hf(e2e.MODELS[model], model), seq, world)
+
+
+def matrix(args: argparse.Namespace) -> list[Run]:
+    """The selected rows in priority order (issue 44): coat's largest-model preset on the first model, BF16 beside
+    it, then the next model, then the lowest-memory preset; the big model (on the most GPUs only) first of all."""
+    runs = []
+    for model in args.models:
+        big = model == args.big
+        for world in args.gpus:
+            for stage in args.stages:
+                for preset in args.configs:
+                    if big and (stage != 3 or preset == "lowest_memory" or world < max(args.gpus)):
+                        continue
+                    rank = -1 if big else args.all_models.index(model)
+                    order = (preset == "lowest_memory", rank, preset == "bf16", -world, stage)
+                    runs.append(Run(model, world, stage, preset, order))
+    return sorted(runs, key=lambda r: r.order)
+
+
+def common_batch(args: argparse.Namespace, model: str) -> int:
+    """The micro-batch every coat preset of `model` that fits one GPU takes there (planner; 1 where none fits): where
+    the scaling efficiency compares N GPUs with one, the same in every call whatever it selects."""
+    if args.common_batch:
+        return args.common_batch
+    fits = [plan.max_micro_batch(job(model, PRESETS[p][s], s, 1, args.seq), args.memory)
+            for p in ("largest_model", "lowest_memory") for s in (2, 3)]
+    return min([min(f, args.max_batch) for f in fits if f] or [1])
+
+
+def planned(args: argparse.Namespace, runs: list[Run], hist: dict) -> None:
+    """Each run's planner verdict, its two rungs (the common micro-batch and the predicted largest, or the largest
+    and one above where those meet) and its predicted wall time."""
+    common = {m: common_batch(args, m) for m in {r.model for r in runs}}
+    for r in runs:
+        r.planned = min(plan.max_micro_batch(job(r.model, r.config, r.stage, r.world, args.seq), args.memory),
+                        args.max_batch)
+        r.common = c = common[r.model]
+        r.rungs = () if not r.planned else (c, r.planned) if c < r.planned else (r.planned, r.planned + 1)
+        r.est_s = estimate(r, hist, args)
+
+
+def history(results: Path = RESULTS) -> dict:
+    """From the committed e2e rows of 3B+ parameters: set-up seconds against parameters per GPU (least squares), and
+    tokens/s per GPU x parameters by kind (median): what a new row's set-up and steps take."""
+    pts, speed = [], {"bf16": [], "coat": []}
+    for path in sorted(results.glob("e2e*.json")):
+        doc = json.loads(path.read_text())
+        for run in (doc.get("cases") or {"": doc}).values():
+            for c in run.get("configs", []):
+                if (c.get("params") or 0) < 3e9 or not c.get("rungs") or c["name"] in e2e.PEERS:
+                    continue
+                world = run.get("world_size") or 1
+                pts.append((c["params"] / world / 1e9, c["setup_s"]))
+                tps = max(r["tokens_per_s"] for r in c["rungs"]) / world
+                speed["bf16" if c["name"] == "bf16" else "coat"].append(tps * c["params"] / 1e9)
+    n, sx, sy = len(pts), sum(x for x, _ in pts), sum(y for _, y in pts)
+    slope = (n * sum(x * y for x, y in pts) - sx * sy) / (n * sum(x * x for x, _ in pts) - sx * sx)
+    return {"setup": ((sy - slope * sx) / n, slope), "speed": {k: statistics.median(v) for k, v in speed.items()}}
+
+
+def estimate(r: Run, hist: dict, args: argparse.Namespace) -> float:
+    """Predicted wall seconds of run `r`: start, set-up, its rungs' steps (the first warms up 4 more, then the
+    memory breakdown's step)."""
+    if not r.rungs:
+        return 0.0
+    params = plan.shape_from_hf(e2e.MODELS[r.model], r.model).params / 1e9
+    a, b = hist["setup"]
+    step = params / hist["speed"]["bf16" if r.preset == "bf16" else "coat"] * args.seq   # s per sample
+    steps = [args.warmup + args.steps + 5] + [args.warmup + args.steps] * (len(r.rungs) - 1)
+    return START_S[r.world > 1] + a + b * params / r.world + step * sum(
+        n * mb for n, mb in zip(steps, r.rungs))
+
+
+def waves(runs: list[Run], gpus: int) -> list[list[Run]]:
+    """Runs side by side on disjoint GPUs, in priority order: a wave starts with the first run left and takes the
+    next that fit its free GPUs; one of a later tier only where it lengthens the wave by under a quarter of its own
+    time (cheaper than a wave of its own later)."""
+    left, out = [r for r in runs if r.rungs], []
+    while left:
+        wave = [left.pop(0)]
+        for r in list(left):
+            free, length = gpus - sum(w.world for w in wave), max(w.est_s for w in wave)
+            if r.world <= free and (r.order[:3] == wave[0].order[:3] or r.est_s - length <= r.est_s / 4):
+                wave.append(r)
+                left.remove(r)
+        out.append(wave)
+    return out
+
+
+def devices(wave: list[Run]) -> list[str]:
+    """Each run's CUDA ids, disjoint: "0", "1", "2,3"."""
+    starts = itertools.accumulate((r.world for r in wave), initial=0)
+    return [",".join(map(str, range(first, first + r.world))) for first, r in zip(starts, wave)]
+
+
+def schedule_text(sched: list[list[Run]], verdicts: list[Run]) -> str:
+    """The waves, their runs and predicted seconds, and the rows the planner rules out: what --plan-only prints."""
+    lines, total = [], 0.0
+    for i, wave in enumerate(sched, 1):
+        length = max(r.est_s for r in wave)
+        total += length
+        lines.append(f"wave {i}: ~{length:.0f} s (ends ~{total:.0f} s)")
+        lines += [f"    {r.model} x{r.world} ZeRO-{r.stage} {r.preset}: micro-batch {' then '.join(map(str, r.rungs))}"
+                  f" (planner's largest {r.planned}), ~{r.est_s:.0f} s" for r in wave]
+    lines += [f"not run: {r.model} x{r.world} ZeRO-{r.stage} {r.preset}: the planner says micro-batch 1 does not fit"
+              for r in verdicts]
+    return "\n".join(lines + [f"predicted: ~{total:.0f} s for {sum(map(len, sched))} runs in {len(sched)} waves"])
+
+
+# --- Running a wave ---------------------------------------------------------------------------------------------------
+def worker_args(args: argparse.Namespace, r: Run, devs: str | None) -> argparse.Namespace:
+    """e2e.py's options for run `r`: its two rungs, the timing, the GPUs it runs on."""
+    _, eargs = e2e.parse_args(["--model", r.model, "--seq-len", str(args.seq), "--num-gpus", str(r.world),
+                               "--zero-stage", str(r.stage), "--equal-batch", str(r.rungs[0]),
+                               "--max-batch", str(max(r.rungs)), "--max-rungs", str(len(r.rungs)),
+                               "--steps", str(args.steps), "--warmup", str(args.warmup)])
+    eargs.then_batch, eargs.devices = r.rungs[-1], devs
+    return eargs
+
+
+def run_one(args: argparse.Namespace, r: Run, devs: str | None, stop_at: float) -> dict:
+    """One worker, no restart after an OOM (the wave's time is fixed), killed at `stop_at` or well past its predicted
+    time (a smoke's CPU ranks are not predicted) -> its row."""
+    tag = f"{r.model}_x{r.world}_z{r.stage}_{r.preset}"
+    budget = min(900 if args.smoke else 2 * r.est_s + 60, stop_at - time.time()) - 30
+    row = e2e.run_config(worker_args(args, r, devs), r.config, args.out / f"{NAME}_{tag}.jsonl", budget, lambda: 0)
+    return measured(args, r, row)
+
+
+def at(args: argparse.Namespace, r: Run, rung: dict | None) -> dict | None:
+    """A rung per GPU, beside the planner's peak for it."""
+    if rung is None:
+        return None
+    p = plan.plan(job(r.model, r.config, r.stage, r.world, args.seq), rung["micro_batch"]).peak / GIB
+    return {**{k: rung[k] for k in e2e.RUNG_FIELDS}, "tokens_per_s_per_gpu": rung["tokens_per_s"] / r.world,
+            "planner_peak_gb": p, "planner_error": p / rung["peak_alloc_gb"] - 1}
+
+
+def measured(args: argparse.Namespace, r: Run, row: dict) -> dict:
+    """e2e's row of run `r` with what the tables read: its largest and common sizes per GPU, where it ran."""
+    fits = [g for g in row["rungs"] if g["fits"]]
+    best = max(fits, key=lambda g: g["micro_batch"], default=None)
+    largest = at(args, r, best)
+    if largest:
+        largest["exact"] = bool((row.get("max_batch") or {}).get("exact"))
+    return {**row, **identity(r), "rungs_planned": list(r.rungs), "common_micro_batch": r.common,
+            "largest": largest, "common": at(args, r, next((g for g in fits if g["micro_batch"] == r.common), None)),
+            "measured": {"device": args.device, "date": now(), "command": command(), "commit": git_commit()}}
+
+
+def identity(r: Run) -> dict:
+    return {"model": r.model, "world_size": r.world, "zero_stage": r.stage, "preset": r.preset,
+            "planner_max_micro_batch": r.planned}
+
+
+def verdict(args: argparse.Namespace, r: Run) -> dict:
+    """A row the planner says does not fit at micro-batch 1: not run, its plan recorded."""
+    p = plan.plan(job(r.model, r.config, r.stage, r.world, args.seq), 1)
+    return {"name": r.config, "label": e2e.LABELS[r.config], **identity(r), "max_micro_batch": None,
+            "verdict": f"does not fit (planner: {p.peak / GIB:.1f} GiB + {p.reserve / GIB:.1f} reserve at micro-batch "
+                       f"1 > {plan.USABLE:.0%} of {args.memory / GIB:.1f} GiB)", "planner_peak_gb_at_1": p.peak / GIB}
+
+
+def gpu_name() -> str | None:
+    """GPU 0's model (None without nvidia-smi), asked of nvidia-smi: the parent never initialises CUDA, whose context
+    would take memory on a GPU where a worker measures."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", "0"],
+                             capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def this_call(args: argparse.Namespace) -> dict:
+    """Where, when and how this call measures (common.provenance's fields, the GPU from nvidia-smi)."""
+    return {"device": args.device, "versions": {**package_versions(), "coat_ds_commit": git_commit(), "gpu": args.gpu,
+                                                "gpu_count": torch.cuda.device_count()},
+            "command": command(), "date": now(), "commit": git_commit(), "gpus": args.num_gpus}
+
+
+# --- The results file -------------------------------------------------------------------------------------------------
+def key_of(row: dict) -> tuple:
+    return row["model"], row["world_size"], row["zero_stage"], row["preset"]
+
+
+def merged_rows(paths: list[str]) -> tuple[dict, list[dict]]:
+    """The rows (by key) and calls of earlier results files, later files first."""
+    rows, calls = {}, []
+    for path in paths:
+        doc = read_json(path, {})
+        calls += doc.get("calls", [])
+        rows.update({key_of(c): c for case in doc.get("cases", {}).values() for c in case["configs"]})
+    return rows, calls
+
+
+def summary(rows: dict) -> list[dict]:
+    """What the tables and the chart show: per row, per-GPU tokens/s at its largest and at the common micro-batch,
+    over 1 GPU's (efficiency) and over BF16's."""
+    per_gpu = lambda row, which: ((row or {}).get(which) or {}).get("tokens_per_s_per_gpu")  # noqa: E731
+    out = []
+    for k, r in rows.items():
+        one, bf16 = rows.get((k[0], 1, k[2], k[3])), rows.get((k[0], k[1], k[2], "bf16"))
+        eff = e2e.ratio(per_gpu(r, "common"), per_gpu(one, "common"))
+        out.append({**{f: r.get(f) for f in ("model", "world_size", "zero_stage", "preset", "label", "verdict",
+                                             "planner_max_micro_batch", "max_micro_batch", "largest", "common")},
+                    "efficiency_common": eff, "efficiency_largest": e2e.ratio(per_gpu(r, "largest"),
+                                                                              per_gpu(one, "largest")),
+                    "coat_over_bf16": None if k[3] == "bf16" else e2e.ratio(per_gpu(r, "largest"),
+                                                                          per_gpu(bf16, "largest")),
+                    "meets_efficiency": None if eff is None or k[1] == 1 or k[3] == "bf16" else
+                    eff >= TARGETS[f"efficiency_zero{k[2]}"]})
+    return sorted(out, key=lambda s: (ORDER.index(s["model"]), s["zero_stage"], [*PRESETS].index(s["preset"]),
+                                      s["world_size"]))
+
+
+def result(args: argparse.Namespace, rows: dict, calls: list[dict], log: dict) -> dict:
+    """The file: rows grouped by (model, GPUs, stage) as e2e's runs are (tests/test_plan.py reads them), the
+    summary, and where, when and how each call measured."""
+    cases: dict[str, dict] = {}
+    for k, r in sorted(rows.items()):
+        case = cases.setdefault(f"{k[0]} x{k[1]} ZeRO-{k[2]}", {
+            "model": k[0], "shape": e2e.MODELS[k[0]], "seq_len": args.seq, "world_size": k[1], "zero_stage": k[2],
+            "smoke": args.smoke, "device": None, "date": "", "configs": []})
+        case["configs"].append(r)
+        if r.get("measured") and r["measured"]["date"] > case["date"]:
+            case.update(device=r["measured"]["device"], date=r["measured"]["date"])
+    last = calls[-1] if calls else {}
+    return {"what": " ".join(__doc__.split("\n\n")[0].split()),
+            **{k: last.get(k) for k in ("device", "versions", "command", "date", "commit")}, "calls": calls,
+            "seq_len": args.seq, "gpu_memory_gb": args.memory / GIB,
+            "timing": {"warmup": args.warmup, "timed_steps": args.steps, "first_rung_extra_warmup": 4},
+            "fit_rule": "peak reserved <= 0.95 x device memory", "targets": TARGETS, "summary": summary(rows),
+            **log, "cases": cases}
+
+
+# --- The command ------------------------------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--num-gpus", type=int, default=4, help="GPUs of the host that the waves share")
+    p.add_argument("--gpus", help="comma-separated GPU counts per run (default: 1, 2, 4 ... up to --num-gpus)")
+    p.add_argument("--models", help=f"comma-separated, from {[*MODELS, BIG]} (default: the first two, {BIG} at 8)")
+    p.add_argument("--stages", default="2,3", help="comma-separated ZeRO stages, from 2, 3")
+    p.add_argument("--configs", default="largest_model,bf16,lowest_memory", help=f"comma-separated, from {[*PRESETS]}")
+    p.add_argument("--common-batch", type=int, help="the micro-batch all GPU counts are compared at (default: the "
+                   "planner's largest that every coat preset of the model takes on the fewest GPUs)")
+    p.add_argument("--max-batch", type=int, default=256, help="cap on the planner's largest micro-batch")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per micro-batch")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps per micro-batch (the first: 4 more)")
+    p.add_argument("--deadline", type=float, default=float("inf"),
+                   help="seconds from start: a wave predicted to end later is skipped, a worker killed at it")
+    p.add_argument("--merge", nargs="+", default=[], help="earlier results files: their measured rows are kept and "
+                   "not run again")
+    p.add_argument("--rerun", action="store_true", help="run selected rows that --merge files have measured too")
+    p.add_argument("--gpu-memory", help="GiB or a GPU name for the planner (default: GPU 0's name, else h100)")
+    p.add_argument("--plan-only", action="store_true", help="print the schedule and its predicted wall time")
+    p.add_argument("--smoke", action="store_true", help="tiny models, seq 32, one step (CPU is fine)")
+    p.add_argument("--out", default=str(RESULTS))
+    args = p.parse_args(argv)
+    check_positive(p, args, ("num_gpus", "common_batch", "max_batch", "steps"))
+    choices = [1 << i for i in range(args.num_gpus.bit_length()) if 1 << i <= args.num_gpus]
+    allowed = [str(c) for c in choices]
+    args.gpus = [int(g) for g in names_of(p, "gpus", args.gpus or ",".join(allowed), allowed)]
+    args.stages = [int(s) for s in names_of(p, "stages", args.stages, ("2", "3"))]
+    args.configs = names_of(p, "configs", args.configs, PRESETS)
+    args.all_models, args.big = (SMOKE_MODELS, SMOKE_BIG) if args.smoke else (MODELS, BIG)
+    default = [*args.all_models, *([args.big] if max(args.gpus) >= 8 else [])]
+    args.models = names_of(p, "models", args.models or ",".join(default), [*args.all_models, args.big])
+    if args.smoke:
+        args.seq, args.steps, args.warmup, args.max_batch = 32, 1, 0, 1
+    else:
+        args.seq = 4096
+    args.gpu = gpu_name() if torch.cuda.is_available() else None
+    args.device = args.gpu or device_name("cpu")
+    named = next((k for k in plan.GPUS if k.upper() in (args.gpu or "").upper()), "h100")
+    args.memory, args.out = plan.gpu_memory(args.gpu_memory or named), Path(args.out)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    runs = matrix(args)
+    planned(args, runs, history())
+    rows, calls = merged_rows(args.merge)
+    todo = [r for r in runs if r.rungs and (args.rerun or not (rows.get(r.key) or {}).get("largest"))]
+    sched = waves(todo, args.num_gpus)
+    print(schedule_text(sched, [r for r in runs if not r.rungs]), flush=True)
+    if args.plan_only:
+        return 0
+    if torch.cuda.is_available() and torch.cuda.device_count() < args.num_gpus:
+        sys.exit(f"--num-gpus {args.num_gpus}: this host has {torch.cuda.device_count()} GPUs")
+    rows.update({r.key: verdict(args, r) for r in runs if not r.rungs})
+    args.out.mkdir(parents=True, exist_ok=True)
+    call = this_call(args)
+    log: dict = {"waves": [], "skipped": []}
+    for wave in sched:
+        left = e2e._T0 + args.deadline - time.time()
+        names = [f"{r.model} x{r.world} ZeRO-{r.stage} {r.preset}" for r in wave]
+        if max(r.est_s for r in wave) > left:
+            log["skipped"] += names
+            continue
+        t0 = time.time()
+        on_gpu = torch.cuda.is_available()
+        with ThreadPoolExecutor(len(wave)) as pool:
+            futures = [pool.submit(run_one, args, r, d if on_gpu else None, e2e._T0 + args.deadline)
+                       for r, d in zip(wave, devices(wave))]
+            rows.update({key_of(row): row for row in (f.result() for f in futures)})
+        log["waves"].append({"runs": names, "predicted_s": max(r.est_s for r in wave), "wall_s": time.time() - t0})
+        write_results(result(args, rows, [*calls, call], log), args.out, NAME)   # what it has, after each wave
+    path = write_results(result(args, rows, [*calls, call] if log["waves"] else calls, log), args.out, NAME)
+    print(render(NAME, args.out), f"-> {path}", sep="\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
