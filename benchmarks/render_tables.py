@@ -187,7 +187,8 @@ def scaling(res: Path):
         by = {s["world_size"]: s for s in ss}
         top = max((s for s in ss if s.get("largest")), key=lambda s: s["world_size"], default={})
         yield [f"{model}, ZeRO-{stage}", next((s["common"]["micro_batch"] for s in ss if s.get("common")), "-"),
-               " / ".join(tokens(by.get(w, {}).get("common")) for w in (1, 2, 4, 8)),
+               " / ".join(num((by.get(w, {}).get("common") or {}).get("tokens_per_s_per_gpu"), 0)
+                          for w in (1, 2, 4, 8)),
                num(top.get("efficiency_common"), 2), num(top.get("coat_over_bf16"), 2)]
 
 
