@@ -4,8 +4,10 @@
     python -m coat_ds.plan --model path/to/config.json --gpus-per-node 8 --nodes 2 --zero-stage 3 --gpu-memory h100
 
 Prints, per GPU, what the job keeps at its peak (parameters, gradients, master weights, optimizer states,
-activations, logits/loss, DeepSpeed's buffers) and the largest micro-batch that fits, beside BF16 + FusedAdam
-on the same ZeRO set-up. DeepSpeed's own estimators count model states only; here the activations come from
+activations, logits/loss, DeepSpeed's buffers), the host memory per rank and per node where states live there
+(Offload, coat.states "host"), and the largest micro-batch that fits, beside BF16 + FusedAdam on the same ZeRO
+set-up; under it, which shipped presets fit the job, without and with activation checkpointing (--checkpoint
+plans HF's gradient_checkpointing). DeepSpeed's own estimators count model states only; here the activations come from
 what each flow keeps per token and hidden unit (docs/activation.md's accounting, which
 benchmarks/results/llama_layer.json measured) and the peak from the phases of a step (docs/plan.md), checked
 against every end-to-end row in benchmarks/results/ (tests/test_plan.py).
@@ -25,7 +27,9 @@ from typing import Any, Mapping
 
 from .activation.loss import DEFAULT_CHUNK_TOKENS, LossConfig
 from .deepspeed.config import coat_section
-from .deepspeed.memory import ZeroJob, buffers, model_states, step_transient, zero_job
+from .deepspeed.memory import (HOST_STATES, ZeroJob, buffers, largest_sub_group, model_states, step_transient,
+                               zero_job)
+from .deepspeed.presets import INTENTS
 from .formats import Fp8Moment
 from .workloads.causal_lm import MODEL_SIZES
 from .workloads.shapes import ALIASES, SHAPES
@@ -76,6 +80,13 @@ class Shape:
     @property
     def params(self) -> int:
         return self.layers * self.layer_params + self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
+
+    def tensors(self) -> list[int]:
+        """Each parameter's values in HF's module order (ZeRO-3 cuts its optimizer sub-groups in this order)."""
+        h, hd = self.hidden, self.hd
+        layer = [h * hd * self.heads, h * hd * self.kv_heads, h * hd * self.kv_heads, h * hd * self.heads,
+                 *[hd] * (2 * self.qk_norm), *[h * self.intermediate] * 3, *[h] * self.norms]
+        return [self.vocab * h, *layer * self.layers, h, *[self.vocab * h] * (not self.tied)]
 
     @property
     def largest(self) -> int:
@@ -181,6 +192,7 @@ class Job:
     activation: Any = None          # ActivationConfig or None (stock layers)
     chunk: int | None = None        # coat.loss chunk tokens, None: the stock loss
     weight_cache: bool = False      # the FP8 weight cache (2 B per decoder-layer parameter)
+    checkpoint: bool = False        # activation checkpointing of the decoder layers (HF's or coat's)
 
 
 @dataclass(frozen=True)
@@ -189,7 +201,7 @@ class Plan:
     parts: dict          # name -> bytes per GPU at the peak
     peak: float
     phase: str
-    host: float          # per rank, under Offload
+    host: float          # per rank, under Offload or coat.states "host"
 
     @property
     def reserve(self) -> float:
@@ -200,13 +212,32 @@ class Plan:
         return self.peak + self.reserve <= USABLE * memory
 
 
+CHECKPOINT_INPUT = 2.0   # B/token/hidden a checkpointed layer keeps: its bf16 input (what torch's checkpoint saves)
+
+
+def activation_bytes(job: Job, tokens: int) -> float:
+    """What the forward keeps for backward on one GPU: every layer's activations, or under activation checkpointing
+    every layer's bf16 input plus one layer's activations while backward recomputes it; and the final norm's."""
+    s = job.shape
+    per_layer = layer_bytes(s, job.activation)
+    layers = s.layers * CHECKPOINT_INPUT + per_layer if job.checkpoint else s.layers * per_layer
+    return tokens * s.hidden * (layers + FINAL_NORM)
+
+
+def states_of(job: Job) -> dict[str, float]:
+    """model_states of the job's shape, with its largest ZeRO-3 sub-group (the states streamed under coat.states)."""
+    s, z = job.shape, job.zero
+    sub_group = largest_sub_group(s.tensors(), z.world, z.sub_group) if z.host_states else 0
+    return model_states(z, s.params, s.layer_params, s.largest, sub_group)
+
+
 def phases(job: Job, micro_batch: int) -> dict[str, dict[str, float]]:
     """Per phase of a step, what is allocated on one GPU, by part (bytes)."""
     s, t = job.shape, micro_batch * job.seq
-    st = model_states(job.zero, s.params, s.layer_params, s.largest)
+    st = states_of(job)
     cache = 2.0 * s.layers * s.layer_params if job.weight_cache else 0.0
     states = dict(parameters=st["weights"] + cache, master=st["master"], optimizer=st["optimizer"])
-    acts = t * s.hidden * (s.layers * layer_bytes(s, job.activation) + FINAL_NORM)
+    acts = activation_bytes(job, t)
     loss = loss_bytes(t, s, job.chunk)
     head_grad = job.zero.param_bytes * s.vocab * s.hidden
     # the gradient partition, from the first bucket (per-parameter gradients grow as the activations are freed)
@@ -227,8 +258,7 @@ def plan(job: Job, micro_batch: int) -> Plan:
     """What one GPU holds at its peak with `micro_batch` samples of job.seq tokens."""
     by_phase = phases(job, micro_batch)
     phase = max(by_phase, key=lambda p: sum(by_phase[p].values()))
-    st = model_states(job.zero, job.shape.params, job.shape.layer_params, job.shape.largest)
-    return Plan(micro_batch, by_phase[phase], sum(by_phase[phase].values()), phase, st["host"])
+    return Plan(micro_batch, by_phase[phase], sum(by_phase[phase].values()), phase, states_of(job)["host"])
 
 
 def max_micro_batch(job: Job, memory: float, cap: int = 1 << 16) -> int:
@@ -279,21 +309,40 @@ def loss_chunk(cfg: Mapping[str, Any]) -> int | None:
     return loss.chunk_tokens if loss.chunked else None
 
 
+def states_place(cfg: Mapping[str, Any]) -> Any:
+    """coat.states as the config gives it, None where it gives none (the engine's config code checks the value;
+    the planner only reads it and plans "host")."""
+    coat = cfg.get("coat")
+    return coat.get("states") if isinstance(coat, Mapping) else None
+
+
+def _check_host_states(zero: ZeroJob) -> None:
+    """coat.states "host" streams CoatAdamW's states per ZeRO-3 sub-group as released gradients are stepped."""
+    if not (zero.coat and zero.stage == 3 and zero.gradients == "release" and not zero.offload):
+        raise PlanError(f"coat.states={HOST_STATES!r} is planned for CoatAdamW under ZeRO-3 with coat.gradients "
+                        f"'release' and no offload_optimizer (here: ZeRO-{zero.stage}, coat.gradients "
+                        f"{zero.gradients!r}, offload {zero.offload}); allowed elsewhere: no coat.states")
+
+
 def job_from_config(cfg: Mapping[str, Any], shape: Shape, seq: int, world: int, *, chunk: Any = "config",
-                    coat_step: bool = True) -> Job:
+                    coat_step: bool = True, checkpoint: bool | None = None) -> Job:
     """The Job of DeepSpeed config `cfg` (a dict) for `world` data-parallel ranks. `chunk`: "config" (what
-    the config says), None (stock loss) or chunk tokens."""
+    the config says), None (stock loss) or chunk tokens; `checkpoint`: activation checkpointing (None: the
+    config's coat.activation.checkpoint; True also for HF's gradient_checkpointing, which the config cannot say)."""
     try:
         section = coat_section({k: v for k, v in cfg.items() if k != "coat"} |
-                               {"coat": {k: v for k, v in (cfg.get("coat") or {}).items() if k != "loss"}})
+                               {"coat": {k: v for k, v in (cfg.get("coat") or {}).items()
+                                         if k not in ("loss", "states")}})
     except ValueError as e:
         raise PlanError(str(e)) from None
     act = section.activation if section.activation is not None and section.activation.enabled else None
     cache = act is not None and act.resolve(cfg.get("gradient_accumulation_steps", 1)).cache_enabled
-    zero = replace(zero_job(cfg, world, coat_state_bytes(cfg), section.master_weights, section.gradients),
-                   coat_step=coat_step)
+    zero = replace(zero_job(cfg, world, coat_state_bytes(cfg), section.master_weights, section.gradients,
+                            states_place(cfg)), coat_step=coat_step)
+    if states_place(cfg) == HOST_STATES:
+        _check_host_states(zero)
     return Job(shape, seq, zero, act, loss_chunk(cfg) if chunk == "config" else chunk,
-               cache and zero.stage != 3)
+               cache and zero.stage != 3, bool(act and act.checkpoint) if checkpoint is None else checkpoint)
 
 
 def bf16_baseline(cfg: Mapping[str, Any]) -> dict:
@@ -303,6 +352,8 @@ def bf16_baseline(cfg: Mapping[str, Any]) -> dict:
     base["optimizer"] = {"type": "AdamW", "params": {k: v for k, v in params.items()
                                                      if k in ("lr", "betas", "eps", "weight_decay")}}
     base["bf16"] = {"enabled": True}
+    if states_place(cfg) == HOST_STATES:   # BF16's way to keep its optimizer on the host: DeepSpeedCPUAdam, Offload
+        base["zero_optimization"] = {**(cfg.get("zero_optimization") or {}), "offload_optimizer": {"device": "cpu"}}
     return base
 
 
@@ -351,8 +402,8 @@ def columns(jobs: dict[str, Job], micro_batch: str, memory: float) -> list[tuple
     return out
 
 
-def render(title: str, cols: list[tuple[str, Plan, int]], memory: float) -> str:
-    """The table: one column per job, GiB per GPU at each job's peak."""
+def render(title: str, cols: list[tuple[str, Plan, int]], memory: float, gpus_per_node: int = 1) -> str:
+    """The table: one column per job, GiB per GPU at each job's peak; the host's per rank and per node."""
     w = max(38, *(len(c[0]) + 2 for c in cols))
     fmt = lambda name, vals: f"{name:34s}" + "".join(f"{v:>{w}s}" for v in vals)  # noqa: E731
     lines = [title, fmt("", [c[0] for c in cols]), fmt("micro-batch", [str(c[1].micro_batch) for c in cols])]
@@ -366,7 +417,56 @@ def render(title: str, cols: list[tuple[str, Plan, int]], memory: float) -> str:
                      ["yes" if c[1].fits(memory) else "no" for c in cols]))
     lines.append(fmt("largest micro-batch", [str(c[2]) if c[2] else "none (not 1)" for c in cols]))
     if any(c[1].host for c in cols):
-        lines.append(fmt("host memory per rank (Offload)", [f"{c[1].host / GIB:.2f}" for c in cols]))
+        lines.append(fmt("host memory per rank", [f"{c[1].host / GIB:.2f}" for c in cols]))
+        lines.append(fmt(f"host memory per node ({gpus_per_node} ranks)",
+                         [f"{c[1].host * gpus_per_node / GIB:.2f}" for c in cols]))
+    return "\n".join(lines)
+
+
+RECOMPUTE_NOTE = ("activation checkpointing: each decoder layer keeps its bf16 input (2 B/token/hidden) and backward "
+                  "runs its forward again, one layer at a time (its activations counted once): about a third more "
+                  "layer compute a step")
+
+
+# ------------------------------------------------------------------ which preset fits
+@dataclass(frozen=True)
+class PresetFit:
+    """A preset's largest micro-batch for a job, without and with activation checkpointing, and its host need."""
+    name: str
+    micro_batch: int
+    checkpointed: int
+    host: float          # bytes per rank
+
+
+def preset_configs() -> dict[str, dict]:
+    """The plain presets of ds_configs/ by name (<layout>_<intent>.json: coat_ds/deepspeed/presets.py writes them;
+    one added by hand under such a name counts too)."""
+    return {p.stem: read_config(str(p))[0] for p in sorted((ROOT / "ds_configs").glob("*.json"))
+            if p.stem.endswith(tuple(INTENTS))}
+
+
+def preset_fits(shape: Shape, seq: int, world: int, memory: float,
+                configs: Mapping[str, dict] | None = None) -> list[PresetFit]:
+    """The presets that train `shape` at micro-batch 1 or more on `world` GPUs of `memory` bytes, with or without
+    activation checkpointing; least host memory first, then the largest micro-batch."""
+    fits = []
+    for name, cfg in (preset_configs() if configs is None else configs).items():
+        jobs = [job_from_config(cfg, shape, seq, world, checkpoint=ck) for ck in (False, True)]
+        mb, ck = (max_micro_batch(job, memory) for job in jobs)
+        if ck:
+            fits.append(PresetFit(name, mb, ck, plan(jobs[0], 1).host))
+    return sorted(fits, key=lambda f: (f.host, -f.micro_batch, -f.checkpointed, f.name))
+
+
+def render_fits(fits: list[PresetFit], what: str, gpus_per_node: int) -> str:
+    """The preset search's lines under the table."""
+    if not fits:
+        return f"no preset of ds_configs/ fits {what}: more GPUs (--gpus-per-node, --nodes)"
+    lines = [f"presets that fit {what}: largest micro-batch without / with activation checkpointing; host memory "
+             f"GiB per rank / per node"]
+    for f in fits:
+        host = f"{f.host / GIB:.2f} / {f.host * gpus_per_node / GIB:.2f}" if f.host else "-"
+        lines.append(f"  {f.name:34s}{f.micro_batch or 'none':>6} / {f.checkpointed:<6}{host:>22s}")
     return "\n".join(lines)
 
 
@@ -386,6 +486,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--loss", choices=["config", "chunked", "stock"], default="config",
                    help="coat's loss: as the config says, chunked linear + cross-entropy, or stock fp32 logits")
     p.add_argument("--vocab-size", type=int, help="override the model's vocabulary")
+    p.add_argument("--checkpoint", choices=sorted(CHECKPOINT_FLAG), default="config",
+                   help="activation checkpointing of the decoder layers: as the config's coat.activation.checkpoint "
+                        "says, or on (HF's gradient_checkpointing=True, which no DeepSpeed config says) or off")
     args = p.parse_args(argv)
     for key in ("seq", "gpus_per_node", "nodes"):
         if getattr(args, key) < 1:
@@ -408,21 +511,33 @@ def overridden(cfg: dict, args: argparse.Namespace) -> dict:
     return cfg
 
 
+CHECKPOINT_FLAG = {"config": None, "on": True, "off": False}   # --checkpoint
+
+
 def report(model: str, cfg: dict, source: str, seq: int, micro_batch: str = "max", *, gpus_per_node: int = 1,
-           nodes: int = 1, memory: float = GPUS["h100"] * GIB, loss: str = "config", vocab: int | None = None) -> str:
-    """The planner's table for DeepSpeed config `cfg` (read from `source`) beside BF16 + FusedAdam."""
+           nodes: int = 1, memory: float = GPUS["h100"] * GIB, loss: str = "config", vocab: int | None = None,
+           checkpoint: str = "config", presets: bool = True) -> str:
+    """The planner's table for DeepSpeed config `cfg` (read from `source`) beside BF16 + FusedAdam (DeepSpeedCPUAdam
+    where coat's states are on the host), and (`presets`) which shipped presets fit the same job."""
     shape = resolve_shape(model, vocab)
     world = gpus_per_node * nodes
     chunk = {"config": "config", "chunked": DEFAULT_CHUNK_TOKENS, "stock": None}[loss]
-    base = job_from_config(bf16_baseline(cfg), shape, seq, world)
-    jobs = {f"{Path(source).stem} ({(cfg.get('optimizer') or {}).get('type', 'client')})":
-            job_from_config(cfg, shape, seq, world, chunk=chunk),
+    job = job_from_config(cfg, shape, seq, world, chunk=chunk, checkpoint=CHECKPOINT_FLAG[checkpoint])
+    base = job_from_config(bf16_baseline(cfg), shape, seq, world, checkpoint=job.checkpoint)
+    jobs = {f"{Path(source).stem} ({(cfg.get('optimizer') or {}).get('type', 'client')})": job,
             "BF16 + " + ("DeepSpeedCPUAdam" if base.zero.offload else "FusedAdam"): base}
-    z = next(iter(jobs.values())).zero
+    z = job.zero
+    where = " + Offload" if z.offload else " + states on the host" if z.host_states else ""
     title = (f"{model}: {shape.params / 1e9:.2f}B parameters, vocabulary {shape.vocab:,}, seq {seq}; "
-             f"ZeRO-{z.stage}{' + Offload' if z.offload else ''} on {world} GPU(s) ({nodes} node(s) x "
-             f"{gpus_per_node}); GiB per GPU at the peak of a step")
-    return render(title, columns(jobs, micro_batch, memory), memory)
+             f"ZeRO-{z.stage}{where} on {world} GPU(s) ({nodes} node(s) x {gpus_per_node}); GiB per GPU at the "
+             "peak of a step")
+    out = [render(title, columns(jobs, micro_batch, memory), memory, gpus_per_node)]
+    if job.checkpoint:
+        out.append(RECOMPUTE_NOTE)
+    if presets:
+        what = f"{model} at seq {seq} on {world} GPU(s) of {memory / GIB:.1f} GiB"
+        out.append(render_fits(preset_fits(shape, seq, world, memory), what, gpus_per_node))
+    return "\n".join(out)
 
 
 def build(args: argparse.Namespace) -> str:
@@ -430,7 +545,7 @@ def build(args: argparse.Namespace) -> str:
     cfg, source = read_config(args.config)
     return report(args.model, overridden(cfg, args), source, args.seq, args.micro_batch,
                   gpus_per_node=args.gpus_per_node, nodes=args.nodes, memory=gpu_memory(args.gpu_memory),
-                  loss=args.loss, vocab=args.vocab_size)
+                  loss=args.loss, vocab=args.vocab_size, checkpoint=args.checkpoint)
 
 
 def main(argv: list[str] | None = None) -> int:

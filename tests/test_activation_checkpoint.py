@@ -13,6 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import coat_ds
 from coat_ds.activation import ActivationConfig
 from coat_ds.deepspeed.config import coat_section
+from coat_ds.plan import CHECKPOINT_INPUT
 from layer_probe import counting_forwards, saved_per_layer
 
 # HF defaults (use_cache=True) but a hidden size the layers' saves dominate, in bf16 as trained
@@ -64,7 +65,8 @@ def test_recompute_gives_the_same_gradients_and_keeps_only_layer_inputs(how, act
     ck = _step(model)
     layers = SHAPE["num_hidden_layers"]
     assert plain["forwards"] == layers and ck["forwards"] == 2 * layers
-    assert ck["saved"] == [2.0] * layers and min(plain["saved"]) > 8.0, plain["saved"]
+    # the planner's term for it (coat_ds.plan.CHECKPOINT_INPUT)
+    assert ck["saved"] == [CHECKPOINT_INPUT] * layers == [2.0] * layers and min(plain["saved"]) > 8.0, plain["saved"]
     for name, g in plain["grads"].items():
         assert torch.equal(ck["grads"][name], g), name
 

@@ -4,6 +4,7 @@ bytes, and the command line's one-line refusals."""
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -208,12 +209,14 @@ def test_fewest_gpus_is_the_smallest_world_that_fits_micro_batch_one():
 @pytest.mark.parametrize("name", ["llama2-70b", "llama3.1-8b", "qwen3-8b", "gemma3-4b"])
 def test_shipped_shapes_count_the_stock_models_parameters(name, capsys):
     """Each family's layer (Qwen3's q/k norms, Gemma 3's four norms and tied embeddings) as the planner counts
-    it: the parameters of the stock HF model of that shape (built on the meta device), and the command runs."""
+    it: the parameters of the stock HF model of that shape (built on the meta device), in its order, and the
+    command runs."""
     from transformers import AutoConfig, AutoModelForCausalLM
     cfg = dict(SHAPES[name])
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type", "llama"), **cfg))
     assert P.resolve_shape(name).params == sum(p.numel() for p in model.parameters())
+    assert P.resolve_shape(name).tensors() == [p.numel() for p in model.parameters()]   # ZeRO-3's sub-group order
     assert P.main(["--model", name]) == 0
     assert capsys.readouterr().out.startswith(f"{name}: ")
 
@@ -236,3 +239,139 @@ def test_the_gradient_path_decides_what_backward_and_the_step_hold(stage):
     fits = {g: P.max_micro_batch(P.job_from_config({**cfg, "coat": {**cfg["coat"], "gradients": g}}, shape, 4096, 1),
                                  80 * GIB) for g in by}
     assert fits["partition_buffer"] < fits["per_parameter"] <= fits["release"]
+
+
+# ------------------------------------------------------------------ activation checkpointing, coat.states "host"
+SEQ_70B, H100 = 4096, P.GPUS["h100"] * GIB
+
+
+def _preset(name: str, **coat) -> dict:
+    cfg = P.read_config(name)[0]
+    cfg["coat"] = {**cfg["coat"], **coat}
+    return cfg
+
+
+def offload_preset() -> dict:
+    """ds_configs/zero3_offload_largest_model.json as the lead specifies it: zero3_largest_model + coat.states
+    "host" + sub_group_size 1e8 (the shipped file where this checkout has it)."""
+    path = ROOT / "ds_configs" / "zero3_offload_largest_model.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    cfg = _preset("zero3_largest_model", states="host")
+    cfg["zero_optimization"] = {**cfg["zero_optimization"], "sub_group_size": 100_000_000}
+    return cfg
+
+
+@pytest.mark.parametrize("config,coat_key", [("zero3_largest_model", True), ("zero3_largest_model", False),
+                                             ("zero2_bf16", False)])
+def test_checkpointing_keeps_every_layer_input_and_one_layers_activations(config, coat_key):
+    """Checkpointed (coat's key, or HF's switch: checkpoint=True, for stock layers too): each layer keeps its bf16
+    input, 2 B/token/hidden (what tests/test_activation_checkpoint.py measures torch's checkpoint keep), and backward
+    holds one layer's activations while it recomputes it; the final norm's as before."""
+    shape, cfg = P.resolve_shape("llama3.1-70b"), P.read_config(config)[0]
+    tokens_hidden = 2 * SEQ_70B * shape.hidden
+    plain = P.job_from_config(cfg, shape, SEQ_70B, 8)
+    per_layer = P.layer_bytes(shape, plain.activation)
+    assert not plain.checkpoint
+    assert P.activation_bytes(plain, 2 * SEQ_70B) == tokens_hidden * (shape.layers * per_layer + P.FINAL_NORM)
+    if coat_key:
+        cfg["coat"]["activation"]["checkpoint"] = True
+    ck = P.job_from_config(cfg, shape, SEQ_70B, 8, checkpoint=None if coat_key else True)
+    assert ck.checkpoint and ck.activation == (None if plain.activation is None else
+                                               replace(plain.activation, checkpoint=coat_key))
+    assert P.phases(ck, 2)["forward"]["activations"] == tokens_hidden * (
+        shape.layers * P.CHECKPOINT_INPUT + per_layer + P.FINAL_NORM)
+    assert P.CHECKPOINT_INPUT == 2.0
+
+
+def test_largest_sub_group_is_deepspeeds():
+    """ZeRO-3's optimizer sub-groups as DeepSpeed 0.19.8 cuts them (its own _create_fp16_sub_groups on the shape's
+    parameters' partitions): the embedding alone at 70B over 4 ranks with 1e8, one group when the partition is no
+    larger than sub_group_size, a parameter that crosses the size closing its group."""
+    from types import SimpleNamespace
+
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3
+
+    from coat_ds.deepspeed.memory import largest_sub_group
+
+    def deepspeeds(tensors, world, size):
+        params = [SimpleNamespace(partition_numel=lambda n=-(-t // world): n) for t in tensors]
+        groups = Stage3._create_fp16_sub_groups(SimpleNamespace(sub_group_size=size), params)
+        return max(sum(p.partition_numel() for p in g) for g in groups)
+
+    for name in ("llama3.1-70b", "llama2-13b", "qwen3-8b"):
+        tensors = P.resolve_shape(name).tensors()
+        for world in (1, 4, 8):
+            for size in (12_345_678, 100_000_000, 1_000_000_000, 10 ** 12):
+                assert largest_sub_group(tensors, world, size) == deepspeeds(tensors, world, size), (name, world, size)
+    shape = P.resolve_shape("llama3.1-70b")   # lm_head's partition, after the last layer's norms and the final norm
+    assert largest_sub_group(shape.tensors(), 4, 100_000_000) == (shape.vocab + 3) * shape.hidden // 4
+
+
+def test_host_states_move_the_moments_to_the_host_and_keep_three_sub_groups_on_the_gpu():
+    """coat.states "host": the host holds CoatAdamW's states per rank at their exact size (2.125 B/param at group 128
+    over the data-parallel world, no pinned power-of-two rounding); the GPU holds 3 sub-groups' of them (3 x the
+    largest per-rank sub-group x 2.125 B) instead of the partition's; nothing else moves."""
+    from coat_ds.deepspeed.memory import STATE_WINDOWS, largest_sub_group
+
+    shape, world = P.resolve_shape("llama3.1-70b"), 4
+    device = P.job_from_config(P.read_config("zero3_largest_model")[0], shape, SEQ_70B, world)
+    host = P.job_from_config(offload_preset(), shape, SEQ_70B, world)
+    assert host.zero.host_states and not device.zero.host_states and host.zero.state_bytes == 2.125
+    window = STATE_WINDOWS * 2.125 * largest_sub_group(shape.tensors(), world, 100_000_000)
+    for phase, parts in P.phases(host, 1).items():
+        on_device = P.phases(device, 1)[phase]
+        assert parts["optimizer"] == window == 3 * 2.125 * 262_674_432, phase
+        assert {k: v for k, v in parts.items() if k != "optimizer"} == \
+               {k: v for k, v in on_device.items() if k != "optimizer"}, phase
+    assert P.plan(host, 1).host == 2.125 * shape.params / world and P.plan(device, 1).host == 0.0
+    assert P.plan(host, 1).host / GIB == pytest.approx(34.91, abs=0.01)
+
+
+def test_host_states_are_planned_only_where_they_run():
+    cfg = offload_preset()
+    cfg["zero_optimization"] = {**cfg["zero_optimization"], "stage": 2}
+    with pytest.raises(P.PlanError, match=r"^coat.states='host' is planned for CoatAdamW under ZeRO-3 with "
+                                          r"coat.gradients 'release' and no offload_optimizer \(here: ZeRO-2"):
+        P.job_from_config(cfg, P.resolve_shape("llama2-7b"), 4096, 1)
+
+
+def test_70b_on_one_node_of_4_h100s():
+    """Llama-3.1-70B at seq 4096 on 4 H100s: the offload preset fits (micro-batch 1; 4 with activation
+    checkpointing), with 34.9 GiB of host memory a rank; zero3_largest_model does not, even checkpointed; BF16 +
+    DeepSpeedCPUAdam, its comparison, needs 297.6 GiB of host a rank (1.19 TB the node)."""
+    shape = P.resolve_shape("llama3.1-70b")
+    configs = {**P.preset_configs(), "zero3_offload_largest_model": offload_preset()}
+    fits = P.preset_fits(shape, SEQ_70B, 4, H100, configs)
+    assert [(f.name, f.micro_batch, f.checkpointed) for f in fits] == [("zero3_offload_largest_model", 1, 4)]
+    assert fits[0].host / GIB == pytest.approx(34.91, abs=0.01)
+    base = P.job_from_config(P.bf16_baseline(offload_preset()), shape, SEQ_70B, 4)
+    assert base.zero.offload and P.plan(base, 1).host / GIB == pytest.approx(297.64, abs=0.01)
+    out = P.render_fits(fits, "llama3.1-70b", 4)
+    assert "zero3_offload_largest_model" in out and "34.91 / 139.63" in out
+
+
+def test_70b_on_8_h100s_without_offload():
+    """Issue 47: zero3_largest_model holds Llama-3.1-70B at seq 4096 on 8 H100s at micro-batch 1 (69.0 GiB), 4 with
+    activation checkpointing; without the host it needs 8."""
+    shape, cfg = P.resolve_shape("llama3.1-70b"), P.read_config("zero3_largest_model")[0]
+    assert P.plan(P.job_from_config(cfg, shape, SEQ_70B, 8), 1).peak / GIB == pytest.approx(68.96, abs=0.01)
+    fits = {f.name: f for f in P.preset_fits(shape, SEQ_70B, 8, H100, {"zero3_largest_model": cfg})}
+    assert (fits["zero3_largest_model"].micro_batch, fits["zero3_largest_model"].checkpointed) == (1, 4)
+    assert P.preset_fits(shape, SEQ_70B, 4, H100, {"zero3_largest_model": cfg}) == []
+
+
+def test_the_command_names_what_fits_and_the_recompute(capsys):
+    assert P.main(["--model", "llama3.1-8b", "--seq", "4096", "--config", "zero3_largest_model",
+                   "--checkpoint", "on"]) == 0
+    out = capsys.readouterr().out
+    assert P.RECOMPUTE_NOTE in out and "presets that fit llama3.1-8b at seq 4096 on 1 GPU(s)" in out
+    assert "  zero2_largest_model " in out
+
+
+@pytest.mark.skipif(not (ROOT / "ds_configs" / "zero3_offload_largest_model.json").is_file(),
+                    reason="ds_configs/zero3_offload_largest_model.json is not in this checkout yet")
+def test_the_command_names_the_offload_preset_for_70b_on_4_gpus(capsys):
+    assert P.main(["--model", "llama3.1-70b", "--seq", "4096", "--gpus-per-node", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "\n  zero3_offload_largest_model " in out and "34.91 / 139.63" in out

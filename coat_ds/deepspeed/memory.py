@@ -15,12 +15,15 @@ e2e*.json and offload.json; docs/plan.md has the derivation):
   (+2 +4 B per partition value, stage_1_and_2.py step); CoatAdamW's ZeRO step (zero/step.py) reads the
   partition in place, one parameter's fp32 pieces at a time;
 - Offload moves master, states and gradient partition to the host, beside DeepSpeed's bf16 staging copy of the
-  partition (none with a bf16 master: the master is that copy) and a bf16 gradient buffer of the largest tensor.
+  partition (none with a bf16 master: the master is that copy) and a bf16 gradient buffer of the largest tensor;
+- coat.states "host" (ZeRO-3 with gradients released) keeps CoatAdamW's FP8 moments in pinned host memory at
+  their exact size and streams them to the GPU one ZeRO-3 sub-group at a time: the GPU holds STATE_WINDOWS
+  sub-groups' states (the largest sub-group of stage3.py's _create_fp16_sub_groups, largest_sub_group).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from .optimizer_type import NAME
 from .zero.gradients import DEFAULT as GRADIENTS_DEFAULT, PARTITION_BUFFER
@@ -31,6 +34,8 @@ MASTER_BYTES = {"fp32": 4, "bf16_sr": 0, "bf16_rn": 0, "fp32_remainder": 2}
 DEFAULT_BUCKET = 500_000_000             # DeepSpeed's reduce_bucket_size / allgather_bucket_size default
 DEFAULT_SUB_GROUP = 1_000_000_000        # ZeRO-3's sub_group_size default
 DEFAULT_MAX_LIVE = 1_000_000_000         # ZeRO-3's stage3_max_live_parameters default
+HOST_STATES = "host"                     # coat.states: CoatAdamW's moments in pinned host memory (ZeRO-3, release)
+STATE_WINDOWS = 3                        # sub-groups whose streamed states the GPU holds at once under it
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,7 @@ class ZeroJob:
     max_live: int = DEFAULT_MAX_LIVE     # ZeRO-3 keeps up to this many gathered parameter values alive
     coat_step: bool = True   # CoatAdamW's own ZeRO step (False: DeepSpeed's flatten + fp32 copy, as before it)
     gradients: str = PARTITION_BUFFER   # coat.gradients where it applies (zero/gradients.py), else DeepSpeed's buffer
+    host_states: bool = False  # coat.states "host": CoatAdamW's states on the host, streamed per sub-group
 
     @property
     def grads_per_parameter(self) -> bool:
@@ -61,9 +67,9 @@ class ZeroJob:
 
 
 def zero_job(cfg: Mapping[str, Any], world: int, state_bytes: float, master: str,
-             gradients: str = GRADIENTS_DEFAULT) -> ZeroJob:
+             gradients: str = GRADIENTS_DEFAULT, states: str | None = None) -> ZeroJob:
     """ZeroJob of DeepSpeed config `cfg` (a dict), `state_bytes` per parameter for CoatAdamW's states, its
-    coat.master_weights and coat.gradients."""
+    coat.master_weights, coat.gradients and coat.states."""
     zero = cfg.get("zero_optimization") or {}
     zero = zero if isinstance(zero, Mapping) else {"stage": 1 if zero else 0}
     offload = (zero.get("offload_optimizer") or {}).get("device", "none") in ("cpu", "nvme")
@@ -80,7 +86,8 @@ def zero_job(cfg: Mapping[str, Any], world: int, state_bytes: float, master: str
                                                                     and grad_bytes == 2) else PARTITION_BUFFER,
                    reduce_bucket=_int(zero.get("reduce_bucket_size"), DEFAULT_BUCKET),
                    sub_group=_int(zero.get("sub_group_size"), DEFAULT_SUB_GROUP),
-                   max_live=_int(zero.get("stage3_max_live_parameters"), DEFAULT_MAX_LIVE))
+                   max_live=_int(zero.get("stage3_max_live_parameters"), DEFAULT_MAX_LIVE),
+                   host_states=coat and states == HOST_STATES)
 
 
 def _int(value: Any, default: int) -> int:
@@ -88,9 +95,25 @@ def _int(value: Any, default: int) -> int:
     return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else default
 
 
-def model_states(job: ZeroJob, n: int, layer_params: int, largest: int) -> dict[str, float]:
+def largest_sub_group(tensors: Iterable[int], world: int, sub_group: int) -> int:
+    """Per-rank values of ZeRO-3's largest optimizer sub-group (DeepSpeed 0.19.8 stage3.py _create_fp16_sub_groups):
+    parameters in model order, each contributing its partition ceil(numel / world), close a sub-group once it
+    reaches `sub_group` values; one group if the whole partition is no larger."""
+    sizes = [-(-t // world) for t in tensors]
+    if sub_group >= sum(sizes):
+        return sum(sizes)
+    largest = running = 0
+    for size in sizes:
+        running += size
+        if running >= sub_group:
+            largest, running = max(largest, running), 0
+    return max(largest, running)
+
+
+def model_states(job: ZeroJob, n: int, layer_params: int, largest: int, sub_group: int = 0) -> dict[str, float]:
     """Bytes per GPU: `weights` (the model copy), `master`, `optimizer`, `gradients` (when allocated), and
-    `host` (per rank, under Offload). `layer_params`: one decoder layer's, `largest`: the largest tensor's."""
+    `host` (per rank, under Offload or coat.states "host"). `layer_params`: one decoder layer's, `largest`: the
+    largest tensor's, `sub_group`: the largest ZeRO-3 sub-group's values per rank (largest_sub_group)."""
     part = n / job.world if job.stage >= 1 else n
     # ZeRO-3: the partition plus what is gathered: the layers at work, or as many values as stay alive (gathered
     # parameters reused within stage3_max_reuse_distance are kept, up to max_live: a 1.1B model stays whole)
@@ -107,6 +130,9 @@ def model_states(job: ZeroJob, n: int, layer_params: int, largest: int) -> dict[
         bf16_master = MASTER_BYTES[job.master] == 0
         host = (4.0 if bf16_master else 10.0) * part + 2.0 * largest + optimizer
         return dict(weights=weights, master=0.0, optimizer=0.0, gradients=0.0, host=host)
+    if job.host_states:  # the moments at their exact size on the host, STATE_WINDOWS sub-groups' of them on the GPU
+        return dict(weights=weights, master=master, optimizer=STATE_WINDOWS * job.state_bytes * sub_group,
+                    gradients=grads, host=optimizer)
     return dict(weights=weights, master=master, optimizer=optimizer, gradients=grads, host=0.0)
 
 
