@@ -310,8 +310,8 @@ def loss_chunk(cfg: Mapping[str, Any]) -> int | None:
 
 
 def states_place(cfg: Mapping[str, Any]) -> Any:
-    """coat.states as the config gives it, None where it gives none (the engine's config code checks the value;
-    the planner only reads it and plans "host")."""
+    """coat.states as the config gives it, None where it gives none (job_from_config checks the value through
+    coat_section; the planner plans "host")."""
     coat = cfg.get("coat")
     return coat.get("states") if isinstance(coat, Mapping) else None
 
@@ -332,7 +332,7 @@ def job_from_config(cfg: Mapping[str, Any], shape: Shape, seq: int, world: int, 
     try:
         section = coat_section({k: v for k, v in cfg.items() if k != "coat"} |
                                {"coat": {k: v for k, v in (cfg.get("coat") or {}).items()
-                                         if k not in ("loss", "states")}})
+                                         if k != "loss"}})
     except ValueError as e:
         raise PlanError(str(e)) from None
     act = section.activation if section.activation is not None and section.activation.enabled else None
