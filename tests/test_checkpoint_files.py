@@ -2,6 +2,8 @@
 gathered back into whole parameters exactly, and the universal file form round-trips (launched/test_deepspeed.py
 runs the same code through real engines). Files are read with DeepSpeed's classes only: one carrying code is
 refused unrun."""
+import os
+import pickle
 from dataclasses import astuple
 
 import pytest
@@ -79,31 +81,81 @@ def test_file_form_round_trips(as_bits):
 
 
 class _RunsCode:
-    """Unpickling it creates the file `marker`."""
+    """Unpickling it creates the file `marker`: through io.open (an unsupported global) or through os.system (a
+    global of a module torch blocks)."""
+
+    def __init__(self, marker, shell: bool = False):
+        self.marker, self.shell = str(marker), shell
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",)) if self.shell else (open, (self.marker, "w"))
+
+
+class _Planted:
+    """A class outside DeepSpeed's checkpoint contents whose unpickling creates the file `marker` (its setstate)."""
 
     def __init__(self, marker):
         self.marker = str(marker)
 
-    def __reduce__(self):
-        return open, (self.marker, "w")
+    def __setstate__(self, state: dict) -> None:
+        open(state["marker"], "w").close()
 
 
-def test_a_file_carrying_code_is_refused_unrun(tmp_path):
-    """DeepSpeed's own classes load; a file whose unpickling runs code is named in one line and never runs, though
-    DeepSpeed's torch.load(weights_only=False) would run it."""
+PAYLOADS = {"function": (lambda m: _RunsCode(m), "io.open"), "blocked module": (lambda m: _RunsCode(m, True),
+            f"{os.system.__module__}.system"), "class": (lambda m: _Planted(m), f"{__name__}._Planted")}
+
+
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")  # torch's reader meets protocol 5, as planned
+@pytest.mark.parametrize("protocol", [2, 5])
+@pytest.mark.parametrize("kind", PAYLOADS)
+def test_a_file_carrying_code_is_refused_unrun(tmp_path, kind, protocol):
+    """DeepSpeed's own classes load; a file whose unpickling runs code (an unsupported function or class, a module
+    torch blocks; torch.save's protocol 2 or pickle's 5) is named in one line, its global named, and never runs,
+    though DeepSpeed's torch.load(weights_only=False) would run it."""
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
 
     tag, marker = tmp_path / "t", tmp_path / "ran"
     tag.mkdir()
     good, bad = tag / "mp_rank_00_model_states.pt", tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     torch.save({"module": {"w": torch.ones(2)}, "loss_scaler": DynamicLossScaler(8.0, 4, 1.0, 1, False)}, good)
-    torch.save({"optimizer_state_dict": {"step": 3}, "extra": _RunsCode(marker)}, bad)
+    make, name = PAYLOADS[kind]
+    torch.save({"optimizer_state_dict": {"step": 3}, "extra": make(marker)}, bad, pickle_protocol=protocol)
     back = torch_load(str(good))
     assert type(back["loss_scaler"]) in ds_globals() and back["loss_scaler"].cur_scale == 8.0
     with pytest.raises(CheckpointError) as err:
         check_contents(str(tmp_path))
-    assert str(err.value) == (f"checkpoint file refused: {bad} holds objects outside DeepSpeed's checkpoint contents "
-                              "(Unsupported global: GLOBAL io.open); unpickling it could run code")
+    assert str(err.value) == (f"checkpoint file refused unread: {bad} holds objects outside DeepSpeed's checkpoint "
+                              f"contents (global {name}); unpickling it could run code")
     assert not marker.exists()
     torch.load(bad, weights_only=False)
     assert marker.exists()
+
+
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
+def test_refusals_are_told_from_truncation_by_the_pickle_not_torchs_text(tmp_path):
+    """A file cut short or garbled is truncated or corrupt, never code, even where torch's reader calls a name cut
+    off mid-line an unsupported global (an old-format file); a whole pickle torch's reader refuses without any
+    global outside (protocol 4) is refused; no line advises weights_only=False."""
+    def refusal(path) -> str:
+        with pytest.raises(CheckpointError) as err:
+            torch_load(str(path))
+        assert "\n" not in str(err.value) and "weights_only" not in str(err.value)
+        return str(err.value)
+
+    cut, old, garbled, proto4 = (tmp_path / f"{n}.pt" for n in ("cut", "old", "garbled", "proto4"))
+    torch.save({"w": torch.ones(2)}, cut)
+    os.truncate(cut, cut.stat().st_size // 2)
+    assert refusal(cut).startswith(f"checkpoint file unreadable (truncated or corrupt): {cut} (RuntimeError: ")
+    torch.save({"w": torch.ones(2)}, old, _use_new_zipfile_serialization=False)
+    whole = old.read_bytes()
+    old.write_bytes(whole[:whole.index(b"_rebuild_tensor") + 8])  # inside the name of a global torch allows
+    with pytest.raises(pickle.UnpicklingError, match="Unsupported global: GLOBAL torch._utils._rebui"):
+        torch.load(old, weights_only=True)  # what the cut reads as to torch
+    assert refusal(old) == (f"checkpoint file unreadable (truncated or corrupt): {old} "
+                            "(pickle ValueError: no newline found when trying to read stringnl)")
+    garbled.write_bytes(b"\xf2" + bytes(99))
+    assert refusal(garbled).startswith(f"checkpoint file unreadable (truncated or corrupt): {garbled} (pickle ")
+    torch.save({"w": torch.ones(2)}, proto4, pickle_protocol=4)
+    assert refusal(proto4) == (f"checkpoint file refused unread: {proto4} holds objects outside DeepSpeed's "
+                               "checkpoint contents (pickle instructions torch's weights-only reader refuses); "
+                               "unpickling it could run code")

@@ -13,7 +13,8 @@ TASK (stage 0-3, dtype fp32|bf16|fp16):
   quick:S:D                12 steps, losses only
   regroup:S:D              resume DIR/w<world>_s<S>_<D> with group_size 64 instead of 32
   universal:S:D:W          convert DIR/w<W>_s<S>_<D> to a universal checkpoint, load it, train on
-  plant:S                  a file that runs code when unpickled, planted in a saved checkpoint: refused, never run
+  plant:S                  files that run code when unpickled (a function, a blocked module, a class), planted
+                           in a saved checkpoint: refused, never run
   contents:S               (last) the classes pickled in every checkpoint file the jobs saved under DIR
 """
 from __future__ import annotations
@@ -175,46 +176,64 @@ def task_refuse(args, world, stage, dtype, rest):
 
 
 class RunsCode:
-    """Unpickling it creates the file `marker` (what a hostile checkpoint file could do with any code)."""
+    """Unpickling it creates the file `marker` (what a hostile checkpoint file could do with any code): through
+    io.open, a global torch's weights-only reader does not allow, or (`shell`) os.system, whose module it blocks."""
+
+    def __init__(self, marker: str, shell: bool = False):
+        self.marker, self.shell = marker, shell
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",)) if self.shell else (open, (self.marker, "w"))
+
+
+class Planted:
+    """A class outside DeepSpeed's checkpoint contents whose unpickling creates the file `marker` (its setstate)."""
 
     def __init__(self, marker: str):
         self.marker = marker
 
-    def __reduce__(self):
-        return open, (self.marker, "w")
+    def __setstate__(self, state: dict) -> None:
+        open(state["marker"], "w").close()
+
+
+PLANTS = {"function": RunsCode, "blocked module": lambda marker: RunsCode(marker, shell=True), "class": Planted}
 
 
 def task_plant(args, world, stage, dtype, rest):
-    """Rank world-1's optimizer file of a saved checkpoint (one that only that rank's DeepSpeed load reads) gets a
-    RunsCode: every rank refuses the load before DeepSpeed unpickles it, the code never runs; the same file under
-    DeepSpeed's own torch.load(weights_only=False) does run it."""
+    """Rank world-1's optimizer file of a saved checkpoint (one that only that rank's DeepSpeed load reads) gets each
+    of PLANTS in turn: every rank refuses the load before DeepSpeed unpickles it, the code never runs; the same file
+    under DeepSpeed's own torch.load(weights_only=False) does run it."""
     from coat_ds.deepspeed.checkpoint import CheckpointError
 
-    bad = os.path.join(args.ckpt, f"plant_w{world}_s{stage}")
-    marker = bad + ".ran"
-    victim = os.path.join(bad, "t", f"zero_pp_rank_{world - 1}_mp_rank_00_optim_states.pt")
+    src, bad = ckpt_dir(args.ckpt, world, stage, "fp32"), os.path.join(args.ckpt, f"plant_w{world}_s{stage}")
+    name = f"zero_pp_rank_{world - 1}_mp_rank_00_optim_states.pt"
+    victim = os.path.join(bad, "t", name)
     if dist.get_rank() == 0:
         shutil.rmtree(bad, ignore_errors=True)
-        shutil.copytree(ckpt_dir(args.ckpt, world, stage, "fp32"), bad)
-        sd = torch.load(victim, map_location="cpu", weights_only=False)  # saved by task_train: trusted
-        sd["extra"] = RunsCode(marker)
-        torch.save(sd, victim)
-    barrier()
+        shutil.copytree(src, bad)
     engine = build(stage, "fp32", world)
     before = [p.detach().clone() for p in engine.module.parameters()]
-    try:
-        engine.load_checkpoint(bad, tag="t")
-        out = {"planted": "loaded"}
-    except CheckpointError as exc:
-        out = {"planted": str(exc)}
-    out["untouched"] = all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters()))
-    barrier()
-    out["ran"] = os.path.exists(marker)
-    barrier()
-    if dist.get_rank() == 0:
-        torch.load(victim, map_location="cpu", weights_only=False)
-    out["live"] = os.path.exists(marker)
-    out["victim"] = victim
+    out = {"victim": victim}
+    for kind, plant in PLANTS.items():
+        marker = f"{bad}.{kind.replace(' ', '_')}.ran"
+        if dist.get_rank() == 0:
+            sd = torch.load(os.path.join(src, "t", name), map_location="cpu", weights_only=False)  # task_train's
+            sd["extra"] = plant(marker)
+            torch.save(sd, victim)
+        barrier()
+        try:
+            engine.load_checkpoint(bad, tag="t")
+            got = {"refused": "loaded"}
+        except CheckpointError as exc:
+            got = {"refused": str(exc)}
+        got["untouched"] = all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters()))
+        barrier()
+        got["ran"] = os.path.exists(marker)
+        barrier()
+        if dist.get_rank() == 0:
+            torch.load(victim, map_location="cpu", weights_only=False)
+        barrier()
+        out[kind] = dict(got, live=os.path.exists(marker))
     return out
 
 

@@ -4,7 +4,7 @@ launcher starts them (harness.ranks_launcher); the two-node run goes through the
 Four launched jobs (shared by all tests below, ~4 min on 2 cores after the one-off shm-op build):
   W1  world 1: stage-0 references (fp32; bf16 and fp16 as ZeRO-1/2 on one rank), 1-rank checkpoints
   W2  world 2: ZeRO-1/2/3 (fp32, bf16), fp16 ZeRO-2, Offload; same-world resume; 1 -> 2 resume;
-      refusal of truncated/foreign checkpoints and of a planted one carrying code; zero_to_fp32; an fp16
+      refusal of truncated/foreign checkpoints and of planted ones carrying code; zero_to_fp32; an fp16
       overflow step; the classes pickled in every saved file
   W1b world 1: 2 -> 1 resume (stages 1/2/3)
   MN  two "nodes" on this machine (--no_ssh --node_rank 0/1), ZeRO-2 across them
@@ -181,16 +181,22 @@ def test_universal_checkpoint_converter(runs):
 
 def test_bad_checkpoints_refused_before_loading(runs):
     out = task_result(runs, "w2", "refuse:2")
-    assert "truncated or corrupt" in out["truncated"] and out["truncated_untouched"]
+    assert "truncated or corrupt" in out["truncated"] and "weights_only" not in out["truncated"]
+    assert out["truncated_untouched"]
     assert "another optimizer" in out["foreign"] and out["foreign_untouched"]
 
 
 def test_planted_code_refused_before_deepspeed_unpickles_it(runs):
+    """A function torch's weights-only reader does not allow, a module it blocks, a class outside DeepSpeed's
+    checkpoint contents: each named in one line, never run, though DeepSpeed's own load would run it."""
     out = task_result(runs, "w2", "plant:2")
-    assert out["planted"].startswith(f"checkpoint file refused: {out['victim']} holds objects outside DeepSpeed's "
-                                     "checkpoint contents (Unsupported global: GLOBAL io.open)"), out["planted"]
-    assert "\n" not in out["planted"] and out["untouched"]
-    assert not out["ran"] and out["live"], "the code ran under coat_ds's check, or the planted file runs none"
+    planted = {"function": "io.open", "blocked module": f"{os.system.__module__}.system", "class": "__main__.Planted"}
+    for kind, name in planted.items():
+        got = out[kind]
+        assert got["refused"] == (f"checkpoint file refused unread: {out['victim']} holds objects outside DeepSpeed's "
+                                  f"checkpoint contents (global {name}); unpickling it could run code"), got
+        assert got["untouched"], f"{kind}: the model changed"
+        assert not got["ran"] and got["live"], f"{kind}: the code ran under coat_ds's check, or the plant runs none"
 
 
 def test_checkpoint_reader_allows_exactly_what_deepspeed_saves(runs):

@@ -1,11 +1,14 @@
 """The examples exit 2 on bad input with one `error:` line, before any model, data or device memory
 (--resume / --resume-from included); the checks themselves: tests/test_fail_fast.py."""
+import argparse
 import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import torch
 
 from coat_ds.deepspeed.check import check_tag
 from harness import ROOT, child_env, free_port, launcher
@@ -48,7 +51,19 @@ def test_bad_config_exits_2_once_before_data_or_model(tmp_path):
     assert rc == 2 and _errors(out) == [want] and "Traceback" not in out, out[-3000:]
 
 
+class _Shell:
+    """Unpickled, runs `touch MARKER` through os.system, whose module torch's weights-only reader blocks."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
 def test_unreadable_latest_checkpoint_names_file_and_intact_tags_then_resume_from(tmp_path):
+    """A truncated file, then a model file carrying code (a module torch blocks, a class): one line each, the code
+    refused unrun and never the advice to load with weights_only=False; then --resume-from the intact tag."""
     run, train = tmp_path / "run", [sys.executable, "examples/train.py", "--save-dir", str(tmp_path / "run"), *TINY]
     rc, out = _run([*train, "--steps", "4", "--save-every", "2"])
     assert rc == 0, out[-3000:]
@@ -64,6 +79,17 @@ def test_unreadable_latest_checkpoint_names_file_and_intact_tags_then_resume_fro
     assert line.startswith(f"error: checkpoint step0000004 cannot be loaded: checkpoint file unreadable "
                            f"(truncated or corrupt): {bad} ") and line.endswith(
         "; intact tags: step0000002 (resume with --resume-from TAG)"), line
+
+    model, marker = ckpt / "step0000004" / "mp_rank_00_model_states.pt", tmp_path / "ran"
+    sd = torch.load(model, map_location="cpu", weights_only=False)  # written by the run above: trusted
+    torch.save({**sd, "planted": _Shell(marker), "args": argparse.Namespace(lr=1.0)}, model)  # blocked module, class
+    rc, out = _run([*train, "--steps", "4", "--resume"])
+    assert rc == 2 and "Traceback" not in out, out[-3000:]
+    assert _errors(out) == [f"error: checkpoint step0000004 cannot be loaded: checkpoint file refused unread: {model} "
+                            "holds objects outside DeepSpeed's checkpoint contents (globals "
+                            f"{os.system.__module__}.system, argparse.Namespace); unpickling it could run code; "
+                            "intact tags: step0000002 (resume with --resume-from TAG)"], out[-3000:]
+    assert not marker.exists()
 
     rc, out = _run([*train, "--steps", "4", "--resume-from", "step0000002"])
     assert rc == 0, out[-3000:]

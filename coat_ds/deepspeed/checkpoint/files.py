@@ -9,9 +9,12 @@ to its own partitions (the inverse, ParamState.scatter).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import glob
 import os
+import pickle
+import pickletools
 import re
 import zipfile
 from dataclasses import dataclass
@@ -38,28 +41,82 @@ class CheckpointError(ValueError):
     """A checkpoint this engine must not load; raised before anything is loaded."""
 
 
+_UNREADABLE = "checkpoint file unreadable (truncated or corrupt)"
+
+
 def torch_load(path: str, mmap: bool = False) -> Any:
     """torch.load to the CPU (`mmap`: tensors mapped, not read) of a file that may come from elsewhere: unpickled with
     weights_only and only DeepSpeed's own classes allowed (ds_globals), so a file carrying code is refused, unrun.
     A missing, unreadable or refused file is a CheckpointError."""
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint file missing: {path}")
-    try:
-        with torch.serialization.safe_globals(ds_globals()):
+    with torch.serialization.safe_globals(ds_globals()):  # also around _refusal, which asks torch what it allows
+        try:
             return torch.load(path, map_location="cpu", mmap=mmap and zipfile.is_zipfile(path), weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - any unreadable file is refused the same way
-        text = str(exc)
-        outside = _OUTSIDE.search(text)
-        if outside:
-            raise CheckpointError(f"checkpoint file refused: {path} holds objects outside DeepSpeed's checkpoint "
-                                  f"contents ({outside.group(1)}); unpickling it could run code") from None
-        first = text.splitlines()[0] if text else ""
-        raise CheckpointError(f"checkpoint file unreadable (truncated or corrupt): {path} "
-                              f"({type(exc).__name__}: {first})") from None
+        except pickle.UnpicklingError:  # torch's weights-only reader stopped; its text advises weights_only=False
+            error = _refusal(path)
+        except Exception as exc:  # noqa: BLE001 - any unreadable file is refused the same way
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            error = f"{_UNREADABLE}: {path} ({type(exc).__name__}: {first})"
+    raise CheckpointError(error)
 
 
-# torch's weights_only refusal: "WeightsUnpickler error: Unsupported global: GLOBAL io.open was not an allowed ..."
-_OUTSIDE = re.compile(r"WeightsUnpickler error:\s*(Unsupported[^\n]*?)(?: was not an allowed global|\n|$)")
+def _refusal(path: str) -> str:
+    """Why torch's weights-only reader refused `path`, from the pickle's opcodes rather than torch's text (whose
+    wording differs between releases, which advises the unsafe weights_only=False, and which calls a name cut off
+    by truncation an unsupported global): globals outside what torch allows (its defaults and ds_globals) are what
+    unpickling would import and call; a whole pickle without any still holds what that reader refuses; a pickle
+    cut short or garbled is truncated or corrupt."""
+    from torch._weights_only_unpickler import _get_allowed_globals, _get_user_allowed_globals
+
+    found, broken = _pickled_globals(path)
+    allowed = _get_allowed_globals().keys() | _get_user_allowed_globals().keys()
+    outside = list(dict.fromkeys(g for g in found if g not in allowed))
+    if not outside and broken:
+        return f"{_UNREADABLE}: {path} (pickle {broken})"
+    what = (f"global{'s' * (len(outside) > 1)} {', '.join(outside)}" if outside
+            else "pickle instructions torch's weights-only reader refuses")
+    return (f"checkpoint file refused unread: {path} holds objects outside DeepSpeed's checkpoint contents ({what}); "
+            "unpickling it could run code")
+
+
+_STRINGS = {"STRING", "BINSTRING", "SHORT_BINSTRING", "UNICODE", "BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8"}
+_PUTS, _GETS = {"PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"}, {"GET", "BINGET", "LONG_BINGET"}
+
+
+def _pickled_globals(path: str) -> tuple[list[str], str | None]:
+    """The globals (module.name, renamed from Python 2 names as torch's reader does) imported by the pickle torch.load
+    reads from `path`, in order, read as opcodes (pickletools), nothing built; and why that pickle is not whole (None
+    if it is). A zip file's pickle is its data.pkl; an old-format file holds four in a row, the object's last.
+    STACK_GLOBAL (protocol 4+) imports the two strings pushed last."""
+    from torch._utils import IMPORT_MAPPING, NAME_MAPPING
+
+    found: list[str] = []
+    try:
+        with contextlib.ExitStack() as stack:
+            if zipfile.is_zipfile(path):
+                zf = stack.enter_context(zipfile.ZipFile(path))
+                name = next((n for n in zf.namelist() if n.rpartition("/")[2] == "data.pkl"), "data.pkl")
+                stream, count = stack.enter_context(zf.open(name)), 1
+            else:
+                stream, count = stack.enter_context(open(path, "rb")), 4
+            for _ in range(count):
+                memo: dict[int, str | None] = {}
+                top, last = None, ["?", "?"]  # the string on top of the stack, if one is; the last two pushed
+                for op, arg, _pos in pickletools.genops(stream):
+                    if op.name in _PUTS:
+                        memo[len(memo) if arg is None else arg] = top
+                        continue
+                    top = arg if op.name in _STRINGS else memo.get(arg) if op.name in _GETS else None
+                    if isinstance(top, str):
+                        last = [last[1], top]
+                    if op.name in ("GLOBAL", "INST", "STACK_GLOBAL"):
+                        module, name = arg.split(" ", 1) if arg else last
+                        module, name = NAME_MAPPING.get((module, name), (IMPORT_MAPPING.get(module, module), name))
+                        found.append(f"{module}.{name}")
+    except (ValueError, KeyError, OSError, zipfile.BadZipFile) as exc:
+        return found, f"{type(exc).__name__}: {exc}"
+    return found, None
 
 
 @functools.cache
