@@ -193,6 +193,32 @@ def scaling(res: Path):
 
 
 @table
+def one_node_70b(res: Path):
+    """README / docs/deepspeed.md: Llama-3.1-70B full-parameter on one node, FP8 states in pinned host memory."""
+    from coat_ds import plan
+
+    yield ["model, GPUs", "configuration", "micro-batch", "peak GiB per GPU (allocated / reserved)",
+           "tokens/s on the node (per GPU)", "step s: forward / backward / engine.step",
+           "host GiB of the job (B/param)", "BF16 + DeepSpeedCPUAdam host need (planner)"]
+    doc = load(res, "e2e_offload_llama3.1-70b_4gpu.json")
+    rungs = [r for r in doc["records"] if r["kind"] == "rung"]
+    first = rungs[0]
+    host = first["node_used_gb"]
+    cfg = plan.bf16_baseline(next(c for c in doc["configs"])["ds_config"])
+    need = plan.plan(plan.job_from_config(cfg, plan.resolve_shape(doc["model"]), doc["seq_len"], doc["world_size"]), 1)
+    for r in rungs:
+        phases = r.get("phase_s") or first["phase_s"]
+        yield [f"{doc['model']}, seq {doc['seq_len']}, {doc['world_size']}x {gpu(doc['device'])}",
+               "zero3_offload_largest_model (states on the host, each layer recomputed)", r["micro_batch"],
+               f"{num(r['peak_alloc_gb'])} / {num(r['peak_reserved_gb'])}",
+               f"{num(r['tokens_per_s'], 0)} ({num(r['tokens_per_s'] / doc['world_size'], 0)})",
+               " / ".join(num(phases[k], 2) for k in ("forward", "backward", "step")) +
+               ("" if "phase_s" in r else " (at micro-batch 1)"),
+               f"{num(host)} ({num(host * 2 ** 30 / doc['params'], 2)})",
+               f"{num(need.host * doc['world_size'] / 2 ** 30, 0)} GiB (4 ranks)"]
+
+
+@table
 def e2e_scaling(res: Path):
     """docs/results.md: every row of e2e_scaling.json, per GPU: coat's presets and BF16 + FusedAdam on 1 to 8 GPUs."""
     header = ["model, GPUs, ZeRO stage", "configuration", "largest micro-batch (planner's)", "tokens/s per GPU there",

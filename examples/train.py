@@ -31,8 +31,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))          # coat_ds from a checkout
 
 from coat_ds.workloads import data as data_lib  # noqa: E402
-from coat_ds.workloads.causal_lm import (MODEL_SIZES, build_model, default_allocator, initialize, lm_loss,  # noqa: E402
-                                       set_single_process_env)
+from coat_ds.workloads.causal_lm import (MODEL_SIZES, build_model, default_allocator, initialize,  # noqa: E402
+                                       lm_loss, model_size_names, set_single_process_env)
 from coat_ds.workloads.cli import check_ds_config, read_ds_config, refuse  # noqa: E402
 
 # ------------------------------------------------------------------------------------------------------------
@@ -52,7 +52,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--deepspeed", "--deepspeed_config", dest="deepspeed", metavar="JSON",
                    help="DeepSpeed config (optimizer, ZeRO, precision, the coat section)")
     p.add_argument("--model", help="HF model name or path to fine-tune (default: a Llama built from --model-size)")
-    p.add_argument("--model-size", choices=list(MODEL_SIZES), help="shape of the Llama built when --model is unset")
+    p.add_argument("--model-size", choices=model_size_names(),
+                   help="shape of the Llama built when --model is unset (a public shape keeps its vocabulary)")
     p.add_argument("--data", help="text file or folder, tokenized .npy/.bin (or a folder with train/val ones), or "
                                   "a datasets.save_to_disk folder (default: the Python standard library sources)")
     p.add_argument("--data-dtype", choices=list(data_lib.TOKEN_DTYPES), help="token dtype of a raw .bin file")
@@ -239,8 +240,9 @@ def print_summary(s: dict) -> None:
 # ------------------------------------------------------------------------------------------------------------
 # The job
 # ------------------------------------------------------------------------------------------------------------
-def load_inputs(args: argparse.Namespace):
-    """Data and model, on the host: bad inputs fail here, before any device memory is touched."""
+def load_inputs(args: argparse.Namespace, ds_config: dict | None = None):
+    """Data and model, on the host (under ZeRO-3 partitioned over the ranks as it is built): bad inputs fail here,
+    before any device memory is touched."""
     try:
         if args.model:
             from transformers import AutoConfig
@@ -254,7 +256,7 @@ def load_inputs(args: argparse.Namespace):
                                data_dtype=args.data_dtype, model_vocab=model_vocab)
     except data_lib.DataError as e:
         raise SystemExit(f"error: {e}") from None
-    return tokens, build_model(args, tokens.vocab_size, args.seq_len)
+    return tokens, build_model(args, tokens.vocab_size, args.seq_len, ds_config)
 
 
 @dataclass
@@ -438,7 +440,8 @@ def print_plan(args: argparse.Namespace, ds_config: dict) -> None:
     world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     on_gpu = torch.cuda.is_available()
     memory = torch.cuda.get_device_properties(0).total_memory if on_gpu else GPUS["h100"] * GIB
-    vocab = None if args.model else (args.vocab_size + 63) // 64 * 64   # what build_model rounds it to
+    # what build_model gives it: the data's vocabulary (a public shape keeps its own)
+    vocab = None if args.model or args.model_size not in MODEL_SIZES else (args.vocab_size + 63) // 64 * 64
     try:
         table = report(args.model or args.model_size, ds_config, args.deepspeed, args.seq_len,
                        str(ds_config["train_micro_batch_size_per_gpu"]), gpus_per_node=local,
@@ -461,8 +464,8 @@ def main(argv: list[str] | None = None) -> int:
     tag = resume_tag(args, save_dir / "checkpoints")  # None: a fresh run
     if args.export and Path(args.export).is_file():
         raise SystemExit(f"error: --export {args.export}: is a file; give a directory")
-    tokens, model = load_inputs(args)
-    n_params = sum(p.numel() for p in model.parameters())
+    tokens, model = load_inputs(args, ds_config)
+    n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
 
     import deepspeed
     import deepspeed.comm as dist

@@ -47,22 +47,44 @@ def _family_extra(family: str, size: dict, seq_len: int) -> dict:
     return dict(head_dim=head)
 
 
-def build_model(spec: Any, vocab_size: int, seq_len: int):
+def build_model(spec: Any, vocab_size: int, seq_len: int, ds_config: dict | None = None):
     """An HF model to fine-tune (`spec.model`: name or path), or a freshly initialised model of `spec.model_size`
-    (no download) in `spec.family` (FAMILIES; a Llama where unset); `spec.seed` seeds the initialisation.
-    `spec`: the parsed flags of examples/train.py or any object with those attributes."""
+    (the main job's sizes, or a public shape by name: coat_ds.workloads.shapes, its vocabulary kept where larger than
+    the data's; no download) in `spec.family` (FAMILIES; a Llama where unset); `spec.seed` seeds the initialisation.
+    Under a ZeRO-3 `ds_config` it is built partitioned over the ranks (built_partitioned: an HF checkpoint is loaded
+    shard by shard), in bf16 where the config trains in bf16. `spec`: the parsed flags of examples/train.py or any
+    object with those attributes."""
+    import torch
+
+    zero3 = ((ds_config or {}).get("zero_optimization") or {}).get("stage") == 3
+    dtype = torch.bfloat16 if zero3 and ((ds_config or {}).get("bf16") or {}).get("enabled") is True else None
     if spec.model:
-        import torch
         from transformers import AutoModelForCausalLM
 
         torch.manual_seed(spec.seed)
-        return AutoModelForCausalLM.from_pretrained(spec.model, dtype=torch.float32)
-    size, family = MODEL_SIZES[spec.model_size], getattr(spec, "family", "llama")
+        with built_partitioned(ds_config):
+            return AutoModelForCausalLM.from_pretrained(spec.model, dtype=dtype or torch.float32)
+    size, family = _size(spec.model_size), getattr(spec, "family", "llama")
     if family not in FAMILIES:
         raise ValueError(f"family={family!r} is unknown; allowed: {list(FAMILIES)}")
     extra = _family_extra(family, size, seq_len) if family != "llama" else {}
-    return from_shape(dict(size, model_type=family, vocab_size=(vocab_size + 63) // 64 * 64,   # tensor-core width
-                           max_position_embeddings=max(seq_len, 2048), **extra), spec.seed)
+    vocab = max((vocab_size + 63) // 64 * 64, size.pop("vocab_size", 0))   # tensor-core width
+    with built_partitioned(ds_config):
+        return from_shape(dict(size, model_type=family, vocab_size=vocab,
+                               max_position_embeddings=max(seq_len, 2048), **extra), spec.seed, dtype=dtype)
+
+
+def model_size_names() -> list[str]:
+    """What --model-size accepts: the main job's sizes, then the public shapes (coat_ds.workloads.shapes)."""
+    from .shapes import SHAPES
+
+    return list(MODEL_SIZES) + [n for n, s in SHAPES.items() if s.get("model_type", "llama") == "llama"]
+
+
+def _size(name: str) -> dict:
+    from .shapes import SHAPES
+
+    return dict(MODEL_SIZES[name] if name in MODEL_SIZES else SHAPES[name])
 
 
 def from_shape(shape: dict, seed: int, device: Any = "cpu", dtype: Any = None):
@@ -97,7 +119,11 @@ def built_partitioned(ds_config: dict | None):
     if stage != 3:
         yield
         return
+    import deepspeed
     from transformers.integrations import HfDeepSpeedConfig
+
+    set_single_process_env()
+    deepspeed.init_distributed()   # zero.Init partitions over the ranks (a no-op where initialised)
 
     hf_config = HfDeepSpeedConfig(ds_config)   # HF reads it through a weak reference: kept alive below
     yield hf_config
