@@ -1,7 +1,7 @@
 """Activation checkpointing of the FP8 decoder layers, in process (CPU): HF's gradient_checkpointing_enable(), HF
 Trainer's TrainingArguments(gradient_checkpointing=True) and coat's `"activation": {"checkpoint": true}` recompute
 each layer in backward; the gradients equal the run without the recompute, bit for bit, and each layer keeps only
-its input. Through deepspeed.initialize under ZeRO-3 on 2 ranks: tests/launched/test_activation_checkpoint.py."""
+its input. Through deepspeed.initialize under ZeRO-3 on 2 ranks: tests/launched/test_activation_checkpoint_zero3.py."""
 from __future__ import annotations
 
 import warnings

@@ -1,5 +1,5 @@
 """coat.activation.checkpoint under ZeRO-3 through plain deepspeed.initialize
-(tests/launched/test_activation_checkpoint.py).
+(tests/launched/test_activation_checkpoint_zero3.py).
 
     deepspeed --num_gpus 2 tests/ds_scripts/checkpoint_job.py --out r.json --tmp DIR release grads
 
