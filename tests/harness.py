@@ -13,7 +13,9 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -89,6 +91,43 @@ def finish(proc: subprocess.Popen, timeout: int = 600) -> str:
         out, _ = proc.communicate()
         pytest.fail(f"job timed out after {timeout} s:\n{out[-3000:]}")
     return out
+
+
+def start_two_nodes(tmp: str | Path, slots: int, tail: list[str], env: dict) -> Callable[[], list[str]]:
+    """Two "nodes" of `slots` ranks on this machine, as docs/deepspeed.md "Multi-node" starts nodes without ssh: one
+    `deepspeed --hostfile H --no_ssh --node_rank r` launcher each running `tail` (script and arguments), node 0
+    holding global ranks 0..slots-1. The call returned waits for both and gives their logs (node 0's first); the test
+    fails with the logs' tails where a launcher exits non-zero or runs past 600 s (its whole job killed)."""
+    hostfile = os.path.join(tmp, "hostfile")
+    with open(hostfile, "w") as f:
+        f.write(f"nodeA slots={slots}\nnodeB slots={slots}\n")
+    base = [launcher(), "--hostfile", hostfile, "--no_ssh", "--master_addr=127.0.0.1", "--master_port",
+            str(free_port())]
+    logs = [os.path.join(tmp, f"node{r}.log") for r in (0, 1)]
+    procs = {}
+    for r in (1, 0):   # node 0 last: its rank 0 hosts the rendezvous the others wait for
+        with open(logs[r], "w") as log:   # a file, not a pipe: nobody reads it meanwhile
+            procs[r] = subprocess.Popen([*base, f"--node_rank={r}", *tail], cwd=ROOT, env=env, stdout=log,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait() -> list[str]:
+        deadline = time.monotonic() + 600
+        for p in procs.values():
+            try:
+                p.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                for q in procs.values():
+                    if q.poll() is None:
+                        os.killpg(q.pid, signal.SIGKILL)
+                        q.wait()
+        out = [Path(log).read_text() for log in logs]
+        if any(p.returncode for p in procs.values()):
+            pytest.fail("two-node run failed (exit " + ", ".join(f"node {r}: {p.returncode}" for r, p in
+                                                                 sorted(procs.items())) + "):\n" +
+                        "\n".join(text[-4000:] for text in out))
+        return out
+
+    return wait
 
 
 # ------------------------------------------------------------------ ds_scripts/job.py and the job scripts built on it

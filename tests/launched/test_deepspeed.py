@@ -20,40 +20,24 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import subprocess
-from pathlib import Path
 from typing import Callable
 
 import pytest
 import torch
 
-from harness import (DS_SCRIPTS, ROOT, SAVE_AT, STEPS, free_port, job_env, launch_job, require_launcher, task_result,
-                     unsupported)
+from harness import (DS_SCRIPTS, SAVE_AT, STEPS, job_env, launch_job, require_launcher, start_two_nodes,
+                     task_result, unsupported)
 
 
-def start_two_nodes(out: str, ckpt: str, tasks: list[str], tmp: str) -> Callable[[], dict]:
-    """Two launcher processes, one per 'node', started without ssh on one machine; the call returned waits for them
+def start_job_on_two_nodes(out: str, ckpt: str, tasks: list[str], tmp: str) -> Callable[[], dict]:
+    """job.py's `tasks` on two 'nodes' of one rank each (harness.start_two_nodes); the call returned waits for them
     and gives their results."""
-    hostfile = os.path.join(tmp, "hostfile")
-    with open(hostfile, "w") as f:
-        f.write("nodeA slots=1\nnodeB slots=1\n")
-    port = str(free_port())
-    base = [shutil.which("deepspeed"), "--hostfile", hostfile, "--no_ssh", "--master_addr=127.0.0.1",
-            "--master_port", port]
-    tail = [str(DS_SCRIPTS / "job.py"), "--out", out, "--ckpt", ckpt, *tasks]
-    procs, logs = [], []
-    for r in (1, 0):
-        logs.append(os.path.join(tmp, f"node{r}.log"))   # a file, not a pipe: nobody reads it meanwhile
-        with open(logs[-1], "w") as log:
-            procs.append(subprocess.Popen([*base, f"--node_rank={r}", *tail], cwd=ROOT, env=job_env(), stdout=log,
-                                          stderr=subprocess.STDOUT))
+    wait = start_two_nodes(tmp, 1, [str(DS_SCRIPTS / "job.py"), "--out", out, "--ckpt", ckpt, *tasks], job_env())
 
     def results() -> dict:
-        for p in procs:
-            p.wait(timeout=600)
-        if any(p.returncode for p in procs) or not os.path.isfile(out):
-            pytest.fail("two-node run failed:\n" + "\n".join(Path(log).read_text()[-4000:] for log in logs))
+        logs = wait()
+        if not os.path.isfile(out):
+            pytest.fail("two-node run wrote no results:\n" + "\n".join(log[-4000:] for log in logs))
         with open(out) as f:
             return json.load(f)
 
@@ -72,7 +56,7 @@ def run_all(tmp: str, gpus_per_world: dict[int, int], multinode: bool = True) ->
     ckpt = os.path.join(tmp, "ckpt")
     os.makedirs(ckpt, exist_ok=True)
     # the two-node run reads no checkpoint: it starts beside W1, whose one rank leaves a core free
-    mn = start_two_nodes(os.path.join(tmp, "mn.json"), ckpt, ["quick:2:fp32"], tmp) if multinode else None
+    mn = start_job_on_two_nodes(os.path.join(tmp, "mn.json"), ckpt, ["quick:2:fp32"], tmp) if multinode else None
     res = {"w1": launch_job(os.path.join(tmp, "w1.json"), ckpt, W1 + ["train:0:bf16"], gpus_per_world[1])}
     res["w2"] = launch_job(os.path.join(tmp, "w2.json"), ckpt, W2, gpus_per_world[2])
     res["w1b"] = launch_job(os.path.join(tmp, "w1b.json"), ckpt, W1B, gpus_per_world[1])
