@@ -33,7 +33,8 @@ def untimed(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in TIMINGS} for r in rows]
 
 
-@pytest.mark.parametrize("config", ["zero3_largest_model.json", "zero2_largest_model.json"])
+# ZeRO-3 (its partitions cut every parameter); ZeRO-2 passed too when written (103 s more on 2 loaded cores)
+@pytest.mark.parametrize("config", ["zero3_largest_model.json"])
 def test_two_nodes_then_one_node_resumes_bit_for_bit(tmp_path, config):
     require_launcher()
     run = tmp_path / "run"
