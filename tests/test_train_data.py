@@ -81,6 +81,26 @@ def test_npy_bin_and_nanogpt_folder(tmp_path):
     assert len(td.train) == 4000 and len(td.val) == 1000
 
 
+def test_a_written_token_folder_brings_its_vocabulary_dtype_and_tokenizer(tmp_path):
+    """What write_token_folder writes (a corpus prepared ahead, a cache folder) loads with the BPE's vocabulary,
+    not the largest id seen, its meta.json's dtype over --data-dtype, and its tokenizer (which --export saves)."""
+    lines = TEXT.splitlines()
+    tok, meta = data.write_token_folder(tmp_path / "f", "test text", lambda: lines[:700], lambda: lines[700:], None,
+                                        300)
+    assert meta["vocab_size"] == tok.vocab_size == 300 and (tmp_path / "f" / "tokenizer.json").exists()
+    td = data.load(str(tmp_path / "f"), 16, data_dtype="uint32")
+    assert td.vocab_size == 300 and td.train.dtype == np.uint16
+    assert td.tokenizer.decode(np.asarray(td.val).tolist()).replace(data.EOS, "") == "".join(lines[700:])
+    (tmp_path / "f" / "meta.json").write_text(json.dumps({**meta, "vocab_size": 512}))
+    assert data.load(str(tmp_path / "f"), 16).vocab_size == 512
+    (tmp_path / "f" / "meta.json").write_text(json.dumps({**meta, "vocab_size": 100}))
+    with pytest.raises(data.DataError, match="token ids go up to .* but its meta.json says vocab_size 100"):
+        data.load(str(tmp_path / "f"), 16)
+    (tmp_path / "f" / "meta.json").write_text(json.dumps({**meta, "dtype": "int8"}))
+    with pytest.raises(data.DataError, match="meta.json needs a dtype in"):
+        data.load(str(tmp_path / "f"), 16)
+
+
 def test_saved_datasets_text_and_input_ids(tmp_path):
     datasets = pytest.importorskip("datasets")
     docs = [TEXT[i:i + 700] for i in range(0, len(TEXT), 700)]

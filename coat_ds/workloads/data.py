@@ -132,13 +132,13 @@ def _hf_wrap(tok_json: Path):
     return PreTrainedTokenizerFast(tokenizer_file=str(tok_json), eos_token=EOS, bos_token=EOS, unk_token=EOS)
 
 
-def train_bpe(texts: Callable[[], Iterable[str]], vocab_size: int, path: Path) -> None:
+def train_bpe(texts: Callable[[], Iterable[str]], vocab_size: int, path: Path, show_progress: bool = False) -> None:
     """Train a byte-level BPE (the GPT-2 scheme, so any byte sequence is encodable) and save it to `path`."""
     from tokenizers import ByteLevelBPETokenizer
 
     tok = ByteLevelBPETokenizer()
     tok.train_from_iterator(texts(), vocab_size=vocab_size, min_frequency=2, special_tokens=[EOS],
-                            show_progress=False)
+                            show_progress=show_progress)
     tmp = path.with_suffix(".tmp")
     tok.save(str(tmp))
     os.replace(tmp, path)
@@ -254,24 +254,37 @@ def _load_cached(d: Path) -> tuple[np.ndarray, np.ndarray, dict] | None:
     return np.memmap(d / "train.bin", dtype=dt, mode="r"), np.memmap(d / "val.bin", dtype=dt, mode="r"), meta
 
 
+def write_token_folder(d: Path, source: str, train_docs: Callable[[], Iterable[str]],
+                       val_docs: Callable[[], Iterable[str]], tok: Tok | None, vocab_size: int,
+                       show_progress: bool = False) -> tuple[Tok, dict]:
+    """Tokenize a text source's two splits into `d` (train.bin, val.bin, meta.json), training a BPE on the train
+    split first when `tok` is None (kept as d/tokenizer.json): the cache's layout, which `load` reads back as a
+    tokenized folder. One function for the cache and for a corpus prepared ahead (benchmarks/corpus/)."""
+    d.mkdir(parents=True, exist_ok=True)
+    if tok is None:
+        if not (d / "tokenizer.json").exists():
+            train_bpe(train_docs, vocab_size, d / "tokenizer.json", show_progress)
+        tok = bpe_tok(d / "tokenizer.json")
+    dt = _token_dtype(tok.vocab_size)
+    n_train = _write_tokens(train_docs(), tok, d / "train.bin", dt)
+    n_val = _write_tokens(val_docs(), tok, d / "val.bin", dt)
+    meta = {"dtype": np.dtype(dt).name, "vocab_size": tok.vocab_size, "train_tokens": n_train,
+            "val_tokens": n_val, "tokenizer": tok.key, "source": source}
+    (d / "meta.json").write_text(json.dumps(meta, indent=1))
+    return tok, meta
+
+
 def _build_text_cache(kind: str, ident: list[str], train_docs: Callable[[], Iterable[str]],
                       val_docs: Callable[[], Iterable[str]], tok: Tok | None, vocab_size: int) -> TokenData:
     """Tokenize a text source into the cache (training a BPE on its train split when `tok` is None)."""
     tok_key = tok.key if tok is not None else f"bpe{vocab_size}"
     d = cache_root() / f"{kind}-{_digest(ident + [tok_key])}"
     with _locked(d):
-        if tok is None:
-            if not (d / "tokenizer.json").exists():
-                train_bpe(train_docs, vocab_size, d / "tokenizer.json")
+        if tok is None and (d / "tokenizer.json").exists():
             tok = bpe_tok(d / "tokenizer.json")
         cached = _load_cached(d)
         if cached is None:
-            dt = _token_dtype(tok.vocab_size)
-            n_train = _write_tokens(train_docs(), tok, d / "train.bin", dt)
-            n_val = _write_tokens(val_docs(), tok, d / "val.bin", dt)
-            meta = {"dtype": np.dtype(dt).name, "vocab_size": tok.vocab_size, "train_tokens": n_train,
-                    "val_tokens": n_val, "tokenizer": tok.key, "source": ident[0]}
-            (d / "meta.json").write_text(json.dumps(meta, indent=1))
+            tok, _ = write_token_folder(d, ident[0], train_docs, val_docs, tok, vocab_size)
             cached = _load_cached(d)
     train, val, meta = cached
     return TokenData(train=train, val=val, vocab_size=meta["vocab_size"], source=f"{ident[0]} (cache {d})",
@@ -412,9 +425,36 @@ def _open_tokens(path: Path, dtype: str) -> np.ndarray:
     return np.memmap(path, dtype=TOKEN_DTYPES[dtype], mode="r")
 
 
+def _folder_meta(path: Path) -> dict | None:
+    """meta.json of a folder that `write_token_folder` wrote (its dtype and vocabulary), else None."""
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise DataError(f"--data {path}: meta.json is unreadable ({e})") from None
+    if not (isinstance(meta, dict) and meta.get("dtype") in TOKEN_DTYPES and isinstance(meta.get("vocab_size"), int)):
+        raise DataError(f"--data {path}: meta.json needs a dtype in {list(TOKEN_DTYPES)} and an integer vocab_size")
+    return meta
+
+
+def _with_meta(td: TokenData, path: Path, meta: dict) -> TokenData:
+    """A folder's own vocabulary and tokenizer.json, so that the model's vocabulary is the tokenizer's (not the
+    largest id seen) and --export saves the tokenizer beside the model."""
+    if td.vocab_size > meta["vocab_size"]:
+        raise DataError(f"--data {path}: token ids go up to {td.vocab_size - 1} but its meta.json says vocab_size "
+                        f"{meta['vocab_size']}")
+    tok_json = path / "tokenizer.json"
+    td.vocab_size, td.tokenizer = meta["vocab_size"], _hf_wrap(tok_json) if tok_json.exists() else None
+    return td
+
+
 def token_files(path: Path, dtype: str) -> TokenData:
     """A tokenized memmap: one file (the last VAL_FRACTION of tokens is validation) or a folder holding
-    train.{bin,npy} and val.{bin,npy} (nanoGPT's layout)."""
+    train.{bin,npy} and val.{bin,npy} (nanoGPT's layout), with a meta.json (whose dtype overrides `dtype`) and a
+    tokenizer.json where `write_token_folder` wrote it."""
+    meta = _folder_meta(path) if path.is_dir() else None
+    dtype = meta["dtype"] if meta else dtype
     if path.is_dir():
         def pick(stem):
             for ext in (".bin", ".npy"):
@@ -427,7 +467,8 @@ def token_files(path: Path, dtype: str) -> TokenData:
         cut = int(len(arr) * (1 - VAL_FRACTION))
         train, val = arr[:cut], arr[cut:]
     top = max(_check_ids(train, f"--data {path} (train)"), _check_ids(val, f"--data {path} (val)"))
-    return TokenData(train=train, val=val, vocab_size=top + 1, source=f"tokens {path}")
+    td = TokenData(train=train, val=val, vocab_size=top + 1, source=f"tokens {path}")
+    return _with_meta(td, path, meta) if meta else td
 
 
 def _dataset_splits(ds) -> tuple:
