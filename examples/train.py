@@ -42,7 +42,7 @@ DEFAULTS = dict(
     deepspeed="ds_configs/zero2_coat.json",
     model=None, model_size="small", data=None, data_dtype="uint16", vocab_size=data_lib.DEFAULT_VOCAB,
     seq_len=256, steps=200, eval_every=50, eval_batches=8, save_dir="runs/train", save_every=100, keep_last=2,
-    seed=1234, micro_batch=None, grad_accum=None, lr=None,
+    seed=1234, micro_batch=None, grad_accum=None, lr=None, peer_timeout=30.0,
 )
 
 
@@ -72,6 +72,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-batch", type=int, help="override train_micro_batch_size_per_gpu")
     p.add_argument("--grad-accum", type=int, help="override gradient_accumulation_steps")
     p.add_argument("--lr", type=float, help="override optimizer.params.lr")
+    p.add_argument("--peer-timeout", type=float, metavar="S",
+                   help="a rank silent this long (or whose process ended, on the same node: at once) is lost: every "
+                        "rank stops with one line, exit 1 (coat_ds.deepspeed.watchdog; 0: off)")
     p.add_argument("--plan", action="store_true", help="print what each GPU will hold and the largest micro-batch "
                                                         "(python -m coat_ds.plan), then exit without training")
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)  # from the launcher
@@ -83,6 +86,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for key in ("eval_every", "save_every"):
         if getattr(args, key) < 0:
             p.error(f"--{key.replace('_', '-')}={getattr(args, key)} is invalid; allowed: an integer >= 0")
+    if not (math.isfinite(args.peer_timeout) and args.peer_timeout >= 0):
+        p.error(f"--peer-timeout={args.peer_timeout} is invalid; allowed: seconds >= 0 (0: off)")
     for key in ("micro_batch", "grad_accum"):
         if getattr(args, key) is not None and getattr(args, key) < 1:
             p.error(f"--{key.replace('_', '-')}={getattr(args, key)} is invalid; allowed: an integer >= 1")
@@ -460,19 +465,31 @@ def main(argv: list[str] | None = None) -> int:
     if args.plan:
         print_plan(args, ds_config)
         return 0
-    save_dir = Path(args.save_dir)
-    tag = resume_tag(args, save_dir / "checkpoints")  # None: a fresh run
+    tag = resume_tag(args, Path(args.save_dir) / "checkpoints")  # None: a fresh run
     if args.export and Path(args.export).is_file():
         raise SystemExit(f"error: --export {args.export}: is a file; give a directory")
     tokens, model = load_inputs(args, ds_config)
-    n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
 
     import deepspeed
     import deepspeed.comm as dist
-    from deepspeed.accelerator import get_accelerator
+    from coat_ds.deepspeed.watchdog import watching
 
     set_single_process_env()
     deepspeed.init_distributed()
+    # a lost rank stops every other one within --peer-timeout (at once on its own node), in one line
+    with watching(args.peer_timeout, hint="resume from the last checkpoint with --resume"):
+        code = run_job(args, ds_config, tokens, model, tag)
+        dist.barrier()   # inside: a rank that fails at the very end (its export) stops the others too
+    return code
+
+
+def run_job(args: argparse.Namespace, ds_config: dict, tokens, model, tag: str | None) -> int:
+    """Engine, resume, the loop, the last checkpoint, evaluation, summary and export; the exit code."""
+    import deepspeed.comm as dist
+    from deepspeed.accelerator import get_accelerator
+
+    n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    save_dir = Path(args.save_dir)
     rank, world = dist.get_rank(), dist.get_world_size()
     engine = initialize(model, ds_config)
     micro_bs, grad_accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
@@ -502,7 +519,6 @@ def main(argv: list[str] | None = None) -> int:
         print_summary(s)
     if args.export and not interrupted:
         export(engine, tokens, Path(args.export), rank)
-    dist.barrier()
     return 128 + (stop["signal"] or signal.SIGTERM) if interrupted else 0
 
 

@@ -77,6 +77,16 @@ def launch_json(cmd: list[str], out: Path, env: dict | None = None, timeout: int
     return json.loads(Path(out).read_text())
 
 
+@functools.cache
+def tmpfs_ok() -> bool:
+    """Whether this machine lets a test mount a tmpfs of its own: `unshare -rm` (a user and mount namespace)."""
+    if shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /mnt"],
+                           capture_output=True, timeout=30)
+    return probe.returncode == 0
+
+
 # examples/train.py's default model and data shrunk for CI: tiny Llama, 64-token samples, 2 samples per rank
 TRAIN_SMALL = ["--model-size", "tiny", "--seq-len", "64", "--micro-batch", "2", "--lr", "3e-3", "--eval-batches", "2"]
 

@@ -1,7 +1,7 @@
 """What coat_ds does inside `DeepSpeedEngine.__init__`: the one place every route to DeepSpeed passes.
 
 `deepspeed.initialize` (a user's own script, the launcher), HF Trainer and accelerate all build a
-DeepSpeedEngine from a config; `import coat_ds` wraps four of its methods (hook()):
+DeepSpeedEngine from a config; `import coat_ds` wraps five of its methods (hook()):
 
 - `_configure_distributed_model(model)`, the first step that has both the config and the module, and
   runs before ZeRO builds its optimizer and before ZeRO-3 installs its module hooks: the config's
@@ -19,7 +19,9 @@ DeepSpeedEngine from a config; `import coat_ds` wraps four of its methods (hook(
   boundary): the FP8 weight caches are keyed on a step counter that it advances, since DeepSpeed writes
   the updated weights where no autograd version shows it;
 - `load_checkpoint`: a CoatAdamW engine checks every file of the tag first and re-partitions to another
-  world size (checkpoint/load.py).
+  world size (checkpoint/load.py);
+- `save_checkpoint`: a CoatAdamW engine's save is refused before anything is written where the filesystem cannot
+  hold it (checkpoint/space.py).
 
 and one of ZeRO-1/2's: `DeepSpeedZeroOptimizer._configure_master_weights`, whose validator accepts a bf16
 master only for DeepSpeedCPUAdam under Offload (its concern: fp32 moments beside a bf16 master); CoatAdamW
@@ -42,7 +44,9 @@ from deepspeed.utils import log_dist
 from ..hf.loss import apply as apply_loss
 from ..hf.swap import apply as swap_layers
 from ..optim import CoatAdamW
+from .checkpoint.files import latest_tag
 from .checkpoint.load import install as checkpoint_hooks, load as checkpoint_load
+from .checkpoint.space import already_checked, refuse_if_short
 from .config import SECTION, engine_section
 from .optimizer_type import NAME
 from .zero.bind import bind
@@ -147,6 +151,14 @@ def _load_checkpoint(engine, original, load_dir: str, *args: Any, **kw: Any):
     return checkpoint_load(engine, original, load_dir, **kw)
 
 
+def _save_checkpoint(engine, original, save_dir: str, tag: Any = None, *args: Any, **kw: Any):
+    """A CoatAdamW engine's save checks the free space first (checkpoint/space.py), unless save_atomically did."""
+    if isinstance(getattr(engine, "basic_optimizer", None), CoatAdamW) and save_dir and not already_checked():
+        shown = str(tag) if tag is not None else f"global_step{engine.global_steps}"   # DeepSpeed's default tag
+        refuse_if_short(engine, save_dir, shown, latest_tag(save_dir))
+    return original(save_dir, tag, *args, **kw)
+
+
 def _new_weight_step(engine, *_: Any) -> None:
     # No FP8 weight cache exists unless its module was imported (a stock model never imports it).
     weight_cache = sys.modules.get(f"{__package__.rpartition('.')[0]}.activation.weight_cache")
@@ -160,6 +172,7 @@ def hook(engine_cls) -> None:
     _wrap(engine_cls, "_configure_optimizer", before=_configure_optimizer_before, after=_bind_partitions)
     _wrap(engine_cls, "_take_model_step", after=_new_weight_step)
     _wrap(engine_cls, "load_checkpoint", around=_load_checkpoint)
+    _wrap(engine_cls, "save_checkpoint", around=_save_checkpoint)
     _wrap(DeepSpeedZeroOptimizer, "_configure_master_weights", around=_coat_master_weights)
     _wrap(DeepSpeedZeroOptimizer_Stage3, "_configure_master_weights", around=_coat_master_weights)
     _wrap(DeepSpeedZeroOptimizer_Stage3, "_create_fp32_partitions", around=_zero3_masters)

@@ -78,6 +78,14 @@ METHODS: dict[str, str] = {
     "deepspeed.runtime.engine:DeepSpeedEngine.load_checkpoint": "wrapped: engine.hook, checkpoint.load.load",
     "deepspeed.runtime.engine:DeepSpeedEngine._load_checkpoint":
         "re-stated (what it restores besides weights and optimizer): checkpoint.load._engine_state",
+    "deepspeed.runtime.engine:DeepSpeedEngine.save_checkpoint":
+        "wrapped: engine.hook, checkpoint.space.refuse_if_short (which files each rank writes)",
+    "deepspeed.runtime.engine:DeepSpeedEngine._save_checkpoint":
+        "what the model states file holds, and on which ranks: checkpoint.space.rank_bytes",
+    "deepspeed.runtime.engine:DeepSpeedEngine._save_zero_checkpoint":
+        "what an optimizer file holds: checkpoint.space.rank_bytes",
+    "deepspeed.runtime.engine:DeepSpeedEngine._common_checkpoint_state":
+        "what the model states file holds besides the module: checkpoint.space.rank_bytes",
 }
 
 # DeepSpeed release -> {method: sha256 of its inspect.getsource}; its keys are the tested set (setup.py's range)
@@ -139,6 +147,14 @@ TESTED: dict[str, dict[str, str]] = {
             "5728d3dfa42a3d6c44836873002f5ccfb9e72091c98029b3843b30ec5651161f",
         "deepspeed.runtime.engine:DeepSpeedEngine._load_checkpoint":
             "45c1953baa73cd3dd02ca7d6120a220d0b2a6dc6eafec72bace05e5714e2c73c",
+        "deepspeed.runtime.engine:DeepSpeedEngine.save_checkpoint":
+            "c92409217281487c42bc7a932fcbe10c96fd92b144a4060d8fef89c299f1a40b",
+        "deepspeed.runtime.engine:DeepSpeedEngine._save_checkpoint":
+            "7cec5b09ea912dd591d8c21fb9706b9a1db0b365ccd9ea2ed19bb36cbe16a0a1",
+        "deepspeed.runtime.engine:DeepSpeedEngine._save_zero_checkpoint":
+            "9053a2fbcfbc2a8721b3ba3f480c2ffdbec451497c6d2d12fde07e7d084fd386",
+        "deepspeed.runtime.engine:DeepSpeedEngine._common_checkpoint_state":
+            "55303ef952c4f6645072a384719b221f11f193666bc3c4ae312838aec32f983c",
     },
 }
 

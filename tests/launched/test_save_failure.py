@@ -1,8 +1,8 @@
 """A checkpoint save that fails says why in one line (coat_ds.deepspeed.checkpoint.save): torch.save's own error on a
 full disk names no cause, so the reason comes from the OS. Real failures only: a file size limit (RLIMIT_FSIZE, no
-root needed) and a full tmpfs (a private mount namespace, where the machine allows one)."""
+root needed) and a tmpfs out of inodes (a private mount namespace, where the machine allows one), which the
+free-space check before a save (test_checkpoint_space.py) cannot see coming."""
 import errno
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from coat_ds.deepspeed.checkpoint.save import write_failure
-from harness import ROOT, TRAIN_SMALL, child_env, finish, ranks_launcher
+from harness import ROOT, TRAIN_SMALL, child_env, finish, ranks_launcher, tmpfs_ok
 
 
 def test_a_file_size_limit_is_named_not_torchs_enforce_fail(tmp_path):
@@ -43,26 +43,18 @@ def test_an_errno_in_the_chain_is_used():
         assert write_failure("/no/such/dir/file.pt", exc).startswith("no space left on device (")
 
 
-def _tmpfs_ok() -> bool:
-    if shutil.which("unshare") is None:
-        return False
-    probe = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /mnt"],
-                           capture_output=True, timeout=30)
-    return probe.returncode == 0
-
-
-@pytest.mark.skipif(not _tmpfs_ok(), reason="needs `unshare -rm` and a tmpfs mount in a user namespace")
+@pytest.mark.skipif(not tmpfs_ok(), reason="needs `unshare -rm` and a tmpfs mount in a user namespace")
 def test_main_job_on_a_full_disk_says_why_and_keeps_latest(tmp_path):
-    """The issue's case: the main job (2 CPU ranks) saves into a tmpfs that holds one checkpoint (~9 MiB for
-    the tiny model) but not two. The step-4 save fails: one line, the partial tag removed, `latest` on
-    step 2, exit code 1."""
+    """The main job (2 CPU ranks) saves into a tmpfs with room for the bytes of two checkpoints (~9 MiB each for the
+    tiny model) but files for one: 12 inodes, 10 in use after step 2's. The free-space check passes and step 4's
+    write fails: one line, the partial tag removed, `latest` on step 2, exit code 1."""
     run = tmp_path / "run"
     run.mkdir()
     job = [*ranks_launcher(2), "examples/train.py", "--deepspeed", "ds_configs/zero2_coat.json", "--save-dir", str(run),
            *TRAIN_SMALL, "--steps", "4", "--save-every", "2", "--eval-every", "0"]
     # the listing is taken inside the namespace: the tmpfs is gone once it exits
-    script = (f'mount -t tmpfs -o size=14m tmpfs "{run}" && "$@"; rc=$?; echo "LS:" $(ls "{run}/checkpoints"); '
-              f'echo "LATEST:" $(cat "{run}/checkpoints/latest"); exit $rc')
+    script = (f'mount -t tmpfs -o size=64m,nr_inodes=12 tmpfs "{run}" && "$@"; rc=$?; '
+              f'echo "LS:" $(ls "{run}/checkpoints"); echo "LATEST:" $(cat "{run}/checkpoints/latest"); exit $rc')
     inner = ["unshare", "-rm", "sh", "-c", script, "sh", *job]
     proc = subprocess.Popen(inner, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True,
@@ -72,7 +64,8 @@ def test_main_job_on_a_full_disk_says_why_and_keeps_latest(tmp_path):
     errors = [ln for ln in out.splitlines() if ln.startswith("error: ")]
     assert len(errors) == 1, out[-3000:]
     assert errors[0].startswith(f"error: checkpoint step0000004 not saved to {run}/checkpoints: no space left on "
-                                f"device (") and f"MiB free of 14.0 MiB on {run})" in errors[0], errors
+                                f"device (no inodes left: the filesystem's limit on files) (") and \
+        f"MiB free of 64.0 MiB on {run})" in errors[0], errors
     assert errors[0].endswith("removed the partial step0000004.tmp; `latest` still names step0000002"), errors
     listing = next(ln for ln in out.splitlines() if ln.startswith("LS:")).split()[1:]
     assert "step0000002" in listing and not any(n.endswith(".tmp") for n in listing), listing

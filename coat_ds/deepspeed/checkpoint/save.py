@@ -2,9 +2,10 @@
 
 torch.save reports a full disk as `RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos`
 or `basic_ios::clear: iostream error`: its C++ writer drops the errno. `write_failure` asks the OS itself (a
-small probe write next to the failed file) and says why, with the free space; `save_atomically` writes a
-tag as `<tag>.tmp`, renames it and points `latest` at it only once every rank has written, and on a
-failure removes the partial tag and raises CheckpointSaveError on every rank with one message.
+small probe write next to the failed file) and says why, with the free space; `save_atomically` first refuses a
+save that the filesystem cannot hold (space.py), then writes a tag as `<tag>.tmp`, renames it and points `latest` at
+it only once every rank has written, and on a failure removes the partial tag and raises CheckpointSaveError on
+every rank with one message.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import shutil
 from typing import Any
 
 from .files import LATEST, latest_tag  # the file DeepSpeed's load_checkpoint(tag=None) reads, and its reader
+from .space import checked, existing_dir, mount_of, ranks_text, refuse_if_short
 
 PROBE_BYTES = 1 << 20
 
@@ -25,20 +27,6 @@ class CheckpointSaveError(RuntimeError):
 def writer(engine: Any) -> bool:
     """Whether this rank owns the renames: rank 0, or each node's local rank 0 with node-local storage."""
     return engine.local_rank == 0 if engine.use_node_local_storage() else engine.global_rank == 0
-
-
-def _mount(path: str) -> str:
-    path = os.path.realpath(path)
-    while not os.path.ismount(path):
-        path = os.path.dirname(path)
-    return path
-
-
-def _existing(path: str) -> str:
-    """The nearest existing directory at or above `path`."""
-    while not os.path.isdir(path):
-        path = os.path.dirname(path) or "."
-    return path
 
 
 def _probe(directory: str) -> OSError | None:
@@ -62,7 +50,7 @@ def _probe(directory: str) -> OSError | None:
 def write_failure(path: str, exc: BaseException) -> str:
     """Why writing under `path` raised `exc`, in a few words: the errno's text where one is known (in the
     exception chain, else from a probe write), else the exception's first line; then the free space."""
-    where = _existing(path)
+    where = existing_dir(path)
     os_err = next((e for e in _chain(exc) if isinstance(e, OSError) and e.errno), None)
     if os_err is None:
         os_err = _probe(where)
@@ -70,10 +58,12 @@ def write_failure(path: str, exc: BaseException) -> str:
         reason = os.strerror(os_err.errno).lower()
         if os_err.errno == errno.EFBIG:
             reason += " (the file size limit, `ulimit -f`)"
+        elif os_err.errno == errno.ENOSPC and os.statvfs(where).f_favail == 0:
+            reason += " (no inodes left: the filesystem's limit on files)"
     else:
         reason = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
     usage = shutil.disk_usage(where)
-    return f"{reason} ({usage.free / 2**20:,.1f} MiB free of {usage.total / 2**20:,.1f} MiB on {_mount(where)})"
+    return f"{reason} ({usage.free / 2**20:,.1f} MiB free of {usage.total / 2**20:,.1f} MiB on {mount_of(where)})"
 
 
 def _chain(exc: BaseException | None):
@@ -116,11 +106,14 @@ def save_atomically(engine: Any, save_dir: str, tag: str, client_state: dict | N
     """Every rank writes `tag.tmp`; then the writer (see `writer`) renames it to `tag` and points `latest` at
     it, so a kill or a failure at any point leaves `latest` on the last complete tag. Returns the tag's path.
     On a failed write anywhere, the partial tag is removed and every rank raises the same
-    CheckpointSaveError: which save, why (e.g. no space left on device), the free space, what `latest` names."""
+    CheckpointSaveError: which save, why (e.g. no space left on device), the free space, what `latest` names.
+    A save the filesystem cannot hold raises it before anything is written (space.py)."""
     import deepspeed.comm as dist
 
+    refuse_if_short(engine, save_dir, tag, latest_tag(save_dir))
     tmp = f"{tag}.tmp"
-    mine = _write(engine, save_dir, tmp, client_state or {})
+    with checked():
+        mine = _write(engine, save_dir, tmp, client_state or {})
     if mine is None and writer(engine):
         mine = _commit(save_dir, tmp, tag)
     reasons: list = [None] * dist.get_world_size()
@@ -140,8 +133,7 @@ def _message(save_dir: str, tag: str, reasons: list) -> str:
     for rank, reason in enumerate(reasons):
         if reason:
             by_reason.setdefault(reason, []).append(rank)
-    why = "; ".join(f"{r} [rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}]"
-                    for r, ranks in by_reason.items())
+    why = "; ".join(f"{r} [{ranks_text(ranks)}]" for r, ranks in by_reason.items())
     latest = latest_tag(save_dir)
     kept = f"`latest` still names {latest}" if latest else "no earlier checkpoint (`latest` does not exist)"
     return f"checkpoint {tag} not saved to {save_dir}: {why}; removed the partial {tag}.tmp; {kept}"

@@ -1,0 +1,133 @@
+"""One rank of the main job lost mid-step (coat_ds.deepspeed.watchdog): the others stop within a bounded time, with
+one line naming the rank and its node, a non-zero exit, and the last checkpoint intact. 2 CPU ranks, tiny model:
+  - SIGKILL under one `deepspeed --num_gpus 2` launcher: the peer sees the process end (same node);
+  - SIGKILL of node 1's rank, two "nodes" started as separate launchers (--no_ssh --node_rank): no launcher sees
+    the other node, the heartbeat (after gloo's failed collective: `suspect`) does;
+  - SIGSTOP (a frozen rank: its sockets stay open, so no collective fails, as on NCCL): --peer-timeout decides.
+Measured on 2 cores (2026-11-28), kill to every launcher's exit: 5.5-6.4 s, 8.4-12.3 s and 13.7-14.6 s (two launchers,
+--peer-timeout 10); before the watchdog 3.5 s and 8.0 s with a gloo traceback naming no rank, and no exit within 120 s
+for the frozen rank (docs/train.md, "A lost rank")."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from coat_ds.deepspeed.check import check_tag
+from harness import ROOT, TRAIN_SMALL, child_env, free_port, launcher, ranks_launcher, require_launcher
+
+JOB = ["examples/train.py", "--deepspeed", "ds_configs/zero2_coat.json", *TRAIN_SMALL, "--steps", "1000",
+       "--save-every", "2", "--eval-every", "0"]
+
+
+@pytest.fixture(autouse=True)
+def _cpu_only():
+    require_launcher()
+    if torch.cuda.is_available():
+        pytest.skip("CPU-accelerator runs")
+
+
+def start(cmd: list[str], log: Path) -> subprocess.Popen:
+    with open(log, "w") as fh:   # a file, not a pipe: nobody reads it while the job runs
+        return subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=fh, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+def rank_pids(launchers: list[subprocess.Popen]) -> dict[int, int]:
+    """{global rank: pid} of the job's ranks under these launchers."""
+    out = {}
+    for proc in launchers:
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            try:
+                if "examples/train.py" in child.cmdline() and "RANK" in child.environ() and "launch" not in \
+                        " ".join(child.cmdline()):
+                    out[int(child.environ()["RANK"])] = child.pid
+            except psutil.Error:
+                pass
+    return out
+
+
+def kill_mid_training(launchers: list[subprocess.Popen], run: Path, rank: int, sig: int) -> float:
+    """Once the job has trained past its first checkpoint, send `sig` to `rank`; seconds until every launcher has
+    exited (60 at most: the test fails after that, whatever is left killed)."""
+    t0 = time.monotonic()
+    log = run / "log.jsonl"
+    while not (log.is_file() and len(log.read_text().splitlines()) >= 3 and (run / "checkpoints" / "latest").is_file()):
+        assert time.monotonic() - t0 < 300 and all(p.poll() is None for p in launchers), "the job did not train"
+        time.sleep(0.2)
+    os.kill(rank_pids(launchers)[rank], sig)
+    killed = time.monotonic()
+    while any(p.poll() is None for p in launchers) and time.monotonic() - killed < 60:
+        time.sleep(0.1)
+    took = time.monotonic() - killed
+    for p in launchers:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    return took
+
+
+def error_lines(text: str) -> list[str]:
+    return [ln for ln in text.replace("\r", "\n").splitlines() if ln.startswith("error: ")]
+
+
+def assert_checkpoint_intact(run: Path) -> None:
+    """`latest` names a complete tag: every file there, every one unpickling."""
+    ckpt = run / "checkpoints"
+    tag = (ckpt / "latest").read_text()
+    check_tag(str(ckpt / tag))
+    assert not any(p.name == tag + ".tmp" for p in ckpt.iterdir())
+
+
+def test_a_killed_rank_stops_the_other_one_with_one_line(tmp_path):
+    run = tmp_path / "run"
+    job = start([launcher(), "--num_gpus", "2", "--master_port", str(free_port()), *JOB, "--save-dir", str(run)],
+                tmp_path / "log")
+    took = kill_mid_training([job], run, 1, signal.SIGKILL)
+    out = (tmp_path / "log").read_text()
+    assert job.returncode != 0 and took < 20, (job.returncode, took, out[-3000:])
+    lines = error_lines(out)
+    assert len(lines) == 1 and lines[0].startswith("error: rank 1 (node 0, local rank 1, host ") and \
+        "was lost: its process ended; every rank stops (exit 1); resume from the last checkpoint with --resume" \
+        in lines[0], out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    assert_checkpoint_intact(run)
+
+
+def test_a_killed_node_stops_the_other_node_with_one_line(tmp_path):
+    """Two launchers, one rank each: node 1's rank is killed; node 0's launcher exits non-zero with one line."""
+    run = tmp_path / "run"
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("nodeA slots=1\nnodeB slots=1\n")
+    base = [launcher(), "--hostfile", str(hostfile), "--no_ssh", "--master_addr=127.0.0.1", "--master_port",
+            str(free_port())]
+    nodes = [start([*base, f"--node_rank={r}", *JOB, "--save-dir", str(run)], tmp_path / f"node{r}.log")
+             for r in (0, 1)]
+    took = kill_mid_training(nodes, run, 1, signal.SIGKILL)
+    logs = [(tmp_path / f"node{r}.log").read_text() for r in (0, 1)]
+    assert all(p.returncode != 0 for p in nodes) and took < 30, ([p.returncode for p in nodes], took, logs[0][-3000:])
+    lines = error_lines(logs[0])
+    assert len(lines) == 1 and lines[0].startswith("error: rank 1 (node 1, local rank 0, host ") and \
+        "was lost: no heartbeat for " in lines[0], logs[0][-3000:]
+    assert "Traceback" not in logs[0] and error_lines(logs[1]) == [], logs[1][-3000:]   # node 1 has no rank left
+    assert_checkpoint_intact(run)
+
+
+def test_a_frozen_rank_is_lost_after_the_peer_timeout(tmp_path):
+    """SIGSTOP: the rank's sockets stay open, so gloo's collective waits as NCCL's would (DeepSpeed's 10 minutes);
+    its heartbeat stops, and --peer-timeout 5 ends the job."""
+    run = tmp_path / "run"
+    job = start([*ranks_launcher(2), *JOB, "--save-dir", str(run), "--peer-timeout", "5"], tmp_path / "log")
+    took = kill_mid_training([job], run, 1, signal.SIGSTOP)
+    out = (tmp_path / "log").read_text()
+    assert job.returncode != 0 and 5 <= took < 20, (job.returncode, took, out[-3000:])
+    lines = error_lines(out)
+    assert len(lines) == 1 and lines[0].startswith("error: rank 1 (node 0, local rank 1, host ") and \
+        "was lost: no heartbeat for 5 s; every rank stops (exit 1)" in lines[0], out[-3000:]
+    assert_checkpoint_intact(run)
