@@ -58,7 +58,7 @@ HF_AUTO = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "tra
 def preset(layout: str, intent: str) -> dict:
     """The plain-DeepSpeed preset: concrete values, DeepSpeed's scheduler (examples set its steps)."""
     cfg = json.loads((CONFIGS / LAYOUTS[layout]).read_text())
-    _merge(cfg, LAYOUT_OVER.get(layout, {}))
+    merge(cfg, LAYOUT_OVER.get(layout, {}))
     over = INTENTS[intent]
     coat = cfg.setdefault("coat", {})
     coat["master_weights"] = over["master_weights"] or EXACT_MASTER[layout]
@@ -68,11 +68,11 @@ def preset(layout: str, intent: str) -> dict:
     return cfg
 
 
-def _merge(into: dict, over: dict) -> None:
+def merge(into: dict, over: dict) -> None:
     """Lay `over` into `into`, section by nested section."""
     for key, value in over.items():
         if isinstance(value, dict) and isinstance(into.get(key), dict):
-            _merge(into[key], value)
+            merge(into[key], value)
         else:
             into[key] = copy.deepcopy(value)
 

@@ -26,6 +26,7 @@ def test_presets_differ_only_in_their_intent():
 
     for layout, intent in presets.shipped():
         base = json.loads((ROOT / "ds_configs" / presets.LAYOUTS[layout]).read_text())
+        presets.merge(base, {k: v for k, v in presets.LAYOUT_OVER.get(layout, {}).items() if k != "coat"})
         over = presets.INTENTS[intent]
         cfg = json.loads((ROOT / "ds_configs" / presets.file_name(layout, intent)).read_text())
         check_config(cfg)
@@ -40,7 +41,13 @@ def test_presets_differ_only_in_their_intent():
 
 
 def test_largest_model_is_only_where_release_runs():
-    assert [lay for lay, intent in presets.shipped() if intent == "largest_model"] == ["zero2", "zero3"]
+    from coat_ds.deepspeed import coat_section
+
+    largest = [lay for lay, intent in presets.shipped() if intent == "largest_model"]
+    assert largest == ["zero2", "zero3", "zero3_offload"]
+    assert [intent for lay, intent in presets.shipped() if lay == "zero3_offload"] == ["largest_model"]
+    assert coat_section(json.loads((ROOT / "ds_configs" / "zero3_offload_largest_model.json").read_text())).states \
+        == "host"
 
 
 @pytest.fixture(scope="module")
