@@ -51,9 +51,9 @@ def build_model(spec: Any, vocab_size: int, seq_len: int, ds_config: dict | None
     """An HF model to fine-tune (`spec.model`: name or path), or a freshly initialised model of `spec.model_size`
     (the main job's sizes, or a public shape by name: coat_ds.workloads.shapes, its vocabulary kept where larger than
     the data's; no download) in `spec.family` (FAMILIES; a Llama where unset); `spec.seed` seeds the initialisation.
-    Under a ZeRO-3 `ds_config` it is built partitioned over the ranks (built_partitioned: an HF checkpoint is loaded
-    shard by shard), in bf16 where the config trains in bf16. `spec`: the parsed flags of examples/train.py or any
-    object with those attributes."""
+    Under a ZeRO-3 `ds_config` it is built partitioned over the ranks (built_partitioned; an HF checkpoint is then
+    loaded file by file, load_partitioned), in bf16 where the config trains in bf16. `spec`: the parsed flags of
+    examples/train.py or any object with those attributes."""
     import torch
 
     zero3 = ((ds_config or {}).get("zero_optimization") or {}).get("stage") == 3
@@ -62,8 +62,9 @@ def build_model(spec: Any, vocab_size: int, seq_len: int, ds_config: dict | None
         from transformers import AutoModelForCausalLM
 
         torch.manual_seed(spec.seed)
-        with built_partitioned(ds_config):
-            return AutoModelForCausalLM.from_pretrained(spec.model, dtype=dtype or torch.float32)
+        if zero3:
+            return load_partitioned(spec.model, ds_config, dtype or torch.float32)
+        return AutoModelForCausalLM.from_pretrained(spec.model, dtype=dtype or torch.float32)
     size, family = _size(spec.model_size), getattr(spec, "family", "llama")
     if family not in FAMILIES:
         raise ValueError(f"family={family!r} is unknown; allowed: {list(FAMILIES)}")
@@ -111,10 +112,9 @@ def from_shape(shape: dict, seed: int, device: Any = "cpu", dtype: Any = None):
 @contextlib.contextmanager
 def built_partitioned(ds_config: dict | None):
     """Under ZeRO-3, models built inside are partitioned over the ranks as each module is made (DeepSpeed's
-    zero.Init): no rank ever holds the whole model, on the host or a device (70B: 141 GB in bf16). HF's
-    `from_pretrained` then loads a checkpoint shard by shard into the partitions. Elsewhere a no-op. Needs
-    deepspeed.init_distributed() first; the model keeps the config (HF's HfDeepSpeedConfig, which its zero.Init and
-    weight initialisation follow) alive."""
+    zero.Init): no rank ever holds the whole model, on the host or a device (70B: 141 GB in bf16); load_partitioned
+    fills them from a checkpoint file by file. Elsewhere a no-op. Starts the process group where none is; the model
+    keeps the config (HF's HfDeepSpeedConfig, which its zero.Init and weight initialisation follow) alive."""
     stage = ((ds_config or {}).get("zero_optimization") or {}).get("stage", 0)
     if stage != 3:
         yield
@@ -131,6 +131,83 @@ def built_partitioned(ds_config: dict | None):
 
 
 _PARTITIONED_CONFIGS: list = []   # HfDeepSpeedConfig objects of models built partitioned (see built_partitioned)
+
+
+CHECKPOINT_FILES = (("model.safetensors.index.json", "model.safetensors"),   # (sharded index, single file), in
+                    ("pytorch_model.bin.index.json", "pytorch_model.bin"))   # the order from_pretrained prefers
+
+
+def checkpoint_files(name_or_path: str) -> list[str]:
+    """The weight files of an HF checkpoint (a folder, or a Hub name resolved through HF's cache): its shards, or
+    its one file; safetensors where present."""
+    from transformers.utils import cached_file
+    from transformers.utils.hub import get_checkpoint_shard_files
+
+    for index, single in CHECKPOINT_FILES:
+        if found := cached_file(name_or_path, index, _raise_exceptions_for_missing_entries=False):
+            return get_checkpoint_shard_files(name_or_path, found)[0]
+        if found := cached_file(name_or_path, single, _raise_exceptions_for_missing_entries=False):
+            return [found]
+    raise OSError(f"{name_or_path}: no weights ({', '.join(f for pair in CHECKPOINT_FILES for f in pair)})")
+
+
+@contextlib.contextmanager
+def _weight_file(path: str):
+    """One checkpoint file as ({name: shape}, read(name) -> tensor): safetensors reads a tensor only when asked,
+    a .bin is memory-mapped."""
+    import torch
+
+    if path.endswith(".safetensors"):
+        from safetensors import safe_open
+
+        with safe_open(path, framework="pt") as f:
+            yield {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}, f.get_tensor
+    else:
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        yield {k: tuple(v.shape) for k, v in state.items()}, state.__getitem__
+
+
+def load_partitioned(name_or_path: str, ds_config: dict, dtype: Any):
+    """An HF checkpoint in a model built partitioned over the ranks (ZeRO-3), one checkpoint file at a time: each
+    file's parameters are gathered, rank 0 copies the file's tensors in (one tensor read at a time) and they are
+    partitioned again. A rank's host memory peaks at its partition (on the host only where the partitions are:
+    the CPU accelerator, or offload_param) plus about one file, whatever the model's size. transformers 5.x's own
+    ZeRO-3 from_pretrained reads every file into one state dict on rank 0 first: the whole model on one host (141 GB
+    for 70B in bf16). Every parameter must come from the checkpoint (a partly loaded model is refused); tied ones
+    are one parameter."""
+    import deepspeed
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    files = checkpoint_files(name_or_path)
+    with built_partitioned(ds_config):   # HF's random initialisation, gathered module by module: overwritten below
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(name_or_path), dtype=dtype)
+    rank = deepspeed.comm.get_rank()
+    params = dict(model.named_parameters(remove_duplicate=False))
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    loaded, ignored = set(), []
+    for path in files:
+        with _weight_file(path) as (shapes, read):
+            names = {id(params[k]): k for k in shapes if k in params}   # a tied parameter once
+            wrong = [f"{k} {shapes[k]} (model {tuple(params[k].ds_shape)})" for k in names.values()
+                     if shapes[k] != tuple(params[k].ds_shape)]
+            if wrong:   # on every rank, before any collective
+                raise ValueError(f"--model {name_or_path}: {path} holds tensors of other shapes: {', '.join(wrong)}")
+            with deepspeed.zero.GatheredParameters([params[k] for k in names.values()], modifier_rank=0):
+                if rank == 0:
+                    for k in names.values():
+                        params[k].data.copy_(read(k))
+            for k in (k for k in shapes if k in buffers):   # buffers are not partitioned: every rank reads them
+                buffers[k].copy_(read(k))
+            loaded.update(names)
+            ignored += [k for k in shapes if k not in params and k not in buffers]
+    missing = [k for k, p in params.items() if id(p) not in loaded]
+    if missing:
+        raise ValueError(f"--model {name_or_path}: the checkpoint lacks {len(missing)} of the model's parameters "
+                         f"({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''})")
+    if ignored and rank == 0:
+        print(f"note: --model {name_or_path}: {len(ignored)} checkpoint tensors are not in the model and were "
+              f"ignored ({', '.join(ignored[:4])}{', ...' if len(ignored) > 4 else ''})", flush=True)
+    return model
 
 
 def param_groups(model) -> list[dict]:
