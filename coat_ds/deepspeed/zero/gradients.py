@@ -20,6 +20,7 @@ whatever the value.
 from __future__ import annotations
 
 from typing import Any, Mapping
+from ...keys import check_choice
 
 GRADIENTS = ("per_parameter", "partition_buffer", "release")
 DEFAULT = GRADIENTS[0]
@@ -30,9 +31,7 @@ RELEASE = "release"
 
 def check_gradients(value: Any) -> str:
     """The value of coat.gradients, or a one-line ValueError naming the key and the allowed values."""
-    if value not in GRADIENTS:
-        raise ValueError(f"{KEY}={value!r} is invalid; allowed: {list(GRADIENTS)}")
-    return value
+    return check_choice(KEY, value, GRADIENTS)
 
 
 def refused(why: str) -> str:

@@ -28,6 +28,7 @@ from typing import Mapping
 import torch
 
 from .kind import ZERO12, is_zero3, zero_kind
+from ...keys import check_choice
 
 MASTER_WEIGHTS = ("fp32", "bf16_sr", "bf16_rn", "fp32_remainder")
 BF16_MASTERS = ("bf16_sr", "bf16_rn")  # the bf16 model partition is the whole master (rounded)
@@ -36,9 +37,7 @@ KEY = "coat.master_weights"
 
 def check_master_weights(value) -> str:
     """The value of coat.master_weights, or a one-line ValueError naming the key and the allowed values."""
-    if value not in MASTER_WEIGHTS:
-        raise ValueError(f"{KEY}={value!r} is invalid; allowed: {list(MASTER_WEIGHTS)}")
-    return value
+    return check_choice(KEY, value, MASTER_WEIGHTS)
 
 
 def _zero3_offload(where: str) -> str:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from ...formats import state_keys
 from ...optim.coat_adamw import MOMENTS, moment_formats
+from ...keys import check_choice
 
 STATES = ("device", "host")
 DEFAULT, HOST = STATES
@@ -34,9 +35,7 @@ ALIGN = 64  # elements: where every block starts in its buffers (16-byte loads s
 
 def check_states(value: Any) -> str:
     """The value of coat.states, or a one-line ValueError naming the key and the allowed values."""
-    if value not in STATES:
-        raise ValueError(f"{KEY}={value!r} is invalid; allowed: {list(STATES)}")
-    return value
+    return check_choice(KEY, value, STATES)
 
 
 def _refused(why: str) -> str:
