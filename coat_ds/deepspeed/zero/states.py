@@ -80,11 +80,12 @@ class Block:
     def views(self, bufs: list[torch.Tensor], at: tuple = (0, 0, 0)) -> dict[str, torch.Tensor]:
         """The state tensors as views of `bufs` (this block's start in each at `at`)."""
         (qm, sm, em), (qv, sv, ev) = (state_keys(prefix) for prefix in MOMENTS)
-        m, v, meta = (b.narrow(0, o, n) for b, o, n in zip(bufs, at, self.sizes))
+        m, v, meta = self.pieces(bufs, at)
         k = self.n_meta
         return {qm: m, sm: meta[:k], em: meta[k:2 * k], qv: v, sv: meta[2 * k:3 * k], ev: meta[3 * k:]}
 
     def pieces(self, bufs: list[torch.Tensor], at: tuple = (0, 0, 0)) -> list[torch.Tensor]:
+        """This block's part of each buffer (what one copy moves)."""
         return [b.narrow(0, o, n) for b, o, n in zip(bufs, at, self.sizes)]
 
 
@@ -121,7 +122,7 @@ class HostStates:
 
     def __init__(self, opt, masters: list[torch.Tensor], groups: list[dict], param_ids: list[set], device,
                  process_group=None) -> None:
-        self.opt, self.masters, self.device = opt, masters, torch.device(device)
+        self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         layouts = [opt.partition_of(m) for m in masters]
         self.blocks = [Block(m.numel(), lay.n_meta) for m, lay in zip(masters, layouts)]
@@ -184,20 +185,22 @@ class HostStates:
         self.sync()  # nothing in flight into or out of the block (no window is open between steps)
         st = self.host_views(i)
         for key, t in st.items():
-            t.view(torch.uint8).fill_(0) if not key.endswith("_expo") else t.fill_(1.0)
+            if key.endswith("_expo"):
+                t.fill_(1.0)
+            else:
+                t.view(torch.uint8).fill_(0)
         return {"step": torch.zeros((), dtype=torch.float32), **st}
 
     def adopt(self, i: int, saved: dict) -> dict:
         """A loaded state of sub-group i copied into its host block (codes bit for bit)."""
-        st = self.fresh(i)
+        self.sync()
+        st = self.host_views(i)
         for key, t in st.items():
-            if key == "step":
-                st[key] = saved[key].clone()
-            elif t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and saved[key].element_size() == 1:
+            if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and saved[key].element_size() == 1:
                 t.view(torch.uint8).copy_(saved[key].reshape(-1).view(torch.uint8))
             else:
                 t.copy_(saved[key].reshape(-1))
-        return st
+        return {"step": saved["step"].clone(), **st}
 
     # ------------------------------------------------------------------ the windows
     def window(self, i: int) -> dict[str, torch.Tensor]:
@@ -286,10 +289,6 @@ class HostStates:
             ev.synchronize()
         self.written.clear()
         self.free = [None] * WINDOWS
-
-    @property
-    def host_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.host)
 
 
 def install(zo) -> HostStates:
