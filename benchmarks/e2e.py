@@ -26,6 +26,7 @@ import deepspeed.comm as dist  # noqa: E402
 import torch  # noqa: E402
 from deepspeed.accelerator import get_accelerator  # noqa: E402
 
+from benchmarks.memory_trace import recorded  # noqa: E402
 from benchmarks.common import (GIB, RESULTS, ROOT, StepProbe, WarningLog, add_worker_args, proc_bytes,  # noqa: E402
                                check_positive, names_of, provenance, run_worker, worker_cmd, write_results)
 from coat_ds.deepspeed.zero.kind import master_partitions, zero_kind  # noqa: E402
@@ -123,11 +124,17 @@ def ds_config(name: str, *, micro_batch: int, zero_stage: int | None = None, on_
     return cfg
 
 
-def build_model(model: str, device, dtype, seed: int):
-    """A randomly initialised model of shape `model` (MODELS) on `device` in `dtype`."""
+def build_model(model: str, device, dtype, seed: int, layers: int | None = None):
+    """A randomly initialised model of shape `model` (MODELS) on `device` in `dtype`, `layers` deep where given."""
     if model not in MODELS:
         raise ValueError(f"--model {model!r} is unknown; allowed: {list(MODELS)}")
-    return train_lib.from_shape(dict(MODELS[model], max_position_embeddings=4096), seed, device, dtype)
+    return train_lib.from_shape(shape_of(model, layers), seed, device, dtype)
+
+
+def shape_of(model: str, layers: int | None = None) -> dict:
+    """`model`'s HF config fields, with `layers` decoder layers where given (a shallower stand-in of the same width
+    parts a step's per-layer memory from its constant part in two short runs)."""
+    return dict(MODELS[model], max_position_embeddings=4096, **({"num_hidden_layers": layers} if layers else {}))
 
 
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace, positive: tuple[str, ...]) -> list[str]:
@@ -213,7 +220,7 @@ class Worker:
         larger than a GPU (70B: 141 GB in bf16) can be built."""
         dtype = dtype or (torch.bfloat16 if self.on_cuda else torch.float32)
         with train_lib.built_partitioned(cfg):
-            net = build_model(self.args.model, self.device, dtype, self.args.seed)
+            net = build_model(self.args.model, self.device, dtype, self.args.seed, getattr(self.args, "layers", None))
         self.vocab = net.config.vocab_size
         self.n_params = sum(getattr(p, "ds_numel", p.numel()) for p in net.parameters())
         return net
@@ -316,11 +323,13 @@ class Worker:
 
         a0 = self.allocated()
         self.peak_gb(reset=True)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = self.train_lib.lm_loss(engine, x, y)
-        a1 = self.allocated()
-        engine.backward(loss)
-        a2 = self.allocated()
+        on = getattr(self.args, "memory_trace", False) and self.rank == 0   # offload / hf_trainer_speed: none
+        with recorded(self.device.index or 0, on) as trace:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                loss = self.train_lib.lm_loss(engine, x, y)
+            a1 = self.allocated()
+            engine.backward(loss)
+            a2 = self.allocated()
         fp8_cache = counter.add(t for m in engine.module.modules() for v in vars(m).values()
                                 if isinstance(getattr(v, "_codes", None), dict) for t in v._codes.values())
         # what lives across the step (weights, masters, states, the FP8 weight cache); gradients are left out of
@@ -337,7 +346,8 @@ class Worker:
                 "alloc_forward_delta_gb": (a1 - a0) / GIB if self.on_cuda else None,
                 "alloc_backward_delta_gb": (a2 - a0) / GIB if self.on_cuda else None,
                 # which phase sets the peak: forward+backward, or the ZeRO optimizer step (fp32 gradient copies)
-                "peak_forward_backward_gb": peak_fb, "peak_optimizer_step_gb": peak_step}
+                "peak_forward_backward_gb": peak_fb, "peak_optimizer_step_gb": peak_step,
+                **({"memory_trace": trace} if trace else {})}
 
     def rung_inputs(self, b: int):
         x_all = torch.randint(0, self.vocab, (b, self.args.seq_len + 1), generator=self.gen)
@@ -546,7 +556,8 @@ def launch(args: argparse.Namespace, name: str, result: Path, start: int, known_
     devices = getattr(args, "devices", None)   # CUDA ids ("2,3"): workers side by side (e2e_scaling); several go to
     # the launcher's --include alone (beside CUDA_VISIBLE_DEVICES it would count only those GPUs)
     cmd = worker_cmd("benchmarks.e2e", args, ("model", "seq_len", "max_batch", "steps", "warmup", "mem_fraction",
-                     "seed", "max_rungs", "zero_stage", "profile_batch", "profile", "then_batch"),
+                     "seed", "max_rungs", "zero_stage", "profile_batch", "profile", "then_batch", "layers",
+                     "memory_trace"),
                      args.num_gpus, devices, config=name, start_batch=start, known_fail=known_fail,
                      budget_s=max(budget - 20, 10), result=result)
     print(f"== {name}: {' '.join(cmd)}", flush=True)
@@ -630,6 +641,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
                    help="record one step's top kernels, top host-side calls and device syncs (at the largest batch)")
     p.add_argument("--profile-batch", type=int, help="profile at this micro-batch instead of the largest that fits")
     p.add_argument("--verbose", action="store_true", help="echo the workers' whole output")
+    p.add_argument("--layers", type=int, help="the model's decoder layers instead of its shape's (a stand-in)")
+    p.add_argument("--memory-trace", action="store_true",
+                   help="rank 0's allocator trace over the first micro-batch's instrumented step: the blocks alive "
+                        "at its peak by allocating line (benchmarks/memory_trace.py)")
     add_worker_args(p)
     p.add_argument("--config", help=argparse.SUPPRESS)
     p.add_argument("--start-batch", type=int, default=1, help=argparse.SUPPRESS)
@@ -685,7 +700,7 @@ def headline(args: argparse.Namespace, rows: list[dict], t0: float) -> dict:
     full = {r["micro_batch"]: r["peak_alloc_gb"] for r in by.get("coat_full", {}).get("rungs", [])}
     common = {str(r["micro_batch"]): r["peak_alloc_gb"] / full[r["micro_batch"]]
               for r in by.get("bf16", {}).get("rungs", []) if r["micro_batch"] in full}
-    setup, shape = rows[0], MODELS[args.model]
+    setup, shape = rows[0], shape_of(args.model, args.layers)
     return {
         **provenance(), "model": args.model, "params": setup.get("params"), "shape": shape,
         "world_size": args.num_gpus, "zero_stage": args.zero_stage if args.zero_stage is not None else
