@@ -114,8 +114,10 @@ def _drop_stale_sharded_weights(layer: nn.Module, args: Any) -> None:
     """Forward pre-hook: a partitioned weight (ZeRO-3) is re-gathered into whatever buffer is free and the
     optimizer updates its partition through `.data`, so neither data_ptr nor _version tells a new step
     from an old one: a cached FP8 weight or scale would outlive its step. Clear the layer's cache once
-    per forward."""
-    if sharding().is_partitioned(layer.self_attn.q_proj.weight):
+    per forward. The weight is looked at through parameters(), not the attribute: this hook may run before
+    ZeRO-3's own gathers the layer, and ZeRO-3's attribute getter, seeing a forward, would gather the weight
+    for the parent module and keep it until the parent's backward ends (every layer's q_proj at once)."""
+    if any(sharding().is_partitioned(w) for w in layer.self_attn.q_proj.parameters(recurse=False)):
         layer.clear_weight_cache()
 
 
