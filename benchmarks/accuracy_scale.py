@@ -429,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
         write_results(result(args, res, calls, tokens), args.out, NAME)   # what it has, after each job
     call["wall_s"] = time.time() - t0
     path = write_results(result(args, res, calls, tokens), args.out, NAME)
-    print(render(NAME, args.out), f"-> {path}", sep="\n", flush=True)
+    print(render(NAME, args.out), render(f"{NAME}_finetune", args.out), f"-> {path}", sep="\n", flush=True)
     return 0
 
 
