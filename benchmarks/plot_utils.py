@@ -299,8 +299,9 @@ def plot_accuracy_scale(res: dict, path: Path) -> None:
 
 def kind(res: dict) -> str:
     """Which benchmark wrote a results file, from its fields."""
-    for key, name in (("verdicts", "accuracy_scale"), ("gpu_memory_gb", "e2e_scaling"), ("hf_config", "hf_trainer"), ("calls", "seed_spread"),
-                      ("runs", "convergence"), ("cases", "e2e_real_shapes"), ("rows", "offload")):
+    for key, name in (("verdicts", "accuracy_scale"), ("gpu_memory_gb", "e2e_scaling"), ("hf_config", "hf_trainer"),
+                      ("calls", "seed_spread"), ("runs", "convergence"), ("cases", "e2e_real_shapes"),
+                      ("rows", "offload")):
         if key in res:
             return name
     return "e2e"

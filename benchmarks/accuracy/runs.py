@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +24,7 @@ def command(recipe: Recipe, config: str, seed: int, gpus: int, run_dir: Path, da
             model: Path | None = None, export: Path | None = None, resume: bool = False) -> list[str]:
     """The main job's command line for one run (a fine-tuning when `model` is given: validated before its first
     step too)."""
-    cmd = ["deepspeed", "--num_gpus", str(gpus), "--master_port", str(free_port()), "examples/train.py",
+    cmd = [launcher(), "--num_gpus", str(gpus), "--master_port", str(free_port()), "examples/train.py",
            "--deepspeed", CONFIGS[config], "--data", str(data_root / recipe.corpus), "--seq-len", str(recipe.seq_len),
            "--micro-batch", str(recipe.global_batch // gpus), "--steps", str(recipe.steps), "--lr", str(recipe.lr),
            "--warmup-steps", str(recipe.warmup_steps), "--eval-every", str(recipe.eval_every),
@@ -30,6 +32,11 @@ def command(recipe: Recipe, config: str, seed: int, gpus: int, run_dir: Path, da
            "--seed", str(seed), "--save-dir", str(run_dir)]
     cmd += ["--model", str(model), "--eval-first"] if model else ["--model-size", recipe.model_size]
     return cmd + (["--export", str(export)] if export else []) + (["--resume"] if resume else [])
+
+
+def launcher() -> str:
+    """DeepSpeed's launcher: on PATH, else beside this Python (a virtual environment not activated)."""
+    return shutil.which("deepspeed") or str(Path(sys.executable).parent / "deepspeed")
 
 
 @dataclass

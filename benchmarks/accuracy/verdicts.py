@@ -98,7 +98,7 @@ def finetune(before: dict[str, float], end: dict[str, float]) -> dict:
     """Per configuration: the validation loss before the first step and at the end, each one's gap to BF16's and
     whether both lie within FINETUNE_REL."""
     out = {}
-    for name in before.keys() | end.keys():
+    for name in dict.fromkeys([*before, *end]):
         row = {"before": before.get(name), "end": end.get(name),
                "gap_before_rel": gap(before.get(name), before.get("bf16")),
                "gap_end_rel": gap(end.get(name), end.get("bf16"))}
