@@ -421,6 +421,11 @@ def _accuracy(res: Path) -> dict | None:
 ACCURACY_NOT_YET = "not measured yet: `python -m benchmarks.accuracy_scale` (docs/benchmarks.md, \"Accuracy at scale\")"
 
 
+def _not_yet(header: list[str]) -> list[str]:
+    """The one row of an accuracy table before its JSON exists."""
+    return [ACCURACY_NOT_YET, *["-"] * (len(header) - 1)]
+
+
 def _pct(x) -> str:
     return "-" if x is None else f"{100 * x:+.2f}%"
 
@@ -438,7 +443,7 @@ def accuracy(res: Path):
     yield header
     doc = _accuracy(res)
     if doc is None:
-        yield [ACCURACY_NOT_YET, *["-"] * (len(header) - 1)]
+        yield _not_yet(header)
         return
     pre, ft = doc["verdicts"]["pretrain"]["configs"], doc["verdicts"]["finetune"]
     labels = {e["config"]: e["label"] for e in doc["runs"].values()}
@@ -460,7 +465,7 @@ def accuracy_scale(res: Path):
     yield header
     doc = _accuracy(res)
     if doc is None:
-        yield [ACCURACY_NOT_YET, *["-"] * (len(header) - 1)]
+        yield _not_yet(header)
         return
     v = doc["verdicts"]["pretrain"]
     b = v["bf16_band"]
@@ -481,7 +486,7 @@ def accuracy_scale_finetune(res: Path):
     yield header
     doc = _accuracy(res)
     if doc is None:
-        yield [ACCURACY_NOT_YET, *["-"] * (len(header) - 1)]
+        yield _not_yet(header)
         return
     for name, f in doc["verdicts"]["finetune"].items():
         yield [name, num(f["before"], 4), _pct(f["gap_before_rel"]), num(f["end"], 4), _pct(f["gap_end_rel"]),
@@ -491,11 +496,11 @@ def accuracy_scale_finetune(res: Path):
 @table
 def accuracy_scale_outliers(res: Path):
     """docs/results.md: max |x| over RMS at BF16's pretrained model's decoder-layer inputs, per layer."""
-    yield ["decoder layer", "max abs of its input", "RMS", "max abs / RMS"]
-    doc = _accuracy(res)
-    rows = ((doc or {}).get("outliers") or {}).get("layers")
+    header = ["decoder layer", "max abs of its input", "RMS", "max abs / RMS"]
+    yield header
+    rows = ((_accuracy(res) or {}).get("outliers") or {}).get("layers")
     if not rows:
-        yield [ACCURACY_NOT_YET, "-", "-", "-"]
+        yield _not_yet(header)
         return
     for r in rows:
         yield [r["layer"], num(r["max_abs"], 2), num(r["rms"], 3), num(r["ratio"], 1)]
