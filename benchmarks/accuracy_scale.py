@@ -65,7 +65,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--configs", default=",".join(R.CONFIGS), help=f"comma-separated, from {list(R.CONFIGS)}")
     p.add_argument("--seeds", default="0,1,2", help=f"comma-separated: each for {', '.join(R.MULTI_SEED)}, the first "
-                                                    f"for the other presets, the fine-tuning and BF16's export")
+                                                    f"for the other presets (the fine-tuning and BF16's export: seed "
+                                                    f"{R.EXPORT_SEED})")
     p.add_argument("--phase", default="all", choices=PHASES,
                    help="all: BF16's first seed (exported), the outlier measure and the fine-tuning first, then the "
                         "other pretraining runs")
@@ -159,19 +160,18 @@ def merged(paths: list[str], recipe: dict) -> dict:
 
 
 # --- The schedule -----------------------------------------------------------------------------------------------------
+SOURCE = Job("pretrain", R.BASELINE, R.EXPORT_SEED)   # the run whose final model the fine-tuning starts from
+
+
 def jobs(args: argparse.Namespace) -> list[Job]:
-    """The selected jobs in order: with --phase all, BF16's first seed (its model is exported), the outlier measure
-    and the fine-tuning come first, then the other pretraining runs seed by seed (a short session covers every
-    config)."""
+    """The selected jobs in order: with --phase all, BF16's exported seed, the outlier measure and the fine-tuning
+    come first, then the other pretraining runs seed by seed (a short session covers every config)."""
     first = args.seeds[0]
     pre = [Job("pretrain", c, s) for s in args.seeds for c in args.configs if c in R.MULTI_SEED or s == first]
-    source = Job("pretrain", R.BASELINE, first)
-    after = [Job("outliers", R.BASELINE, first)] + [Job("finetune", c, first) for c in args.configs]
+    after = [Job("outliers", R.BASELINE, R.EXPORT_SEED)] + [Job("finetune", c, R.EXPORT_SEED) for c in args.configs]
     if args.phase == "pretrain":
         return pre
-    if args.phase == "finetune":
-        return [source, *after]
-    return [j for j in pre if j == source] + after + [j for j in pre if j != source]
+    return [SOURCE, *after] + ([j for j in pre if j != SOURCE] if args.phase == "all" else [])
 
 
 def export_id(args: argparse.Namespace) -> str | None:
@@ -204,7 +204,7 @@ def todo(args: argparse.Namespace, res: dict, job: Job) -> Todo | None:
 
 def rerun_for_export(args: argparse.Namespace, res: dict, job: Job) -> bool:
     """BF16's exported pretraining must run again: the fine-tuning has runs to do and this machine has no export."""
-    if job != Job("pretrain", R.BASELINE, args.seeds[0]) or args.phase == "pretrain" or export_id(args):
+    if job != SOURCE or args.phase == "pretrain" or export_id(args):
         return False
     return any((res["runs"].get(f.key) or {}).get("status") not in DONE for f in jobs(args) if f.phase == "finetune")
 
@@ -288,7 +288,7 @@ def run_job(args: argparse.Namespace, res: dict, t: Todo, stop: runs.Stop, call:
     r = args.recipes[job.phase]
     if t.resume_from is None:
         shutil.rmtree(run_dir, ignore_errors=True)
-    source = job == Job("pretrain", R.BASELINE, args.seeds[0])
+    source = job == SOURCE
     if source and t.resume_from is None:
         shutil.rmtree(export_dir, ignore_errors=True)
     cmd = runs.command(r, job.config, job.seed, args.num_gpus, run_dir, args.data_root,

@@ -111,6 +111,9 @@ def test_the_plan_puts_bf16_first_then_outliers_and_fine_tuning_and_meets_the_is
     pre_keys = [k for k in keys if k.startswith("pretrain")]
     assert len(pre_keys) == 8 and sum("_bf16_" in k for k in pre_keys) == 3 and \
         sum("lowest_memory" in k for k in pre_keys) == 3
+    later = [j.key for j in S.jobs(S.parse_args(["--seeds", "1,2"]))]      # the export is seed 0's whatever --seeds
+    assert later[:3] == ["pretrain_bf16_s0", "outliers", "finetune_bf16_s0"] and "pretrain_exact_s1" in later
+    assert [j.key for j in S.jobs(S.parse_args(["--phase", "pretrain", "--seeds", "2"]))][0] == "pretrain_bf16_s2"
     assert S.main(["--plan-only", "--run-root", "/nonexistent"]) == 0
     out = capsys.readouterr().out
     assert "13 jobs on 4 GPUs" in out and "pretrain_bf16_s0: from scratch, 3,100 steps at 350,000 tokens/s (assumed)" \

@@ -15,6 +15,7 @@ PRESETS = ("exact", "lowest_memory", "largest_model")          # coat's, each ag
 CONFIGS = {n: e2e.CONFIGS[n][1] for n in (BASELINE, *PRESETS)}  # the shipped file each runs, as it is
 LABELS = {n: e2e.LABELS[n] for n in CONFIGS}
 MULTI_SEED = (BASELINE, "lowest_memory")   # every --seeds; the other presets run the first seed only (issue 46)
+EXPORT_SEED = 0   # BF16's seed whose final model is exported and fine-tuned (with this seed's data order) by each
 assert all(not e2e.CONFIGS[n][2] for n in CONFIGS), "a config of these runs must be a shipped file as it is"
 
 
