@@ -231,10 +231,77 @@ def plot_seed_spread(res: dict, path: Path) -> None:
     save(fig, path)
 
 
+def _curves(runs: list[dict]) -> dict[str, list[dict[int, float]]]:
+    """Each configuration's validation curves, one {step: loss} per seed."""
+    out: dict[str, list[dict[int, float]]] = {}
+    for e in runs:
+        if e.get("val"):
+            out.setdefault(e["config"], []).append({s: v for s, _, v in e["val"]})
+    return out
+
+
+def _seed_mean(curves: list[dict[int, float]]) -> tuple[list[int], list[float], list[float]]:
+    """Steps every seed reached, the seeds' mean there and their sample std (0 for one seed)."""
+    steps = sorted(set.intersection(*[set(c) for c in curves]))
+    vals = [[c[s] for c in curves] for s in steps]
+    return steps, [statistics.mean(v) for v in vals], [statistics.stdev(v) if len(v) > 1 else 0.0 for v in vals]
+
+
+def plot_accuracy_scale(res: dict, path: Path) -> None:
+    """Pretraining's validation loss (BF16's seeds as mean +- 2 std, each preset's seed mean), its gap to BF16's mean,
+    and the fine-tuning's validation loss from BF16's model (step 0: before the first step)."""
+    fig, (ax, ax2, ax3) = _plt().subplots(1, 3, figsize=(18, 5), gridspec_kw={"width_ratios": [3, 2, 2]})
+    runs = list(res["runs"].values())
+    colors = {name: COLORS.get(name) or f"C{i + 2}" for i, name in enumerate(["bf16", "exact", "lowest_memory",
+                                                                              "largest_model"])}
+    pre = _curves([e for e in runs if e["phase"] == "pretrain"])
+    base = _seed_mean(pre["bf16"]) if pre.get("bf16") else None
+    finals = []
+    for name, curves in pre.items():
+        steps, mean, std = _seed_mean(curves)
+        if not steps:
+            continue
+        finals.append(mean[-1])
+        ax.plot(steps, mean, "o-" if name != "bf16" else "-", ms=3, color=colors.get(name),
+                label=f"{name} (mean of {len(curves)})")
+        if name == "bf16":
+            ax.fill_between(steps, [m - 2 * s for m, s in zip(mean, std)], [m + 2 * s for m, s in zip(mean, std)],
+                            color=colors[name], alpha=0.2, label="bf16 mean +- 2 std")
+        elif base:
+            b = dict(zip(base[0], base[1]))
+            gap = [(s, 100 * (m - b[s]) / b[s]) for s, m in zip(steps, mean) if s in b]
+            if gap:
+                ax2.plot(*zip(*gap), "o-", ms=3, color=colors.get(name), label=name)
+    if base:
+        ax2.fill_between(base[0], [-200 * s / m for m, s in zip(base[1], base[2])],
+                         [200 * s / m for m, s in zip(base[1], base[2])], color=colors["bf16"], alpha=0.2,
+                         label="bf16 +- 2 std")
+    if finals:
+        ax.set_ylim(min(finals) * 0.97, min(finals) * 1.5)
+    ax2.axhline(0, color="black", lw=0.8)
+    ax2.axhspan(-0.5, 0.5, color="green", alpha=0.08, label="within 0.5%")
+    rc = res["recipe"]["pretrain"]
+    ax.set(xlabel="step", ylabel="validation loss", title=f"pretraining: llama-{rc['model_size']}, "
+           f"{rc['tokens'] / 1e6:.3g}M tokens of {rc['corpus']}, seq {rc['seq_len']}")
+    ax2.set(xlabel="step", ylabel="vs BF16's seed mean (%)", title="gap to BF16")
+    for name, curves in _curves([e for e in runs if e["phase"] == "finetune"]).items():
+        steps, mean, _ = _seed_mean(curves)
+        ax3.plot(steps, mean, "o-", ms=3, color=colors.get(name), label=name)
+    ft = res["recipe"]["finetune"]
+    ax3.set(xlabel="step", ylabel="validation loss", title=f"fine-tuning BF16's model on {ft['corpus']} "
+            f"({ft['steps']:,} steps)")
+    for a in (ax, ax2, ax3):
+        a.grid(alpha=0.3)
+        if a.get_legend_handles_labels()[0]:
+            a.legend(fontsize=8)
+    save(fig, path)
+
+
 def kind(res: dict) -> str:
     """Which benchmark wrote a results file, from its fields."""
-    for key, name in (("gpu_memory_gb", "e2e_scaling"), ("hf_config", "hf_trainer"), ("calls", "seed_spread"),
-                      ("runs", "convergence"), ("cases", "e2e_real_shapes"), ("rows", "offload")):
+    for key, name in (("verdicts", "accuracy_scale"), ("gpu_memory_gb", "e2e_scaling"), ("hf_config", "hf_trainer"),
+                      ("calls", "seed_spread"), ("runs", "convergence"), ("cases", "e2e_real_shapes"),
+                      ("rows", "offload")):
         if key in res:
             return name
     return "e2e"

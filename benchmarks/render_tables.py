@@ -413,6 +413,99 @@ def train_throughput(res: Path):
                f"{r['peak_mem_gb']:.2f} GiB" + vs["peak_mem_gb"], f"{r['last_loss']:.2f}", f"{r['last_val_loss']:.2f}"]
 
 
+def _accuracy(res: Path) -> dict | None:
+    """accuracy_scale.json; None before the first device call has written it."""
+    return load(res, "accuracy_scale.json") if (res / "accuracy_scale.json").is_file() else None
+
+
+ACCURACY_NOT_YET = "not measured yet: `python -m benchmarks.accuracy_scale` (docs/benchmarks.md, \"Accuracy at scale\")"
+
+
+def _not_yet(header: list[str]) -> list[str]:
+    """The one row of an accuracy table before its JSON exists."""
+    return [ACCURACY_NOT_YET, *["-"] * (len(header) - 1)]
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{100 * x:+.2f}%"
+
+
+def _yes(x) -> str:
+    return "-" if x is None else "yes" if x else "no"
+
+
+@table
+def accuracy(res: Path):
+    """README: issue 46's verdicts, a preset a row: pretraining's final validation loss against BF16's seed band and
+    spikes, fine-tuning BF16's model before the first step and at the end."""
+    header = ["configuration", "pretraining: final val loss (seeds)", "gap to BF16's mean", "inside BF16's band, "
+              "no larger spike", "fine-tuning: gap before the first step / at the end", "targets met"]
+    yield header
+    doc = _accuracy(res)
+    if doc is None:
+        yield _not_yet(header)
+        return
+    pre, ft = doc["verdicts"]["pretrain"]["configs"], doc["verdicts"]["finetune"]
+    labels = {e["config"]: e["label"] for e in doc["runs"].values()}
+    for name in dict.fromkeys([*pre, *ft]):
+        p, f = pre.get(name, {}), ft.get(name, {})
+        met = [x for x in (p.get("meets_targets"), f.get("meets_targets")) if x is not None]
+        yield [labels[name],
+               f"{num(p.get('final_mean'), 4)} ({len(p.get('seeds', []))})", _pct(p.get("gap_rel")),
+               "-" if name == "bf16" else f"{_yes(p.get('within_band'))}, {_yes(p.get('spike_ok'))}",
+               "-" if name == "bf16" else f"{_pct(f.get('gap_before_rel'))} / {_pct(f.get('gap_end_rel'))}",
+               "-" if name == "bf16" or not met else _yes(all(met))]
+
+
+@table
+def accuracy_scale(res: Path):
+    """docs/results.md: every pretraining configuration's seeds, BF16's band, and the largest second-half spike."""
+    header = ["configuration", "seeds: final val loss", "mean +- std", "gap to BF16's mean", "BF16's band",
+              "inside", "largest second-half spike (BF16's largest)"]
+    yield header
+    doc = _accuracy(res)
+    if doc is None:
+        yield _not_yet(header)
+        return
+    v = doc["verdicts"]["pretrain"]
+    b = v["bf16_band"]
+    band = "-" if b is None else f"{b['low']:.4f} - {b['high']:.4f} ({b['set_by']}, {b['seeds']} seeds)"
+    for name, c in v["configs"].items():
+        yield [name, ", ".join(f"{s}: {x:.4f}" for s, x in zip(c["seeds"], c["finals"])),
+               f"{c['final_mean']:.4f} +- {num(c['final_std'], 4)}", _pct(c["gap_rel"]), band if name == "bf16" else "",
+               _yes(c.get("within_band")) if name != "bf16" else "-",
+               f"{num(c['largest_spike'], 4)}" + ("" if name == "bf16" else
+                                                  f" ({num(v['bf16_largest_spike'], 4)}): {_yes(c.get('spike_ok'))}")]
+
+
+@table
+def accuracy_scale_finetune(res: Path):
+    """docs/results.md: fine-tuning BF16's pretrained model with each configuration, from the same weights."""
+    header = ["configuration", "val loss before the first step", "gap to BF16", "val loss at the end", "gap to BF16",
+              "both within 0.5%"]
+    yield header
+    doc = _accuracy(res)
+    if doc is None:
+        yield _not_yet(header)
+        return
+    for name, f in doc["verdicts"]["finetune"].items():
+        yield [name, num(f["before"], 4), _pct(f["gap_before_rel"]), num(f["end"], 4), _pct(f["gap_end_rel"]),
+               _yes(f.get("meets_targets"))]
+
+
+@table
+def accuracy_scale_outliers(res: Path):
+    """docs/results.md: max |x| over RMS at BF16's pretrained model's decoder-layer inputs, per layer."""
+    header = ["decoder layer", "max abs of its input", "RMS", "max abs / RMS"]
+    yield header
+    rows = ((_accuracy(res) or {}).get("outliers") or {}).get("layers")
+    if not rows:
+        yield _not_yet(header)
+        return
+    for r in rows:
+        yield [r["layer"], num(r["max_abs"], 2), num(r["rms"], 3), num(r["ratio"], 1)]
+
+
 # --- regions ----------------------------------------------------------------------------------------------------------
 def regions(text: str) -> list[tuple[str, str]]:
     """(name, current body) of every marked region of a Markdown text."""

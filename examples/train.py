@@ -42,7 +42,7 @@ DEFAULTS = dict(
     deepspeed="ds_configs/zero2_coat.json",
     model=None, model_size="small", data=None, data_dtype="uint16", vocab_size=data_lib.DEFAULT_VOCAB,
     seq_len=256, steps=200, eval_every=50, eval_batches=8, save_dir="runs/train", save_every=100, keep_last=2,
-    seed=1234, micro_batch=None, grad_accum=None, lr=None, peer_timeout=30.0,
+    seed=1234, micro_batch=None, grad_accum=None, lr=None, warmup_steps=None, peer_timeout=30.0,
 )
 
 
@@ -62,6 +62,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, help="optimizer steps in total (a resumed run counts from 0 too)")
     p.add_argument("--eval-every", type=int, help="validate every N steps (0: only at the end)")
     p.add_argument("--eval-batches", type=int, help="validation micro-batches per rank")
+    p.add_argument("--eval-first", action="store_true",
+                   help="validate before the first step too (step 0 of a fresh run: a fine-tuning's starting point)")
     p.add_argument("--save-dir", help="run directory: log, plot, summary and checkpoints/")
     p.add_argument("--save-every", type=int, help="checkpoint every N steps (0: only at the end and on signals)")
     p.add_argument("--keep-last", type=int, help="checkpoints kept on disk (older ones are deleted)")
@@ -72,6 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-batch", type=int, help="override train_micro_batch_size_per_gpu")
     p.add_argument("--grad-accum", type=int, help="override gradient_accumulation_steps")
     p.add_argument("--lr", type=float, help="override optimizer.params.lr")
+    p.add_argument("--warmup-steps", type=int, help="override scheduler.params.warmup_num_steps")
     p.add_argument("--peer-timeout", type=float, metavar="S",
                    help="a rank silent this long (or whose process ended, on the same node: at once) is lost: every "
                         "rank stops with one line, exit 1 (coat_ds.deepspeed.watchdog; 0: off)")
@@ -93,6 +96,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{key.replace('_', '-')}={getattr(args, key)} is invalid; allowed: an integer >= 1")
     if args.lr is not None and not (math.isfinite(args.lr) and args.lr >= 0):
         p.error(f"--lr={args.lr} is invalid; allowed: a finite float >= 0")
+    if args.warmup_steps is not None and not 1 <= args.warmup_steps < args.steps:
+        p.error(f"--warmup-steps={args.warmup_steps} is invalid; allowed: an integer in [1, --steps={args.steps})")
     return args
 
 
@@ -109,6 +114,8 @@ def load_ds_config(args: argparse.Namespace) -> dict:
     sched = cfg.get("scheduler", {}).get("params", {})
     if "scheduler" in cfg:  # the schedule spans this run (--steps), whatever the file says
         sched["total_num_steps"] = args.steps
+        if args.warmup_steps is not None:
+            sched["warmup_num_steps"] = args.warmup_steps
     if isinstance(sched.get("warmup_num_steps"), int) and sched.get("total_num_steps", 0) <= sched["warmup_num_steps"]:
         sched["warmup_num_steps"] = max(1, sched["total_num_steps"] // 10)  # short runs: warm up for 10%
     return check_ds_config(cfg)
@@ -503,6 +510,8 @@ def run_job(args: argparse.Namespace, ds_config: dict, tokens, model, tag: str |
     dist.barrier()
     stop = catch_stop_signals()
     t_start = time.time()
+    if args.eval_first and start == 0:
+        evaluate(run, 0)
     step, last_ckpt, interrupted = train(run, start, stop)
     if step > start or last_ckpt is None:
         last_ckpt = checkpoint(run, step)

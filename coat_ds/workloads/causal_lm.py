@@ -18,6 +18,8 @@ MODEL_SIZES = {  # Llama shapes; parameter counts are for the default 8192-token
                   intermediate_size=704),                                                     # ~7.4M
     "125m": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=12,
                  intermediate_size=3072),                                                     # ~126M
+    "350m": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=16,
+                 intermediate_size=2816),                                                     # ~325M
     "1b": dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=16, num_key_value_heads=4,
                intermediate_size=5632),                                                       # ~1.0B
 }

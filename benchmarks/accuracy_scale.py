@@ -1,0 +1,437 @@
+"""Accuracy at scale (issue 46): is coat "nearly lossless" beyond small runs? A ~350M Llama pretrained at seq 2048 on
+203M tokens of the kernel corpus through the main job, ZeRO-2, with BF16 + FusedAdam and coat's presets exact,
+lowest_memory and largest_model (3 seeds for BF16 and lowest_memory); then BF16's final model fine-tuned on perldoc
+with each, validated before its first step and at the end.
+
+    python -m benchmarks.accuracy_scale --plan-only                          # the schedule, predicted minutes
+    python -m benchmarks.accuracy_scale --deadline 540 --partial-ok --merge OLD.json --out DIR      # 4 GPUs
+    python -m benchmarks.accuracy_scale --smoke --out /tmp/acc               # CPU: 2 ranks, tiny model, small corpora
+
+One main job at a time on all --num-gpus GPUs, each run in its own directory under --run-root; a run the deadline
+stops checkpoints and continues from there in a later call on the same machine (--merge). docs/benchmarks.md,
+"Accuracy at scale", has the device commands and what each run takes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks.accuracy import recipe as R, runs, verdicts
+from benchmarks.common import RESULTS, ROOT, git_commit, names_of, now, provenance, read_json, run_worker, \
+    write_results
+from benchmarks.render_tables import render
+
+NAME = "accuracy_scale"
+PHASES = ("pretrain", "finetune", "all")
+STOP_MARGIN_S = 45.0    # a run is told to stop this long before the deadline: its step, its checkpoint (~5 GB for
+                        # BF16 at 350M), its summary, then this JSON and the device call's copy of it
+KILL_MARGIN_S = 10.0    # and killed this long before it, whatever it is doing
+MIN_PARTIAL_S = 120.0   # --partial-ok starts a run that will not end only where it gets this long before the signal
+OUTLIERS_S = (90.0, 20.0)   # the outlier measure's predicted seconds (4 GPUs, smoke): load the export, 8 forwards
+EXPORT, MARK = "export_bf16", "coat_export.json"   # BF16's model the fine-tuning starts from, and what made it
+DONE = ("done", "diverged")   # a run that ended: kept, not run again (a diverged run is a result)
+
+
+@dataclass(frozen=True)
+class Job:
+    phase: str        # pretrain, outliers or finetune
+    config: str
+    seed: int
+
+    @property
+    def key(self) -> str:
+        return "outliers" if self.phase == "outliers" else f"{self.phase}_{self.config}_s{self.seed}"
+
+
+@dataclass
+class Todo:
+    """A job as this call will run it: from scratch or from its checkpoint, how many steps, its predicted seconds."""
+    job: Job
+    resume_from: int | None = None    # the checkpoint's step (None: from scratch)
+    steps_left: int = 0
+    why: str = ""
+    est_s: float = 0.0
+
+
+# --- Arguments --------------------------------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--configs", default=",".join(R.CONFIGS), help=f"comma-separated, from {list(R.CONFIGS)}")
+    p.add_argument("--seeds", default="0,1,2", help=f"comma-separated: each for {', '.join(R.MULTI_SEED)}, the first "
+                                                    f"for the other presets (the fine-tuning and BF16's export: seed "
+                                                    f"{R.EXPORT_SEED})")
+    p.add_argument("--phase", default="all", choices=PHASES,
+                   help="all: BF16's first seed (exported), the outlier measure and the fine-tuning first, then the "
+                        "other pretraining runs")
+    p.add_argument("--num-gpus", type=int, help=f"GPUs of the main job, from {list(R.GPU_COUNTS)} (default 4; "
+                                                f"--smoke 2 CPU ranks)")
+    p.add_argument("--deadline", type=float, default=math.inf,
+                   help="seconds from start: a run is started only if its predicted time fits; one still going "
+                        f"{STOP_MARGIN_S:g} s before is stopped (it checkpoints) and continued by a later call")
+    p.add_argument("--partial-ok", action="store_true",
+                   help="start a run that will not end before the deadline too (it stops there and continues in the "
+                        "next call on this machine): for every call of a session but its last")
+    p.add_argument("--tokens-per-s", help="pretraining's assumed tokens/s on 4 GPUs, before a run has measured its "
+                                          "own: one number, or config=N,... (default: benchmarks/accuracy/recipe.py)")
+    p.add_argument("--merge", nargs="+", default=[], metavar="FILE",
+                   help="earlier results files (later ones win; missing ones are skipped): finished runs are kept, "
+                        "partial ones continue from their checkpoints when their run directory is still there")
+    p.add_argument("--plan-only", action="store_true", help="print the schedule and its predicted minutes")
+    p.add_argument("--smoke", action="store_true", help="tiny model, a few dozen steps, the small corpora, CPU ranks")
+    p.add_argument("--data-root", type=Path, default=ROOT / ".data" / "corpora",
+                   help="the corpora's folders (python -m benchmarks.prepare_corpus [--from-carry] writes them)")
+    p.add_argument("--run-root", type=Path, help="the runs' directories (default runs/accuracy_scale[_smoke])")
+    p.add_argument("--out", type=Path, default=RESULTS, help=f"where {NAME}.json and .png go")
+    args = p.parse_args(argv)
+    args.configs = names_of(p, "configs", args.configs, R.CONFIGS)
+    parts = [s.strip() for s in args.seeds.split(",") if s.strip()]
+    if not parts or not all(s.isdigit() for s in parts) or len(set(parts)) != len(parts):
+        p.error(f"--seeds={args.seeds!r} is invalid; allowed: distinct comma-separated integers >= 0")
+    args.seeds = [int(s) for s in parts]
+    args.num_gpus = args.num_gpus or (2 if args.smoke else 4)
+    if args.num_gpus not in R.GPU_COUNTS:
+        p.error(f"--num-gpus={args.num_gpus} is invalid; allowed: one of {list(R.GPU_COUNTS)} (they divide the "
+                f"batches of {R.PRETRAIN.global_batch} and {R.FINETUNE.global_batch} samples)")
+    args.rates = rates_flag(p, args.tokens_per_s)
+    args.run_root = args.run_root or ROOT / "runs" / ("accuracy_scale_smoke" if args.smoke else "accuracy_scale")
+    args.recipes = {"pretrain": R.SMOKE_PRETRAIN if args.smoke else R.PRETRAIN,
+                    "finetune": R.SMOKE_FINETUNE if args.smoke else R.FINETUNE}
+    args.speeds = {"pretrain": R.SMOKE_SPEED if args.smoke else R.PRETRAIN_SPEED,
+                   "finetune": R.SMOKE_SPEED if args.smoke else R.FINETUNE_SPEED}
+    return args
+
+
+def rates_flag(p: argparse.ArgumentParser, value: str | None) -> dict[str, float]:
+    """--tokens-per-s as config -> tokens/s (one number: every config)."""
+    if value is None:
+        return {}
+    try:
+        if "=" not in value:
+            return {n: float(value) for n in R.CONFIGS}
+        pairs = dict(kv.split("=", 1) for kv in value.split(","))
+        out = {k.strip(): float(v) for k, v in pairs.items()}
+    except ValueError:
+        out = {}
+    if not out or any(k not in R.CONFIGS or not v > 0 for k, v in out.items()):
+        p.error(f"--tokens-per-s={value!r} is invalid; allowed: a number > 0, or config=N,... with configs from "
+                f"{list(R.CONFIGS)}")
+    return out
+
+
+# --- The results file: merged from earlier calls ----------------------------------------------------------------------
+def recipe_facts(args: argparse.Namespace) -> dict:
+    return {"smoke": args.smoke, **{phase: r.facts() for phase, r in args.recipes.items()}}
+
+
+def rank(entry: dict | None) -> tuple:
+    """Which of two entries of a run to keep: one that ended, then the one further on."""
+    if entry is None:
+        return (-1, -1)
+    return (entry["status"] in DONE, entry["status"] != "failed", entry.get("steps_done", 0))
+
+
+def merged(paths: list[str], recipe: dict) -> dict:
+    """The runs, outlier measure and calls of earlier results files (later files win a tie); exits with one line
+    where a file ran another recipe."""
+    res = {"runs": {}, "outliers": None, "calls": []}
+    for path in paths:
+        doc = read_json(path)
+        if doc is None:
+            print(f"--merge {path}: no such file; skipped", flush=True)
+            continue
+        if doc.get("recipe") != recipe:
+            old = doc.get("recipe") or {}
+            diff = sorted(k for k in set(old) | set(recipe) if old.get(k) != recipe.get(k))
+            sys.exit(f"error: --merge {path}: its runs followed another recipe ({', '.join(diff)} differ); allowed: "
+                     f"results of this recipe (benchmarks/accuracy/recipe.py; --smoke has its own)")
+        res["calls"] += doc.get("calls", [])
+        for key, entry in doc.get("runs", {}).items():
+            if rank(entry) >= rank(res["runs"].get(key)):
+                res["runs"][key] = entry
+        res["outliers"] = doc.get("outliers") or res["outliers"]
+    return res
+
+
+# --- The schedule -----------------------------------------------------------------------------------------------------
+SOURCE = Job("pretrain", R.BASELINE, R.EXPORT_SEED)   # the run whose final model the fine-tuning starts from
+
+
+def jobs(args: argparse.Namespace) -> list[Job]:
+    """The selected jobs in order: with --phase all, BF16's exported seed, the outlier measure and the fine-tuning
+    come first, then the other pretraining runs seed by seed (a short session covers every config)."""
+    first = args.seeds[0]
+    pre = [Job("pretrain", c, s) for s in args.seeds for c in args.configs if c in R.MULTI_SEED or s == first]
+    after = [Job("outliers", R.BASELINE, R.EXPORT_SEED)] + [Job("finetune", c, R.EXPORT_SEED) for c in args.configs]
+    if args.phase == "pretrain":
+        return pre
+    return [SOURCE, *after] + ([j for j in pre if j != SOURCE] if args.phase == "all" else [])
+
+
+def export_id(args: argparse.Namespace) -> str | None:
+    """What identifies BF16's exported model on this machine (when it was written), None where there is none."""
+    mark = read_json(args.run_root / EXPORT / MARK)
+    return mark and mark["written"]
+
+
+def todo(args: argparse.Namespace, res: dict, job: Job) -> Todo | None:
+    """How this call would run `job`, None where there is nothing to do. The fine-tuning compares runs from one
+    export: one made from another export runs again, and BF16's pretraining runs again where the fine-tuning still
+    needs an export that this machine no longer has."""
+    entry, run_dir = res["runs"].get(job.key), args.run_root / job.key
+    current = export_id(args)
+    if job.phase == "outliers":
+        have = res.get("outliers")
+        return None if have and (current is None or have.get("export_id") == current) else Todo(job, why="measure")
+    stale = job.phase == "finetune" and entry and current and entry.get("export_id") != current
+    if entry and entry["status"] in DONE and not stale and not rerun_for_export(args, res, job):
+        return None
+    steps = args.recipes[job.phase].steps
+    ckpt = runs.checkpoint_step(run_dir) if not stale else None
+    if ckpt is not None and ckpt < steps:
+        return Todo(job, ckpt, steps - ckpt, f"continue from step {ckpt}")
+    why = ("again: made from another export" if stale else "again: the fine-tuning needs its export" if entry and
+           entry["status"] in DONE else f"restart (its run directory is gone; {entry['steps_done']} steps logged)"
+           if entry and entry["status"] == "partial" else "again (failed)" if entry else "from scratch")
+    return Todo(job, None, steps, why)
+
+
+def rerun_for_export(args: argparse.Namespace, res: dict, job: Job) -> bool:
+    """BF16's exported pretraining must run again: the fine-tuning has runs to do and this machine has no export."""
+    if job != SOURCE or args.phase == "pretrain" or export_id(args):
+        return False
+    return any((res["runs"].get(f.key) or {}).get("status") not in DONE for f in jobs(args) if f.phase == "finetune")
+
+
+def measured_rate(res: dict, phase: str, config: str) -> float | None:
+    """The median tokens/s of the runs of this phase and config that ran at least 10 steps."""
+    seen = [e["tokens_per_s"] for e in res["runs"].values() if e.get("phase") == phase and e.get("config") == config
+            and e.get("tokens_per_s") and e.get("steps_done", 0) >= 10]
+    return statistics.median(seen) if seen else None
+
+
+def measured_start(res: dict, phase: str) -> float | None:
+    seen = [s["startup_s"] for e in res["runs"].values() if e.get("phase") == phase
+            for s in e.get("segments", []) if s.get("startup_s")]
+    return statistics.median(seen) if seen else None
+
+
+def rate(args: argparse.Namespace, res: dict, phase: str, config: str) -> tuple[float, str]:
+    """tokens/s over all ranks for a run of this phase and config, and where the figure comes from."""
+    got = measured_rate(res, phase, config)
+    if got:
+        return got, "measured"
+    given = args.rates.get(config) if phase == "pretrain" else None
+    base = given or args.speeds[phase].tokens_per_s[config]
+    return base * (1 if args.smoke else args.num_gpus / 4), "given" if given else "assumed"
+
+
+def predict(args: argparse.Namespace, res: dict, t: Todo) -> float:
+    """Predicted wall seconds: the start, the steps left, their evaluations and checkpoints (module recipe.py)."""
+    job = t.job
+    if job.phase == "outliers":
+        return OUTLIERS_S[args.smoke]
+    r, speed = args.recipes[job.phase], args.speeds[job.phase]
+    tps, _ = rate(args, res, job.phase, job.config)
+    evals = t.steps_left // r.eval_every + 1 + (job.phase == "finetune" and t.resume_from is None)
+    saves = (t.steps_left // r.save_every if r.save_every else 0) + 1
+    return ((measured_start(res, job.phase) or speed.start_s) + t.steps_left * r.tokens_per_step / tps
+            + evals * r.eval_windows * r.seq_len / (R.EVAL_SPEEDUP * tps) + saves * speed.save_s)
+
+
+def schedule(args: argparse.Namespace, res: dict) -> list[Todo]:
+    out = []
+    for job in jobs(args):
+        t = todo(args, res, job)
+        if t is not None:
+            t.est_s = predict(args, res, t)
+            out.append(t)
+    return out
+
+
+def schedule_text(args: argparse.Namespace, res: dict, plan: list[Todo]) -> str:
+    lines, total = [], 0.0
+    for t in plan:
+        total += t.est_s
+        what = "" if t.job.phase == "outliers" else \
+            f", {t.steps_left:,} steps at {rate(args, res, t.job.phase, t.job.config)[0]:,.0f} tokens/s " \
+            f"({rate(args, res, t.job.phase, t.job.config)[1]})"
+        lines.append(f"  {t.job.key}: {t.why}{what}: ~{t.est_s / 60:.1f} min (ends ~{total / 60:.1f} min)")
+    head = f"{len(plan)} jobs on {args.num_gpus} {'CPU ranks' if args.smoke else 'GPUs'}, ~{total / 60:.1f} min in all"
+    return "\n".join([head, *lines] if plan else ["nothing left to run"])
+
+
+# --- Running ----------------------------------------------------------------------------------------------------------
+def check_data(args: argparse.Namespace) -> dict[str, int]:
+    """Each corpus's train tokens; exits with one line where a corpus folder is missing."""
+    out = {}
+    for r in args.recipes.values():
+        meta = read_json(args.data_root / r.corpus / "meta.json")
+        if meta is None:
+            sys.exit(f"error: --data-root {args.data_root}: no {r.corpus}/meta.json; allowed: a folder that "
+                     f"python -m benchmarks.prepare_corpus wrote (on the device: --from-carry, first)")
+        out[r.corpus] = meta["train_tokens"]
+    return out
+
+
+def run_job(args: argparse.Namespace, res: dict, t: Todo, stop: runs.Stop, call: dict, tokens: dict) -> None:
+    """One job to its end or the deadline; its entry (or the outlier measure) written into `res`."""
+    job, run_dir, export_dir = t.job, args.run_root / t.job.key, args.run_root / EXPORT
+    if job.phase == "outliers":
+        return measure_outliers(args, res, stop, call)
+    r = args.recipes[job.phase]
+    if t.resume_from is None:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    source = job == SOURCE
+    if source and t.resume_from is None:
+        shutil.rmtree(export_dir, ignore_errors=True)
+    cmd = runs.command(r, job.config, job.seed, args.num_gpus, run_dir, args.data_root,
+                       model=export_dir if job.phase == "finetune" else None, export=export_dir if source else None,
+                       resume=t.resume_from is not None)
+    print(f"== {job.key}: {t.why} (~{t.est_s / 60:.1f} min)\n   {' '.join(cmd)}", flush=True)
+    seg = runs.launch(cmd, run_dir, t.resume_from or 0, stop, job.key, r.steps)
+    state = runs.read_run(run_dir, r, tokens.get(r.corpus))
+    old = res["runs"].get(job.key) if t.resume_from is not None else None
+    segments = (old or {}).get("segments", []) + [{"date": call["date"], "device": call["device"],
+                                                   "command": " ".join(cmd), "from_step": t.resume_from or 0,
+                                                   "to_step": state["steps_done"], **seg}]
+    entry = {"phase": job.phase, "config": job.config, "seed": job.seed, "label": R.LABELS[job.config],
+             "run_dir": str(run_dir), **state, "segments": segments, "wall_s": sum(s["wall_s"] for s in segments)}
+    entry["status"] = status(entry, seg, run_dir, export_dir if source else None)
+    if entry["status"] not in ("done", "partial"):
+        entry["error"] = runs.failure(run_dir)
+    if job.phase == "finetune":
+        entry["export_id"] = export_id(args)
+    if source and entry["status"] == "done":
+        (export_dir / MARK).write_text(json.dumps({"source": job.key, "written": now()}))
+    if entry["status"] in DONE:
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)   # the curves are in log.jsonl; the disk is not
+    res["runs"][job.key] = entry
+    print(f"   {job.key}: {entry['status']} at step {entry['steps_done']}/{r.steps} in {seg['wall_s']:.0f} s"
+          + (f": {entry['error'][-300:]}" if entry.get("error") else ""), flush=True)
+
+
+def status(entry: dict, seg: dict, run_dir: Path, export: Path | None) -> str:
+    """done (and exported, where it exports), partial (stopped by the deadline: continue it), diverged (the main
+    job's non-finite-loss stop: a result), failed (anything else: run again)."""
+    if entry.pop("finished") and (export is None or (export / "config.json").is_file()):
+        return "done"
+    if seg["signalled"] or seg["killed"]:
+        return "partial"
+    return "diverged" if "the loss became" in runs.failure(run_dir) else "failed"
+
+
+def measure_outliers(args: argparse.Namespace, res: dict, stop: runs.Stop, call: dict) -> None:
+    """max |x| / RMS at BF16's exported model's decoder-layer inputs, in a process of its own (benchmarks.accuracy.
+    outliers: on one GPU, in bf16)."""
+    export_dir, out = args.run_root / EXPORT, args.run_root / "outliers.json"
+    if export_id(args) is None:
+        print("== outliers: no export of BF16's model on this machine yet; skipped", flush=True)
+        return
+    r = args.recipes["pretrain"]
+    cmd = [sys.executable, "-m", "benchmarks.accuracy.outliers", "--model", str(export_dir),
+           "--data", str(args.data_root / r.corpus), "--batches", str(R.OUTLIER_BATCHES),
+           "--micro-batch", str(R.OUTLIER_MICRO_BATCH), "--seq-len", str(r.seq_len), "--out", str(out)]
+    print(f"== outliers: {' '.join(cmd)}", flush=True)
+    out.unlink(missing_ok=True)
+    code, tail = run_worker(cmd, max(1.0, stop.kill_at - time.time()), env={"CUDA_VISIBLE_DEVICES": "0"})
+    got = read_json(out)
+    if code != 0 or got is None:
+        print(f"   outliers failed (exit {code}): {tail[-1500:]}", flush=True)
+        return
+    res["outliers"] = {**got, "export_id": export_id(args), "date": call["date"], "device": call["device"]}
+    print(f"   max |x| / RMS up to {got['max_ratio']:.1f} (layer {got['max_ratio_layer']}), median "
+          f"{got['median_ratio']:.1f}", flush=True)
+
+
+# --- Verdicts and the file --------------------------------------------------------------------------------------------
+def final_val(entry: dict, steps: int) -> float | None:
+    return next((v for s, _, v in entry.get("val", []) if s == steps), None)
+
+
+def judge(args: argparse.Namespace, res: dict) -> dict:
+    """The targets' verdicts from the runs that ended (benchmarks/accuracy/verdicts.py); each pretraining run's
+    largest second-half spike is written into its entry."""
+    pre, ft = args.recipes["pretrain"], args.recipes["finetune"]
+    finals: dict[str, dict[int, float]] = {}
+    spikes: dict[str, dict[int, float]] = {}
+    ft_runs = {e["config"]: e for e in res["runs"].values() if e["phase"] == "finetune" and e["status"] == "done"}
+    for e in res["runs"].values():
+        if e["phase"] != "pretrain" or e["status"] != "done":
+            continue
+        e["spike"] = verdicts.largest_spike([s for s, *_ in e["train"]], [x for _, _, x, _ in e["train"]], pre.steps)
+        finals.setdefault(e["config"], {})[e["seed"]] = final_val(e, pre.steps)
+        spikes.setdefault(e["config"], {})[e["seed"]] = e["spike"]["spike"]
+    same = (ft_runs.get(R.BASELINE) or {}).get("export_id")
+    ft_runs = {n: e for n, e in ft_runs.items() if e.get("export_id") == same}
+    order = {n: i for i, n in enumerate(R.CONFIGS)}
+    finals = dict(sorted(finals.items(), key=lambda kv: order[kv[0]]))
+    return {"pretrain": verdicts.pretrain(finals, spikes),
+            "finetune": verdicts.finetune({n: final_val(e, 0) for n, e in ft_runs.items()},
+                                          {n: final_val(e, ft.steps) for n, e in ft_runs.items()})}
+
+
+def result(args: argparse.Namespace, res: dict, calls: list[dict], tokens: dict) -> dict:
+    last = calls[-1] if calls else {}
+    order = {f"{j.key}": i for i, j in enumerate(jobs_every(args))}
+    runs_sorted = dict(sorted(res["runs"].items(), key=lambda kv: order.get(kv[0], len(order))))
+    return {"what": " ".join(__doc__.split("\n\n")[0].split()),
+            **{k: last.get(k) for k in ("device", "versions", "command", "date", "commit")}, "calls": calls,
+            "recipe": recipe_facts(args), "train_tokens": tokens, "targets": verdicts.TARGETS,
+            "verdicts": judge(args, res), "outliers": res.get("outliers"), "runs": runs_sorted}
+
+
+def jobs_every(args: argparse.Namespace) -> list[Job]:
+    """Every job of the issue in the order of --phase all (the file lists its runs so)."""
+    every = argparse.Namespace(**{**vars(args), "configs": list(R.CONFIGS), "phase": "all"})
+    return jobs(every)
+
+
+def main(argv: list[str] | None = None) -> int:
+    t0 = time.time()
+    args = parse_args(argv)
+    res = merged(args.merge, recipe_facts(args))
+    plan = schedule(args, res)
+    print(schedule_text(args, res, plan), flush=True)
+    if args.plan_only:
+        return 0
+    tokens = check_data(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    args.run_root.mkdir(parents=True, exist_ok=True)
+    call = {**provenance(), "commit": git_commit(), "phase": args.phase, "configs": args.configs,
+            "seeds": args.seeds, "num_gpus": args.num_gpus, "deadline_s": args.deadline, "partial_ok": args.partial_ok,
+            "ran": [], "skipped": []}
+    calls = [*res["calls"], call]
+    stop = runs.Stop(t0 + args.deadline - STOP_MARGIN_S, t0 + args.deadline - KILL_MARGIN_S)
+    for t in plan:
+        t = todo(args, res, t.job)                     # what the runs before it changed (an export, a rate)
+        if t is None:
+            continue
+        t.est_s, left = predict(args, res, t), t0 + args.deadline - time.time()
+        fits = t.est_s + STOP_MARGIN_S <= left
+        partial = args.partial_ok and t.job.phase != "outliers" and left - STOP_MARGIN_S >= MIN_PARTIAL_S
+        if t.job.phase == "finetune" and export_id(args) is None:
+            call["skipped"].append({"job": t.job.key, "why": "no export of BF16's model on this machine yet"})
+            continue
+        if not (fits or partial):
+            call["skipped"].append({"job": t.job.key, "why": f"predicted {t.est_s:.0f} s, {left:.0f} s left"})
+            print(f"== {t.job.key}: skipped (predicted {t.est_s:.0f} s, {left:.0f} s left)", flush=True)
+            continue
+        call["ran"].append(t.job.key)
+        run_job(args, res, t, stop, call, tokens)
+        call["wall_s"] = time.time() - t0
+        write_results(result(args, res, calls, tokens), args.out, NAME)   # what it has, after each job
+    call["wall_s"] = time.time() - t0
+    path = write_results(result(args, res, calls, tokens), args.out, NAME)
+    print(render(NAME, args.out), render(f"{NAME}_finetune", args.out), f"-> {path}", sep="\n", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

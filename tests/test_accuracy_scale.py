@@ -1,0 +1,232 @@
+"""benchmarks/accuracy_scale.py without launching the main job: the targets' arithmetic (the BF16 band, spikes,
+fine-tuning gaps) on curves whose answers are known, the outlier measure on a tiny Llama against its own hidden
+states, the schedule (order, continue or restart, the export the fine-tuning needs, predicted minutes), merging,
+the tables, and the main job's flags the runs use (--warmup-steps, --eval-first)."""
+from __future__ import annotations
+
+import json
+import math
+import random
+import sys
+
+import pytest
+import torch
+
+from harness import ROOT
+
+sys.path.insert(0, str(ROOT))
+from benchmarks import accuracy_scale as S  # noqa: E402
+from benchmarks import render_tables as rt  # noqa: E402
+from benchmarks.accuracy import outliers, recipe as R, runs, verdicts as V  # noqa: E402
+
+
+# --- the targets' arithmetic ------------------------------------------------------------------------------------------
+def test_band_is_the_wider_of_two_std_and_half_a_percent():
+    wide = V.band([2.00, 2.01, 2.02])                  # std 0.01: 2 std = 0.02 > 0.5% of 2.01 = 0.01005
+    assert wide["half_width"] == pytest.approx(0.02) and wide["set_by"] == "2 std"
+    assert (wide["low"], wide["high"]) == pytest.approx((1.99, 2.03))
+    tight = V.band([2.000, 2.001, 2.002])              # std 0.001: 0.5% of the mean wins
+    assert tight["half_width"] == pytest.approx(0.005 * 2.001) and tight["set_by"] == "0.5% of the mean"
+    one = V.band([3.0])
+    assert one["std"] is None and one["half_width"] == pytest.approx(0.015)
+
+    finals = {"bf16": {0: 2.00, 1: 2.01, 2: 2.02}, "exact": {0: 2.029}, "lowest_memory": {0: 2.02, 1: 2.04, 2: 2.04}}
+    v = V.pretrain(finals, {"bf16": {0: 0.0, 1: 0.05, 2: 0.0}, "exact": {0: 0.04}, "lowest_memory": {0: 0.0}})
+    assert v["configs"]["exact"]["within_band"] and v["configs"]["exact"]["meets_targets"]
+    lm = v["configs"]["lowest_memory"]                 # its mean 2.0333 lies above 2.03
+    assert lm["final_mean"] == pytest.approx(2.03333, abs=1e-4) and not lm["within_band"]
+    assert lm["seeds_within_band"] == [True, False, False] and lm["meets_targets"] is False
+    assert v["bf16_largest_spike"] == 0.05 and v["configs"]["exact"]["gap_rel"] == pytest.approx(0.019 / 2.01)
+    assert V.pretrain(finals, {"bf16": {0: 0.01}, "exact": {0: 0.04}})["configs"]["exact"]["spike_ok"] is False
+
+
+def curve(n: int = 3100, noise: float = 0.05, bump: tuple[int, float] | None = None, seed: int = 0):
+    """A falling train loss with batch noise, and optionally a spike of `bump[1]` for 60 steps from step bump[0]."""
+    rng = random.Random(seed)
+    steps = list(range(1, n + 1))
+    loss = [2.0 + 3.0 * math.exp(-s / 300) + rng.gauss(0, noise) for s in steps]
+    if bump:
+        loss = [x + (bump[1] if bump[0] <= s < bump[0] + 60 else 0.0) for s, x in zip(steps, loss)]
+    return steps, loss
+
+
+def test_a_second_half_spike_is_found_and_batch_noise_is_not_one():
+    for seed in range(5):
+        quiet = V.largest_spike(*curve(seed=seed), 3100)
+        assert quiet["window"] == 31 and quiet["spike"] == 0.0 and 0 < quiet["rise"] < quiet["floor"]
+        assert quiet["step_noise"] == pytest.approx(0.05, rel=0.15)
+    hit = V.largest_spike(*curve(bump=(2500, 0.3)), 3100)
+    assert hit["spike"] == pytest.approx(0.3, abs=0.05) and 2500 <= hit["at_step"] <= 2560 + 31
+    small = V.largest_spike(*curve(bump=(2500, 0.1)), 3100)
+    assert small["spike"] == pytest.approx(0.1, abs=0.04)
+    early = V.largest_spike(*curve(bump=(900, 0.5)), 3100)    # first half: not the second half's business
+    assert early["spike"] == 0.0
+    assert V.smooth([1, 2, 3, 4], 2) == [1, 1.5, 2.5, 3.5]
+
+
+def test_fine_tuning_gaps_within_half_a_percent_before_and_at_the_end():
+    v = V.finetune({"bf16": 2.0, "exact": 2.0099, "lowest_memory": 1.98}, {"bf16": 1.5, "exact": 1.5, "lowest_memory":
+                                                                           1.5})
+    assert list(v) == ["bf16", "exact", "lowest_memory"]
+    assert v["exact"]["gap_before_rel"] == pytest.approx(0.00495) and v["exact"]["meets_targets"]
+    assert v["lowest_memory"]["before_ok"] is False and v["lowest_memory"]["end_ok"] and \
+        v["lowest_memory"]["meets_targets"] is False
+    assert V.finetune({"bf16": 2.0}, {"bf16": 1.0, "exact": 1.0})["exact"]["meets_targets"] is None
+
+
+# --- outliers ---------------------------------------------------------------------------------------------------------
+def test_outliers_are_max_abs_over_rms_of_each_decoder_layers_input():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                         num_attention_heads=4, num_key_value_heads=4)).eval()
+    with torch.no_grad():
+        model.model.embed_tokens.weight[7, 5] = 40.0           # one outlier channel in one token's embedding
+    ids = [torch.randint(0, 64, (2, 16)), torch.tensor([[7] + [1] * 15])]
+    rows = outliers.measure(model, ids)
+    with torch.no_grad():
+        hidden = [model(input_ids=x, output_hidden_states=True).hidden_states for x in ids]
+    for i, r in enumerate(rows):                                 # hidden_states[i]: what layer i receives
+        h = torch.cat([hs[i].reshape(-1) for hs in hidden]).double()
+        assert r["max_abs"] == pytest.approx(h.abs().max().item(), rel=1e-5)
+        assert r["rms"] == pytest.approx(h.square().mean().sqrt().item(), rel=1e-5)
+    assert rows[0]["max_abs"] == pytest.approx(40.0) and rows[0]["ratio"] > 20
+    assert outliers.summary(rows)["max_ratio"] == max(r["ratio"] for r in rows)
+    assert not any(layer._forward_pre_hooks for layer in model.model.layers)      # the hooks are gone
+    with pytest.raises(ValueError, match="has no model.layers"):
+        outliers.decoder_layers(torch.nn.Linear(2, 2))
+
+
+# --- the schedule and the file ----------------------------------------------------------------------------------------
+def test_the_plan_puts_bf16_first_then_outliers_and_fine_tuning_and_meets_the_issues_recipe(capsys):
+    pre = R.PRETRAIN
+    assert pre.tokens_per_step * pre.steps >= 200e6 and pre.steps >= 3000 and pre.steps * pre.tokens_per_step / \
+        115_387_969 <= 2
+    assert pre.eval_every * 20 == pre.steps and R.FINETUNE.steps == 1000
+    args = S.parse_args([])
+    keys = [j.key for j in S.jobs(args)]
+    assert keys[:6] == ["pretrain_bf16_s0", "outliers", "finetune_bf16_s0", "finetune_exact_s0",
+                        "finetune_lowest_memory_s0", "finetune_largest_model_s0"]
+    pre_keys = [k for k in keys if k.startswith("pretrain")]
+    assert len(pre_keys) == 8 and sum("_bf16_" in k for k in pre_keys) == 3 and \
+        sum("lowest_memory" in k for k in pre_keys) == 3
+    later = [j.key for j in S.jobs(S.parse_args(["--seeds", "1,2"]))]      # the export is seed 0's whatever --seeds
+    assert later[:3] == ["pretrain_bf16_s0", "outliers", "finetune_bf16_s0"] and "pretrain_exact_s1" in later
+    assert [j.key for j in S.jobs(S.parse_args(["--phase", "pretrain", "--seeds", "2"]))][0] == "pretrain_bf16_s2"
+    assert S.main(["--plan-only", "--run-root", "/nonexistent"]) == 0
+    out = capsys.readouterr().out
+    assert "13 jobs on 4 GPUs" in out and "pretrain_bf16_s0: from scratch, 3,100 steps at 350,000 tokens/s (assumed)" \
+        in out
+    plan = S.schedule(args, {"runs": {}, "outliers": None})
+    est = {t.job.key: t.est_s for t in plan}
+    # 203.2M tokens at 350k/s, 60 s to start, 21 evaluations of 524K tokens at a third of the cost, 4 saves
+    assert est["pretrain_bf16_s0"] == pytest.approx(60 + 203_161_600 / 350_000 + 21 * 524_288 / 1_050_000 + 40)
+    two = S.parse_args(["--num-gpus", "2", "--tokens-per-s", "bf16=500000"])
+    assert S.rate(two, {"runs": {}}, "pretrain", "bf16") == (250_000, "given")
+    cmd = runs.command(R.PRETRAIN, "bf16", 1, 2, ROOT / "r", ROOT / "d")
+    assert cmd[cmd.index("--micro-batch") + 1] == "16" and cmd[cmd.index("--warmup-steps") + 1] == "100"
+
+
+@pytest.mark.parametrize("argv, msg", [(["--num-gpus", "3"], "--num-gpus=3 is invalid; allowed: one of [1, 2, 4]"),
+                                       (["--seeds", "0,0"], "--seeds='0,0' is invalid"),
+                                       (["--tokens-per-s", "fp8=3"], "--tokens-per-s='fp8=3' is invalid"),
+                                       (["--configs", "bf16,coat"], "--configs: ['coat'] is invalid")])
+def test_bad_flags_fail_in_one_line(argv, msg, capsys):
+    with pytest.raises(SystemExit):
+        S.parse_args(argv)
+    assert msg in capsys.readouterr().err
+
+
+def entry(phase: str, config: str, seed: int, status: str, steps: int, **extra) -> dict:
+    return {"phase": phase, "config": config, "seed": seed, "label": config, "status": status, "steps_done": steps,
+            "tokens_per_s": 300_000.0, "train": [], "val": [], "segments": [{"startup_s": 50.0}], **extra}
+
+
+def test_merge_keeps_what_ended_and_continues_or_restarts_what_did_not(tmp_path):
+    args = S.parse_args(["--run-root", str(tmp_path / "runs")])
+    facts = S.recipe_facts(args)
+    a = {"recipe": facts, "calls": [{"n": 1}], "runs": {
+        "pretrain_bf16_s0": entry("pretrain", "bf16", 0, "done", 3100),
+        "pretrain_exact_s0": entry("pretrain", "exact", 0, "partial", 1200),
+        "pretrain_bf16_s1": entry("pretrain", "bf16", 1, "partial", 900)}}
+    b = {"recipe": facts, "calls": [{"n": 2}], "runs": {
+        "pretrain_bf16_s0": entry("pretrain", "bf16", 0, "partial", 500),        # a later partial loses to done
+        "pretrain_bf16_s1": entry("pretrain", "bf16", 1, "partial", 1500)}}
+    for name, doc in (("a", a), ("b", b)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(doc))
+    res = S.merged([str(tmp_path / "a.json"), str(tmp_path / "missing.json"), str(tmp_path / "b.json")], facts)
+    assert res["calls"] == [{"n": 1}, {"n": 2}]
+    assert res["runs"]["pretrain_bf16_s0"]["status"] == "done" and res["runs"]["pretrain_bf16_s1"]["steps_done"] == 1500
+    ckpt = tmp_path / "runs" / "pretrain_bf16_s1" / "checkpoints"
+    ckpt.mkdir(parents=True)
+    (ckpt / "latest").write_text("step0001500")
+    plan = {t.job.key: t for t in S.schedule(args, res)}
+    assert (plan["pretrain_bf16_s1"].resume_from, plan["pretrain_bf16_s1"].steps_left) == (1500, 1600)
+    assert plan["pretrain_exact_s0"].resume_from is None and plan["pretrain_exact_s0"].why.startswith("restart")
+    # measured: 300k tokens/s and 50 s to start replace the assumptions
+    assert S.rate(args, res, "pretrain", "bf16") == (300_000.0, "measured")
+    assert plan["pretrain_bf16_s1"].est_s == pytest.approx(50 + 1600 * 65_536 / 300_000 + 11 * 524_288 / 900_000 + 20)
+    # BF16's seed 0 ended, but the fine-tuning needs its export, which this machine lacks: it runs again
+    assert plan["pretrain_bf16_s0"].why == "again: the fine-tuning needs its export"
+    assert "pretrain_bf16_s0" not in {t.job.key for t in S.schedule(S.parse_args(["--phase", "pretrain", "--run-root",
+                                                                                   str(tmp_path / "runs")]), res)}
+    (tmp_path / "other.json").write_text(json.dumps({**a, "recipe": S.recipe_facts(S.parse_args(["--smoke"]))}))
+    with pytest.raises(SystemExit, match="followed another recipe"):
+        S.merged([str(tmp_path / "other.json")], facts)
+
+
+def test_fine_tuning_from_another_export_runs_again(tmp_path):
+    args = S.parse_args(["--phase", "finetune", "--run-root", str(tmp_path)])
+    (tmp_path / S.EXPORT).mkdir()
+    (tmp_path / S.EXPORT / S.MARK).write_text(json.dumps({"source": "pretrain_bf16_s0", "written": "T2"}))
+    res = {"runs": {"pretrain_bf16_s0": entry("pretrain", "bf16", 0, "done", 3100),
+                    "finetune_bf16_s0": entry("finetune", "bf16", 0, "done", 1000, export_id="T2"),
+                    "finetune_exact_s0": entry("finetune", "exact", 0, "done", 1000, export_id="T1")},
+           "outliers": {"export_id": "T2"}}
+    plan = {t.job.key: t.why for t in S.schedule(args, res)}
+    assert plan["finetune_exact_s0"] == "again: made from another export"
+    assert "finetune_bf16_s0" not in plan and "pretrain_bf16_s0" not in plan and "outliers" not in plan
+
+
+def test_the_verdicts_of_a_results_file_and_their_tables(tmp_path):
+    """judge() on runs with known finals and spikes, then the README's and docs' tables rendered from the file."""
+    args = S.parse_args([])
+    steps, quiet = curve()
+    train = lambda loss: [[s, s * 65_536, x, 6e-4] for s, x in zip(steps, loss)]  # noqa: E731
+    runs_ = {}
+    for seed, final in enumerate((2.00, 2.01, 2.02)):
+        runs_[f"pretrain_bf16_s{seed}"] = entry("pretrain", "bf16", seed, "done", 3100, train=train(quiet),
+                                                val=[[3100, 0, final]])
+    runs_["pretrain_exact_s0"] = entry("pretrain", "exact", 0, "done", 3100, train=train(curve(bump=(2500, 0.3))[1]),
+                                       val=[[3100, 0, 2.005]])
+    runs_["pretrain_lowest_memory_s0"] = entry("pretrain", "lowest_memory", 0, "partial", 1000, val=[[155, 0, 4.0]])
+    for name, (before, end) in {"bf16": (1.50, 1.20), "exact": (1.505, 1.2)}.items():
+        runs_[f"finetune_{name}_s0"] = entry("finetune", name, 0, "done", 1000, export_id="T",
+                                             val=[[0, 0, before], [1000, 0, end]])
+    res = {"runs": runs_, "outliers": {"layers": [{"layer": 0, "max_abs": 12.0, "rms": 0.5, "ratio": 24.0}]}}
+    doc = S.result(args, res, [{"device": "4x H100", "date": "D"}], {"kernel": 115_387_969})
+    pre, ft = doc["verdicts"]["pretrain"], doc["verdicts"]["finetune"]
+    assert list(pre["configs"]) == ["bf16", "exact"]                       # the partial run is not judged
+    assert pre["configs"]["exact"]["within_band"] and pre["configs"]["exact"]["spike_ok"] is False
+    assert pre["bf16_largest_spike"] == 0.0 and doc["runs"]["pretrain_exact_s0"]["spike"]["spike"] > 0.25
+    assert ft["exact"]["gap_before_rel"] == pytest.approx(0.005 / 1.5) and ft["exact"]["meets_targets"]
+    (tmp_path / "accuracy_scale.json").write_text(json.dumps(doc))
+    readme = rt.render("accuracy", tmp_path)
+    assert "| exact | 2.0050 (1) | -0.25% | yes, no | +0.33% / +0.00% | no |" in readme
+    assert "1.9900 - 2.0300 (2 std, 3 seeds)" in rt.render("accuracy_scale", tmp_path)
+    assert "| 0 | 12.00 | 0.500 | 24.0 |" in rt.render("accuracy_scale_outliers", tmp_path)
+    assert "not measured yet" in rt.render("accuracy_scale_finetune", tmp_path / "none")
+
+
+# --- the main job's flags ---------------------------------------------------------------------------------------------
+def test_warmup_steps_override_the_configs_and_are_checked(capsys):
+    sys.path.insert(0, str(ROOT / "examples"))
+    import train
+
+    args = train.parse_args(["--deepspeed", "ds_configs/zero2_bf16.json", "--steps", "3100", "--warmup-steps", "100"])
+    assert train.load_ds_config(args)["scheduler"]["params"]["warmup_num_steps"] == 100
+    assert train.parse_args(["--eval-first"]).eval_first
+    with pytest.raises(SystemExit):
+        train.parse_args(["--steps", "10", "--warmup-steps", "10"])
+    assert "--warmup-steps=10 is invalid; allowed: an integer in [1, --steps=10)" in capsys.readouterr().err
