@@ -61,7 +61,8 @@ JOB = textwrap.dedent("""
             ref_opt.step()
             losses.append((loss.item(), ref_loss.item()))
         w = model.model.layers[0].mlp.up_proj.weight
-        return engine, {"losses": losses, "held_elsewhere": sorted(held), "leaf": [getattr(l, "_z3_leaf", False) for l in model.model.layers],
+        return engine, {"losses": losses, "held_elsewhere": sorted(held),
+                        "leaf": [getattr(l, "_z3_leaf", False) for l in model.model.layers],
                         "freed": w.data.numel() == 0 and w.ds_status.name == "NOT_AVAILABLE",
                         "fp8": all(type(l).__name__ == "CoatDecoderLayer" for l in model.model.layers)}
 
