@@ -244,6 +244,10 @@ def test_the_gradient_path_decides_what_backward_and_the_step_hold(stage):
     assert grads["partition_buffer"][0] == grads["partition_buffer"][1] > 14 * GIB
     assert grads["per_parameter"] == (0.0, grads["partition_buffer"][1])
     assert grads["release"] == (0.0, 0.0)
+    # the step's transient (one parameter's fp32 gradient and update) is CoatAdamW's ZeRO step at engine.step();
+    # released buckets were stepped in backward, and engine.step() adds nothing (the 70B-wide traces show none)
+    transient = {g: p["optimizer step"]["buffers"] for g, p in by.items()}
+    assert transient["partition_buffer"] == transient["per_parameter"] > GIB and transient["release"] == 0.0
     fits = {g: P.max_micro_batch(P.job_from_config({**cfg, "coat": {**cfg["coat"], "gradients": g}}, shape, 4096, 1),
                                  80 * GIB) for g in by}
     assert fits["partition_buffer"] < fits["per_parameter"] <= fits["release"]
