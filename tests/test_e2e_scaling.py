@@ -97,7 +97,7 @@ def test_one_tiny_row_through_the_real_worker(tmp_path):
     (s,) = res["summary"]
     assert s["efficiency_common"] == 1.0 and s["coat_over_bf16"] is None
     assert "| tiny, 1, ZeRO-3 |" in rt.render("e2e_scaling", tmp_path)
-    assert "| tiny, ZeRO-3 | 1 |" in rt.render("scaling", tmp_path)
+    assert "| tiny, ZeRO-3, largest-model | 1 |" in rt.render("scaling", tmp_path)
     assert (tmp_path / "e2e_scaling.png").stat().st_size > 10_000
 
 
