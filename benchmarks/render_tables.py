@@ -174,7 +174,8 @@ def scaling(res: Path):
     """README: coat's presets' tokens/s per GPU as GPUs are added, at one micro-batch, and the efficiency there and at
     each one's largest (three decimals: the targets are 0.95 and 0.90)."""
     header = ["model, ZeRO stage, preset", "micro-batch", "tokens/s per GPU on 1 / 2 / 4 / 8 GPUs",
-              "at the most GPUs over 1: common / largest micro-batch", "over BF16 there (each at its largest micro-batch)"]
+              "at the most GPUs over 1: common / largest micro-batch",
+              "over BF16 there (each at its largest micro-batch)"]
     yield header
     rows = _scaling(res)
     if rows is None:
