@@ -26,9 +26,9 @@ import deepspeed.comm as dist  # noqa: E402
 import torch  # noqa: E402
 from deepspeed.accelerator import get_accelerator  # noqa: E402
 
-from benchmarks.memory_trace import recorded  # noqa: E402
 from benchmarks.common import (GIB, RESULTS, ROOT, StepProbe, WarningLog, add_worker_args, proc_bytes,  # noqa: E402
                                check_positive, names_of, provenance, run_worker, worker_cmd, write_results)
+from benchmarks.memory_trace import recorded  # noqa: E402
 from coat_ds.deepspeed.zero.kind import master_partitions, zero_kind  # noqa: E402
 from coat_ds.hf.loss import is_applied  # noqa: E402
 from coat_ds.workloads import causal_lm as train_lib  # noqa: E402  (engine initialisation, the loss, the shapes)

@@ -80,28 +80,26 @@ JOB = textwrap.dedent("""
         except ValueError as exc:
             out.setdefault("late_inject_errors", []).append(str(exc))
 
-    # 2) a model built under zero.Init (what HF from_pretrained does with an HfDeepSpeedConfig)
-    torch.manual_seed(1)
-    with deepspeed.zero.Init(config_dict_or_path=ds_config):
-        model = LlamaForCausalLM(cfg)
-    with deepspeed.zero.GatheredParameters(list(model.parameters())):
-        state = {k: v.clone() for k, v in model.state_dict().items()}
-    reference = LlamaForCausalLM(cfg)
-    reference.load_state_dict(state)
-    coat_ds.inject(reference.to(dev))
+    def partitioned(seed):
+        # a model built under zero.Init (what HF from_pretrained does with an HfDeepSpeedConfig), and the same
+        # weights whole, injected on the device: its reference
+        torch.manual_seed(seed)
+        with deepspeed.zero.Init(config_dict_or_path=ds_config):
+            model = LlamaForCausalLM(cfg)
+        with deepspeed.zero.GatheredParameters(list(model.parameters())):
+            state = {k: v.clone() for k, v in model.state_dict().items()}
+        reference = LlamaForCausalLM(cfg)
+        reference.load_state_dict(state)
+        return model, coat_ds.inject(reference.to(dev))
+
+    # 2) a model built under zero.Init, injected before deepspeed.initialize
+    model, reference = partitioned(1)
     out["zero_init_partitioned_before_inject"] = model.model.layers[0].mlp.up_proj.weight.data.numel() == 0
     coat_ds.inject(model)
     _, out["zero_init"] = train(model, reference)
 
     # 3) what users write: a "coat" section, the FP8 layers swapped in by deepspeed.initialize
-    torch.manual_seed(2)
-    with deepspeed.zero.Init(config_dict_or_path=ds_config):
-        model = LlamaForCausalLM(cfg)
-    with deepspeed.zero.GatheredParameters(list(model.parameters())):
-        state = {k: v.clone() for k, v in model.state_dict().items()}
-    reference = LlamaForCausalLM(cfg)
-    reference.load_state_dict(state)
-    coat_ds.inject(reference.to(dev))
+    model, reference = partitioned(2)
     _, out["coat_section"] = train(model, reference, config={**ds_config, "coat": {"activation": {"enabled": True}}})
     print("RESULT " + json.dumps(out))
 """)
