@@ -202,19 +202,23 @@ def one_node_70b(res: Path):
     from coat_ds import plan
 
     yield ["model, GPUs", "configuration", "micro-batch", "peak GiB per GPU (allocated / reserved)",
-           "tokens/s on the node (per GPU)", "step s: forward / backward / engine.step",
-           "host GiB of the job (B/param)", "BF16 + DeepSpeedCPUAdam host need (planner)"]
+           "planner's peak GiB (fits an 80 GB H100)", "tokens/s on the node (per GPU)",
+           "step s: forward / backward / engine.step", "host GiB of the job (B/param)",
+           "BF16 + DeepSpeedCPUAdam host need (planner)"]
     doc = load(res, "e2e_offload_llama3.1-70b_4gpu.json")
     rungs = [r for r in doc["records"] if r["kind"] == "rung"]
     first = rungs[0]
     host = first["node_used_gb"]
-    cfg = plan.bf16_baseline(next(c for c in doc["configs"])["ds_config"])
-    need = plan.plan(plan.job_from_config(cfg, plan.resolve_shape(doc["model"]), doc["seq_len"], doc["world_size"]), 1)
+    shape, ds_config = plan.resolve_shape(doc["model"]), next(c for c in doc["configs"])["ds_config"]
+    job = plan.job_from_config(ds_config, shape, doc["seq_len"], doc["world_size"])
+    need = plan.plan(plan.job_from_config(plan.bf16_baseline(ds_config), shape, doc["seq_len"], doc["world_size"]), 1)
     for r in rungs:
         phases = r.get("phase_s") or first["phase_s"]
+        planned = plan.plan(job, r["micro_batch"])
         yield [f"{doc['model']}, seq {doc['seq_len']}, {doc['world_size']}x {gpu(doc['device'])}",
                "zero3_offload_largest_model (states on the host, each layer recomputed)", r["micro_batch"],
                f"{num(r['peak_alloc_gb'])} / {num(r['peak_reserved_gb'])}",
+               f"{num(planned.peak / 2 ** 30)} ({'yes' if planned.fits(plan.GPUS['h100'] * 2 ** 30) else 'no'})",
                f"{num(r['tokens_per_s'], 0)} ({num(r['tokens_per_s'] / doc['world_size'], 0)})",
                " / ".join(num(phases[k], 2) for k in ("forward", "backward", "step")) +
                ("" if "phase_s" in r else " (at micro-batch 1)"),

@@ -66,11 +66,7 @@ def job_of(row: dict) -> P.Job:
 
 # Rows the planner misses, with the band its planned / measured peak stays in (docs/plan.md says why): the test fails
 # when a row leaves its band, so a fixed planner removes the entry
-# Llama-3.1-70B, 4 GPUs, host states + checkpointing: measured before the fix in hf/swap.py (ZeRO-3 held every
-# layer's q_proj through backward, ~10 GiB): a re-measured file should leave this band and drop the entry
-KNOWN_MISSES = {
-    ("e2e_offload_llama3.1-70b_4gpu.json", "largest_model_z3_offload"): (0.74, 0.82),
-}
+KNOWN_MISSES: dict[tuple[str, str], tuple[float, float]] = {}
 
 
 def test_every_measured_end_to_end_peak_is_planned_within_10_percent():
