@@ -492,11 +492,11 @@ def accuracy_scale_finetune(res: Path):
     header = ["configuration", "val loss before the first step", "gap to BF16", "val loss at the end", "gap to BF16",
               "both within 0.5%"]
     yield header
-    doc = _accuracy(res)
-    if doc is None:
+    finetune = ((_accuracy(res) or {}).get("verdicts") or {}).get("finetune")
+    if not finetune:
         yield _not_yet(header)
         return
-    for name, f in doc["verdicts"]["finetune"].items():
+    for name, f in finetune.items():
         yield [name, num(f["before"], 4), _pct(f["gap_before_rel"]), num(f["end"], 4), _pct(f["gap_end_rel"]),
                _yes(f.get("meets_targets"))]
 
