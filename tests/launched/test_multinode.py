@@ -1,66 +1,40 @@
 """The main job (examples/train.py) across two "nodes" of 2 ranks each through a hostfile, checkpointed, then resumed
-as one node of 4 ranks, as docs/train.md "Two nodes, then one" shows, on DeepSpeed's CPU accelerator (gloo).
+as one node of 4 ranks, as docs/train.md "Two nodes, then one" shows, on DeepSpeed's CPU accelerator (gloo), through
+`benchmarks/two_nodes.py --smoke` (the same script runs it on GPUs).
 
 The two-node run trains STEPS steps without a stop and checkpoints at SAVE_AT on the way, so it is both the job that
-is resumed and the uninterrupted 4-rank run that the resumed one must match (a third launch, from scratch on one
-node, would cost ~45 s more of CPU; the steps after SAVE_AT already run on one node). The resumed run (`deepspeed
---num_gpus 4 ... --resume-from stepSAVE_AT`) logs the steps after SAVE_AT again, and they must equal the two-node
-run's with ==: the world is 4 ranks with the same global ranks both times (the hostfile puts ranks 0-1 on node 0 and
-2-3 on node 1), so every sample (a function of seed, step and rank), every gloo reduction and every stochastic
-rounding of the bf16_sr master (keyed by seed, step and position, docs/deepspeed.md) is the same arithmetic; only
-where the ranks run changes. A checkpoint that dropped a state (a moment, its scale, the LR schedule, the step)
-shows as a different loss, LR or validation loss.
+is resumed and the uninterrupted 4-rank run that the resumed one must match. The resumed run (`deepspeed --num_gpus 4
+... --resume-from stepSAVE_AT`) logs the steps after SAVE_AT again, and they must equal the two-node run's with ==:
+the world is 4 ranks with the same global ranks both times (the hostfile puts ranks 0-1 on node 0 and 2-3 on node 1),
+so every sample (a function of seed, step and rank), every gloo reduction and every stochastic rounding of the bf16_sr
+master (keyed by seed, step and position, docs/deepspeed.md) is the same arithmetic; only where the ranks run changes.
+A checkpoint that dropped a state (a moment, its scale, the LR schedule, the step) shows as a different loss, LR or
+validation loss.
 """
 import json
-import subprocess
-from pathlib import Path
 
-import pytest
+from benchmarks import two_nodes
+from harness import child_env, require_launcher
 
-from harness import ROOT, TRAIN_SMALL, child_env, finish, free_port, launcher, require_launcher, start_two_nodes
-
-STEPS, SAVE_AT = 6, 3
-TIMINGS = ("tokens_per_s", "step_time_s", "peak_mem_gb")   # the fields of a train record that no rerun repeats
+STEPS, SAVE_AT = two_nodes.SMOKE["steps"], two_nodes.SMOKE["save_at"]
 
 
-def records(run: Path) -> list[dict]:
-    """log.jsonl's records, as written."""
-    return [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
-
-
-def untimed(rows: list[dict]) -> list[dict]:
-    """The records without TIMINGS: what a resumed step must repeat."""
-    return [{k: v for k, v in r.items() if k not in TIMINGS} for r in rows]
-
-
-# ZeRO-3 (its partitions cut every parameter); ZeRO-2 passed too when written (103 s more on 2 loaded cores)
-@pytest.mark.parametrize("config", ["zero3_largest_model.json"])
-def test_two_nodes_then_one_node_resumes_bit_for_bit(tmp_path, config):
+def test_two_nodes_then_one_node_resumes_bit_for_bit(tmp_path, monkeypatch):
     require_launcher()
+    monkeypatch.setenv("COAT_DATA_CACHE", child_env()["COAT_DATA_CACHE"])   # the BPE + tokens the other jobs built
     run = tmp_path / "run"
-    job = ["examples/train.py", "--deepspeed", f"ds_configs/{config}", "--save-dir", str(run), *TRAIN_SMALL,
-           "--steps", str(STEPS), "--save-every", str(SAVE_AT), "--eval-every", "0"]
-    logs = start_two_nodes(tmp_path, 2, job, child_env())()
-    for r, log in enumerate(logs):
-        assert f"nnodes=2, num_local_procs=2, node_rank={r}" in log and "dist_world_size=4" in log, log[-3000:]
-        assert log.count("exits successfully") == 2, log[-3000:]
-    two_nodes = records(run)
-    assert [r["step"] for r in two_nodes] == [*range(1, STEPS + 1), STEPS]   # STEPS train records, the final eval
-    summary = json.loads((run / "summary.json").read_text())
-    assert summary["world_size"] == 4 and summary["zero_stage"] == int(config[4]) and summary["fp8_layers"] == 2
-    tag = f"step{SAVE_AT:07d}"
-    assert sorted(p.name for p in (run / "checkpoints").glob("step*")) == [tag, f"step{STEPS:07d}"]
-    assert len(list((run / "checkpoints" / tag).glob("*optim_states.pt"))) == 4   # one per rank of both nodes
-
-    cmd = [launcher(), "--num_gpus", "4", "--master_port", str(free_port()), *job, "--resume-from", tag]
-    out = finish(subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True, start_new_session=True))   # one process group: a timeout kills every rank
-    assert out.count("exits successfully") == 4 and "Traceback" not in out, out[-3000:]
-    assert "nnodes=1, num_local_procs=4" in out and "warning: resuming" not in out, out[-3000:]   # same data order
-    resumed = records(run)
+    assert two_nodes.main(["--smoke", "--out", str(tmp_path), "--run-dir", str(run)]) == 0
+    res = json.loads((tmp_path / "two_nodes_smoke.json").read_text())
+    two, resumed = res["two_nodes"], res["resumed"]
+    assert two["exit_codes"] == {"node1": 0, "node0": 0} and two["nnodes_2_seen"], res.get("error")
+    assert [r["step"] for r in two["records"]] == [*range(1, STEPS + 1), STEPS]   # STEPS train records, the final eval
+    assert sum(f.endswith("optim_states.pt") for f in two["checkpoint_files"]) == 4   # one per rank of both nodes
+    assert resumed["exit_code"] == 0 and resumed["one_node_seen"] and not resumed["warned_data_order"]
     # steps 1..SAVE_AT are the two-node run's lines, timings included: the resumed run started at SAVE_AT, not at 0
     # (which, the arithmetic being the same, would log the same losses)
-    assert resumed[:SAVE_AT] == two_nodes[:SAVE_AT]
+    assert resumed["kept_the_steps_before"]
     # the steps after it and the final validation loss: those the two-node run logged, bit for bit
-    assert untimed(resumed[SAVE_AT:]) == untimed(two_nodes[SAVE_AT:])
-    assert json.loads((run / "summary.json").read_text())["world_size"] == 4
+    assert res["comparison"]["steps"] == [*range(SAVE_AT + 1, STEPS + 1), STEPS]
+    assert res["comparison"]["bit_equal"] and res["comparison"]["max_rel_loss_diff"] == 0.0
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["world_size"] == 4 and summary["zero_stage"] == 3 and summary["fp8_layers"] == 2

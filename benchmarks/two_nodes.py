@@ -1,0 +1,176 @@
+"""Two "nodes" of N GPUs through a hostfile, checkpointed, then the same job resumed on one node of 2N (issue 44):
+the main job run as docs/train.md "Two nodes, then one" tells a user to, and whether its losses go on where they
+stopped.
+
+    . .whl/prelude.sh && python -m benchmarks.two_nodes --out $OUT            # Llama-3.1-8B, seq 4096, 2 + 2 -> 4 GPUs
+    python -m benchmarks.two_nodes --smoke --out /tmp/two_nodes                  # CPU ranks (gloo), tiny model, ~1 min
+
+Both "nodes" run on this machine: one `deepspeed --hostfile H --no_ssh --node_rank r` launcher each, node 1's ranks
+on the GPUs after node 0's (`--include`: on two real nodes each would use its own GPUs 0..N-1). The two-node job
+trains `--steps` steps and checkpoints every `--save-at`; it is both the job that is resumed and the uninterrupted run
+that the resumed one must follow. The resumed job (`deepspeed --num_gpus 2N ... --resume-from stepSAVE_AT`) logs the
+steps after SAVE_AT again. The world is 2N ranks with the same global ranks both times, so every rank loads the ZeRO
+partition it wrote and reads the samples it would have read: on CPU ranks (gloo) the losses are equal bit for bit; on
+GPUs NCCL may pick other rings or trees for one node than for two, and they agree to that rounding.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.common import (GIB, RESULTS, ROOT, check_positive, free_port, provenance, worker_env, write_json)
+
+TIMINGS = ("tokens_per_s", "step_time_s", "peak_mem_gb")   # a train record's fields that no rerun repeats
+SMOKE = {"model_size": "tiny", "seq_len": 64, "micro_batch": 2, "steps": 6, "save_at": 3, "gpus_per_node": 2,
+         "config": "zero3_largest_model.json"}
+
+
+def launcher() -> str:
+    """The `deepspeed` launcher: on PATH, else beside this Python."""
+    return shutil.which("deepspeed") or str(Path(sys.executable).parent / "deepspeed")
+
+
+def job(args: argparse.Namespace, run: Path) -> list[str]:
+    """The main job's command after the launcher: the same on both nodes and when resumed."""
+    return ["examples/train.py", "--deepspeed", f"ds_configs/{args.config}", "--model-size", args.model_size,
+            "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch), "--lr", str(args.lr),
+            "--steps", str(args.steps), "--save-every", str(args.save_at), "--eval-every", "0",
+            "--eval-batches", "2", "--save-dir", str(run)]
+
+
+def launch(cmds: list[list[str]], logs: list[Path], timeout: float) -> tuple[list[int], float]:
+    """Start `cmds` side by side (the last one last: node 0 hosts the rendezvous), each in a process group of its own
+    with its output in its log -> (exit codes, wall seconds); past `timeout` every group is killed (code 124)."""
+    t0, procs = time.time(), []
+    for cmd, log in zip(cmds, logs):
+        with open(log, "w") as fh:
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=worker_env(), stdout=fh, stderr=subprocess.STDOUT,
+                                          start_new_session=True))
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=max(1.0, t0 + timeout - time.time())))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                if q.poll() is None:
+                    os.killpg(q.pid, signal.SIGKILL)
+            codes.append(124)
+    return codes, time.time() - t0
+
+
+def records(run: Path) -> list[dict]:
+    path = run / "log.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def untimed(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in TIMINGS} for r in rows]
+
+
+def compare(before: list[dict], after: list[dict]) -> dict:
+    """The resumed steps against the two-node run's same steps: equal bit for bit, else the largest differences."""
+    pairs = [(a, b) for a in before for b in after if a["kind"] == b["kind"] and a["step"] == b["step"]]
+    loss = lambda r: r.get("loss", r.get("val_loss"))   # noqa: E731
+    diffs = [abs(loss(a) - loss(b)) / abs(loss(a)) for a, b in pairs]
+    return {"steps": [b["step"] for _, b in pairs], "bit_equal": untimed(before) == untimed(after),
+            "lr_equal": all(a.get("lr") == b.get("lr") for a, b in pairs),
+            "max_rel_loss_diff": max(diffs, default=None), "pairs": len(pairs)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model-size", default="llama3.1-8b")
+    p.add_argument("--config", default="zero3_largest_model.json", help="a file of ds_configs/")
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--save-at", type=int, default=4, help="checkpoint every this many steps; resumed from the first")
+    p.add_argument("--gpus-per-node", type=int, default=2)
+    p.add_argument("--run-dir", default="runs/two_nodes", help="the job's --save-dir (emptied first)")
+    p.add_argument("--timeout", type=float, default=540.0, help="seconds for each of the two launches")
+    p.add_argument("--smoke", action="store_true", help=f"CPU ranks: {SMOKE}")
+    p.add_argument("--out", default=str(RESULTS))
+    args = p.parse_args(argv)
+    if args.smoke:
+        vars(args).update(SMOKE)
+    check_positive(p, args, ("seq_len", "micro_batch", "steps", "save_at", "gpus_per_node", "timeout"))
+    if args.save_at >= args.steps:
+        p.error(f"--save-at must be below --steps ({args.steps}): the resumed job needs steps after the checkpoint")
+    if not (ROOT / "ds_configs" / args.config).is_file():
+        p.error(f"--config: no ds_configs/{args.config}")
+
+    run, n = ROOT / args.run_dir, args.gpus_per_node
+    shutil.rmtree(run, ignore_errors=True)
+    run.mkdir(parents=True)
+    hostfile = run / "hostfile"
+    hostfile.write_text(f"node0 slots={n}\nnode1 slots={2 * n}\n")   # node 1's slots n..2n-1: this machine's GPUs
+    include = f"node0@node1:{','.join(map(str, range(n, 2 * n)))}"
+    port = free_port()
+    nodes = [[launcher(), "--hostfile", str(hostfile), "--include", include, "--no_ssh", f"--node_rank={r}",
+              "--master_addr=127.0.0.1", f"--master_port={port}", *job(args, run)] for r in (1, 0)]
+    node_logs = [run / f"node{r}.log" for r in (1, 0)]
+    print(f"two nodes of {n}: {args.model_size}, seq {args.seq_len}, micro-batch {args.micro_batch}, "
+          f"{args.steps} steps, a checkpoint every {args.save_at}", flush=True)
+    codes, two_wall = launch(nodes, node_logs, args.timeout)
+    two = records(run)
+    tag = f"step{args.save_at:07d}"
+    ckpt = run / "checkpoints" / tag
+    res = {**provenance(), "model_size": args.model_size, "config": args.config, "seq_len": args.seq_len,
+           "micro_batch": args.micro_batch, "steps": args.steps, "save_at": args.save_at, "gpus_per_node": n,
+           "smoke": args.smoke, "hostfile": hostfile.read_text(),
+           "commands": {"node1": " ".join(nodes[0]), "node0": " ".join(nodes[1])},
+           "two_nodes": {"exit_codes": dict(zip(("node1", "node0"), codes)), "wall_s": two_wall, "records": two,
+                         "nnodes_2_seen": all(f"nnodes=2, num_local_procs={n}" in log.read_text()
+                                              for log in node_logs),
+                         "checkpoint_files": sorted(f.name for f in ckpt.glob("*")) if ckpt.is_dir() else [],
+                         "checkpoint_gb": sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file()) / GIB}}
+    if any(codes):
+        res["error"] = "two-node run: " + "".join(log.read_text()[-3000:] for log in node_logs)
+    else:
+        resume = [launcher(), "--num_gpus", str(2 * n), f"--master_port={free_port()}", *job(args, run),
+                  "--resume-from", tag]
+        (code,), wall = launch([resume], [run / "resume.log"], args.timeout)
+        log = records(run)   # the resumed job keeps log.jsonl's lines up to its checkpoint and appends its own
+        after = [r for r in log if r["step"] > args.save_at]
+        out = (run / "resume.log").read_text()
+        res["resumed"] = {"command": " ".join(resume), "exit_code": code, "wall_s": wall, "records": after,
+                          "kept_the_steps_before": log[:len(log) - len(after)] == [r for r in two
+                                                                                  if r["step"] <= args.save_at],
+                          "one_node_seen": f"nnodes=1, num_local_procs={2 * n}" in out,
+                          "warned_data_order": "warning: resuming" in out}
+        later = [r for r in two if r["step"] > args.save_at]
+        res["comparison"] = compare(later, after)
+        if code:
+            res["error"] = "resumed run: " + out[-3000:]
+    path = write_json(Path(args.out) / f"two_nodes{'_smoke' if args.smoke else ''}.json", res)
+    print_table(res)
+    print(f"-> {path}")
+    return 1 if "error" in res else 0
+
+
+def print_table(res: dict) -> None:
+    after = {(r["kind"], r["step"]): r for r in res.get("resumed", {}).get("records", [])}
+    print("| step | two nodes: loss | resumed on one node: loss | equal |")
+    print("| --- | --- | --- | --- |")
+    for r in res["two_nodes"]["records"]:
+        b = after.get((r["kind"], r["step"]))
+        v = r.get("loss", r.get("val_loss"))
+        w = None if b is None else b.get("loss", b.get("val_loss"))
+        name = f"{r['step']}" + (" (val)" if r["kind"] == "eval" else "")
+        print(f"| {name} | {v:.6f} | {'-' if w is None else f'{w:.6f}'} | {'-' if w is None else w == v} |")
+    c = res.get("comparison")
+    if c and c["pairs"]:
+        print(f"resumed steps {c['steps']}: bit-equal {c['bit_equal']}, largest relative loss difference "
+              f"{c['max_rel_loss_diff']:.2e}, same learning rates {c['lr_equal']}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
