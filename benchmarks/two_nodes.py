@@ -42,7 +42,7 @@ def job(args: argparse.Namespace, run: Path) -> list[str]:
     return ["examples/train.py", "--deepspeed", f"ds_configs/{args.config}", "--model-size", args.model_size,
             "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch), "--lr", str(args.lr),
             "--steps", str(args.steps), "--save-every", str(args.save_at), "--eval-every", "0",
-            "--eval-batches", "2", "--save-dir", str(run)]
+            "--eval-batches", "2", "--save-dir", str(run), *(["--data", args.data] if args.data else [])]
 
 
 def launch(cmds: list[list[str]], logs: list[Path], timeout: float) -> tuple[list[int], float]:
@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model-size", default="llama3.1-8b")
     p.add_argument("--config", default="zero3_largest_model.json", help="a file of ds_configs/")
+    p.add_argument("--data", help="the main job's --data (default: its own, the Python standard library)")
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--lr", type=float, default=3e-4)
@@ -124,8 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     tag = f"step{args.save_at:07d}"
     ckpt = run / "checkpoints" / tag
     res = {**provenance(), "model_size": args.model_size, "config": args.config, "seq_len": args.seq_len,
-           "micro_batch": args.micro_batch, "steps": args.steps, "save_at": args.save_at, "gpus_per_node": n,
-           "smoke": args.smoke, "hostfile": hostfile.read_text(),
+           "micro_batch": args.micro_batch, "data": args.data, "steps": args.steps, "save_at": args.save_at,
+           "gpus_per_node": n, "smoke": args.smoke, "hostfile": hostfile.read_text(),
            "commands": {"node1": " ".join(nodes[0]), "node0": " ".join(nodes[1])},
            "two_nodes": {"exit_codes": dict(zip(("node1", "node0"), codes)), "wall_s": two_wall, "records": two,
                          "nnodes_2_seen": all(f"nnodes=2, num_local_procs={n}" in log.read_text()
