@@ -258,10 +258,19 @@ class ReleaseStep(Release, Zero12Step):
         dtypes = [comm_dtype] if comm_dtype is not None else list(self.ipg_buckets.keys())
         params = [self.bit16_groups[g][k] for d in dtypes for g, k, _ in self.ipg_buckets[d].params]
         super().reduce_ipg_grads(comm_dtype)
-        here = get_accelerator().current_stream()  # None: an accelerator without streams (CPU)
-        if self.overlap_comm and here is not None:  # the reductions ran on ZeRO's reduction stream
-            here.wait_stream(self.reduction_stream)
-        self._coat_release_bucket(params)
+        if not self.overlap_comm or get_accelerator().current_stream() is None:  # None: no streams (CPU)
+            self._coat_release_bucket(params)
+            return
+        # after the reduction, on ZeRO's reduction stream: backward goes on beside both, and the compute stream waits
+        # for them where DeepSpeed's own overlap waits for a reduction, at the next bucket's (average_tensor), before
+        # it refills this bucket's buffer. A gradient outside the buffer (a parameter larger than a bucket) was made
+        # on the compute stream: recorded on this one, its memory is not handed on before the step has read it.
+        stream = self.reduction_stream
+        for p in params:
+            if p.grad is not None:
+                p.grad.record_stream(stream)
+        with get_accelerator().stream(stream):
+            self._coat_release_bucket(params)
 
     def get_all_grad_tensors(self, tensor_list, dtype):
         return []  # every gradient was stepped and dropped: nothing to gather (DeepSpeed would make zeros)
