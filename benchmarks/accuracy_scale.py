@@ -20,6 +20,7 @@ import shutil
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,6 +79,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--partial-ok", action="store_true",
                    help="start a run that will not end before the deadline too (it stops there and continues in the "
                         "next call on this machine): for every call of a session but its last")
+    p.add_argument("--side-by-side", action="store_true",
+                   help="the fine-tunings at once, one GPU each (their batch is the same in samples; at 4 samples a "
+                        "step one GPU is about as fast as four): 4 of them on 4 GPUs take the time of one")
     p.add_argument("--tokens-per-s", help="pretraining's assumed tokens/s on 4 GPUs, before a run has measured its "
                                           "own: one number, or config=N,... (default: benchmarks/accuracy/recipe.py)")
     p.add_argument("--merge", nargs="+", default=[], metavar="FILE",
@@ -255,14 +259,29 @@ def schedule(args: argparse.Namespace, res: dict) -> list[Todo]:
     return out
 
 
+def groups(args: argparse.Namespace, plan: list[Todo]) -> list[list[Todo]]:
+    """The plan as this call runs it: one job at a time, but with --side-by-side the fine-tunings in groups of one
+    a GPU, each group at once."""
+    out: list[list[Todo]] = []
+    for t in plan:
+        joins = args.side_by_side and t.job.phase == "finetune" and out and out[-1][0].job.phase == "finetune"
+        if joins and len(out[-1]) < args.num_gpus:
+            out[-1].append(t)
+        else:
+            out.append([t])
+    return out
+
+
 def schedule_text(args: argparse.Namespace, res: dict, plan: list[Todo]) -> str:
     lines, total = [], 0.0
-    for t in plan:
-        total += t.est_s
-        what = "" if t.job.phase == "outliers" else \
-            f", {t.steps_left:,} steps at {rate(args, res, t.job.phase, t.job.config)[0]:,.0f} tokens/s " \
-            f"({rate(args, res, t.job.phase, t.job.config)[1]})"
-        lines.append(f"  {t.job.key}: {t.why}{what}: ~{t.est_s / 60:.1f} min (ends ~{total / 60:.1f} min)")
+    for group in groups(args, plan):
+        total += max(t.est_s for t in group)
+        for t in group:
+            what = "" if t.job.phase == "outliers" else \
+                f", {t.steps_left:,} steps at {rate(args, res, t.job.phase, t.job.config)[0]:,.0f} tokens/s " \
+                f"({rate(args, res, t.job.phase, t.job.config)[1]})"
+            beside = f", one GPU, beside {len(group) - 1} more" if len(group) > 1 else ""
+            lines.append(f"  {t.job.key}: {t.why}{what}{beside}: ~{t.est_s / 60:.1f} min (ends ~{total / 60:.1f} min)")
     head = f"{len(plan)} jobs on {args.num_gpus} {'CPU ranks' if args.smoke else 'GPUs'}, ~{total / 60:.1f} min in all"
     return "\n".join([head, *lines] if plan else ["nothing left to run"])
 
@@ -280,8 +299,10 @@ def check_data(args: argparse.Namespace) -> dict[str, int]:
     return out
 
 
-def run_job(args: argparse.Namespace, res: dict, t: Todo, stop: runs.Stop, call: dict, tokens: dict) -> None:
-    """One job to its end or the deadline; its entry (or the outlier measure) written into `res`."""
+def run_job(args: argparse.Namespace, res: dict, t: Todo, stop: runs.Stop, call: dict, tokens: dict,
+            device: int | None = None) -> None:
+    """One job to its end or the deadline, on every GPU or (`device`: side by side) on that one; its entry (or the
+    outlier measure) written into `res`."""
     job, run_dir, export_dir = t.job, args.run_root / t.job.key, args.run_root / EXPORT
     if job.phase == "outliers":
         return measure_outliers(args, res, stop, call)
@@ -291,9 +312,11 @@ def run_job(args: argparse.Namespace, res: dict, t: Todo, stop: runs.Stop, call:
     source = job == SOURCE
     if source and t.resume_from is None:
         shutil.rmtree(export_dir, ignore_errors=True)
-    cmd = runs.command(r, job.config, job.seed, args.num_gpus, run_dir, args.data_root,
+    gpus = args.num_gpus if device is None else 1
+    cmd = runs.command(r, job.config, job.seed, gpus, run_dir, args.data_root,
                        model=export_dir if job.phase == "finetune" else None, export=export_dir if source else None,
-                       resume=t.resume_from is not None)
+                       resume=t.resume_from is not None,
+                       devices=None if device is None or args.smoke else str(device))   # CPU ranks: no ids
     print(f"== {job.key}: {t.why} (~{t.est_s / 60:.1f} min)\n   {' '.join(cmd)}", flush=True)
     seg = runs.launch(cmd, run_dir, t.resume_from or 0, stop, job.key, r.steps)
     state = runs.read_run(run_dir, r, tokens.get(r.corpus))
@@ -302,7 +325,8 @@ def run_job(args: argparse.Namespace, res: dict, t: Todo, stop: runs.Stop, call:
                                                    "command": " ".join(cmd), "from_step": t.resume_from or 0,
                                                    "to_step": state["steps_done"], **seg}]
     entry = {"phase": job.phase, "config": job.config, "seed": job.seed, "label": R.LABELS[job.config],
-             "run_dir": str(run_dir), **state, "segments": segments, "wall_s": sum(s["wall_s"] for s in segments)}
+             "gpus": gpus, "run_dir": str(run_dir), **state, "segments": segments,
+             "wall_s": sum(s["wall_s"] for s in segments)}
     entry["status"] = status(entry, seg, run_dir, export_dir if source else None)
     if entry["status"] not in ("done", "partial"):
         entry["error"] = runs.failure(run_dir)
@@ -409,22 +433,28 @@ def main(argv: list[str] | None = None) -> int:
             "ran": [], "skipped": []}
     calls = [*res["calls"], call]
     stop = runs.Stop(t0 + args.deadline - STOP_MARGIN_S, t0 + args.deadline - KILL_MARGIN_S)
-    for t in plan:
-        t = todo(args, res, t.job)                     # what the runs before it changed (an export, a rate)
-        if t is None:
+    for group in groups(args, plan):
+        group = [t for t in (todo(args, res, t.job) for t in group) if t]   # what the runs before changed
+        if not group:
             continue
-        t.est_s, left = predict(args, res, t), t0 + args.deadline - time.time()
-        fits = t.est_s + STOP_MARGIN_S <= left
-        partial = args.partial_ok and t.job.phase != "outliers" and left - STOP_MARGIN_S >= MIN_PARTIAL_S
-        if t.job.phase == "finetune" and export_id(args) is None:
-            call["skipped"].append({"job": t.job.key, "why": "no export of BF16's model on this machine yet"})
+        for t in group:
+            t.est_s = predict(args, res, t)
+        est, left, phase = max(t.est_s for t in group), t0 + args.deadline - time.time(), group[0].job.phase
+        fits = est + STOP_MARGIN_S <= left
+        partial = args.partial_ok and phase != "outliers" and left - STOP_MARGIN_S >= MIN_PARTIAL_S
+        why = ("no export of BF16's model on this machine yet" if phase == "finetune" and export_id(args) is None
+               else None if fits or partial else f"predicted {est:.0f} s, {left:.0f} s left")
+        if why:
+            call["skipped"] += [{"job": t.job.key, "why": why} for t in group]
+            print(*(f"== {t.job.key}: skipped ({why})" for t in group), sep="\n", flush=True)
             continue
-        if not (fits or partial):
-            call["skipped"].append({"job": t.job.key, "why": f"predicted {t.est_s:.0f} s, {left:.0f} s left"})
-            print(f"== {t.job.key}: skipped (predicted {t.est_s:.0f} s, {left:.0f} s left)", flush=True)
-            continue
-        call["ran"].append(t.job.key)
-        run_job(args, res, t, stop, call, tokens)
+        call["ran"] += [t.job.key for t in group]
+        if args.side_by_side and phase == "finetune":
+            with ThreadPoolExecutor(len(group)) as pool:
+                list(pool.map(lambda it: run_job(args, res, it[1], stop, call, tokens, device=it[0]),
+                              enumerate(group)))
+        else:
+            run_job(args, res, group[0], stop, call, tokens)
         call["wall_s"] = time.time() - t0
         write_results(result(args, res, calls, tokens), args.out, NAME)   # what it has, after each job
     call["wall_s"] = time.time() - t0

@@ -21,10 +21,12 @@ PROGRESS_S = 60.0
 
 
 def command(recipe: Recipe, config: str, seed: int, gpus: int, run_dir: Path, data_root: Path,
-            model: Path | None = None, export: Path | None = None, resume: bool = False) -> list[str]:
+            model: Path | None = None, export: Path | None = None, resume: bool = False,
+            devices: str | None = None) -> list[str]:
     """The main job's command line for one run (a fine-tuning when `model` is given: validated before its first
-    step too)."""
-    cmd = [launcher(), "--num_gpus", str(gpus), "--master_port", str(free_port()), "examples/train.py",
+    step too), on `gpus` GPUs: these CUDA ids where `devices` names them (runs side by side), else the first."""
+    where = ["--include", f"localhost:{devices}"] if devices else ["--num_gpus", str(gpus)]
+    cmd = [launcher(), *where, "--master_port", str(free_port()), "examples/train.py",
            "--deepspeed", CONFIGS[config], "--data", str(data_root / recipe.corpus), "--seq-len", str(recipe.seq_len),
            "--micro-batch", str(recipe.global_batch // gpus), "--steps", str(recipe.steps), "--lr", str(recipe.lr),
            "--warmup-steps", str(recipe.warmup_steps), "--eval-every", str(recipe.eval_every),
@@ -69,7 +71,7 @@ def last_train_step(log: Path) -> int:
 
 def launch(cmd: list[str], run_dir: Path, start_step: int, stop: Stop, name: str, total: int) -> dict:
     """Run the job in a process group of its own, its output appended to run_dir/launch.log, told to stop by `stop`
-    -> {exit_code, signalled, killed, startup_s (to its first step), wall_s}."""
+    -> {exit_code, signalled, killed, start (Unix time), startup_s (to its first step), wall_s}."""
     run_dir.mkdir(parents=True, exist_ok=True)
     log, t0 = run_dir / "log.jsonl", time.time()
     first = signalled = killed = None
@@ -95,7 +97,7 @@ def launch(cmd: list[str], run_dir: Path, start_step: int, stop: Stop, name: str
                 _signal(proc, signal.SIGKILL)
         end = time.time()
     return {"exit_code": proc.returncode, "signalled": signalled is not None, "killed": killed is not None,
-            "startup_s": None if first is None else first - t0, "wall_s": end - t0}
+            "start": t0, "startup_s": None if first is None else first - t0, "wall_s": end - t0}
 
 
 def _signal(proc: subprocess.Popen, sig: int) -> None:

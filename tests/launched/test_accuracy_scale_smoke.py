@@ -1,8 +1,9 @@
 """benchmarks/accuracy_scale.py --smoke end to end on 2 CPU ranks through the real launcher and main job: BF16 and
-the lowest-memory preset pretrained, BF16's model exported, its outliers measured, both fine-tuned from it (validated
-before the first step), the verdicts and tables; then a run stopped by the deadline (a signal: it checkpoints) and
-continued by a second call that merges the first's file, and what a call on a machine without its run directory
-would do. The corpora are two tiny token folders made here, the way prepare_corpus makes the real ones."""
+the lowest-memory preset pretrained, BF16's model exported, its outliers measured, both fine-tuned from it side by
+side, one rank each (validated before the first step), the verdicts and tables; then a run stopped by the deadline
+(a signal: it checkpoints) and continued by a second call that merges the first's file, and what a call on a machine
+without its run directory would do. The corpora are two tiny token folders made here, the way prepare_corpus makes
+the real ones."""
 from __future__ import annotations
 
 import json
@@ -44,7 +45,7 @@ def call(*argv: str) -> str:
 def test_smoke_pretrain_export_outliers_finetune_then_a_deadline_and_a_resume(tmp_path, monkeypatch):
     data, run_root, out = corpora(tmp_path / "corpora"), tmp_path / "runs", tmp_path / "out"
     where = ["--data-root", str(data), "--run-root", str(run_root), "--out", str(out)]
-    text = call("--configs", "bf16,lowest_memory", "--seeds", "0", *where)
+    text = call("--configs", "bf16,lowest_memory", "--seeds", "0", "--side-by-side", *where)
     doc = json.loads((out / "accuracy_scale.json").read_text())
     assert (out / "accuracy_scale.png").read_bytes()[:4] == b"\x89PNG"
     assert list(doc["runs"]) == ["pretrain_bf16_s0", "finetune_bf16_s0", "finetune_lowest_memory_s0",
@@ -60,6 +61,11 @@ def test_smoke_pretrain_export_outliers_finetune_then_a_deadline_and_a_resume(tm
         assert [s for s, *_ in ft["val"]] == [0, 10, 20] and ft["export_id"] == json.loads(
             (run_root / S.EXPORT / S.MARK).read_text())["written"]
         assert f"--model {run_root / S.EXPORT} --eval-first" in ft["segments"][0]["command"]
+        assert ft["gpus"] == 1 and " --num_gpus 1 " in ft["segments"][0]["command"]   # --side-by-side: one rank each
+    spans = [(s["start"], s["start"] + s["wall_s"]) for n in ("bf16", "lowest_memory")
+             for s in doc["runs"][f"finetune_{n}_s0"]["segments"]]
+    assert max(a for a, _ in spans) < min(b for _, b in spans)                     # and at once
+    assert pre["gpus"] == 2 and " --num_gpus 2 " in pre["segments"][0]["command"]
     o = doc["outliers"]
     assert len(o["layers"]) == 2 and o["max_ratio"] == max(r["ratio"] for r in o["layers"]) > 1
     v = doc["verdicts"]
