@@ -84,7 +84,7 @@ def compare(before: list[dict], after: list[dict]) -> dict:
             "max_rel_loss_diff": max(diffs, default=None), "pairs": len(pairs)}
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model-size", default="llama3.1-8b")
     p.add_argument("--config", default="zero3_largest_model.json", help="a file of ds_configs/")
@@ -107,54 +107,69 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--save-at must be below --steps ({args.steps}): the resumed job needs steps after the checkpoint")
     if not (ROOT / "ds_configs" / args.config).is_file():
         p.error(f"--config: no ds_configs/{args.config}")
+    return args
 
-    run, n = ROOT / args.run_dir, args.gpus_per_node
-    shutil.rmtree(run, ignore_errors=True)
-    run.mkdir(parents=True)
+
+def two_nodes(args: argparse.Namespace, run: Path) -> dict:
+    """The job on two nodes: their commands, exit codes, records and the checkpoint it is resumed from."""
+    n = args.gpus_per_node
     hostfile = run / "hostfile"
     hostfile.write_text(f"node0 slots={n}\nnode1 slots={2 * n}\n")   # node 1's slots n..2n-1: this machine's GPUs
     include = f"node0@node1:{','.join(map(str, range(n, 2 * n)))}"
     port = free_port()
     nodes = [[launcher(), "--hostfile", str(hostfile), "--include", include, "--no_ssh", f"--node_rank={r}",
               "--master_addr=127.0.0.1", f"--master_port={port}", *job(args, run)] for r in (1, 0)]
-    node_logs = [run / f"node{r}.log" for r in (1, 0)]
+    logs = [run / f"node{r}.log" for r in (1, 0)]
     print(f"two nodes of {n}: {args.model_size}, seq {args.seq_len}, micro-batch {args.micro_batch}, "
           f"{args.steps} steps, a checkpoint every {args.save_at}", flush=True)
-    codes, two_wall = launch(nodes, node_logs, args.timeout)
-    two = records(run)
-    tag = f"step{args.save_at:07d}"
-    ckpt = run / "checkpoints" / tag
-    res = {**provenance(), "model_size": args.model_size, "config": args.config, "seq_len": args.seq_len,
-           "micro_batch": args.micro_batch, "data": args.data, "steps": args.steps, "save_at": args.save_at,
-           "gpus_per_node": n, "smoke": args.smoke, "hostfile": hostfile.read_text(),
-           "commands": {"node1": " ".join(nodes[0]), "node0": " ".join(nodes[1])},
-           "two_nodes": {"exit_codes": dict(zip(("node1", "node0"), codes)), "wall_s": two_wall, "records": two,
-                         "nnodes_2_seen": all(f"nnodes=2, num_local_procs={n}" in log.read_text()
-                                              for log in node_logs),
-                         "checkpoint_files": sorted(f.name for f in ckpt.glob("*")) if ckpt.is_dir() else [],
-                         "checkpoint_gb": sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file()) / GIB}}
+    codes, wall = launch(nodes, logs, args.timeout)
+    ckpt = run / "checkpoints" / f"step{args.save_at:07d}"
+    out = {"hostfile": hostfile.read_text(), "commands": {"node1": " ".join(nodes[0]), "node0": " ".join(nodes[1])},
+           "exit_codes": dict(zip(("node1", "node0"), codes)), "wall_s": wall, "records": records(run),
+           "nnodes_2_seen": all(f"nnodes=2, num_local_procs={n}" in log.read_text() for log in logs),
+           "checkpoint_files": sorted(f.name for f in ckpt.glob("*")) if ckpt.is_dir() else [],
+           "checkpoint_gb": sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file()) / GIB}
     if any(codes):
-        res["error"] = "two-node run: " + "".join(log.read_text()[-3000:] for log in node_logs)
-    else:
-        resume = [launcher(), "--num_gpus", str(2 * n), f"--master_port={free_port()}", *job(args, run),
-                  "--resume-from", tag]
-        (code,), wall = launch([resume], [run / "resume.log"], args.timeout)
-        log = records(run)   # the resumed job keeps log.jsonl's lines up to its checkpoint and appends its own
-        after = [r for r in log if r["step"] > args.save_at]
-        out = (run / "resume.log").read_text()
-        res["resumed"] = {"command": " ".join(resume), "exit_code": code, "wall_s": wall, "records": after,
-                          "kept_the_steps_before": log[:len(log) - len(after)] == [r for r in two
-                                                                                  if r["step"] <= args.save_at],
-                          "one_node_seen": f"nnodes=1, num_local_procs={2 * n}" in out,
-                          "warned_data_order": "warning: resuming" in out}
-        later = [r for r in two if r["step"] > args.save_at]
-        res["comparison"] = compare(later, after)
-        if code:
-            res["error"] = "resumed run: " + out[-3000:]
+        out["error"] = "two-node run: " + "".join(log.read_text()[-3000:] for log in logs)
+    return out
+
+
+def resumed(args: argparse.Namespace, run: Path, two: list[dict]) -> dict:
+    """The same job on one node of 2N from the checkpoint: its command, exit code and the records after it."""
+    n = 2 * args.gpus_per_node
+    cmd = [launcher(), "--num_gpus", str(n), f"--master_port={free_port()}", *job(args, run),
+           "--resume-from", f"step{args.save_at:07d}"]
+    (code,), wall = launch([cmd], [run / "resume.log"], args.timeout)
+    log = records(run)   # the resumed job keeps log.jsonl's lines up to its checkpoint and appends its own
+    after = [r for r in log if r["step"] > args.save_at]
+    text = (run / "resume.log").read_text()
+    out = {"command": " ".join(cmd), "exit_code": code, "wall_s": wall, "records": after,
+           "kept_the_steps_before": log[:len(log) - len(after)] == [r for r in two if r["step"] <= args.save_at],
+           "one_node_seen": f"nnodes=1, num_local_procs={n}" in text, "warned_data_order": "warning: resuming" in text}
+    if code:
+        out["error"] = "resumed run: " + text[-3000:]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    run = ROOT / args.run_dir
+    shutil.rmtree(run, ignore_errors=True)
+    run.mkdir(parents=True)
+    res = {**provenance(), **{k: vars(args)[k] for k in ("model_size", "config", "seq_len", "micro_batch", "data",
+                                                         "steps", "save_at", "gpus_per_node", "smoke")}}
+    two = res["two_nodes"] = two_nodes(args, run)
+    if "error" not in two:
+        res["resumed"] = resumed(args, run, two["records"])
+        res["comparison"] = compare([r for r in two["records"] if r["step"] > args.save_at],
+                                    res["resumed"]["records"])
+    error = two.get("error") or res.get("resumed", {}).get("error")
+    if error:
+        res["error"] = error
     path = write_json(Path(args.out) / f"two_nodes{'_smoke' if args.smoke else ''}.json", res)
     print_table(res)
     print(f"-> {path}")
-    return 1 if "error" in res else 0
+    return 1 if error else 0
 
 
 def print_table(res: dict) -> None:
