@@ -27,9 +27,9 @@ JOB = ["examples/train.py", "--deepspeed", "ds_configs/zero2_coat.json", *TRAIN_
 
 
 @pytest.fixture(autouse=True)
-def _cpu_only():
+def _cpu_only(request):
     require_launcher()
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and request.node.get_closest_marker("gpu") is None:
         pytest.skip("CPU-accelerator runs")
 
 
@@ -130,4 +130,28 @@ def test_a_frozen_rank_is_lost_after_the_peer_timeout(tmp_path):
     lines = error_lines(out)
     assert len(lines) == 1 and lines[0].startswith("error: rank 1 (node 0, local rank 1, host ") and \
         "was lost: no heartbeat for 5 s; every rank stops (exit 1)" in lines[0], out[-3000:]
+    assert_checkpoint_intact(run)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "frozen"])
+def test_a_lost_rank_of_four_gpus_stops_the_others_with_one_line(tmp_path, sig):
+    """Issue 44 on 4 GPUs (NCCL): rank 2 killed mid-step (the others see its process end) or frozen (its NCCL peers
+    wait inside a collective, DeepSpeed's timeout is 10 minutes: the heartbeat thread must still get the GIL)."""
+    if torch.cuda.device_count() < 4:
+        pytest.skip("needs 4 GPUs")
+    run = tmp_path / "run"
+    # as on CPU ranks: DeepSpeed's launcher for a killed rank (it ends the rest 1 s after one exits), ours for a
+    # frozen one (DeepSpeed's would wait 30 s before it SIGKILLs the stopped process)
+    where = [launcher(), "--num_gpus", "4", "--master_port", str(free_port())] if sig == signal.SIGKILL else \
+        ranks_launcher(4)
+    job = start([*where, *JOB, "--save-dir", str(run), "--peer-timeout", "10"], tmp_path / "log")
+    took = kill_mid_training([job], run, 2, sig)
+    out = (tmp_path / "log").read_text()
+    low, high = (0, 20) if sig == signal.SIGKILL else (10, 40)
+    assert job.returncode != 0 and low <= took < high, (job.returncode, took, out[-3000:])
+    why = "its process ended" if sig == signal.SIGKILL else "no heartbeat for 10 s"
+    lines = error_lines(out)
+    assert len(lines) == 1 and lines[0].startswith("error: rank 2 (node 0, local rank 2, host ") and \
+        f"was lost: {why}; every rank stops (exit 1)" in lines[0], out[-3000:]
     assert_checkpoint_intact(run)
