@@ -9,6 +9,7 @@ import json
 import os
 import platform
 import selectors
+import shutil
 import signal
 import socket
 import subprocess
@@ -171,6 +172,11 @@ def worker_env(**extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
+def launcher() -> str:
+    """DeepSpeed's launcher: on PATH, else beside this Python (a virtual environment not activated)."""
+    return shutil.which("deepspeed") or str(Path(sys.executable).parent / "deepspeed")
+
+
 def worker_cmd(module: str, args: argparse.Namespace, names: tuple[str, ...], num_gpus: int = 1,
                devices: str | None = None, **given) -> list[str]:
     """The command that runs benchmarks.`module` as a worker (python -m, or the deepspeed launcher for several
@@ -215,6 +221,20 @@ def read_json(path: str | Path, default=None):
     """The JSON in `path`, or `default` where there is no such file (a results file not written yet)."""
     path = Path(path)
     return json.loads(path.read_text()) if path.is_file() else default
+
+
+def read_log(path: str | Path) -> list[dict]:
+    """The records of the main job's log.jsonl ([] where there is none yet); a line cut by a kill is skipped."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass
+    return out
 
 
 def replace_rows(old: list[dict], new: list[dict], key) -> list[dict]:

@@ -16,7 +16,6 @@ GPUs NCCL may pick other rings or trees for one node than for two, and they agre
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import signal
@@ -25,16 +24,12 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import (GIB, RESULTS, ROOT, check_positive, free_port, provenance, worker_env, write_json)
+from benchmarks.common import (GIB, RESULTS, ROOT, check_positive, free_port, launcher, provenance, read_log,
+                               worker_env, write_json)
 
 TIMINGS = ("tokens_per_s", "step_time_s", "peak_mem_gb")   # a train record's fields that no rerun repeats
 SMOKE = {"model_size": "tiny", "seq_len": 64, "micro_batch": 2, "steps": 6, "save_at": 3, "gpus_per_node": 2,
          "config": "zero3_largest_model.json"}
-
-
-def launcher() -> str:
-    """The `deepspeed` launcher: on PATH, else beside this Python."""
-    return shutil.which("deepspeed") or str(Path(sys.executable).parent / "deepspeed")
 
 
 def job(args: argparse.Namespace, run: Path) -> list[str]:
@@ -66,8 +61,12 @@ def launch(cmds: list[list[str]], logs: list[Path], timeout: float) -> tuple[lis
 
 
 def records(run: Path) -> list[dict]:
-    path = run / "log.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    return read_log(run / "log.jsonl")
+
+
+def loss_of(record: dict) -> float:
+    """A train record's loss or an eval record's validation loss."""
+    return record.get("loss", record.get("val_loss"))
 
 
 def untimed(rows: list[dict]) -> list[dict]:
@@ -77,8 +76,7 @@ def untimed(rows: list[dict]) -> list[dict]:
 def compare(before: list[dict], after: list[dict]) -> dict:
     """The resumed steps against the two-node run's same steps: equal bit for bit, else the largest differences."""
     pairs = [(a, b) for a in before for b in after if a["kind"] == b["kind"] and a["step"] == b["step"]]
-    loss = lambda r: r.get("loss", r.get("val_loss"))   # noqa: E731
-    diffs = [abs(loss(a) - loss(b)) / abs(loss(a)) for a, b in pairs]
+    diffs = [abs(loss_of(a) - loss_of(b)) / abs(loss_of(a)) for a, b in pairs]
     return {"steps": [b["step"] for _, b in pairs], "bit_equal": untimed(before) == untimed(after),
             "lr_equal": all(a.get("lr") == b.get("lr") for a, b in pairs),
             "max_rel_loss_diff": max(diffs, default=None), "pairs": len(pairs)}
@@ -178,8 +176,7 @@ def print_table(res: dict) -> None:
     print("| --- | --- | --- | --- |")
     for r in res["two_nodes"]["records"]:
         b = after.get((r["kind"], r["step"]))
-        v = r.get("loss", r.get("val_loss"))
-        w = None if b is None else b.get("loss", b.get("val_loss"))
+        v, w = loss_of(r), None if b is None else loss_of(b)
         name = f"{r['step']}" + (" (val)" if r["kind"] == "eval" else "")
         print(f"| {name} | {v:.6f} | {'-' if w is None else f'{w:.6f}'} | {'-' if w is None else w == v} |")
     c = res.get("comparison")

@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import statistics
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.accuracy.recipe import CONFIGS, Recipe
-from benchmarks.common import ROOT, free_port, read_json, worker_env
+from benchmarks.common import ROOT, free_port, launcher, read_json, read_log, worker_env
 
 POLL_S = 0.2
 PROGRESS_S = 60.0
@@ -34,11 +32,6 @@ def command(recipe: Recipe, config: str, seed: int, gpus: int, run_dir: Path, da
            "--seed", str(seed), "--save-dir", str(run_dir)]
     cmd += ["--model", str(model), "--eval-first"] if model else ["--model-size", recipe.model_size]
     return cmd + (["--export", str(export)] if export else []) + (["--resume"] if resume else [])
-
-
-def launcher() -> str:
-    """DeepSpeed's launcher: on PATH, else beside this Python (a virtual environment not activated)."""
-    return shutil.which("deepspeed") or str(Path(sys.executable).parent / "deepspeed")
 
 
 @dataclass
@@ -105,18 +98,6 @@ def _signal(proc: subprocess.Popen, sig: int) -> None:
         os.killpg(proc.pid, sig)
     except ProcessLookupError:
         pass
-
-
-def read_log(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:   # a line cut by a kill
-            pass
-    return out
 
 
 def checkpoint_step(run_dir: Path) -> int | None:
