@@ -142,8 +142,9 @@ def rank(entry: dict | None) -> tuple:
 
 
 def merged(paths: list[str], recipe: dict) -> dict:
-    """The runs, outlier measure and calls of earlier results files (later files win a tie); exits with one line
-    where a file ran another recipe."""
+    """The runs, outlier measure and calls of earlier results files (later files win a tie; a call that two files
+    both hold, the committed file and the machine's copy of it, counted once); exits with one line where a file ran
+    another recipe."""
     res = {"runs": {}, "outliers": None, "calls": []}
     for path in paths:
         doc = read_json(path)
@@ -155,7 +156,7 @@ def merged(paths: list[str], recipe: dict) -> dict:
             diff = sorted(k for k in set(old) | set(recipe) if old.get(k) != recipe.get(k))
             sys.exit(f"error: --merge {path}: its runs followed another recipe ({', '.join(diff)} differ); allowed: "
                      f"results of this recipe (benchmarks/accuracy/recipe.py; --smoke has its own)")
-        res["calls"] += doc.get("calls", [])
+        res["calls"] += [c for c in doc.get("calls", []) if c not in res["calls"]]
         for key, entry in doc.get("runs", {}).items():
             if rank(entry) >= rank(res["runs"].get(key)):
                 res["runs"][key] = entry

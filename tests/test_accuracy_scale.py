@@ -150,7 +150,7 @@ def test_merge_keeps_what_ended_and_continues_or_restarts_what_did_not(tmp_path)
         "pretrain_bf16_s0": entry("pretrain", "bf16", 0, "done", 3100),
         "pretrain_exact_s0": entry("pretrain", "exact", 0, "partial", 1200),
         "pretrain_bf16_s1": entry("pretrain", "bf16", 1, "partial", 900)}}
-    b = {"recipe": facts, "calls": [{"n": 2}], "runs": {
+    b = {"recipe": facts, "calls": [{"n": 1}, {"n": 2}], "runs": {           # b was merged from a, then ran
         "pretrain_bf16_s0": entry("pretrain", "bf16", 0, "partial", 500),        # a later partial loses to done
         "pretrain_bf16_s1": entry("pretrain", "bf16", 1, "partial", 1500)}}
     for name, doc in (("a", a), ("b", b)):
