@@ -93,9 +93,11 @@ def merge_into(section: dict, extra: dict) -> None:
 
 
 def ds_config(name: str, *, micro_batch: int, zero_stage: int | None = None, on_cpu: bool = False,
-              lr: float | None = None, total_steps: int | None = None, warmup_steps: int | None = None) -> dict:
-    """The DeepSpeed config of configuration `name` with the benchmark's overrides applied. On CPU the BF16
-    baseline uses torch's AdamW (`torch_adam`): FusedAdam would JIT-build a C++ op there."""
+              lr: float | None = None, total_steps: int | None = None, warmup_steps: int | None = None,
+              zero_set: dict | None = None) -> dict:
+    """The DeepSpeed config of configuration `name` with the benchmark's overrides applied (`zero_set`: keys of
+    zero_optimization, parse_zero_set's). On CPU the BF16 baseline uses torch's AdamW (`torch_adam`): FusedAdam
+    would JIT-build a C++ op there."""
     if name not in CONFIGS:
         raise ValueError(f"configuration {name!r} is unknown; allowed: {list(CONFIGS)}")
     _, source, coat = CONFIGS[name]
@@ -107,6 +109,8 @@ def ds_config(name: str, *, micro_batch: int, zero_stage: int | None = None, on_
     cfg.setdefault("wall_clock_breakdown", False)
     if zero_stage is not None:
         cfg.setdefault("zero_optimization", {})["stage"] = zero_stage
+    if zero_set:
+        cfg.setdefault("zero_optimization", {}).update(zero_set)
     opt = cfg.get("optimizer", {})
     if on_cpu and opt.get("type", "").lower() in ("adam", "adamw"):
         opt.setdefault("params", {})["torch_adam"] = True
@@ -122,6 +126,40 @@ def ds_config(name: str, *, micro_batch: int, zero_stage: int | None = None, on_
             sched["warmup_num_steps"] = warmup_steps
     cfg["_source"] = source
     return cfg
+
+
+# what --zero-set may change: ZeRO's buckets and overlap, the levers of its communication at small micro-batches
+ZERO_SET_KEYS = {"reduce_bucket_size": int, "allgather_bucket_size": int, "stage3_prefetch_bucket_size": int,
+                 "stage3_max_live_parameters": int, "stage3_max_reuse_distance": int,
+                 "stage3_param_persistence_threshold": int, "overlap_comm": bool, "contiguous_gradients": bool}
+
+
+def parse_zero_set(text: str | None) -> dict:
+    """'KEY=VALUE,...' (e.g. 'reduce_bucket_size=2e8') -> the zero_optimization entries; ValueError naming the key
+    and what is allowed."""
+    out: dict = {}
+    for item in filter(None, (text or "").split(",")):
+        key, _, value = item.partition("=")
+        kind = ZERO_SET_KEYS.get(key.strip())
+        if kind is None:
+            raise ValueError(f"--zero-set {item!r}: {key.strip()!r} is not a key it sets; allowed: "
+                             f"{sorted(ZERO_SET_KEYS)}")
+        value = value.strip().lower()
+        try:
+            if kind is bool:
+                if value not in ("true", "false"):
+                    raise ValueError
+                out[key.strip()] = value == "true"
+            else:
+                number = float(value)
+                if number < 0 or number != int(number):
+                    raise ValueError
+                out[key.strip()] = int(number)
+        except ValueError:
+            allowed = "true or false" if kind is bool else "a whole number >= 0 (e.g. 2e8)"
+            raise ValueError(f"--zero-set {item!r}: {value!r} is invalid for {key.strip()}; allowed: {allowed}") \
+                from None
+    return out
 
 
 def build_model(model: str, device, dtype, seed: int, layers: int | None = None):
@@ -229,7 +267,7 @@ class Worker:
         """Build the model and the engine; emit the set-up record (parameters, config, memory limit)."""
         args = self.args
         cfg = ds_config(args.config, micro_batch=args.start_batch, zero_stage=args.zero_stage,
-                        on_cpu=not self.on_cuda)
+                        on_cpu=not self.on_cuda, zero_set=parse_zero_set(args.zero_set))
         source = cfg.pop("_source")
         net = self.model(cfg=cfg)
         partitioned = all(hasattr(p, "ds_id") for p in net.parameters())   # built under zero.Init
@@ -557,7 +595,7 @@ def launch(args: argparse.Namespace, name: str, result: Path, start: int, known_
     # the launcher's --include alone (beside CUDA_VISIBLE_DEVICES it would count only those GPUs)
     cmd = worker_cmd("benchmarks.e2e", args, ("model", "seq_len", "max_batch", "steps", "warmup", "mem_fraction",
                      "seed", "max_rungs", "zero_stage", "profile_batch", "profile", "then_batch", "layers",
-                     "memory_trace"),
+                     "memory_trace", "zero_set"),
                      args.num_gpus, devices, config=name, start_batch=start, known_fail=known_fail,
                      budget_s=max(budget - 20, 10), result=result)
     print(f"== {name}: {' '.join(cmd)}", flush=True)
@@ -626,6 +664,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     p.add_argument("--configs", default=E2E_CONFIGS, help=f"comma-separated, from {list(LABELS)}")
     p.add_argument("--num-gpus", type=int, default=1, help="world size (deepspeed launcher when > 1)")
     p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], help="override the configs' ZeRO stage")
+    p.add_argument("--zero-set", help="KEY=VALUE,... of zero_optimization for every config (buckets, overlap: "
+                                      f"{', '.join(ZERO_SET_KEYS)}), e.g. reduce_bucket_size=2e8")
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--equal-batch", type=int, default=1, help="micro-batch at which peak memory is compared")
     p.add_argument("--max-batch", type=int, default=256, help="largest micro-batch the search tries")
@@ -731,6 +771,10 @@ def main(argv: list[str] | None = None) -> int:
                                  "profile_batch"))
     if not 0 < args.mem_fraction <= 1:
         p.error(f"--mem-fraction={args.mem_fraction} is invalid; allowed: a float in (0, 1]")
+    try:
+        parse_zero_set(args.zero_set)
+    except ValueError as e:
+        p.error(str(e))
 
     out = Path(args.out)
     t0 = time.time()

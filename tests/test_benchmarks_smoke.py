@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +19,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.e2e import CONFIGS, ds_config, max_micro_batch, next_batch, oom_needed_gb  # noqa: E402
+from benchmarks.e2e import CONFIGS, ds_config, max_micro_batch, next_batch, oom_needed_gb, parse_zero_set  # noqa: E402
+from benchmarks.e2e import main as e2e_main  # noqa: E402
 
 GIB = 2 ** 30
 E2E_SMOKE = "bf16,coat_opt,coat_full"   # e2e.py's default but the bf16 master, which real_shapes' smoke runs
@@ -96,6 +98,27 @@ def test_configs_share_everything_but_the_named_change():
     assert "master_weights" not in cfgs["coat_full"]["coat"]
     with pytest.raises(ValueError, match="allowed"):
         ds_config("fp16", micro_batch=1)
+
+
+def test_zero_set_overrides_zero_optimization_and_refuses_bad_input_in_one_line(capsys):
+    """e2e --zero-set: ZeRO's bucket and overlap keys for an experiment, checked before any worker starts."""
+    got = parse_zero_set("reduce_bucket_size=2e8, stage3_prefetch_bucket_size=100000000,overlap_comm=false")
+    assert got == {"reduce_bucket_size": 200_000_000, "stage3_prefetch_bucket_size": 100_000_000,
+                   "overlap_comm": False}
+    assert all(type(v) is (bool if k == "overlap_comm" else int) for k, v in got.items())
+    cfg = ds_config("largest_model", micro_batch=1, zero_stage=3, zero_set=got)
+    plain = ds_config("largest_model", micro_batch=1, zero_stage=3)
+    assert cfg["zero_optimization"] == {**plain["zero_optimization"], **got} and cfg["zero_optimization"] != \
+        plain["zero_optimization"]
+    assert parse_zero_set(None) == parse_zero_set("") == {}
+    for bad, why in (("stage=3", "'stage' is not a key it sets; allowed: ["),
+                     ("reduce_bucket_size=1.5", "invalid for reduce_bucket_size; allowed: a whole number"),
+                     ("overlap_comm=1", "invalid for overlap_comm; allowed: true or false")):
+        with pytest.raises(ValueError, match=re.escape(why)):
+            parse_zero_set(bad)
+        with pytest.raises(SystemExit) as e:
+            e2e_main(["--zero-set", bad, "--out", "/nonexistent/never"])
+        assert e.value.code == 2 and why in capsys.readouterr().err
 
 
 OOM = ("CUDA out of memory. Tried to allocate 25.10 GiB. GPU 0 has a total capacity of 79.19 GiB of which 12.50 GiB "
