@@ -278,9 +278,11 @@ def schedule_text(args: argparse.Namespace, res: dict, plan: list[Todo]) -> str:
     for group in groups(args, plan):
         total += max(t.est_s for t in group)
         for t in group:
-            what = "" if t.job.phase == "outliers" else \
-                f", {t.steps_left:,} steps at {rate(args, res, t.job.phase, t.job.config)[0]:,.0f} tokens/s " \
-                f"({rate(args, res, t.job.phase, t.job.config)[1]})"
+            if t.job.phase == "outliers":
+                what = ""
+            else:
+                tps, source = rate(args, res, t.job.phase, t.job.config)
+                what = f", {t.steps_left:,} steps at {tps:,.0f} tokens/s ({source})"
             beside = f", one GPU, beside {len(group) - 1} more" if len(group) > 1 else ""
             lines.append(f"  {t.job.key}: {t.why}{what}{beside}: ~{t.est_s / 60:.1f} min (ends ~{total / 60:.1f} min)")
     head = f"{len(plan)} jobs on {args.num_gpus} {'CPU ranks' if args.smoke else 'GPUs'}, ~{total / 60:.1f} min in all"

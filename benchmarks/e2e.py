@@ -139,26 +139,24 @@ def parse_zero_set(text: str | None) -> dict:
     and what is allowed."""
     out: dict = {}
     for item in filter(None, (text or "").split(",")):
-        key, _, value = item.partition("=")
-        kind = ZERO_SET_KEYS.get(key.strip())
+        key, _, value = (part.strip() for part in item.partition("="))
+        kind = ZERO_SET_KEYS.get(key)
         if kind is None:
-            raise ValueError(f"--zero-set {item!r}: {key.strip()!r} is not a key it sets; allowed: "
-                             f"{sorted(ZERO_SET_KEYS)}")
-        value = value.strip().lower()
+            raise ValueError(f"--zero-set {item!r}: {key!r} is not a key it sets; allowed: {sorted(ZERO_SET_KEYS)}")
+        value = value.lower()
         try:
             if kind is bool:
                 if value not in ("true", "false"):
                     raise ValueError
-                out[key.strip()] = value == "true"
+                out[key] = value == "true"
             else:
                 number = float(value)
                 if number < 0 or number != int(number):
                     raise ValueError
-                out[key.strip()] = int(number)
+                out[key] = int(number)
         except ValueError:
             allowed = "true or false" if kind is bool else "a whole number >= 0 (e.g. 2e8)"
-            raise ValueError(f"--zero-set {item!r}: {value!r} is invalid for {key.strip()}; allowed: {allowed}") \
-                from None
+            raise ValueError(f"--zero-set {item!r}: {value!r} is invalid for {key}; allowed: {allowed}") from None
     return out
 
 
