@@ -214,9 +214,11 @@ def rerun_for_export(args: argparse.Namespace, res: dict, job: Job) -> bool:
     return any((res["runs"].get(f.key) or {}).get("status") not in DONE for f in jobs(args) if f.phase == "finetune")
 
 
-def measured_rate(res: dict, phase: str, config: str) -> float | None:
-    """The median tokens/s of the runs of this phase and config that ran at least 10 steps."""
-    seen = [e["tokens_per_s"] for e in res["runs"].values() if e.get("phase") == phase and e.get("config") == config
+def measured_rate(res: dict, phase: str, config: str, gpus: int) -> float | None:
+    """The median tokens/s of the runs of this phase and config that ran at least 10 steps; pretraining's per GPU
+    times `gpus` (its batch splits over the GPUs; a fine-tuning runs on one GPU, side by side or not)."""
+    seen = [e["tokens_per_s"] * (gpus / e.get("gpus", 4) if phase == "pretrain" else 1)   # no key: 4 GPUs, the first
+            for e in res["runs"].values() if e.get("phase") == phase and e.get("config") == config   # runs' count
             and e.get("tokens_per_s") and e.get("steps_done", 0) >= 10]
     return statistics.median(seen) if seen else None
 
@@ -229,7 +231,7 @@ def measured_start(res: dict, phase: str) -> float | None:
 
 def rate(args: argparse.Namespace, res: dict, phase: str, config: str) -> tuple[float, str]:
     """tokens/s over all ranks for a run of this phase and config, and where the figure comes from."""
-    got = measured_rate(res, phase, config)
+    got = measured_rate(res, phase, config, args.num_gpus)
     if got:
         return got, "measured"
     given = args.rates.get(config) if phase == "pretrain" else None
