@@ -442,6 +442,11 @@ def _yes(x) -> str:
     return "-" if x is None else "yes" if x else "no"
 
 
+def _bf16_first(names) -> list[str]:
+    """BF16, then the presets by name: one order whichever ran first."""
+    return sorted(set(names), key=lambda n: (n != "bf16", n))
+
+
 @table
 def accuracy(res: Path):
     """README: issue 46's verdicts, a preset a row: pretraining's final validation loss against BF16's seed band and
@@ -455,14 +460,15 @@ def accuracy(res: Path):
         return
     pre, ft = doc["verdicts"]["pretrain"]["configs"], doc["verdicts"]["finetune"]
     labels = {e["config"]: e["label"] for e in doc["runs"].values()}
-    for name in dict.fromkeys([*pre, *ft]):
+    for name in _bf16_first([*pre, *ft]):
         p, f = pre.get(name, {}), ft.get(name, {})
         met = [x for x in (p.get("meets_targets"), f.get("meets_targets")) if x is not None]
         yield [labels[name],
                f"{num(p.get('final_mean'), 4)} ({len(p.get('seeds', []))})", _pct(p.get("gap_rel")),
                "-" if name == "bf16" else f"{_yes(p.get('within_band'))}, {_yes(p.get('spike_ok'))}",
                "-" if name == "bf16" else f"{_pct(f.get('gap_before_rel'))} / {_pct(f.get('gap_end_rel'))}",
-               "-" if name == "bf16" or not met else _yes(all(met))]
+               "-" if name == "bf16" or not met else "no" if not all(met) else "yes" if p and f else
+               f"so far (no {'pretraining' if f else 'fine-tuning'} yet)"]
 
 
 @table
@@ -478,7 +484,8 @@ def accuracy_scale(res: Path):
     v = doc["verdicts"]["pretrain"]
     b = v["bf16_band"]
     band = "-" if b is None else f"{b['low']:.4f} - {b['high']:.4f} ({b['set_by']}, {b['seeds']} seeds)"
-    for name, c in v["configs"].items():
+    for name in _bf16_first(v["configs"]):
+        c = v["configs"][name]
         yield [name, ", ".join(f"{s}: {x:.4f}" for s, x in zip(c["seeds"], c["finals"])),
                f"{c['final_mean']:.4f} +- {num(c['final_std'], 4)}", _pct(c["gap_rel"]), band if name == "bf16" else "",
                _yes(c.get("within_band")) if name != "bf16" else "-",
@@ -496,7 +503,8 @@ def accuracy_scale_finetune(res: Path):
     if not finetune:
         yield _not_yet(header)
         return
-    for name, f in finetune.items():
+    for name in _bf16_first(finetune):
+        f = finetune[name]
         yield [name, num(f["before"], 4), _pct(f["gap_before_rel"]), num(f["end"], 4), _pct(f["gap_end_rel"]),
                _yes(f.get("meets_targets"))]
 

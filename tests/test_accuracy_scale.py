@@ -203,7 +203,7 @@ def test_the_verdicts_of_a_results_file_and_their_tables(tmp_path):
     runs_["pretrain_exact_s0"] = entry("pretrain", "exact", 0, "done", 3100, train=train(curve(bump=(2500, 0.3))[1]),
                                        val=[[3100, 0, 2.005]])
     runs_["pretrain_lowest_memory_s0"] = entry("pretrain", "lowest_memory", 0, "partial", 1000, val=[[155, 0, 4.0]])
-    for name, (before, end) in {"bf16": (1.50, 1.20), "exact": (1.505, 1.2)}.items():
+    for name, (before, end) in {"bf16": (1.50, 1.20), "exact": (1.505, 1.2), "lowest_memory": (1.5, 1.2)}.items():
         runs_[f"finetune_{name}_s0"] = entry("finetune", name, 0, "done", 1000, export_id="T",
                                              val=[[0, 0, before], [1000, 0, end]])
     res = {"runs": runs_, "outliers": {"layers": [{"layer": 0, "max_abs": 12.0, "rms": 0.5, "ratio": 24.0}]}}
@@ -216,6 +216,7 @@ def test_the_verdicts_of_a_results_file_and_their_tables(tmp_path):
     (tmp_path / "accuracy_scale.json").write_text(json.dumps(doc))
     readme = rt.render("accuracy", tmp_path)
     assert "| exact | 2.0050 (1) | -0.25% | yes, no | +0.33% / +0.00% | no |" in readme
+    assert "| lowest_memory | - (0) | - | -, - | +0.00% / +0.00% | so far (no pretraining yet) |" in readme
     assert "1.9900 - 2.0300 (2 std, 3 seeds)" in rt.render("accuracy_scale", tmp_path)
     assert "| 0 | 12.00 | 0.500 | 24.0 |" in rt.render("accuracy_scale_outliers", tmp_path)
     assert "not measured yet" in rt.render("accuracy_scale_finetune", tmp_path / "none")
