@@ -96,10 +96,12 @@ def _fp32_accumulation(zo, kind: str) -> bool:
 
 def own_norm_group(zo) -> None:
     """Give the per-bucket norm all-reduce (module docstring) a communicator of its own, where the data-parallel group
-    is the world (new_group is collective over every rank; otherwise it stays on ZeRO's). Every rank, at bind()."""
+    is the world (new_group is collective over every rank; otherwise it stays on ZeRO's). Every rank, at bind(); one
+    all-reduce here connects it, rather than in the first backward beside ZeRO's collectives."""
     world = dist.get_world_size()
     if world > 1 and dist.get_world_size(group=zo.dp_process_group) == world:
         zo._coat_norm_group = dist.new_group(list(range(world)))
+        dist.all_reduce(torch.zeros(1, device=get_accelerator().current_device_name()), group=zo._coat_norm_group)
 
 
 class SlicePieces(FlatPieces):
