@@ -153,10 +153,7 @@ def task_equal(args, world, stage, master, rest):
         zo.step = watched
         out[gradients] = {"losses": train(engine, range(EQUAL_STEPS)), "grads_at_step": max(held)}
         final[gradients] = (_joined(engine), states(engine))
-        group = getattr(zo, "_coat_norm_group", None)   # release's norm all-reduce: its own, ranks > 1
-        out[gradients]["norm_group"] = None if group is None else \
-            {"size": dist.get_world_size(group=group), "own": group is not zo.dp_process_group}
-    out["partition"], out["world"] = final["release"][0].numel(), world
+    out["partition"] = final["release"][0].numel()
     out["masters_equal"] = _all(torch.equal(final["release"][0], final["per_parameter"][0]))
     out["states_equal"] = _all(torch.equal(final["release"][1], final["per_parameter"][1]))
     return out

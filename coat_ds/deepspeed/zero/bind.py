@@ -62,7 +62,6 @@ def bind(engine, master: str, gradients: str, states: str = host_states.DEFAULT)
         bound += 1
     if gradients == RELEASE:  # ZeRO-1/2/3's release step, or a one-line refusal (any other engine too)
         zero_step.install(zo, release.mixin(zo), gradients)
-        release.own_norm_group(zo)
     if states == host_states.HOST:  # ZeRO-3 with release only: the FP8 moments to pinned host memory
         why = host_states.engine_refusal(zo, gradients)
         if why is not None:

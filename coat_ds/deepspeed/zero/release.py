@@ -18,10 +18,7 @@ the partition buffer there; ZeRO-2 and ZeRO-3 the gradients too.
 
 Per bucket one scalar all-reduce adds the bucket's squared gradient norm to the step's running sum, a device tensor
 (the global norm as it accumulates); nothing is read on the host until engine.step(), so the host queues backward
-ahead of the device. That all-reduce has a communicator of its own (`own_norm_group`): on ZeRO's, whose collectives
-run one after another, it would wait for the bucket's norm kernels (queued behind backward's matrix products) and
-hold up every collective issued after it, ZeRO-3's all-gathers of the parameters backward needs next among them.
-The kernel's gradient scale is computed on the device from that sum:
+ahead of the device. The kernel's gradient scale is computed on the device from that sum:
 - non-finite: the scale is NaN, which the step kernel takes as "change nothing" (kernels.adamw_step), so that
   bucket and every later one of the step are skipped (their gradients dropped); pieces stepped before stay stepped
   (their gradients were finite). engine.step() reads the sum once: the step counts as overflowed (DeepSpeed's
@@ -94,16 +91,6 @@ def _fp32_accumulation(zo, kind: str) -> bool:
     return any(zo._use_compact_grad_partition_buffer(i) for i in range(len(zo.bit16_groups)))
 
 
-def own_norm_group(zo) -> None:
-    """Give the per-bucket norm all-reduce (module docstring) a communicator of its own, where the data-parallel group
-    is the world (new_group is collective over every rank; otherwise it stays on ZeRO's). Every rank, at bind(); one
-    all-reduce here connects it, rather than in the first backward beside ZeRO's collectives."""
-    world = dist.get_world_size()
-    if world > 1 and dist.get_world_size(group=zo.dp_process_group) == world:
-        zo._coat_norm_group = dist.new_group(list(range(world)))
-        dist.all_reduce(torch.zeros(1, device=get_accelerator().current_device_name()), group=zo._coat_norm_group)
-
-
 class SlicePieces(FlatPieces):
     """Gradient slices of a flat partition by where they lie in it (gaps between them: not read)."""
 
@@ -158,7 +145,6 @@ class Release:
 
     _coat_release_norm: float | None = None  # the previous step's global gradient norm (clipping)
     _coat_home = None  # states.HostStates under coat.states 'host' (ZeRO-3): the FP8 moments in host memory
-    _coat_norm_group = None  # own_norm_group's, or None: ZeRO's data-parallel group
 
     def _coat_ready(self) -> None:
         if "_coat_subs" not in vars(self):  # first use: the layouts are bound by now
@@ -196,8 +182,7 @@ class Release:
         for _, _, g in slices:
             sumsq += torch.linalg.vector_norm(g, dtype=torch.float32).square()
         if dist.get_world_size(group=self.dp_process_group) > 1:
-            group = self.dp_process_group if self._coat_norm_group is None else self._coat_norm_group
-            dist.all_reduce(sumsq, group=group)
+            dist.all_reduce(sumsq, group=self.dp_process_group)
         self._coat_sumsq += sumsq
 
     def _coat_step_pieces(self, params: list, slices: list[Slice], scale: torch.Tensor) -> None:
