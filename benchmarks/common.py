@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import datetime
 import json
+import math
 import os
 import platform
 import selectors
@@ -339,9 +340,10 @@ class StepProbe:
             if self.on_cuda:
                 torch.cuda.synchronize()
             self._window.__exit__(None, None, None)
+            trace = chrome_trace(self._prof)
             self.result.update(profiled_step_ms=(time.perf_counter() - self._t0) * 1e3,
                                **top_events(self._prof, self.on_cuda, self.top),
-                               gpu_gaps=gpu_gaps(chrome_trace(self._prof)).splitlines())
+                               gpu_gaps=gpu_gaps(trace).splitlines(), streams=stream_gaps(trace).splitlines())
         self.marks += 1
 
 
@@ -351,16 +353,62 @@ def chrome_trace(prof) -> dict:
         return json.loads(Path(f"{d}/trace.json").read_text())
 
 
+def _device_events(trace: dict) -> list[tuple[float, float, str, object]]:
+    """(start, end, name, stream) of a chrome trace's kernels, copies and memsets, by start."""
+    return sorted(((e["ts"], e["ts"] + e.get("dur", 0), e["name"], (e.get("args") or {}).get("stream", e.get("tid")))
+                   for e in trace["traceEvents"] if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                  key=lambda t: t[0])
+
+
+def stream_gaps(trace: dict, top: int = 6) -> str:
+    """Each stream's busy time in a profiled step, then where the busiest (backward's compute stream) idles while
+    others work: its longest gaps, with the device time other streams spent inside each by kernel name (a
+    collective or a step it waits for), which an all-streams view (gpu_gaps) hides."""
+    dev = _device_events(trace)
+    if not dev:
+        return "no device events\n"
+    by_stream: dict = {}
+    for ev in dev:
+        by_stream.setdefault(ev[3], []).append(ev)
+    busy = {k: _union_us(v) for k, v in by_stream.items()}
+    span = max(e for _, e, *_ in dev) - dev[0][0]
+    lines = [f"stream {k}: busy {b / 1e3:.2f} ms of {span / 1e3:.2f} ({len(by_stream[k])} events)"
+             for k, b in sorted(busy.items(), key=lambda kv: -kv[1])]
+    main = max(busy, key=busy.get)
+    mine, gaps = by_stream[main], []
+    for (_, e0, n0, _), (s1, _, n1, _) in zip(mine, mine[1:]):
+        if s1 > e0:
+            gaps.append((s1 - e0, e0, s1, n0[:40], n1[:40]))
+    lines.append(f"stream {main} idle {sum(g[0] for g in gaps) / 1e3:.2f} ms in {len(gaps)} gaps; the longest:")
+    for g, a, b, n0, n1 in sorted(gaps, reverse=True)[:top]:
+        inside: dict[str, float] = {}
+        for s, e, n, k in dev:
+            if k != main and s < b and e > a:
+                inside[n[:40]] = inside.get(n[:40], 0.0) + min(e, b) - max(s, a)
+        meanwhile = ", ".join(f"{n} {t:.0f} us" for n, t in sorted(inside.items(), key=lambda kv: -kv[1])[:2])
+        lines.append(f"  {g:8.1f} us  after {n0}  before {n1}  meanwhile: {meanwhile or 'nothing'}")
+    return "\n".join(lines) + "\n"
+
+
+def _union_us(events: list) -> float:
+    """Device time covered by events sorted by start (overlaps once)."""
+    total, end = 0.0, -math.inf
+    for s, e, *_ in events:
+        if e > end:
+            total += e - max(s, end)
+            end = e
+    return total
+
+
 def gpu_gaps(trace: dict, top: int = 8) -> str:
     """Where the GPU idles inside a profiled step (chrome trace): the device events' span, busy and idle
     time, and the longest gaps with the kernels on either side (a gap is a launch the host had not made yet,
     or a synchronisation)."""
-    dev = sorted(((e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in trace["traceEvents"]
-                  if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda t: t[0])
+    dev = _device_events(trace)
     if not dev:
         return "no device events\n"
     gaps, end = [], dev[0][1]
-    for (_, e0, n0), (s1, e1, n1) in zip(dev, dev[1:]):
+    for (_, e0, n0, _), (s1, e1, n1, _) in zip(dev, dev[1:]):
         if s1 > end:
             gaps.append((s1 - end, n0[:50], n1[:50]))
         end = max(end, e1)

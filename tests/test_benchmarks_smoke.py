@@ -253,6 +253,7 @@ def test_hf_trainer_smoke_compares_the_trainer_with_the_plain_loop_on_the_config
             continue
         assert prof["syncs"] == {} and prof["host"] and prof["profiled_step_ms"] > 0   # CPU: no device syncs
         assert all(h["ms"] > 0 for h in prof["host"]) and prof["gpu_gaps"] == ["no device events"]
+        assert prof["streams"] == ["no device events"]
     assert set(res["trainer_over_plain"]) == {"coat:tiny:1:one_gpu"}
     assert res["trainer_over_plain"]["coat:tiny:1:one_gpu"] > 0
     assert set(res["coat_over_bf16"]) == {"trainer:tiny:1:hf_auto"}
@@ -439,3 +440,21 @@ def test_gpu_gaps_of_a_trace():
     head, first, second = text.splitlines()
     assert head == "GPU span 0.06 ms, busy 0.03, idle 0.03 in 2 gaps"
     assert first.split()[:4] == ["25.0", "us", "after", "b"] and second.split()[0] == "5.0"
+
+
+def test_stream_gaps_of_a_trace():
+    """Per stream busy time, then the busiest stream's idle gaps with what other streams ran inside each."""
+    from benchmarks.common import stream_gaps
+
+    ev = [(7, 0, 40, "gemm"), (7, 100, 50, "gemm"), (7, 160, 40, "gemm"), (9, 30, 30, "reduce_scatter"),
+          (9, 60, 20, "adamw_step"), (9, 70, 5, "norm")]
+    trace = {"traceEvents": [{"cat": "kernel", "ts": t, "dur": d, "name": n, "args": {"stream": k}}
+                             for k, t, d, n in ev] + [{"cat": "cpu_op", "ts": 0, "dur": 500, "name": "x"}]}
+    lines = stream_gaps(trace).splitlines()
+    assert lines[:3] == ["stream 7: busy 0.13 ms of 0.20 (3 events)", "stream 9: busy 0.05 ms of 0.20 (3 events)",
+                         "stream 7 idle 0.07 ms in 2 gaps; the longest:"]
+    # the 60 us gap (40-100): reduce_scatter's 20 us and the step's 20 inside it, the norm's 5 us within the step
+    assert lines[3].split()[:5] == ["60.0", "us", "after", "gemm", "before"]
+    assert lines[3].endswith("meanwhile: reduce_scatter 20 us, adamw_step 20 us")
+    assert lines[4].endswith("meanwhile: nothing") and lines[4].split()[0] == "10.0"
+    assert stream_gaps({"traceEvents": []}) == "no device events\n"
