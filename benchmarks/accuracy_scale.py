@@ -253,13 +253,14 @@ def predict(args: argparse.Namespace, res: dict, t: Todo) -> float:
 
 
 def schedule(args: argparse.Namespace, res: dict) -> list[Todo]:
+    """What to run, in jobs()'s order but runs that continue from a checkpoint first: it lives on this machine only."""
     out = []
     for job in jobs(args):
         t = todo(args, res, job)
         if t is not None:
             t.est_s = predict(args, res, t)
             out.append(t)
-    return out
+    return sorted(out, key=lambda t: t.resume_from is None)
 
 
 def groups(args: argparse.Namespace, plan: list[Todo]) -> list[list[Todo]]:

@@ -161,8 +161,10 @@ def test_merge_keeps_what_ended_and_continues_or_restarts_what_did_not(tmp_path)
     ckpt = tmp_path / "runs" / "pretrain_bf16_s1" / "checkpoints"
     ckpt.mkdir(parents=True)
     (ckpt / "latest").write_text("step0001500")
-    plan = {t.job.key: t for t in S.schedule(args, res)}
+    order = S.schedule(args, res)
+    plan = {t.job.key: t for t in order}
     assert (plan["pretrain_bf16_s1"].resume_from, plan["pretrain_bf16_s1"].steps_left) == (1500, 1600)
+    assert order[0].job.key == "pretrain_bf16_s1"   # its checkpoint lives on this machine only: it goes first
     assert plan["pretrain_exact_s0"].resume_from is None and plan["pretrain_exact_s0"].why.startswith("restart")
     # measured: 300k tokens/s and 50 s to start replace the assumptions
     assert S.rate(args, res, "pretrain", "bf16") == (300_000.0, "measured")
