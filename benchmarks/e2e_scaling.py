@@ -42,6 +42,7 @@ PRESETS = {"largest_model": {2: "largest_model", 3: "largest_model_z3"},
 # tokens/s over BF16's, each at its largest micro-batch, where BF16 fits
 TARGETS = {"efficiency_zero2": 0.95, "efficiency_zero3": 0.90, "coat_over_bf16": 1.5}
 START_S = (10.0, 30.0)   # a worker's start and exit outside its own clock: python -m (1 GPU), the launcher
+PROFILE_STEPS, PROFILE_TRACE_S = 4, 30.0   # --profile: one step alone, two probed, one untimed; the trace read
 
 
 @dataclass
@@ -141,8 +142,9 @@ def estimate(r: Run, hist: dict, args: argparse.Namespace) -> float:
     a, b = hist["setup"]
     step = params / hist["speed"]["bf16" if r.preset == "bf16" else "coat"] * args.seq   # s per sample
     steps = [args.warmup + args.steps + 5] + [args.warmup + args.steps] * (len(r.rungs) - 1)
+    steps[0] += PROFILE_STEPS if args.profile else 0
     return START_S[r.world > 1] + a + b * params / r.world + step * sum(
-        n * mb for n, mb in zip(steps, r.rungs))
+        n * mb for n, mb in zip(steps, r.rungs)) + (PROFILE_TRACE_S if args.profile else 0)
 
 
 def waves(runs: list[Run], gpus: int) -> list[list[Run]]:
@@ -187,7 +189,8 @@ def worker_args(args: argparse.Namespace, r: Run, devs: str | None) -> argparse.
     _, eargs = e2e.parse_args(["--model", r.model, "--seq-len", str(args.seq), "--num-gpus", str(r.world),
                                "--zero-stage", str(r.stage), "--equal-batch", str(r.rungs[0]),
                                "--max-batch", str(max(r.rungs)), "--max-rungs", str(len(r.rungs)),
-                               "--steps", str(args.steps), "--warmup", str(args.warmup)])
+                               "--steps", str(args.steps), "--warmup", str(args.warmup)]
+                              + (["--profile", "--profile-batch", str(r.rungs[0])] if args.profile else []))
     eargs.then_batch, eargs.devices = r.rungs[-1], devs
     return eargs
 
@@ -327,6 +330,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "not run again")
     p.add_argument("--rerun", action="store_true", help="run selected rows that --merge files have measured too")
     p.add_argument("--gpu-memory", help="GiB or a GPU name for the planner (default: GPU 0's name, else h100)")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile each run at its first micro-batch (e2e.py --profile: the row's 'profile', "
+                        "with each stream's busy time and backward's idle gaps)")
     p.add_argument("--plan-only", action="store_true", help="print the schedule and its predicted wall time")
     p.add_argument("--smoke", action="store_true", help="tiny models, seq 32, one step (CPU is fine)")
     p.add_argument("--out", default=str(RESULTS))

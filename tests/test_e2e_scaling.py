@@ -81,9 +81,10 @@ def test_plan_only_prints_the_waves_and_a_deadline_runs_nothing_but_keeps_merged
 
 @pytest.mark.slow   # ~10 s alone; more on a loaded machine
 def test_one_tiny_row_through_the_real_worker(tmp_path):
-    """--smoke: one ZeRO-3 row, two rungs (the common micro-batch, then the planner's largest + 1) in e2e's worker."""
+    """--smoke: one ZeRO-3 row, two rungs (the common micro-batch, then the planner's largest + 1) in e2e's worker,
+    profiled at the first (--profile)."""
     cmd = [sys.executable, "-m", "benchmarks.e2e_scaling", "--smoke", "--gpus", "1", "--stages", "3", "--configs",
-           "largest_model", "--out", str(tmp_path)]
+           "largest_model", "--profile", "--out", str(tmp_path)]
     proc = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads((tmp_path / "e2e_scaling.json").read_text())
@@ -94,6 +95,8 @@ def test_one_tiny_row_through_the_real_worker(tmp_path):
     assert [g["micro_batch"] for g in row["rungs"]] == row["rungs_planned"] == [1, 2]
     assert row["common"]["micro_batch"] == 1 and row["largest"]["micro_batch"] == 2
     assert row["largest"]["tokens_per_s_per_gpu"] == row["largest"]["tokens_per_s"] > 0
+    prof = row["profile"]   # CPU: host calls, no device events
+    assert prof["micro_batch"] == 1 and prof["host"] and prof["streams"] == ["no device events"], prof
     (s,) = res["summary"]
     assert s["efficiency_common"] == 1.0 and s["coat_over_bf16"] is None
     assert "| tiny, 1, ZeRO-3 |" in rt.render("e2e_scaling", tmp_path)
