@@ -215,12 +215,16 @@ def rerun_for_export(args: argparse.Namespace, res: dict, job: Job) -> bool:
 
 
 def measured_rate(res: dict, phase: str, config: str, gpus: int) -> float | None:
-    """The median tokens/s of the runs of this phase and config that ran at least 10 steps; pretraining's per GPU
-    times `gpus` (its batch splits over the GPUs; a fine-tuning runs on one GPU, side by side or not)."""
-    seen = [e["tokens_per_s"] * (gpus / e.get("gpus", 4) if phase == "pretrain" else 1)   # no key: 4 GPUs, the first
-            for e in res["runs"].values() if e.get("phase") == phase and e.get("config") == config   # runs' count
-            and e.get("tokens_per_s") and e.get("steps_done", 0) >= 10]
-    return statistics.median(seen) if seen else None
+    """The median tokens/s of the runs of this phase and config that ran at least 10 steps. Pretraining's on `gpus`
+    GPUs where some ran there, else per GPU times `gpus` (the micro-batch changes with the count, so a guess); a
+    fine-tuning runs on one GPU, side by side or not."""
+    seen = [(e.get("gpus", 4), e["tokens_per_s"]) for e in res["runs"].values()   # no key: the first runs, 4 GPUs
+            if e.get("phase") == phase and e.get("config") == config and e.get("tokens_per_s")
+            and e.get("steps_done", 0) >= 10]
+    if phase == "pretrain":
+        same = [r for n, r in seen if n == gpus]
+        seen = [(gpus, r) for r in same] if same else [(gpus, r * gpus / n) for n, r in seen]
+    return statistics.median(r for _, r in seen) if seen else None
 
 
 def measured_start(res: dict, phase: str) -> float | None:

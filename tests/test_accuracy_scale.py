@@ -170,6 +170,10 @@ def test_merge_keeps_what_ended_and_continues_or_restarts_what_did_not(tmp_path)
     assert S.rate(args, res, "pretrain", "bf16") == (300_000.0, "measured")
     two = S.parse_args(["--num-gpus", "2"])   # measured on 4 GPUs, a pretraining's rate is per GPU on 2
     assert S.rate(two, res, "pretrain", "bf16") == (150_000.0, "measured")
+    res["runs"]["pretrain_bf16_s0"]["gpus"] = 2   # once measured on 2 GPUs too, 2 GPUs' own rate
+    res["runs"]["pretrain_bf16_s0"]["tokens_per_s"] = 200_000.0
+    assert S.rate(two, res, "pretrain", "bf16") == (200_000.0, "measured")
+    res["runs"]["pretrain_bf16_s0"]["tokens_per_s"] = 300_000.0
     assert plan["pretrain_bf16_s1"].est_s == pytest.approx(50 + 1600 * 65_536 / 300_000 + 11 * 524_288 / 900_000 + 20)
     # BF16's seed 0 ended, but the fine-tuning needs its export, which this machine lacks: it runs again
     assert plan["pretrain_bf16_s0"].why == "again: the fine-tuning needs its export"
