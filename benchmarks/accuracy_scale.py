@@ -221,10 +221,10 @@ def measured_rate(res: dict, phase: str, config: str, gpus: int) -> float | None
     seen = [(e.get("gpus", 4), e["tokens_per_s"]) for e in res["runs"].values()   # no key: the first runs, 4 GPUs
             if e.get("phase") == phase and e.get("config") == config and e.get("tokens_per_s")
             and e.get("steps_done", 0) >= 10]
+    rates = [r for _, r in seen]
     if phase == "pretrain":
-        same = [r for n, r in seen if n == gpus]
-        seen = [(gpus, r) for r in same] if same else [(gpus, r * gpus / n) for n, r in seen]
-    return statistics.median(r for _, r in seen) if seen else None
+        rates = [r for n, r in seen if n == gpus] or [r * gpus / n for n, r in seen]
+    return statistics.median(rates) if rates else None
 
 
 def measured_start(res: dict, phase: str) -> float | None:

@@ -462,13 +462,21 @@ def accuracy(res: Path):
     labels = {e["config"]: e["label"] for e in doc["runs"].values()}
     for name in _bf16_first([*pre, *ft]):
         p, f = pre.get(name, {}), ft.get(name, {})
-        met = [x for x in (p.get("meets_targets"), f.get("meets_targets")) if x is not None]
         yield [labels[name],
                f"{num(p.get('final_mean'), 4)} ({len(p.get('seeds', []))})", _pct(p.get("gap_rel")),
                "-" if name == "bf16" else f"{_yes(p.get('within_band'))}, {_yes(p.get('spike_ok'))}",
                "-" if name == "bf16" else f"{_pct(f.get('gap_before_rel'))} / {_pct(f.get('gap_end_rel'))}",
-               "-" if name == "bf16" or not met else "no" if not all(met) else "yes" if p and f else
-               f"so far (no {'pretraining' if f else 'fine-tuning'} yet)"]
+               "-" if name == "bf16" else _targets_met(p, f)]
+
+
+def _targets_met(pre: dict, ft: dict) -> str:
+    """A preset's verdict over both phases: "so far" while one of them has no verdict yet."""
+    met = [x for x in (pre.get("meets_targets"), ft.get("meets_targets")) if x is not None]
+    if not met:
+        return "-"
+    if not all(met):
+        return "no"
+    return "yes" if pre and ft else f"so far (no {'pretraining' if ft else 'fine-tuning'} yet)"
 
 
 @table
