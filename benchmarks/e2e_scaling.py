@@ -68,11 +68,11 @@ class Run:
 
 
 # --- The matrix, the planner's verdicts and the schedule --------------------------------------------------------------
-def job(model: str, config: str, stage: int, world: int, seq: int) -> plan.Job:
-    """The planner's job for configuration `config` of e2e.py, as its worker will run it."""
-    cfg = e2e.ds_config(config, micro_batch=1, zero_stage=stage)
+def job(args: argparse.Namespace, model: str, config: str, stage: int, world: int) -> plan.Job:
+    """The planner's job for configuration `config` of e2e.py, as its worker will run it (--zero-set applied)."""
+    cfg = e2e.ds_config(config, micro_batch=1, zero_stage=stage, zero_set=args.zero_set)
     cfg.pop("_source")
-    return plan.job_from_config(cfg, plan.shape_from_hf(e2e.MODELS[model], model), seq, world)
+    return plan.job_from_config(cfg, plan.shape_from_hf(e2e.MODELS[model], model), args.seq, world)
 
 
 def matrix(args: argparse.Namespace) -> list[Run]:
@@ -97,7 +97,7 @@ def common_batch(args: argparse.Namespace, model: str) -> int:
     the scaling efficiency compares N GPUs with one, the same in every call whatever it selects."""
     if args.common_batch:
         return args.common_batch
-    fits = [plan.max_micro_batch(job(model, PRESETS[p][s], s, 1, args.seq), args.memory)
+    fits = [plan.max_micro_batch(job(args, model, PRESETS[p][s], s, 1), args.memory)
             for p in ("largest_model", "lowest_memory") for s in (2, 3)]
     return min([min(f, args.max_batch) for f in fits if f] or [1])
 
@@ -107,7 +107,7 @@ def planned(args: argparse.Namespace, runs: list[Run], hist: dict) -> None:
     and one above where those meet) and its predicted wall time."""
     common = {m: common_batch(args, m) for m in {r.model for r in runs}}
     for r in runs:
-        r.planned = min(plan.max_micro_batch(job(r.model, r.config, r.stage, r.world, args.seq), args.memory),
+        r.planned = min(plan.max_micro_batch(job(args, r.model, r.config, r.stage, r.world), args.memory),
                         args.max_batch)
         r.common = c = common[r.model]
         r.rungs = () if not r.planned else (c, r.planned) if c < r.planned else (r.planned, r.planned + 1)
@@ -190,7 +190,8 @@ def worker_args(args: argparse.Namespace, r: Run, devs: str | None) -> argparse.
                                "--zero-stage", str(r.stage), "--equal-batch", str(r.rungs[0]),
                                "--max-batch", str(max(r.rungs)), "--max-rungs", str(len(r.rungs)),
                                "--steps", str(args.steps), "--warmup", str(args.warmup)]
-                              + (["--profile", "--profile-batch", str(r.rungs[0])] if args.profile else []))
+                              + (["--profile", "--profile-batch", str(r.rungs[0])] if args.profile else [])
+                              + (["--zero-set", args.zero_set_text] if args.zero_set else []))
     eargs.then_batch, eargs.devices = r.rungs[-1], devs
     return eargs
 
@@ -208,7 +209,7 @@ def at(args: argparse.Namespace, r: Run, rung: dict | None) -> dict | None:
     """A rung per GPU, beside the planner's peak for it."""
     if rung is None:
         return None
-    p = plan.plan(job(r.model, r.config, r.stage, r.world, args.seq), rung["micro_batch"]).peak / GIB
+    p = plan.plan(job(args, r.model, r.config, r.stage, r.world), rung["micro_batch"]).peak / GIB
     return {**{k: rung[k] for k in e2e.RUNG_FIELDS}, "tokens_per_s_per_gpu": rung["tokens_per_s"] / r.world,
             "planner_peak_gb": p, "planner_error": p / rung["peak_alloc_gb"] - 1}
 
@@ -232,7 +233,7 @@ def identity(r: Run) -> dict:
 
 def verdict(args: argparse.Namespace, r: Run) -> dict:
     """A row the planner says does not fit at micro-batch 1: not run, its plan recorded."""
-    p = plan.plan(job(r.model, r.config, r.stage, r.world, args.seq), 1)
+    p = plan.plan(job(args, r.model, r.config, r.stage, r.world), 1)
     return {"name": r.config, "label": e2e.LABELS[r.config], **identity(r), "max_micro_batch": None,
             "verdict": f"does not fit (planner: {p.peak / GIB:.1f} GiB + {p.reserve / GIB:.1f} reserve at micro-batch "
                        f"1 > {plan.USABLE:.0%} of {args.memory / GIB:.1f} GiB)", "planner_peak_gb_at_1": p.peak / GIB}
@@ -261,11 +262,15 @@ def key_of(row: dict) -> tuple:
     return row["model"], row["world_size"], row["zero_stage"], row["preset"]
 
 
-def merged_rows(paths: list[str]) -> tuple[dict, list[dict]]:
-    """The rows (by key) and calls of earlier results files, later files first."""
+def merged_rows(paths: list[str], zero_set: dict | None = None) -> tuple[dict, list[dict]]:
+    """The rows (by key) and calls of earlier results files, later files first; a file measured with other
+    --zero-set values is refused (its rows are another configuration's)."""
     rows, calls = {}, []
     for path in paths:
         doc = read_json(path, {})
+        if (doc.get("zero_set") or {}) != (zero_set or {}):
+            sys.exit(f"--merge {path}: measured with --zero-set {doc.get('zero_set') or {}}, this call's is "
+                     f"{zero_set or {}}; allowed: files measured with the same")
         calls += doc.get("calls", [])
         rows.update({key_of(c): c for case in doc.get("cases", {}).values() for c in case["configs"]})
     return rows, calls
@@ -305,7 +310,7 @@ def result(args: argparse.Namespace, rows: dict, calls: list[dict], log: dict) -
     last = calls[-1] if calls else {}
     return {"what": " ".join(__doc__.split("\n\n")[0].split()),
             **{k: last.get(k) for k in ("device", "versions", "command", "date", "commit")}, "calls": calls,
-            "seq_len": args.seq, "gpu_memory_gb": args.memory / GIB,
+            "seq_len": args.seq, "gpu_memory_gb": args.memory / GIB, "zero_set": args.zero_set,
             "timing": {"warmup": args.warmup, "timed_steps": args.steps, "first_rung_extra_warmup": 4},
             "fit_rule": "peak reserved <= 0.95 x device memory", "targets": TARGETS, "summary": summary(rows),
             **log, "cases": cases}
@@ -333,6 +338,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--profile", action="store_true",
                    help="also profile each run at its first micro-batch (e2e.py --profile: the row's 'profile', "
                         "with each stream's busy time and backward's idle gaps)")
+    p.add_argument("--zero-set", help="KEY=VALUE,... of zero_optimization for every row, planner included (e2e.py's "
+                   "--zero-set; e.g. reduce_bucket_size=5e8): write it to a file of its own, --merge only its like")
     p.add_argument("--plan-only", action="store_true", help="print the schedule and its predicted wall time")
     p.add_argument("--smoke", action="store_true", help="tiny models, seq 32, one step (CPU is fine)")
     p.add_argument("--out", default=str(RESULTS))
@@ -343,6 +350,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.gpus = [int(g) for g in names_of(p, "gpus", args.gpus or ",".join(allowed), allowed)]
     args.stages = [int(s) for s in names_of(p, "stages", args.stages, ("2", "3"))]
     args.configs = names_of(p, "configs", args.configs, PRESETS)
+    try:
+        args.zero_set_text, args.zero_set = args.zero_set, e2e.parse_zero_set(args.zero_set)
+    except ValueError as e:
+        p.error(str(e))
     args.all_models, args.big = (SMOKE_MODELS, SMOKE_BIG) if args.smoke else (MODELS, BIG)
     default = [*args.all_models, *([args.big] if max(args.gpus) >= 8 else [])]
     args.models = names_of(p, "models", args.models or ",".join(default), [*args.all_models, args.big])
@@ -361,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     runs = matrix(args)
     planned(args, runs, history())
-    rows, calls = merged_rows(args.merge)
+    rows, calls = merged_rows(args.merge, args.zero_set)
     todo = [r for r in runs if r.rungs and (args.rerun or not (rows.get(r.key) or {}).get("largest"))]
     sched = waves(todo, args.num_gpus)
     print(schedule_text(sched, [r for r in runs if not r.rungs]), flush=True)

@@ -162,8 +162,10 @@ def release_nccl(res: Path):
 
 
 def _scaling(res: Path) -> list[dict] | None:
-    """e2e_scaling.json's summary; None before the first device call has written it."""
-    return load(res, "e2e_scaling.json")["summary"] if (res / "e2e_scaling.json").is_file() else None
+    """The summaries of e2e_scaling.json and its kin (e2e_scaling_h200.json: another GPU), each row with its GPU;
+    None before the first device call has written one."""
+    docs = [json.loads(path.read_text()) for path in sorted(res.glob("e2e_scaling*.json"))]
+    return [{**s, "gpu": gpu(d["device"]).split()[0]} for d in docs for s in d["summary"]] if docs else None
 
 
 NOT_YET = "not measured yet: `python -m benchmarks.e2e_scaling` (docs/benchmarks.md, \"Scaling\")"
@@ -173,7 +175,7 @@ NOT_YET = "not measured yet: `python -m benchmarks.e2e_scaling` (docs/benchmarks
 def scaling(res: Path):
     """README: coat's presets' tokens/s per GPU as GPUs are added, at one micro-batch, and the efficiency there and at
     each one's largest (three decimals: the targets are 0.95 and 0.90)."""
-    header = ["model, ZeRO stage, preset", "micro-batch", "tokens/s per GPU on 1 / 2 / 4 / 8 GPUs",
+    header = ["model, ZeRO stage, preset", "GPU", "micro-batch", "tokens/s per GPU on 1 / 2 / 4 / 8 GPUs",
               "at the most GPUs over 1: common / largest micro-batch",
               "over BF16 there (each at its largest micro-batch)"]
     yield header
@@ -184,11 +186,11 @@ def scaling(res: Path):
     groups: dict[tuple, list] = {}
     for s in rows:
         if s["preset"] != "bf16":
-            groups.setdefault((s["model"], s["zero_stage"], s["preset"]), []).append(s)
-    for (model, stage, preset), ss in groups.items():
+            groups.setdefault((s["model"], s["zero_stage"], s["preset"], s["gpu"]), []).append(s)
+    for (model, stage, preset, card), ss in groups.items():
         by = {s["world_size"]: s for s in ss}
         top = max((s for s in ss if s.get("largest")), key=lambda s: s["world_size"], default={})
-        yield [f"{model}, ZeRO-{stage}, {preset.replace('_', '-')}",
+        yield [f"{model}, ZeRO-{stage}, {preset.replace('_', '-')}", card,
                next((s["common"]["micro_batch"] for s in ss if s.get("common")), "-"),
                " / ".join(num((by.get(w, {}).get("common") or {}).get("tokens_per_s_per_gpu"), 0)
                           for w in (1, 2, 4, 8)),
@@ -228,14 +230,15 @@ def one_node_70b(res: Path):
 
 @table
 def e2e_scaling(res: Path):
-    """docs/results.md: every row of e2e_scaling.json, per GPU: coat's presets and BF16 + FusedAdam on 1 to 8 GPUs."""
-    header = ["model, GPUs, ZeRO stage", "configuration", "largest micro-batch (planner's)", "tokens/s per GPU there",
+    """docs/results.md: every row of e2e_scaling*.json, per GPU: coat's presets and BF16 + FusedAdam on 1 to 8 GPUs."""
+    header = ["model, GPUs, ZeRO stage", "GPU", "configuration", "largest micro-batch (planner's)",
+              "tokens/s per GPU there",
               "peak GiB per GPU there (planner's)", "tokens/s per GPU at the common micro-batch",
               "over 1 GPU: common / largest", "over BF16 (largest)"]
     yield header
     rows = _scaling(res)
     for s in rows or []:
-        where = [f"{s['model']}, {s['world_size']}, ZeRO-{s['zero_stage']}", s["label"]]
+        where = [f"{s['model']}, {s['world_size']}, ZeRO-{s['zero_stage']}", s["gpu"], s["label"]]
         top, eq = s.get("largest"), s.get("common")
         if top is None:
             yield [*where, s.get("verdict") or f"no size fit ({s['planner_max_micro_batch']})", *["-"] * 5]
