@@ -179,15 +179,27 @@ def launcher() -> str:
 
 
 def worker_cmd(module: str, args: argparse.Namespace, names: tuple[str, ...], num_gpus: int = 1,
-               devices: str | None = None, **given) -> list[str]:
+               devices: str | None = None, cores: str | None = None, **given) -> list[str]:
     """The command that runs benchmarks.`module` as a worker (python -m, or the deepspeed launcher for several
-    GPUs: on `devices`, CUDA ids, where given) with args' options `names` and the `given` ones."""
+    GPUs: on `devices`, CUDA ids, where given) with args' options `names` and the `given` ones. `cores` (a core
+    list, "0-15,32-47"): the ranks bound to those cores, split evenly, as DeepSpeed's `--bind_cores_to_rank` does
+    (one rank: the numactl command it would run)."""
     run = argparse.Namespace(**{**vars(args), **given})
     opts = ["--worker", *flags(run, *names, *given)]
     if num_gpus > 1:
         where = ["--include", f"localhost:{devices}"] if devices else ["--num_gpus", str(num_gpus)]
-        return ["deepspeed", *where, "--master_port", str(free_port()), "--module", module, *opts]
-    return [sys.executable, "-m", module, *opts]
+        bind = ["--bind_cores_to_rank", "--bind_core_list", cores] if cores else []
+        return ["deepspeed", *where, *bind, "--master_port", str(free_port()), "--module", module, *opts]
+    return [*(["numactl", "-C", cores] if cores else []), sys.executable, "-m", module, *opts]
+
+
+def core_list(devices: str, host_gpus: int, host_cores: int | None = None) -> str:
+    """The host's cores that CUDA devices `devices` ("2,3") own when each of `host_gpus` GPUs owns an equal,
+    contiguous share ("32-63" of 64 cores): side-by-side workers bound to disjoint cores."""
+    per = (host_cores or os.cpu_count() or 1) // host_gpus
+    if per < 1:
+        raise ValueError(f"{host_gpus} GPUs share {host_cores} cores: none for each")
+    return ",".join(f"{per * int(d)}-{per * int(d) + per - 1}" for d in devices.split(","))
 
 
 def run_worker(cmd: list[str], timeout: float, echo=lambda line: False, env: dict | None = None) -> tuple[int, str]:

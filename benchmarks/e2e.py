@@ -15,6 +15,7 @@ import json
 import math
 import os
 import re
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -132,6 +133,29 @@ def ds_config(name: str, *, micro_batch: int, zero_stage: int | None = None, on_
 ZERO_SET_KEYS = {"reduce_bucket_size": int, "allgather_bucket_size": int, "stage3_prefetch_bucket_size": int,
                  "stage3_max_live_parameters": int, "stage3_max_reuse_distance": int,
                  "stage3_param_persistence_threshold": int, "overlap_comm": bool, "contiguous_gradients": bool}
+
+
+def parse_cores(text: str) -> list[int]:
+    """A core list ("0-15,32,40-47") -> its cores; ValueError for anything else."""
+    cores = []
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        if not lo.isdigit() or not (hi.isdigit() or not hi) or int(hi or lo) < int(lo):
+            raise ValueError(f"--bind-cores {text!r}: {part!r} is not a core or a range; allowed: 'all' or a core "
+                             "list such as 0-15,32-47")
+        cores += range(int(lo), int(hi or lo) + 1)
+    return cores
+
+
+def check_bind_cores(text: str | None) -> None:
+    """--bind-cores' value, and numactl there to bind with (DeepSpeed's --bind_cores_to_rank runs it)."""
+    if not text:
+        return
+    if text != "all":
+        parse_cores(text)
+    if shutil.which("numactl") is None:
+        raise ValueError(f"--bind-cores {text}: needs numactl on PATH (DeepSpeed's --bind_cores_to_rank runs it); "
+                         "allowed here: leave --bind-cores out")
 
 
 def parse_zero_set(text: str | None) -> dict:
@@ -284,6 +308,7 @@ class Worker:
         total = self.accel.total_memory()
         self.limit = self.args.mem_fraction * total if self.on_cuda else float("inf")
         self.emit({"kind": "setup", "params": self.n_params, "world_size": self.world, **rec,
+                   "cores": len(os.sched_getaffinity(0)), "omp_threads": torch.get_num_threads(),
                    "setup_s": time.time() - self.t_start, "device_total_gb": total / GIB,
                    "limit_gb": self.limit / GIB if math.isfinite(self.limit) else None})
         return engine
@@ -591,14 +616,19 @@ def launch(args: argparse.Namespace, name: str, result: Path, start: int, known_
     worker stops climbing at `budget - 20` s; `budget + 30` s is the hard stop."""
     devices = getattr(args, "devices", None)   # CUDA ids ("2,3"): workers side by side (e2e_scaling); several go to
     # the launcher's --include alone (beside CUDA_VISIBLE_DEVICES it would count only those GPUs)
+    cores = None if not args.bind_cores else f"0-{(os.cpu_count() or 1) - 1}" if args.bind_cores == "all" else \
+        args.bind_cores
     cmd = worker_cmd("benchmarks.e2e", args, ("model", "seq_len", "max_batch", "steps", "warmup", "mem_fraction",
                      "seed", "max_rungs", "zero_stage", "profile_batch", "profile", "then_batch", "layers",
                      "memory_trace", "zero_set"),
-                     args.num_gpus, devices, config=name, start_batch=start, known_fail=known_fail,
+                     args.num_gpus, devices, cores, config=name, start_batch=start, known_fail=known_fail,
                      budget_s=max(budget - 20, 10), result=result)
     print(f"== {name}: {' '.join(cmd)}", flush=True)
+    env = {"CUDA_VISIBLE_DEVICES": devices} if devices and args.num_gpus == 1 else {}
+    if cores and args.num_gpus == 1:   # as DeepSpeed's launcher sets it for a bound rank
+        env["OMP_NUM_THREADS"] = str(len(parse_cores(cores)))
     return run_worker(cmd, budget + 30, echo=lambda line: args.verbose or line.startswith("[") or "rror" in line,
-                      env={"CUDA_VISIBLE_DEVICES": devices} if devices and args.num_gpus == 1 else None)
+                      env=env or None)
 
 
 # what a row keeps of the rung at the equal micro-batch and of the largest that fit
@@ -615,7 +645,7 @@ def summarize_config(name: str, records: list[dict], equal_batch: int, errors: l
     failing = sorted([r["micro_batch"] for r in rungs if not r["fits"]] + ooms)
     row = {"name": name, "label": LABELS[name],
            **{k: setup.get(k) for k in ("config_source", "ds_config", "params", "setup_s", "chunked_loss",
-                                        "built_partitioned")},
+                                        "built_partitioned", "cores", "omp_threads")},
            "equal_batch": None if eq is None else {k: eq[k] for k in RUNG_FIELDS},
            "breakdown": None, "max_batch": None,
            "smallest_failing_batch": failing[0] if failing else None,
@@ -664,6 +694,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], help="override the configs' ZeRO stage")
     p.add_argument("--zero-set", help="KEY=VALUE,... of zero_optimization for every config (buckets, overlap: "
                                       f"{', '.join(ZERO_SET_KEYS)}), e.g. reduce_bucket_size=2e8")
+    p.add_argument("--bind-cores", help="bind each rank to cores of its own, as `deepspeed --bind_cores_to_rank "
+                                        "--bind_core_list LIST` does (numactl): 'all' (the host's cores) or a "
+                                        "core list, e.g. 0-31")
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--equal-batch", type=int, default=1, help="micro-batch at which peak memory is compared")
     p.add_argument("--max-batch", type=int, default=256, help="largest micro-batch the search tries")
@@ -771,6 +804,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--mem-fraction={args.mem_fraction} is invalid; allowed: a float in (0, 1]")
     try:
         parse_zero_set(args.zero_set)
+        check_bind_cores(args.bind_cores)
     except ValueError as e:
         p.error(str(e))
 

@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 
 from benchmarks import e2e
-from benchmarks.common import (GIB, RESULTS, check_positive, command, device_name, git_commit, names_of, now,
-                               read_json, write_results)
+from benchmarks.common import (GIB, RESULTS, check_positive, command, core_list, device_name, git_commit, names_of,
+                               now, read_json, write_results)
 from benchmarks.render_tables import render
 from coat_ds import plan
 from coat_ds.report import versions as package_versions
@@ -193,6 +193,8 @@ def worker_args(args: argparse.Namespace, r: Run, devs: str | None) -> argparse.
                               + (["--profile", "--profile-batch", str(r.rungs[0])] if args.profile else [])
                               + (["--zero-set", args.zero_set_text] if args.zero_set else []))
     eargs.then_batch, eargs.devices = r.rungs[-1], devs
+    if args.bind_cores:   # the cores of its GPUs' share of the host: rows side by side never share a core
+        eargs.bind_cores = core_list(devs, args.num_gpus) if devs else "all"
     return eargs
 
 
@@ -262,15 +264,22 @@ def key_of(row: dict) -> tuple:
     return row["model"], row["world_size"], row["zero_stage"], row["preset"]
 
 
-def merged_rows(paths: list[str], zero_set: dict | None = None) -> tuple[dict, list[dict]]:
-    """The rows (by key) and calls of earlier results files, later files first; a file measured with other
-    --zero-set values is refused (its rows are another configuration's)."""
+def setting(src) -> dict:
+    """What makes rows of the same key another configuration's: --zero-set and --bind-cores (of a results file's
+    dict or of the command's args)."""
+    get = src.get if isinstance(src, dict) else lambda k: getattr(src, k, None)
+    return {"zero_set": get("zero_set") or {}, "bind_cores": bool(get("bind_cores"))}
+
+
+def merged_rows(paths: list[str], args: argparse.Namespace | None = None) -> tuple[dict, list[dict]]:
+    """The rows (by key) and calls of earlier results files, later files first; a file measured with another
+    `setting` than this call's is refused."""
     rows, calls = {}, []
     for path in paths:
         doc = read_json(path, {})
-        if (doc.get("zero_set") or {}) != (zero_set or {}):
-            sys.exit(f"--merge {path}: measured with --zero-set {doc.get('zero_set') or {}}, this call's is "
-                     f"{zero_set or {}}; allowed: files measured with the same")
+        if setting(doc) != setting(args):
+            sys.exit(f"--merge {path}: measured with {setting(doc)}, this call's is {setting(args)}; allowed: "
+                     "files measured with the same")
         calls += doc.get("calls", [])
         rows.update({key_of(c): c for case in doc.get("cases", {}).values() for c in case["configs"]})
     return rows, calls
@@ -311,6 +320,7 @@ def result(args: argparse.Namespace, rows: dict, calls: list[dict], log: dict) -
     return {"what": " ".join(__doc__.split("\n\n")[0].split()),
             **{k: last.get(k) for k in ("device", "versions", "command", "date", "commit")}, "calls": calls,
             "seq_len": args.seq, "gpu_memory_gb": args.memory / GIB, "zero_set": args.zero_set,
+            "bind_cores": args.bind_cores,
             "timing": {"warmup": args.warmup, "timed_steps": args.steps, "first_rung_extra_warmup": 4},
             "fit_rule": "peak reserved <= 0.95 x device memory", "targets": TARGETS, "summary": summary(rows),
             **log, "cases": cases}
@@ -340,6 +350,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "with each stream's busy time and backward's idle gaps)")
     p.add_argument("--zero-set", help="KEY=VALUE,... of zero_optimization for every row, planner included (e2e.py's "
                    "--zero-set; e.g. reduce_bucket_size=5e8): write it to a file of its own, --merge only its like")
+    p.add_argument("--bind-cores", action="store_true", help="bind each row's ranks to its GPUs' share of the host's "
+                   "cores (e2e.py --bind-cores: DeepSpeed's --bind_cores_to_rank)")
     p.add_argument("--plan-only", action="store_true", help="print the schedule and its predicted wall time")
     p.add_argument("--smoke", action="store_true", help="tiny models, seq 32, one step (CPU is fine)")
     p.add_argument("--out", default=str(RESULTS))
@@ -352,6 +364,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.configs = names_of(p, "configs", args.configs, PRESETS)
     try:
         args.zero_set_text, args.zero_set = args.zero_set, e2e.parse_zero_set(args.zero_set)
+        e2e.check_bind_cores("all" if args.bind_cores else None)
     except ValueError as e:
         p.error(str(e))
     args.all_models, args.big = (SMOKE_MODELS, SMOKE_BIG) if args.smoke else (MODELS, BIG)
@@ -372,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     runs = matrix(args)
     planned(args, runs, history())
-    rows, calls = merged_rows(args.merge, args.zero_set)
+    rows, calls = merged_rows(args.merge, args)
     todo = [r for r in runs if r.rungs and (args.rerun or not (rows.get(r.key) or {}).get("largest"))]
     sched = waves(todo, args.num_gpus)
     print(schedule_text(sched, [r for r in runs if not r.rungs]), flush=True)

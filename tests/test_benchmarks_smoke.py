@@ -6,10 +6,12 @@ never to benchmarks/results/. Their coat workers step with coat_ds's CPU op, whi
 the cache every test process shares (tests/conftest.py): its reference path took half of such a worker's time."""
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -119,6 +121,33 @@ def test_zero_set_overrides_zero_optimization_and_refuses_bad_input_in_one_line(
         with pytest.raises(SystemExit) as e:
             e2e_main(["--zero-set", bad, "--out", "/nonexistent/never"])
         assert e.value.code == 2 and why in capsys.readouterr().err
+
+
+def test_bind_cores_binds_ranks_as_deepspeeds_launcher_does_and_refuses_bad_input_in_one_line(capsys):
+    """e2e --bind-cores: DeepSpeed's --bind_cores_to_rank on a core list (numactl for one rank), disjoint lists for
+    rows side by side, checked before any worker starts."""
+    from benchmarks.common import core_list, worker_cmd
+    from benchmarks.e2e import parse_cores
+
+    assert core_list("2,3", 4, 64) == "32-47,48-63" and core_list("0", 1, 2) == "0-1"
+    with pytest.raises(ValueError, match="8 GPUs share 4 cores"):
+        core_list("0", 8, 4)
+    assert parse_cores("0-3,8") == [0, 1, 2, 3, 8]
+    args = argparse.Namespace(seed=3)
+    two = worker_cmd("benchmarks.e2e", args, ("seed",), 2, "0,1", "0-31")
+    assert two[:5] == ["deepspeed", "--include", "localhost:0,1", "--bind_cores_to_rank", "--bind_core_list"]
+    assert two[5] == "0-31" and two.index("--module") > 5
+    one = worker_cmd("benchmarks.e2e", args, ("seed",), 1, "2", "32-47")
+    assert one[:4] == ["numactl", "-C", "32-47", sys.executable]
+    assert "numactl" not in worker_cmd("benchmarks.e2e", args, ("seed",), 1)
+    for bad in ("3-1", "a", "0-3,", "-2"):
+        with pytest.raises(SystemExit) as e:
+            e2e_main(["--bind-cores", bad, "--out", "/nonexistent/never"])
+        assert e.value.code == 2 and f"--bind-cores {bad!r}" in capsys.readouterr().err
+    if shutil.which("numactl") is None:
+        with pytest.raises(SystemExit):
+            e2e_main(["--bind-cores", "all", "--out", "/nonexistent/never"])
+        assert "--bind-cores all: needs numactl on PATH" in capsys.readouterr().err
 
 
 OOM = ("CUDA out of memory. Tried to allocate 25.10 GiB. GPU 0 has a total capacity of 79.19 GiB of which 12.50 GiB "

@@ -93,10 +93,27 @@ def test_zero_set_reaches_the_planner_and_the_workers_and_keeps_merges_apart(tmp
     eargs = S.worker_args(big, r5, "0,1,2,3")
     assert eargs.zero_set == "reduce_bucket_size=5e8" and S.worker_args(base, r, "0,1,2,3").zero_set is None
     (tmp_path / "old.json").write_text(json.dumps({"calls": [], "cases": {}}))
-    with pytest.raises(SystemExit, match="measured with --zero-set {}, this call's is {'reduce_bucket_size'"):
-        S.merged_rows([str(tmp_path / "old.json")], big.zero_set)
+    with pytest.raises(SystemExit, match="measured with {'zero_set': {}, 'bind_cores': False}, this call's is "
+                                         "{'zero_set': {'reduce_bucket_size'"):
+        S.merged_rows([str(tmp_path / "old.json")], big)
+    assert S.merged_rows([str(tmp_path / "old.json")], base) == ({}, [])
     with pytest.raises(SystemExit):
         S.parse_args(["--zero-set", "reduce_bucket=5e8"])
+
+
+def test_bind_cores_gives_rows_side_by_side_disjoint_cores(monkeypatch, tmp_path):
+    """--bind-cores: each row's ranks on its GPUs' share of the host's cores, written down, kept apart in merges."""
+    monkeypatch.setattr(S.e2e.shutil, "which", lambda name: f"/usr/bin/{name}")   # numactl, wherever this runs
+    monkeypatch.setattr("benchmarks.common.os.cpu_count", lambda: 64)
+    args, runs, waves = schedule("--bind-cores")
+    two = next(r for r in runs if r.world == 2 and r.rungs)
+    assert S.worker_args(args, two, "2,3").bind_cores == "32-47,48-63"
+    assert S.worker_args(args, two, None).bind_cores == "all"                   # CPU ranks: no devices
+    plain, runs0, _ = schedule()
+    assert S.worker_args(plain, runs0[0], "0").bind_cores is None
+    (tmp_path / "old.json").write_text(json.dumps({"calls": [], "cases": {}}))
+    with pytest.raises(SystemExit, match="'bind_cores': False}, this call's is {'zero_set': {}, 'bind_cores': True"):
+        S.merged_rows([str(tmp_path / "old.json")], args)
 
 
 @pytest.mark.slow   # ~10 s alone; more on a loaded machine
@@ -112,6 +129,7 @@ def test_one_tiny_row_through_the_real_worker(tmp_path):
     (case,) = res["cases"].values()
     (row,) = case["configs"]
     assert case["smoke"] and row["ds_config"]["zero_optimization"]["stage"] == 3 and not row["errors"]
+    assert row["cores"] >= 1 and row["omp_threads"] >= 1 and res["bind_cores"] is False
     assert [g["micro_batch"] for g in row["rungs"]] == row["rungs_planned"] == [1, 2]
     assert row["common"]["micro_batch"] == 1 and row["largest"]["micro_batch"] == 2
     assert row["largest"]["tokens_per_s_per_gpu"] == row["largest"]["tokens_per_s"] > 0
