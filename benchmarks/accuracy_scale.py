@@ -7,8 +7,9 @@ with each, validated before its first step and at the end.
     python -m benchmarks.accuracy_scale --deadline 540 --partial-ok --merge OLD.json --out DIR      # 4 GPUs
     python -m benchmarks.accuracy_scale --smoke --out /tmp/acc               # CPU: 2 ranks, tiny model, small corpora
 
-One main job at a time on all --num-gpus GPUs, each run in its own directory under --run-root; a run the deadline
-stops checkpoints and continues from there in a later call on the same machine (--merge). docs/benchmarks.md,
+One main job at a time on all --num-gpus GPUs (--side-by-side: several at once on disjoint GPUs of --host-gpus),
+each run in its own directory under --run-root; a run the deadline stops checkpoints and continues from there in a
+later call on the same machine (--merge). docs/benchmarks.md,
 "Accuracy at scale", has the device commands and what each run takes.
 """
 from __future__ import annotations
@@ -80,8 +81,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="start a run that will not end before the deadline too (it stops there and continues in the "
                         "next call on this machine): for every call of a session but its last")
     p.add_argument("--side-by-side", action="store_true",
-                   help="the fine-tunings at once, one GPU each (their batch is the same in samples; at 4 samples a "
-                        "step one GPU is about as fast as four): 4 of them on 4 GPUs take the time of one")
+                   help="runs at once on disjoint GPUs of --host-gpus: the fine-tunings one GPU each (their batch is "
+                        "the same in samples; at 4 samples a step one GPU is about as fast as four), pretraining runs "
+                        "--num-gpus each (2 at once on 4 GPUs at --num-gpus 2)")
+    p.add_argument("--host-gpus", type=int, help="GPUs of the host that --side-by-side shares (default: --num-gpus)")
     p.add_argument("--tokens-per-s", help="pretraining's assumed tokens/s on 4 GPUs, before a run has measured its "
                                           "own: one number, or config=N,... (default: benchmarks/accuracy/recipe.py)")
     p.add_argument("--merge", nargs="+", default=[], metavar="FILE",
@@ -103,6 +106,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.num_gpus not in R.GPU_COUNTS:
         p.error(f"--num-gpus={args.num_gpus} is invalid; allowed: one of {list(R.GPU_COUNTS)} (they divide the "
                 f"batches of {R.PRETRAIN.global_batch} and {R.FINETUNE.global_batch} samples)")
+    args.host_gpus = args.host_gpus or args.num_gpus
+    if args.host_gpus % args.num_gpus:
+        p.error(f"--host-gpus={args.host_gpus} is invalid; allowed: a multiple of --num-gpus ({args.num_gpus})")
     args.rates = rates_flag(p, args.tokens_per_s)
     args.run_root = args.run_root or ROOT / "runs" / ("accuracy_scale_smoke" if args.smoke else "accuracy_scale")
     args.recipes = {"pretrain": R.SMOKE_PRETRAIN if args.smoke else R.PRETRAIN,
@@ -267,13 +273,26 @@ def schedule(args: argparse.Namespace, res: dict) -> list[Todo]:
     return sorted(out, key=lambda t: t.resume_from is None)
 
 
+def slots(args: argparse.Namespace, phase: str) -> int:
+    """How many jobs of `phase` run at once: one, but with --side-by-side the fine-tunings one a GPU of the host and
+    the pretraining runs --num-gpus GPUs each."""
+    if not args.side_by_side:
+        return 1
+    return {"finetune": args.host_gpus, "pretrain": args.host_gpus // args.num_gpus}.get(phase, 1)
+
+
+def devices(args: argparse.Namespace, phase: str, slot: int) -> str:
+    """The CUDA ids of a side-by-side job's slot: one GPU a fine-tuning, --num-gpus a pretraining run."""
+    per = 1 if phase == "finetune" else args.num_gpus
+    return ",".join(str(slot * per + i) for i in range(per))
+
+
 def groups(args: argparse.Namespace, plan: list[Todo]) -> list[list[Todo]]:
-    """The plan as this call runs it: one job at a time, but with --side-by-side the fine-tunings in groups of one
-    a GPU, each group at once."""
+    """The plan as this call runs it: one job at a time, but with --side-by-side consecutive jobs of one phase in
+    groups of `slots`, each group at once."""
     out: list[list[Todo]] = []
     for t in plan:
-        joins = args.side_by_side and t.job.phase == "finetune" and out and out[-1][0].job.phase == "finetune"
-        if joins and len(out[-1]) < args.num_gpus:
+        if out and out[-1][0].job.phase == t.job.phase and len(out[-1]) < slots(args, t.job.phase):
             out[-1].append(t)
         else:
             out.append([t])
@@ -290,9 +309,11 @@ def schedule_text(args: argparse.Namespace, res: dict, plan: list[Todo]) -> str:
             else:
                 tps, source = rate(args, res, t.job.phase, t.job.config)
                 what = f", {t.steps_left:,} steps at {tps:,.0f} tokens/s ({source})"
-            beside = f", one GPU, beside {len(group) - 1} more" if len(group) > 1 else ""
+            per = "one GPU" if t.job.phase == "finetune" else f"{args.num_gpus} GPUs"
+            beside = f", {per}, beside {len(group) - 1} more" if len(group) > 1 else ""
             lines.append(f"  {t.job.key}: {t.why}{what}{beside}: ~{t.est_s / 60:.1f} min (ends ~{total / 60:.1f} min)")
-    head = f"{len(plan)} jobs on {args.num_gpus} {'CPU ranks' if args.smoke else 'GPUs'}, ~{total / 60:.1f} min in all"
+    gpus = args.host_gpus if args.side_by_side else args.num_gpus
+    head = f"{len(plan)} jobs on {gpus} {'CPU ranks' if args.smoke else 'GPUs'}, ~{total / 60:.1f} min in all"
     return "\n".join([head, *lines] if plan else ["nothing left to run"])
 
 
@@ -310,9 +331,9 @@ def check_data(args: argparse.Namespace) -> dict[str, int]:
 
 
 def run_job(args: argparse.Namespace, res: dict, t: Todo, stop: runs.Stop, call: dict, tokens: dict,
-            device: int | None = None) -> None:
-    """One job to its end or the deadline, on every GPU or (`device`: side by side) on that one; its entry (or the
-    outlier measure) written into `res`."""
+            where: str | None = None, beside: int = 0) -> None:
+    """One job to its end or the deadline, on the first --num-gpus GPUs or (side by side, `beside` other jobs at
+    once) on the CUDA ids `where`; its entry (or the outlier measure) written into `res`."""
     job, run_dir, export_dir = t.job, args.run_root / t.job.key, args.run_root / EXPORT
     if job.phase == "outliers":
         return measure_outliers(args, res, stop, call)
@@ -322,18 +343,19 @@ def run_job(args: argparse.Namespace, res: dict, t: Todo, stop: runs.Stop, call:
     source = job == SOURCE
     if source and t.resume_from is None:
         shutil.rmtree(export_dir, ignore_errors=True)
-    gpus = args.num_gpus if device is None else 1
+    gpus = args.num_gpus if where is None else len(where.split(","))
     cmd = runs.command(r, job.config, job.seed, gpus, run_dir, args.data_root,
                        model=export_dir if job.phase == "finetune" else None, export=export_dir if source else None,
                        resume=t.resume_from is not None,
-                       devices=None if device is None or args.smoke else str(device))   # CPU ranks: no ids
+                       devices=None if args.smoke else where)   # CPU ranks: no ids
     print(f"== {job.key}: {t.why} (~{t.est_s / 60:.1f} min)\n   {' '.join(cmd)}", flush=True)
     seg = runs.launch(cmd, run_dir, t.resume_from or 0, stop, job.key, r.steps)
     state = runs.read_run(run_dir, r, tokens.get(r.corpus))
     old = res["runs"].get(job.key) if t.resume_from is not None else None
     segments = (old or {}).get("segments", []) + [{"date": call["date"], "device": call["device"],
                                                    "command": " ".join(cmd), "from_step": t.resume_from or 0,
-                                                   "to_step": state["steps_done"], **seg}]
+                                                   "to_step": state["steps_done"], "where": where,
+                                                   "beside": beside, **seg}]
     entry = {"phase": job.phase, "config": job.config, "seed": job.seed, "label": R.LABELS[job.config],
              "gpus": gpus, "run_dir": str(run_dir), **state, "segments": segments,
              "wall_s": sum(s["wall_s"] for s in segments)}
@@ -459,10 +481,10 @@ def main(argv: list[str] | None = None) -> int:
             print(*(f"== {t.job.key}: skipped ({why})" for t in group), sep="\n", flush=True)
             continue
         call["ran"] += [t.job.key for t in group]
-        if args.side_by_side and phase == "finetune":
+        if slots(args, phase) > 1:
             with ThreadPoolExecutor(len(group)) as pool:
-                list(pool.map(lambda it: run_job(args, res, it[1], stop, call, tokens, device=it[0]),
-                              enumerate(group)))
+                list(pool.map(lambda it: run_job(args, res, it[1], stop, call, tokens, devices(args, phase, it[0]),
+                                                 len(group) - 1), enumerate(group)))
         else:
             run_job(args, res, group[0], stop, call, tokens)
         call["wall_s"] = time.time() - t0

@@ -131,11 +131,34 @@ def test_the_plan_puts_bf16_first_then_outliers_and_fine_tuning_and_meets_the_is
 @pytest.mark.parametrize("argv, msg", [(["--num-gpus", "3"], "--num-gpus=3 is invalid; allowed: one of [1, 2, 4]"),
                                        (["--seeds", "0,0"], "--seeds='0,0' is invalid"),
                                        (["--tokens-per-s", "fp8=3"], "--tokens-per-s='fp8=3' is invalid"),
-                                       (["--configs", "bf16,coat"], "--configs: ['coat'] is invalid")])
+                                       (["--configs", "bf16,coat"], "--configs: ['coat'] is invalid"),
+                                       (["--num-gpus", "2", "--host-gpus", "3"],
+                                        "--host-gpus=3 is invalid; allowed: a multiple of --num-gpus (2)")])
 def test_bad_flags_fail_in_one_line(argv, msg, capsys):
     with pytest.raises(SystemExit):
         S.parse_args(argv)
     assert msg in capsys.readouterr().err
+
+
+def test_side_by_side_pairs_pretraining_runs_on_disjoint_gpus_and_fine_tunings_one_a_gpu(capsys):
+    """--side-by-side --host-gpus 4 --num-gpus 2: pretraining runs two at once on GPUs 0,1 and 2,3 (continuations
+    first, as alone); fine-tunings four at once, one GPU each; without it one job at a time."""
+    argv = ["--num-gpus", "2", "--host-gpus", "4", "--run-root", "/nonexistent"]
+    args = S.parse_args([*argv, "--side-by-side"])
+    plan = S.schedule(args, {"runs": {}, "outliers": None})
+    groups = [[t.job.key for t in g] for g in S.groups(args, plan)]
+    tunings = ["finetune_bf16_s0", "finetune_exact_s0", "finetune_lowest_memory_s0", "finetune_largest_model_s0"]
+    assert groups[:3] == [["pretrain_bf16_s0"], ["outliers"], tunings]
+    pre = groups[3:]
+    assert all(len(g) == 2 for g in pre[:-1]) and sum(map(len, pre)) == 7 and pre[0] == ["pretrain_exact_s0",
+                                                                                         "pretrain_lowest_memory_s0"]
+    assert [S.devices(args, "pretrain", i) for i in (0, 1)] == ["0,1", "2,3"]
+    assert [S.devices(args, "finetune", i) for i in range(4)] == ["0", "1", "2", "3"]
+    assert all(len(g) == 1 for g in S.groups(S.parse_args(argv), plan))          # not side by side: one at a time
+    assert S.main([*argv, "--side-by-side", "--plan-only", "--phase", "pretrain"]) == 0
+    out = capsys.readouterr().out
+    assert "8 jobs on 4 GPUs" in out
+    assert "pretrain_exact_s0: from scratch, 3,100 steps at 175,000 tokens/s (assumed), 2 GPUs, beside 1 more" in out
 
 
 def entry(phase: str, config: str, seed: int, status: str, steps: int, **extra) -> dict:
