@@ -9,8 +9,8 @@ with each, validated before its first step and at the end.
 
 One main job at a time on all --num-gpus GPUs (--side-by-side: several at once on disjoint GPUs of --host-gpus),
 each run in its own directory under --run-root; a run the deadline stops checkpoints and continues from there in a
-later call on the same machine (--merge). docs/benchmarks.md,
-"Accuracy at scale", has the device commands and what each run takes.
+later call on the same machine (--merge). docs/benchmarks.md, "Accuracy at scale", has the device commands and what
+each run takes.
 """
 from __future__ import annotations
 

@@ -196,9 +196,10 @@ def worker_cmd(module: str, args: argparse.Namespace, names: tuple[str, ...], nu
 def core_list(devices: str, host_gpus: int, host_cores: int | None = None) -> str:
     """The host's cores that CUDA devices `devices` ("2,3") own when each of `host_gpus` GPUs owns an equal,
     contiguous share ("32-63" of 64 cores): side-by-side workers bound to disjoint cores."""
-    per = (host_cores or os.cpu_count() or 1) // host_gpus
+    cores = host_cores or os.cpu_count() or 1
+    per = cores // host_gpus
     if per < 1:
-        raise ValueError(f"{host_gpus} GPUs share {host_cores} cores: none for each")
+        raise ValueError(f"{host_gpus} GPUs share {cores} cores: none for each")
     return ",".join(f"{per * int(d)}-{per * int(d) + per - 1}" for d in devices.split(","))
 
 

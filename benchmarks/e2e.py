@@ -616,8 +616,7 @@ def launch(args: argparse.Namespace, name: str, result: Path, start: int, known_
     worker stops climbing at `budget - 20` s; `budget + 30` s is the hard stop."""
     devices = getattr(args, "devices", None)   # CUDA ids ("2,3"): workers side by side (e2e_scaling); several go to
     # the launcher's --include alone (beside CUDA_VISIBLE_DEVICES it would count only those GPUs)
-    cores = None if not args.bind_cores else f"0-{(os.cpu_count() or 1) - 1}" if args.bind_cores == "all" else \
-        args.bind_cores
+    cores = f"0-{(os.cpu_count() or 1) - 1}" if args.bind_cores == "all" else args.bind_cores   # None: unbound
     cmd = worker_cmd("benchmarks.e2e", args, ("model", "seq_len", "max_batch", "steps", "warmup", "mem_fraction",
                      "seed", "max_rungs", "zero_stage", "profile_batch", "profile", "then_batch", "layers",
                      "memory_trace", "zero_set"),
