@@ -193,6 +193,18 @@ def worker_cmd(module: str, args: argparse.Namespace, names: tuple[str, ...], nu
     return [*(["numactl", "-C", cores] if cores else []), sys.executable, "-m", module, *opts]
 
 
+def parse_cores(text: str) -> list[int]:
+    """A core list ("0-15,32,40-47") -> its cores; ValueError for anything else."""
+    cores = []
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        if not lo.isdigit() or not (hi.isdigit() or not hi) or int(hi or lo) < int(lo):
+            raise ValueError(f"--bind-cores {text!r}: {part!r} is not a core or a range; allowed: 'all' or a core "
+                             "list such as 0-15,32-47")
+        cores += range(int(lo), int(hi or lo) + 1)
+    return cores
+
+
 def core_list(devices: str, host_gpus: int, host_cores: int | None = None) -> str:
     """The host's cores that CUDA devices `devices` ("2,3") own when each of `host_gpus` GPUs owns an equal,
     contiguous share ("32-63" of 64 cores): side-by-side workers bound to disjoint cores."""

@@ -28,7 +28,8 @@ import torch  # noqa: E402
 from deepspeed.accelerator import get_accelerator  # noqa: E402
 
 from benchmarks.common import (GIB, RESULTS, ROOT, StepProbe, WarningLog, add_worker_args, proc_bytes,  # noqa: E402
-                               check_positive, names_of, provenance, run_worker, worker_cmd, write_results)
+                               check_positive, names_of, parse_cores, provenance, run_worker, worker_cmd,
+                               write_results)
 from benchmarks.memory_trace import recorded  # noqa: E402
 from coat_ds.deepspeed.zero.kind import master_partitions, zero_kind  # noqa: E402
 from coat_ds.hf.loss import is_applied  # noqa: E402
@@ -133,18 +134,6 @@ def ds_config(name: str, *, micro_batch: int, zero_stage: int | None = None, on_
 ZERO_SET_KEYS = {"reduce_bucket_size": int, "allgather_bucket_size": int, "stage3_prefetch_bucket_size": int,
                  "stage3_max_live_parameters": int, "stage3_max_reuse_distance": int,
                  "stage3_param_persistence_threshold": int, "overlap_comm": bool, "contiguous_gradients": bool}
-
-
-def parse_cores(text: str) -> list[int]:
-    """A core list ("0-15,32,40-47") -> its cores; ValueError for anything else."""
-    cores = []
-    for part in text.split(","):
-        lo, _, hi = part.partition("-")
-        if not lo.isdigit() or not (hi.isdigit() or not hi) or int(hi or lo) < int(lo):
-            raise ValueError(f"--bind-cores {text!r}: {part!r} is not a core or a range; allowed: 'all' or a core "
-                             "list such as 0-15,32-47")
-        cores += range(int(lo), int(hi or lo) + 1)
-    return cores
 
 
 def check_bind_cores(text: str | None) -> None:

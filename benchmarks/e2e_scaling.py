@@ -264,21 +264,20 @@ def key_of(row: dict) -> tuple:
     return row["model"], row["world_size"], row["zero_stage"], row["preset"]
 
 
-def setting(src) -> dict:
-    """What makes rows of the same key another configuration's: --zero-set and --bind-cores (of a results file's
-    dict or of the command's args)."""
-    get = src.get if isinstance(src, dict) else lambda k: getattr(src, k, None)
-    return {"zero_set": get("zero_set") or {}, "bind_cores": bool(get("bind_cores"))}
+def setting(src: dict) -> dict:
+    """What makes rows of the same key another configuration's: --zero-set and --bind-cores, of a results file or of
+    this call's options (`vars(args)`)."""
+    return {"zero_set": src.get("zero_set") or {}, "bind_cores": bool(src.get("bind_cores"))}
 
 
-def merged_rows(paths: list[str], args: argparse.Namespace | None = None) -> tuple[dict, list[dict]]:
+def merged_rows(paths: list[str], options: dict | None = None) -> tuple[dict, list[dict]]:
     """The rows (by key) and calls of earlier results files, later files first; a file measured with another
-    `setting` than this call's is refused."""
-    rows, calls = {}, []
+    `setting` than `options`' is refused."""
+    rows, calls, this = {}, [], setting(options or {})
     for path in paths:
         doc = read_json(path, {})
-        if setting(doc) != setting(args):
-            sys.exit(f"--merge {path}: measured with {setting(doc)}, this call's is {setting(args)}; allowed: "
+        if setting(doc) != this:
+            sys.exit(f"--merge {path}: measured with {setting(doc)}, this call's is {this}; allowed: "
                      "files measured with the same")
         calls += doc.get("calls", [])
         rows.update({key_of(c): c for case in doc.get("cases", {}).values() for c in case["configs"]})
@@ -385,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     runs = matrix(args)
     planned(args, runs, history())
-    rows, calls = merged_rows(args.merge, args)
+    rows, calls = merged_rows(args.merge, vars(args))
     todo = [r for r in runs if r.rungs and (args.rerun or not (rows.get(r.key) or {}).get("largest"))]
     sched = waves(todo, args.num_gpus)
     print(schedule_text(sched, [r for r in runs if not r.rungs]), flush=True)

@@ -126,8 +126,7 @@ def test_zero_set_overrides_zero_optimization_and_refuses_bad_input_in_one_line(
 def test_bind_cores_binds_ranks_as_deepspeeds_launcher_does_and_refuses_bad_input_in_one_line(capsys):
     """e2e --bind-cores: DeepSpeed's --bind_cores_to_rank on a core list (numactl for one rank), disjoint lists for
     rows side by side, checked before any worker starts."""
-    from benchmarks.common import core_list, worker_cmd
-    from benchmarks.e2e import parse_cores
+    from benchmarks.common import core_list, parse_cores, worker_cmd
 
     assert core_list("2,3", 4, 64) == "32-47,48-63" and core_list("0", 1, 2) == "0-1"
     with pytest.raises(ValueError, match="8 GPUs share 4 cores"):

@@ -95,8 +95,8 @@ def test_zero_set_reaches_the_planner_and_the_workers_and_keeps_merges_apart(tmp
     (tmp_path / "old.json").write_text(json.dumps({"calls": [], "cases": {}}))
     with pytest.raises(SystemExit, match="measured with {'zero_set': {}, 'bind_cores': False}, this call's is "
                                          "{'zero_set': {'reduce_bucket_size'"):
-        S.merged_rows([str(tmp_path / "old.json")], big)
-    assert S.merged_rows([str(tmp_path / "old.json")], base) == ({}, [])
+        S.merged_rows([str(tmp_path / "old.json")], vars(big))
+    assert S.merged_rows([str(tmp_path / "old.json")], vars(base)) == ({}, [])
     with pytest.raises(SystemExit):
         S.parse_args(["--zero-set", "reduce_bucket=5e8"])
 
@@ -113,7 +113,7 @@ def test_bind_cores_gives_rows_side_by_side_disjoint_cores(monkeypatch, tmp_path
     assert S.worker_args(plain, runs0[0], "0").bind_cores is None
     (tmp_path / "old.json").write_text(json.dumps({"calls": [], "cases": {}}))
     with pytest.raises(SystemExit, match="'bind_cores': False}, this call's is {'zero_set': {}, 'bind_cores': True"):
-        S.merged_rows([str(tmp_path / "old.json")], args)
+        S.merged_rows([str(tmp_path / "old.json")], vars(args))
 
 
 @pytest.mark.slow   # ~10 s alone; more on a loaded machine
