@@ -31,6 +31,7 @@ from benchmarks.common import (GIB, RESULTS, ROOT, StepProbe, WarningLog, add_wo
                                check_positive, names_of, parse_cores, provenance, run_worker, worker_cmd,
                                write_results)
 from benchmarks.memory_trace import recorded  # noqa: E402
+from coat_ds.deepspeed.teardown import torn_down  # noqa: E402
 from coat_ds.deepspeed.zero.kind import master_partitions, zero_kind  # noqa: E402
 from coat_ds.hf.loss import is_applied  # noqa: E402
 from coat_ds.workloads import causal_lm as train_lib  # noqa: E402  (engine initialisation, the loss, the shapes)
@@ -782,7 +783,8 @@ def headline(args: argparse.Namespace, rows: list[dict], t0: float) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p, args = parse_args(argv)
     if args.worker:
-        return worker(args)
+        with torn_down():   # its exit code is the worker's, not an abort of Python's finalization
+            return worker(args)
     if args.smoke:
         args.model, args.seq_len, args.steps, args.warmup = "tiny", 32, 1, 0
         args.max_batch, args.equal_batch, args.max_rungs = min(args.max_batch, 2), 1, 2

@@ -479,12 +479,14 @@ def main(argv: list[str] | None = None) -> int:
 
     import deepspeed
     import deepspeed.comm as dist
+    from coat_ds.deepspeed.teardown import torn_down
     from coat_ds.deepspeed.watchdog import watching
 
     set_single_process_env()
     deepspeed.init_distributed()
-    # a lost rank stops every other one within --peer-timeout (at once on its own node), in one line
-    with watching(args.peer_timeout, hint="resume from the last checkpoint with --resume"):
+    # a lost rank stops every other one within --peer-timeout (at once on its own node), in one line; the process
+    # group goes before Python's finalization, where a live one can abort the process (torn_down)
+    with torn_down(), watching(args.peer_timeout, hint="resume from the last checkpoint with --resume"):
         code = run_job(args, ds_config, tokens, model, tag)
         dist.barrier()   # inside: a rank that fails at the very end (its export) stops the others too
     return code

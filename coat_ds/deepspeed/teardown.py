@@ -1,0 +1,63 @@
+"""How a distributed job's process ends, so that its exit code is the job's own.
+
+Why: a process left to Python's finalization with a live process group can abort (SIGABRT, "terminate called
+without an active exception": gloo's worker threads still hold objects that reach back into the interpreter being
+torn down; pytorch/pytorch#190489). A failure's exit code 1 then reads 134 (250 through a launcher), with a line
+of C++ beside the job's own, at random (CI saw it on the main job's refused save).
+
+How: a job that ends well destroys its process group (torch's documented teardown, every rank past the job's last
+barrier); one that fails ends its process at once with its exit code (os._exit, after flushing what it printed),
+as the watchdog does for a lost rank: destroying a group whose peers may still be inside a collective can block.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from contextlib import contextmanager
+from typing import Iterator
+
+
+def _flush_and_exit(code: int) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):   # closed or broken: nothing more can be said there
+            pass
+    os._exit(code)
+
+
+def exit_code(exc: SystemExit) -> int:
+    """What Python itself would exit with: a message's 1 (printed to stderr first, as Python does), else the code."""
+    if exc.code is None or isinstance(exc.code, int):
+        return exc.code or 0
+    print(exc.code, file=sys.stderr)
+    return 1
+
+
+@contextmanager
+def torn_down() -> Iterator[None]:
+    """Around a job of an initialized torch.distributed process group (see the module's docstring): a block that
+    returns, or exits with code 0, destroys the group; any other exit ends the process at once with its code
+    (an uncaught exception: its traceback, then 1)."""
+    import torch.distributed as dist
+
+    try:
+        yield
+    except SystemExit as exc:
+        code = exit_code(exc)
+        if code != 0:
+            _flush_and_exit(code)
+        _destroy(dist)
+        raise
+    except KeyboardInterrupt:
+        _flush_and_exit(130)
+    except BaseException:   # noqa: BLE001 - said as Python would say it, then ended as above
+        traceback.print_exc()
+        _flush_and_exit(1)
+    _destroy(dist)
+
+
+def _destroy(dist) -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
