@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import coat_ds  # noqa: F401
+from coat_ds.deepspeed.teardown import torn_down
 
 
 def model(width: int, depth: int) -> nn.Module:
@@ -97,4 +98,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with torn_down():   # the exit code is the job's own, not an abort at finalization
+        main()

@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import section_job  # noqa: E402  its launcher harness (main)
 from family_cases import SEQ, VOCAB, build  # noqa: E402
 from layer_probe import counting_forwards, saved_per_layer  # noqa: E402
+from coat_ds.deepspeed.teardown import torn_down  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS, MICRO = 3, 2
@@ -106,4 +107,5 @@ def task_grads(tmp: str) -> dict:
 
 if __name__ == "__main__":
     section_job.TASKS = {"release": task_release, "grads": task_grads}
-    sys.exit(section_job.main())
+    with torn_down():   # the exit code is the job's own, not an abort at finalization
+        sys.exit(section_job.main())

@@ -32,6 +32,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import common  # noqa: E402
+from coat_ds.deepspeed.teardown import torn_down  # noqa: E402
 
 STEPS, SAVE_AT, SKIP_AT = 50, 30, 6
 
@@ -306,8 +307,8 @@ def main(tasks: dict = TASKS) -> None:
         barrier()
     common.write(args.out, out)
     barrier()
-    dist.destroy_process_group()  # an orderly teardown: ranks exiting with live gloo pairs can abort
 
 
 if __name__ == "__main__":
-    main()
+    with torn_down():   # the exit code is the job's own, not an abort at finalization
+        main()

@@ -25,6 +25,7 @@ import section_job  # noqa: E402  its launcher harness (main) and tiny Llama
 from section_job import LLAMA, ROOT, fp8_layers, tiny  # noqa: E402
 from coat_ds.deepspeed import presets  # noqa: E402
 from coat_ds.deepspeed.config import engine_section  # noqa: E402
+from coat_ds.deepspeed.teardown import torn_down  # noqa: E402
 
 SEQ, PLAIN_STEPS, HF_STEPS = 16, 5, 3
 
@@ -93,4 +94,5 @@ def task_hf(tmp: str) -> dict:
 
 if __name__ == "__main__":
     section_job.TASKS = {"plain": task_plain, "hf": task_hf}
-    sys.exit(section_job.main())
+    with torn_down():   # the exit code is the job's own, not an abort at finalization
+        sys.exit(section_job.main())

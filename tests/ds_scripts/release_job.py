@@ -45,6 +45,7 @@ from zero_state_job import _all, _joined, build, build_outcomes, config, masters
 from coat_ds.deepspeed.zero import states as coat_states  # noqa: E402
 from coat_ds.deepspeed.zero.layout import meta_offsets  # noqa: E402
 from coat_ds.optim.coat_adamw import fp8_moments  # noqa: E402
+from coat_ds.deepspeed.teardown import torn_down  # noqa: E402
 
 STEPS, SAVE_AT = job.STEPS, job.SAVE_AT
 if torch.cuda.is_available():   # two GPU runs agree bit for bit only with deterministic algorithms
@@ -309,4 +310,5 @@ TASKS = {"host": task_host, "equal": task_equal, "spike": task_spike, "nan": tas
          "refuse": task_refuse, "syncs": task_syncs}
 
 if __name__ == "__main__":
-    job.main(TASKS)
+    with torn_down():   # the exit code is the job's own, not an abort at finalization
+        job.main(TASKS)

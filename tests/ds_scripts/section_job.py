@@ -27,6 +27,7 @@ import coat_ds
 from coat_ds.activation import ActivationConfig
 from coat_ds.hf import CoatDecoderLayer
 from coat_ds.hf.swap import apply
+from coat_ds.deepspeed.teardown import torn_down
 
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -289,8 +290,8 @@ def main() -> None:
             with open(args.out, "w") as f:
                 json.dump(out, f, indent=1)
     dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with torn_down():   # the exit code is the job's own, not an abort at finalization
+        sys.exit(main())

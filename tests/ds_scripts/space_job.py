@@ -23,6 +23,7 @@ import torch.nn as nn  # noqa: E402
 import common  # noqa: E402
 from coat_ds.deepspeed.checkpoint import space  # noqa: E402
 from coat_ds.deepspeed.checkpoint.save import CheckpointSaveError  # noqa: E402
+from coat_ds.deepspeed.teardown import torn_down  # noqa: E402
 
 WIDTH = 512   # ~0.8M parameters: the tensors, not the pickled metadata, make most of each file
 CONFIGS = {"z1_fp32": (1, "fp32", {}), "z2_bf16": (2, "bf16", {}), "z3_bf16": (3, "bf16", {}),
@@ -99,8 +100,8 @@ def main() -> None:
         dist.barrier()
     common.write(args.out, out)
     dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    with torn_down():   # the exit code is the job's own, not an abort at finalization
+        main()

@@ -34,6 +34,7 @@ import job  # noqa: E402  (its main runs the tasks)
 from coat_ds.deepspeed.zero import step as zero_step  # noqa: E402
 from coat_ds.deepspeed.zero.kind import master_partitions as masters  # noqa: E402
 from coat_ds.formats import bf16_weight  # noqa: E402
+from coat_ds.deepspeed.teardown import torn_down  # noqa: E402
 
 STEPS, SAVE_AT = job.STEPS, job.SAVE_AT
 
@@ -410,4 +411,5 @@ TASKS = {"grads": task_grads, "remainder": task_remainder, "refuse_remainder": t
 
 
 if __name__ == "__main__":
-    job.main(TASKS)
+    with torn_down():   # the exit code is the job's own, not an abort at finalization
+        job.main(TASKS)
