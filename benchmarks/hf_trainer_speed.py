@@ -24,6 +24,7 @@ import torch
 from benchmarks import e2e
 from benchmarks.common import (GIB, RESULTS, ROOT, StepProbe, WarningLog, add_worker_args, check_positive,
                                provenance, read_json, replace_rows, run_worker, worker_cmd, write_results)
+from coat_ds.deepspeed.teardown import torn_down
 from coat_ds.workloads import causal_lm as train_lib
 
 HF_CONFIG = "ds_configs/hf/zero2_coat.json"
@@ -303,7 +304,8 @@ def run_all(specs: list[str], args: argparse.Namespace, out: Path, t0: float) ->
 def main(argv: list[str] | None = None) -> int:
     args, specs = parse_args(argv)
     if args.worker:
-        return worker(args)
+        with torn_down():   # its exit code is the worker's, not an abort of Python's finalization
+            return worker(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()

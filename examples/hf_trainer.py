@@ -121,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                           "train_loss_last": losses[-1] if losses else None, "train_loss_mean": result.training_loss,
                           "eval_loss": metrics["eval_loss"], "steps": trainer.state.global_step}), flush=True)
     ok = all(math.isfinite(v) for v in losses + [metrics["eval_loss"]])
+    trainer.accelerator.end_training()   # the process group goes before Python's finalization, where it can abort
     return 0 if ok else 1
 
 
