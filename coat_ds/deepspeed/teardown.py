@@ -6,16 +6,20 @@ torn down; pytorch/pytorch#190489). A failure's exit code 1 then reads 134 (250 
 of C++ beside the job's own, at random (CI saw it on the main job's refused save).
 
 How: a job that ends well destroys its process group (torch's documented teardown, every rank past the job's last
-barrier); one that fails ends its process at once with its exit code (os._exit, after flushing what it printed),
-as the watchdog does for a lost rank: destroying a group whose peers may still be inside a collective can block.
+barrier; bounded by DESTROY_S); one that fails ends its process at once with its exit code (os._exit, after
+flushing what it printed), as the watchdog does for a lost rank: destroying a group whose peers may still be inside
+a collective can block.
 """
 from __future__ import annotations
 
 import os
 import sys
+import threading
 import traceback
 from contextlib import contextmanager
 from typing import Iterator
+
+DESTROY_S = 60.0   # seconds the process group's teardown may take once the job has ended
 
 
 def _flush_and_exit(code: int) -> None:
@@ -59,5 +63,18 @@ def torn_down() -> Iterator[None]:
 
 
 def _destroy(dist) -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    """torch's teardown, bounded: one that hangs (pytorch/pytorch#75097: NCCL's communicators abort together) ends
+    the process after DESTROY_S with the job's exit code 0, everything having been written by then."""
+    if not dist.is_initialized():
+        return
+    timer = threading.Timer(DESTROY_S, _teardown_hung)
+    timer.daemon = True
+    timer.start()
+    dist.destroy_process_group()
+    timer.cancel()
+
+
+def _teardown_hung() -> None:
+    print(f"\nwarning: the process group's teardown took over {DESTROY_S:.0f} s; the job had ended: exit 0",
+          file=sys.stderr)
+    _flush_and_exit(0)

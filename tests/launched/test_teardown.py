@@ -5,10 +5,13 @@ runs here (2 cores, 2026-11-28; ds_scripts/teardown_job.py `bare`); CI saw it on
 from __future__ import annotations
 
 import subprocess
+import sys
+import textwrap
+import time
 
 import pytest
 
-from harness import DS_SCRIPTS, ROOT, child_env, ranks_launcher
+from harness import DS_SCRIPTS, ROOT, child_env, free_port, ranks_launcher
 
 RANKS = 5
 
@@ -38,3 +41,24 @@ def test_a_failure_is_said_as_python_says_it_then_1(ending, said):
 def test_a_finished_job_destroys_its_group():
     code, out = run("return")
     assert code == 0 and out.count("rank -: group destroyed") == RANKS, out[-3000:]
+
+
+def test_a_teardown_that_hangs_ends_the_finished_job_with_0(tmp_path):
+    """A destroy_process_group that never returns (stood in by a sleep) ends the process after DESTROY_S."""
+    code = textwrap.dedent("""
+        import time, torch.distributed as dist
+        from coat_ds.deepspeed import teardown
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        teardown.DESTROY_S = 1.0
+        dist.destroy_process_group = lambda: time.sleep(120)
+        with teardown.torn_down():
+            print("job done", flush=True)
+        print("not reached", flush=True)
+    """)
+    env = child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and time.monotonic() - t0 < 60, out[-3000:]
+    assert "job done" in out and "not reached" not in out, out[-3000:]
+    assert "warning: the process group's teardown took over 1 s; the job had ended: exit 0" in out, out[-3000:]
