@@ -2,9 +2,9 @@
 
 What they add to DeepSpeed's: absolute source paths from this package (DeepSpeed resolves relative ones
 against its own install), a prebuilt-module import for `COAT_BUILD_OPS=1` installs (DeepSpeed's `load()`
-only imports modules it built itself), the reason an op cannot build here (for the loader's warning and
-`python -m coat_ds.report`), and a TORCH_CUDA_ARCH_LIST parser that accepts `9.0a` and `9.0+PTX`
-(DeepSpeed 0.19.8's `compute_capability_args` raises on them)."""
+only imports modules it built itself), JIT builds that a stopped one cannot block (jit_lock.py), the reason an
+op cannot build here (for the loader's warning and `python -m coat_ds.report`), and a TORCH_CUDA_ARCH_LIST parser
+that accepts `9.0a` and `9.0+PTX` (DeepSpeed 0.19.8's `compute_capability_args` raises on them)."""
 from __future__ import annotations
 
 import glob
@@ -14,6 +14,8 @@ import os
 import re
 
 from deepspeed.ops.op_builder.builder import CUDAOpBuilder, OpBuilder
+
+from .jit_lock import build_lock
 
 # csrc/ sits beside op_builder/: at the checkout's top, in coat_ds/ (links to those) and in an install
 CSRC_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
@@ -100,7 +102,8 @@ class CoatBuilderMixin:
         try:
             module = importlib.import_module(self.absolute_name())
         except ImportError:
-            return self.jit_load(verbose)
+            with build_lock(self.jit_dir(), self.name):   # a build stopped mid-way leaves no lock behind
+                return self.jit_load(verbose)
         OpBuilder._loaded_ops[self.name] = module
         return module
 

@@ -1,0 +1,88 @@
+"""coat_ds.op_builder.jit_lock: a JIT build stopped mid-way (its torch lock file left behind) does not block the
+next load of the op, which torch alone would leave waiting forever; a process waiting for another's build says so
+and goes on once that process is gone, killed or not. Real processes and a real SIGKILL; no build (the lock is
+what is tested; tests/test_packaging.py builds an op through it)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+from coat_ds.op_builder.jit_lock import FLOCK, TORCH_LOCK, build_lock
+from harness import child_env
+
+HOLD = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from coat_ds.op_builder.jit_lock import TORCH_LOCK, build_lock
+    d = sys.argv[1]
+    with build_lock(d, "op"):
+        Path(d, TORCH_LOCK).touch()   # torch's own lock, as a build in progress holds it
+        print("building", flush=True)
+        time.sleep(float(sys.argv[2]))
+    print("built", flush=True)
+""")
+
+
+def hold(directory, seconds: float) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", HOLD, str(directory), str(seconds)], env=child_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def building(proc: subprocess.Popen) -> None:
+    """Wait until `proc` holds the locks (past whatever importing DeepSpeed prints first)."""
+    for line in proc.stdout:
+        if line.strip() == "building":
+            return
+    raise AssertionError(f"ended without building: {proc.stderr.read()[-2000:]}")
+
+
+def said(text: str) -> list[str]:
+    return [ln for ln in text.splitlines() if ln.startswith("coat_ds:")]
+
+
+def test_a_lock_file_left_by_a_stopped_build_is_removed_with_one_line(tmp_path, capsys):
+    (tmp_path / TORCH_LOCK).touch()
+    os.utime(tmp_path / TORCH_LOCK, (time.time() - 7200, time.time() - 7200))
+    with build_lock(str(tmp_path), "coat_cpu_adam"):
+        assert not (tmp_path / TORCH_LOCK).exists() and (tmp_path / FLOCK).exists()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"coat_ds: removed {tmp_path / TORCH_LOCK}, left 120 min ago by a build of coat_cpu_adam that was "
+                   "stopped (torch would have waited for it forever); building again"], err
+
+
+def test_no_lock_file_no_line(tmp_path, capsys):
+    with build_lock(str(tmp_path), "op"):
+        pass
+    assert capsys.readouterr().err == ""
+
+
+def test_a_build_killed_mid_way_lets_the_waiting_one_go_on(tmp_path):
+    """A builds (holds both locks) and is killed; B, waiting, says so, then takes over and removes A's lock file."""
+    a = hold(tmp_path, 120)
+    building(a)
+    b = hold(tmp_path, 0)
+    time.sleep(2)
+    assert b.poll() is None, "B must wait while A builds"
+    a.send_signal(signal.SIGKILL)
+    a.wait(timeout=30)
+    t0 = time.monotonic()
+    out, err = b.communicate(timeout=60)
+    assert b.returncode == 0 and time.monotonic() - t0 < 30 and out.split()[-2:] == ["building", "built"], (out, err)
+    lines = said(err)
+    assert lines[0] == f"coat_ds: waiting for another process's build of op ({tmp_path})", err
+    assert lines[1].startswith(f"coat_ds: removed {tmp_path / TORCH_LOCK}, left 0 min ago by a build of op"), err
+    assert len(lines) == 2, err
+
+
+def test_a_build_that_ends_hands_over_without_a_line_about_stale_locks(tmp_path):
+    a = hold(tmp_path, 2)
+    building(a)
+    os.remove(tmp_path / TORCH_LOCK)   # as torch's builder does when it ends well
+    b = hold(tmp_path, 0)
+    a.communicate(timeout=60)
+    out, err = b.communicate(timeout=60)
+    assert b.returncode == 0 and "removed" not in err and out.split()[-1] == "built", err
