@@ -8,7 +8,7 @@ saying nothing: the main job sat at step 0 of 200 that way here.
 How: coat_ds's builders first take an flock on a file beside it (FLOCK). The kernel drops an flock with the
 process that held it, and every coat_ds load of the op takes this one before torch's, so a lock file found while
 holding it was left by a build that was stopped: it is removed, with one line that says so. A process that waits
-for another's build says so once.
+for another's build says so once. Both lines start a line of their own (a progress bar may hold the current one).
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def build_lock(directory: str, name: str) -> Iterator[None]:
         try:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            print(f"coat_ds: waiting for another process's build of {name} ({directory})", file=sys.stderr,
+            print(f"\ncoat_ds: waiting for another process's build of {name} ({directory})", file=sys.stderr,
                   flush=True)
             fcntl.flock(fh, fcntl.LOCK_EX)
         _remove_stale(os.path.join(directory, TORCH_LOCK), name)
@@ -44,5 +44,5 @@ def _remove_stale(path: str, name: str) -> None:
         os.remove(path)
     except FileNotFoundError:
         return
-    print(f"coat_ds: removed {path}, left {age_min:.0f} min ago by a build of {name} that was stopped (torch would "
+    print(f"\ncoat_ds: removed {path}, left {age_min:.0f} min ago by a build of {name} that was stopped (torch would "
           "have waited for it forever); building again", file=sys.stderr, flush=True)

@@ -49,7 +49,7 @@ def test_a_lock_file_left_by_a_stopped_build_is_removed_with_one_line(tmp_path, 
     os.utime(tmp_path / TORCH_LOCK, (time.time() - 7200, time.time() - 7200))
     with build_lock(str(tmp_path), "coat_cpu_adam"):
         assert not (tmp_path / TORCH_LOCK).exists() and (tmp_path / FLOCK).exists()
-    err = capsys.readouterr().err.strip().splitlines()
+    err = said(capsys.readouterr().err)
     assert err == [f"coat_ds: removed {tmp_path / TORCH_LOCK}, left 120 min ago by a build of coat_cpu_adam that was "
                    "stopped (torch would have waited for it forever); building again"], err
 
