@@ -3,6 +3,7 @@ to paste into a bug report (like DeepSpeed's `ds_report`). It builds nothing unl
 from __future__ import annotations
 
 import argparse
+import glob
 import importlib.metadata
 import os
 import platform
@@ -77,7 +78,7 @@ def _ops(build: bool) -> list[tuple[str, str]]:
     from .kernels.loader import load_op, op_status
 
     jit_root = os.path.dirname(next(iter(ALL_OPS.values()))().jit_dir())
-    rows = [("ninja (JIT builds)", _yes(is_ninja_available())), ("JIT cache", jit_root)]
+    rows = [("ninja (JIT builds)", _yes(is_ninja_available())), ("JIT cache", jit_root), _locks(jit_root)]
     for name, cls in ALL_OPS.items():
         status = op_status(cls.__name__)
         runs = status.runs
@@ -90,6 +91,15 @@ def _ops(build: bool) -> list[tuple[str, str]]:
         rows.append((f"op {name}", f"built: {status.built}; compatible: {_yes(status.problem is None)}; "
                                    f"runs: {runs}{doc}"))
     return rows
+
+
+def _locks(jit_root: str) -> tuple[str, str]:
+    """torch's JIT lock files in the cache: a build running now, or one stopped mid-way (jit_lock.py)."""
+    from .op_builder.jit_lock import TORCH_LOCK
+
+    found = sorted(glob.glob(os.path.join(jit_root, "*", TORCH_LOCK)))
+    return ("JIT locks", "none" if not found else f"{', '.join(found)}: a build running now, or one stopped mid-way "
+            "(coat_ds's ops remove theirs as they load; DeepSpeed's wait for them: remove them if no build runs)")
 
 
 def rows(build: bool = False) -> list[tuple[str, str]]:

@@ -37,7 +37,7 @@ def test_report_rows_without_building(tmp_path):
                                            f"{rows['DeepSpeed']}'s")
     assert rows["transformers"] == importlib.metadata.version("transformers")
     assert rows["CUDA (PyTorch's)"] == (torch.version.cuda or "none: a CPU build of PyTorch")
-    assert rows["JIT cache"] == str(ext)
+    assert rows["JIT cache"] == str(ext) and rows["JIT locks"] == "none"
     assert rows["ninja (JIT builds)"] == "yes"
     assert rows["op coat_cpu_adam"].startswith("built: no; compatible: yes; runs: kernel, JIT-built on first use · ")
     if not torch.cuda.is_available():
@@ -49,6 +49,13 @@ def test_report_rows_without_building(tmp_path):
                                                  "without CUDA · ")
     assert set(op_builder.ALL_OPS) == {item[3:] for item in rows if item.startswith("op ")}
     assert not list(ext.rglob("*.so")), "the report built an op"
+
+
+def test_report_names_a_jit_lock_left_in_the_cache(tmp_path):
+    lock = tmp_path / "ext" / "fused_adam" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    assert _report(tmp_path, tmp_path / "ext")["JIT locks"].startswith(f"{lock}: a build running now, or one stopped")
 
 
 def test_report_sees_a_jit_built_op_and_loads_it(tmp_path):
