@@ -20,6 +20,7 @@ from benchmarks import e2e
 from benchmarks.common import (RESULTS, ROOT, add_worker_args, provenance, read_json, run_worker, worker_cmd,
                                write_results)
 from benchmarks.e2e import CONFIGS, base_optimizer, check_args, ds_config
+from coat_ds.deepspeed.teardown import torn_down
 from coat_ds.workloads import causal_lm as train_lib, data as data_lib
 from coat_ds.workloads.causal_lm import FAMILIES
 
@@ -298,7 +299,8 @@ def smoke_recipe(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     p, args = parse_args(argv)
     if args.worker:
-        return worker(args)
+        with torn_down():   # its exit code is the worker's, not an abort of Python's finalization
+            return worker(args)
     if args.smoke:
         smoke_recipe(args)
     args.configs = args.configs or (SMOKE_CONFIGS if args.smoke else DEFAULT_CONFIGS)

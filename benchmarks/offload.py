@@ -19,6 +19,7 @@ from benchmarks import e2e
 from benchmarks.common import (GIB, RESULTS, add_worker_args, check_positive, command, device_name, names_of, now,
                                proc_bytes, read_json, replace_rows, run_worker, versions, worker_cmd, write_results)
 from benchmarks.render_tables import markdown, num
+from coat_ds.deepspeed.teardown import torn_down
 from coat_ds.workloads.causal_lm import param_groups
 
 CONFIGS = {"bf16": "BF16 + DeepSpeedCPUAdam", "coat_full": "coat_ds full (fp32 master)",
@@ -301,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
         args.model, args.config = args.models[0], args.configs[0]
-        return worker(args)
+        with torn_down():   # its exit code is the worker's, not an abort of Python's finalization
+            return worker(args)
     if args.smoke:
         args.models, args.seq_len, args.steps, args.warmup = ["tiny"], 32, 2, 2
     out = Path(args.out)
