@@ -164,7 +164,7 @@ def release_nccl(res: Path):
 def _scaling(res: Path) -> list[dict] | None:
     """The summaries of e2e_scaling.json and its kin (e2e_scaling_h200.json: another GPU), each row with its GPU;
     None before the first device call has written one."""
-    docs = [json.loads(path.read_text()) for path in sorted(res.glob("e2e_scaling*.json"))]
+    docs = [load(res, path.name) for path in sorted(res.glob("e2e_scaling*.json"))]
     return [{**s, "gpu": gpu(d["device"]).split()[0]} for d in docs for s in d["summary"]] if docs else None
 
 
