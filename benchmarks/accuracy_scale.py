@@ -273,17 +273,22 @@ def schedule(args: argparse.Namespace, res: dict) -> list[Todo]:
     return sorted(out, key=lambda t: t.resume_from is None)
 
 
+def side_gpus(args: argparse.Namespace, phase: str) -> int:
+    """The GPUs of one side-by-side job of `phase`: one a fine-tuning, --num-gpus a pretraining run."""
+    return 1 if phase == "finetune" else args.num_gpus
+
+
 def slots(args: argparse.Namespace, phase: str) -> int:
-    """How many jobs of `phase` run at once: one, but with --side-by-side the fine-tunings one a GPU of the host and
-    the pretraining runs --num-gpus GPUs each."""
-    if not args.side_by_side:
+    """How many jobs of `phase` run at once: one, but with --side-by-side as many as the host's GPUs hold (the
+    outlier measure always alone)."""
+    if not args.side_by_side or phase == "outliers":
         return 1
-    return {"finetune": args.host_gpus, "pretrain": args.host_gpus // args.num_gpus}.get(phase, 1)
+    return args.host_gpus // side_gpus(args, phase)
 
 
 def devices(args: argparse.Namespace, phase: str, slot: int) -> str:
-    """The CUDA ids of a side-by-side job's slot: one GPU a fine-tuning, --num-gpus a pretraining run."""
-    per = 1 if phase == "finetune" else args.num_gpus
+    """The CUDA ids of a side-by-side job's slot."""
+    per = side_gpus(args, phase)
     return ",".join(str(slot * per + i) for i in range(per))
 
 
@@ -309,8 +314,9 @@ def schedule_text(args: argparse.Namespace, res: dict, plan: list[Todo]) -> str:
             else:
                 tps, source = rate(args, res, t.job.phase, t.job.config)
                 what = f", {t.steps_left:,} steps at {tps:,.0f} tokens/s ({source})"
-            per = "one GPU" if t.job.phase == "finetune" else f"{args.num_gpus} GPUs"
-            beside = f", {per}, beside {len(group) - 1} more" if len(group) > 1 else ""
+            per = side_gpus(args, t.job.phase)
+            per_text = "one GPU" if per == 1 else f"{per} GPUs"
+            beside = f", {per_text}, beside {len(group) - 1} more" if len(group) > 1 else ""
             lines.append(f"  {t.job.key}: {t.why}{what}{beside}: ~{t.est_s / 60:.1f} min (ends ~{total / 60:.1f} min)")
     gpus = args.host_gpus if args.side_by_side else args.num_gpus
     head = f"{len(plan)} jobs on {gpus} {'CPU ranks' if args.smoke else 'GPUs'}, ~{total / 60:.1f} min in all"
