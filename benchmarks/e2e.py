@@ -134,7 +134,8 @@ def ds_config(name: str, *, micro_batch: int, zero_stage: int | None = None, on_
 # what --zero-set may change: ZeRO's buckets and overlap, the levers of its communication at small micro-batches
 ZERO_SET_KEYS = {"reduce_bucket_size": int, "allgather_bucket_size": int, "stage3_prefetch_bucket_size": int,
                  "stage3_max_live_parameters": int, "stage3_max_reuse_distance": int,
-                 "stage3_param_persistence_threshold": int, "overlap_comm": bool, "contiguous_gradients": bool}
+                 "stage3_param_persistence_threshold": int, "overlap_comm": bool, "contiguous_gradients": bool,
+                 "use_multi_rank_bucket_allreduce": bool}
 
 
 def check_bind_cores(text: str | None) -> None:

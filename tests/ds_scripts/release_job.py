@@ -8,7 +8,8 @@ backward reduces (and release steps) the tiny model in several buckets, some par
 biases gathered (persistent) and the weights partitioned, so that both kinds are stepped.
 
 TASK (stage S: 1, 2 or 3, master M: fp32 | fp32_remainder | bf16_sr):
-  equal:S:M[:overlap]  100 steps, clipping off (overlap: overlap_comm on): "per_parameter" against "release":
+  equal:S:M[:overlap|:reduce]  100 steps, clipping off (overlap: overlap_comm on; reduce: ZeRO-1/2 reduce each
+                slice to its owner, use_multi_rank_bucket_allreduce false): "per_parameter" against "release":
                 losses, every rank's final masters and FP8 states equal, and the gradient values held when the
                 step begins
   spike:S:M     clipping 1.0, every gradient x1e4 at step SPIKE: the largest second moment after it, with
@@ -143,6 +144,7 @@ def task_equal(args, world, stage, master, rest):
     for gradients in ("per_parameter", "release"):
         cfg = release_config(stage, world, master, gradients)
         cfg["zero_optimization"]["overlap_comm"] = "overlap" in rest
+        cfg["zero_optimization"]["use_multi_rank_bucket_allreduce"] = "reduce" not in rest
         engine = build(cfg)
         zo, held = engine.optimizer, []
         step = zo.step
@@ -152,7 +154,8 @@ def task_equal(args, world, stage, master, rest):
             return step(*a, **kw)
 
         zo.step = watched
-        out[gradients] = {"losses": train(engine, range(EQUAL_STEPS)), "grads_at_step": max(held)}
+        out[gradients] = {"losses": train(engine, range(EQUAL_STEPS)), "grads_at_step": max(held),
+                          "multi_rank_allreduce": getattr(zo, "use_multi_rank_bucket_allreduce", None)}  # ZeRO-1/2
         final[gradients] = (_joined(engine), states(engine))
     out["partition"] = final["release"][0].numel()
     out["masters_equal"] = _all(torch.equal(final["release"][0], final["per_parameter"][0]))

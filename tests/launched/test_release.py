@@ -25,7 +25,7 @@ ALLOWED = "allowed there: ['per_parameter', 'partition_buffer']"
 STAGES = (2, 3)  # spike, NaN, resume and refusals: ZeRO-2 and ZeRO-3
 EQUAL_W1 = ["equal:1:fp32_remainder", "equal:2:bf16_sr", "equal:3:fp32_remainder"]
 EQUAL_W2 = ["equal:1:bf16_sr", "equal:2:bf16_sr", "equal:2:fp32_remainder", "equal:2:fp32", "equal:2:bf16_sr:overlap",
-            "equal:3:bf16_sr", "equal:3:fp32_remainder", "equal:3:fp32"]
+            "equal:2:bf16_sr:reduce", "equal:3:bf16_sr", "equal:3:fp32_remainder", "equal:3:fp32"]
 HOST = ["host:3:bf16_sr", "host:3:fp32_remainder:w1"]  # coat.states "host"
 W2 = EQUAL_W2 + HOST + [t for s in STAGES for t in (f"spike:{s}:bf16_sr", f"nan:{s}:bf16_sr",
                                                     f"resume:{s}:fp32_remainder", f"refuse:{s}")] + \
@@ -105,8 +105,12 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("job,task", [("w1", t) for t in EQUAL_W1] + [("w2", t) for t in EQUAL_W2])
 def test_release_steps_as_per_parameter_bit_for_bit(runs, job, task):
     """Clipping off: 100 steps of losses, every rank's final masters and FP8 states equal per_parameter's, and
-    when the step begins no gradient is held (per_parameter holds the whole partition's)."""
-    check_equal(task_result(runs, job, task))
+    when the step begins no gradient is held (per_parameter holds the whole partition's). `reduce`: DeepSpeed
+    reduces each slice to its owner alone (the other ranks' copies of it are left partial sums)."""
+    out = task_result(runs, job, task)
+    check_equal(out)
+    if task.endswith(":reduce"):
+        assert out["release"]["multi_rank_allreduce"] is False and out["per_parameter"]["multi_rank_allreduce"] is False
 
 
 @pytest.mark.gpu
