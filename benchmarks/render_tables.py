@@ -163,8 +163,10 @@ def release_nccl(res: Path):
 
 def _scaling(res: Path) -> list[dict] | None:
     """The summaries of e2e_scaling.json and its kin (e2e_scaling_h200.json: another GPU), each row with its GPU;
-    None before the first device call has written one."""
-    docs = [load(res, path.name) for path in sorted(res.glob("e2e_scaling*.json"))]
+    None before the first device call has written one. A file measured with a candidate setting (`zero_set`,
+    `bind_cores`) is another configuration's rows, not the presets': left out, as `--merge` leaves it."""
+    docs = [d for d in (load(res, path.name) for path in sorted(res.glob("e2e_scaling*.json")))
+            if not (d.get("zero_set") or d.get("bind_cores"))]
     return [{**s, "gpu": gpu(d["device"]).split()[0]} for d in docs for s in d["summary"]] if docs else None
 
 

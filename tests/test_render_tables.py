@@ -2,6 +2,7 @@
 benchmarks/results/*.json: a figure edited by hand, or a JSON re-measured without re-rendering, fails here."""
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -39,3 +40,19 @@ def test_a_region_naming_no_table_is_caught(tmp_path, monkeypatch):
     doc.write_text("<!-- table:no_such_table -->\n| a |\n<!-- /table -->\n")
     monkeypatch.setattr(rt, "ROOT", tmp_path)
     assert rt.stale(files=[doc]) == ["x.md: no_such_table"]
+
+
+def test_a_candidate_settings_scaling_file_is_not_a_presets_row(tmp_path):
+    """An e2e_scaling*.json measured with --zero-set or --bind-cores sits beside the presets' files and changes no
+    table; the same rows without the setting would."""
+    results = tmp_path / "results"
+    shutil.copytree(rt.RESULTS, results)
+    rows = json.loads((results / "e2e_scaling_h200.json").read_text())
+    for case in rows["summary"]:
+        if case.get("common"):
+            case["common"]["tokens_per_s_per_gpu"] = 1.0
+    for key, value in (("bind_cores", True), ("zero_set", {"reduce_bucket_size": 500000000})):
+        (results / "e2e_scaling_zcandidate.json").write_text(json.dumps({**rows, key: value}))
+        assert rt.stale(results, [ROOT / "README.md"]) == []
+    (results / "e2e_scaling_zcandidate.json").write_text(json.dumps(rows))
+    assert rt.stale(results, [ROOT / "README.md"]) == ["README.md: scaling"]
