@@ -37,9 +37,11 @@ def free_port() -> int:
 
 
 def child_env(**extra: str) -> dict:
-    """os.environ with this checkout first on PYTHONPATH (children import it, not the editable install) and the data
-    cache of the examples kept in the checkout; `extra` added."""
+    """os.environ with this checkout first on PYTHONPATH (children import it, not the editable install), the data
+    cache of the examples kept in the checkout, and Python's fault handler on (a child that crashes in native code,
+    as one rank of test_hf_trainer once did in CI, prints every thread's stack); `extra` added."""
     env = dict(os.environ, **extra)
+    env.setdefault("PYTHONFAULTHANDLER", "1")
     env.setdefault("COAT_DATA_CACHE", str(ROOT / ".cache" / "coat_data"))   # BPE + tokens built once per checkout
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     return env
