@@ -253,6 +253,36 @@ def e2e_scaling(res: Path):
         yield [NOT_YET, *["-"] * (len(header) - 1)]
 
 
+ZERO3_SETS = ("bucket5e7", "bucket5e8", "prefetch2e8", "prefetch2e8_bucket5e8")  # e2e_{set}_z3_llama2-13b_{n}gpu.json
+
+
+def _zero_set(run: dict) -> str:
+    """The run's --zero-set as its command says, or the preset's own buckets."""
+    found = re.search(r"--zero-set (\S+)", run["command"])
+    return f"`{found.group(1)}`" if found else "none (the preset)"
+
+
+@table
+def zero3_buckets(res: Path):
+    """docs/deepspeed.md: 13B ZeRO-3 at micro-batch 2, seq 4096, on 4 GPUs and on 1 with each bucket setting tried
+    (e2e.py --zero-set); where one GPU was not run at that setting, the preset's scaling row (e2e_scaling_h200.json)."""
+    yield ["`--zero-set`", "tokens/s on 4 GPUs (per GPU)", "on 1 GPU", "4 over 1",
+           "peak GiB, 4 GPUs: allocated / reserved", "1 GPU", "date"]
+    one = next(s["common"] for s in load(res, "e2e_scaling_h200.json")["summary"]
+               if (s["model"], s["zero_stage"], s["world_size"]) == ("llama2-13b", 3, 1))
+    for tag in ZERO3_SETS:
+        runs = {n: load(res, f"e2e_{tag}_z3_llama2-13b_{n}gpu.json") for n in (1, 4)
+                if (res / f"e2e_{tag}_z3_llama2-13b_{n}gpu.json").exists()}
+        four = runs[4]["configs"][0]["equal_batch"]
+        alone = runs[1]["configs"][0]["equal_batch"] if 1 in runs else None
+        base = alone["tokens_per_s"] if alone else one["tokens_per_s_per_gpu"]
+        yield [_zero_set(runs[4]), f"{num(four['tokens_per_s'], 0)} ({num(four['tokens_per_s'] / 4, 0)})",
+               num(base, 0) + ("" if alone else " (the scaling row)"), num(four["tokens_per_s"] / 4 / base, 3),
+               f"{num(four['peak_alloc_gb'])} / {num(four['peak_reserved_gb'])}",
+               f"{num(alone['peak_alloc_gb'])} / {num(alone['peak_reserved_gb'])}" if alone else "-",
+               runs[4]["date"][:10]]
+
+
 @table
 def hf_trainer(res: Path):
     """README / docs/deepspeed.md: HF Trainer beside a plain deepspeed.initialize loop on the same config."""
