@@ -3,7 +3,8 @@
 The config refusals run here; the rest in launched jobs (ranks started as DeepSpeed's launcher starts them:
 tests/ds_scripts/ranks.py; CPU accelerator, gloo), one job per world size (tests/ds_scripts/release_job.py):
   W1  world 1: release == per_parameter, ZeRO-1/2/3
-  W2  world 2: the same with cut groups swapped between ranks, all three masters; a gradient spike under
+  W2  world 2: the same with cut groups swapped between ranks, all three masters, overlap_comm on, and ZeRO-2's
+      reduce to each slice's owner (use_multi_rank_bucket_allreduce false); a gradient spike under
       clipping, a NaN gradient midway through backward, a resume with clipping on, the engine's refusals,
       each under ZeRO-2 and ZeRO-3; the host reads during backward, ZeRO-1/2/3
       and coat.states "host" against "device" (ZeRO-3)
