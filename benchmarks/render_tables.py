@@ -271,8 +271,8 @@ def zero3_buckets(res: Path):
     one = next(s["common"] for s in load(res, "e2e_scaling_h200.json")["summary"]
                if (s["model"], s["zero_stage"], s["world_size"]) == ("llama2-13b", 3, 1))
     for tag in ZERO3_SETS:
-        runs = {n: load(res, f"e2e_{tag}_z3_llama2-13b_{n}gpu.json") for n in (1, 4)
-                if (res / f"e2e_{tag}_z3_llama2-13b_{n}gpu.json").exists()}
+        names = {n: f"e2e_{tag}_z3_llama2-13b_{n}gpu.json" for n in (1, 4)}
+        runs = {n: load(res, name) for n, name in names.items() if (res / name).exists()}
         four = runs[4]["configs"][0]["equal_batch"]
         alone = runs[1]["configs"][0]["equal_batch"] if 1 in runs else None
         base = alone["tokens_per_s"] if alone else one["tokens_per_s_per_gpu"]
