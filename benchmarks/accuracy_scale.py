@@ -93,7 +93,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--plan-only", action="store_true", help="print the schedule and its predicted minutes")
     p.add_argument("--smoke", action="store_true", help="tiny model, a few dozen steps, the small corpora, CPU ranks")
     p.add_argument("--data-root", type=Path, default=ROOT / ".data" / "corpora",
-                   help="the corpora's folders (python -m benchmarks.prepare_corpus [--from-carry] writes them)")
+                   help="the corpora's folders (python -m data.prepare_corpus [--from-carry] writes them)")
     p.add_argument("--run-root", type=Path, help="the runs' directories (default runs/accuracy_scale[_smoke])")
     p.add_argument("--out", type=Path, default=RESULTS, help=f"where {NAME}.json and .png go")
     args = p.parse_args(argv)
@@ -331,7 +331,7 @@ def check_data(args: argparse.Namespace) -> dict[str, int]:
         meta = read_json(args.data_root / r.corpus / "meta.json")
         if meta is None:
             sys.exit(f"error: --data-root {args.data_root}: no {r.corpus}/meta.json; allowed: a folder that "
-                     f"python -m benchmarks.prepare_corpus wrote (on the device: --from-carry, first)")
+                     f"python -m data.prepare_corpus wrote (on the device: --from-carry, first)")
         out[r.corpus] = meta["train_tokens"]
     return out
 

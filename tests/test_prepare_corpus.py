@@ -1,4 +1,4 @@
-"""benchmarks/prepare_corpus.py on small synthetic Debian packages (no network, a few seconds): the files each
+"""data/prepare_corpus.py on small synthetic Debian packages (no network, a few seconds): the files each
 corpus takes and holds out, the BPE trained on the kernel's train split through the main job's data pipeline
 and shared by the fine-tuning corpora, the carry's round trip, and the one-line errors for what is missing or
 changed."""
@@ -18,8 +18,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks import prepare_corpus  # noqa: E402
-from benchmarks.corpus import build, debian, sources  # noqa: E402
+from data import prepare_corpus  # noqa: E402
+from data import build, debian, sources  # noqa: E402
 from coat_ds.workloads import data  # noqa: E402
 
 KERNEL_TRAIN = ["kernel/sched/core.c", "mm/slab.c", "drivers/net/foo.c", "include/linux/list.h",
@@ -193,7 +193,7 @@ def test_a_package_unlike_apt_index_is_refused(debs):
 def test_an_empty_held_out_folder_is_one_line(tmp_path):
     index = _packages(tmp_path, [r for r in KERNEL_TRAIN + KERNEL_VAL if not r.startswith("drivers/md/")])
     assert _error(tmp_path, index) == ("error: kernel: no files in the held-out folders drivers/md/ of "
-                                       "linux-source-6.1; another layout? (see benchmarks/corpus/sources.py)")
+                                       "linux-source-6.1; another layout? (see data/sources.py)")
 
 
 def test_too_few_tokens_is_one_line():

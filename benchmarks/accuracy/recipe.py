@@ -22,7 +22,7 @@ assert all(not e2e.CONFIGS[n][2] for n in CONFIGS), "a config of these runs must
 @dataclass(frozen=True)
 class Recipe:
     """One phase's runs: the main job's flags, but for the micro-batch, which is global_batch / GPUs."""
-    corpus: str              # a folder of --data-root (benchmarks/prepare_corpus.py writes them)
+    corpus: str              # a folder of --data-root (data/prepare_corpus.py writes them)
     model_size: str | None   # None: fine-tune BF16's exported model
     seq_len: int
     global_batch: int        # samples per optimizer step over all ranks

@@ -22,7 +22,7 @@ from benchmarks.accuracy import runs  # noqa: E402
 
 def corpora(root: Path) -> Path:
     """`manpages` (pretraining: this repository's Python, its own BPE of 512) and `perldoc` (fine-tuning: its docs,
-    in the same BPE), as benchmarks/corpus/build.py writes them."""
+    in the same BPE), as data/build.py writes them."""
     from coat_ds.workloads import data
 
     py = sorted((ROOT / "coat_ds").rglob("*.py"))

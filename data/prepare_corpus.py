@@ -1,11 +1,11 @@
 """Prepare the real corpora of the accuracy runs at scale (issue 46) and carry them to a machine without network.
 
-Here (network, any CPU): `python -m benchmarks.prepare_corpus` fetches the Debian packages (`apt-get download`),
+Here (network, any CPU): `python -m data.prepare_corpus` fetches the Debian packages (`apt-get download`),
 checks each against apt's index (size, SHA256), splits each corpus by file, trains the BPE on the kernel's train
 split and tokenizes every split once through the main job's data pipeline, into .data/corpora/<name>/ (a folder
 that `examples/train.py --data` reads, tokenizer included), then packs .data/carry/ (<= --carry-limit-mib).
-On the device: `python -m benchmarks.prepare_corpus --from-carry` unpacks .data/carry/ into .data/corpora/ in
-seconds, checking every file against the manifest. benchmarks/corpus/ has the parts; docs/benchmarks.md the numbers.
+On the device: `python -m data.prepare_corpus --from-carry` unpacks .data/carry/ into .data/corpora/ in
+seconds, checking every file against the manifest. data/ has the parts; docs/benchmarks.md the numbers.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.corpus import carry, debian, sources
+from data import carry, debian, sources
 
 ROOT = Path(__file__).resolve().parent.parent
 MIB = 1 << 20
@@ -66,7 +66,7 @@ def fetch(folder: Path, packages: list[str], offline: bool,
 def build_one(src: sources.Source, debs: dict[str, debian.Deb], out: Path, tok_json: Path | None,
               args: argparse.Namespace) -> dict:
     """One corpus read, split, capped and tokenized into `out`; the facts the manifest records of it."""
-    from benchmarks.corpus import build
+    from data import build
 
     read = src.read({p: debs[p].path for p in src.packages})
     train, val = build.split(read.docs, src.held_out)
@@ -80,7 +80,7 @@ def build_one(src: sources.Source, debs: dict[str, debian.Deb], out: Path, tok_j
     empty = [d for d in src.held_out_dirs if not any(v.rel.startswith(d) for v in val)]
     if empty:
         raise debian.CorpusError(f"{src.name}: no files in the held-out folders {', '.join(empty)} of "
-                                 f"{', '.join(src.packages)}; another layout? (see benchmarks/corpus/sources.py)")
+                                 f"{', '.join(src.packages)}; another layout? (see data/sources.py)")
     build.tokenize(src.name, train, val, out, tok_json, args.vocab_size)
     return {"role": src.role, "held_out": src.held_out_rule, **read.facts, **build.text_facts(train, val),
             "train_pool_bytes": pool, "train_budget_bytes": budget,

@@ -14,7 +14,7 @@ import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from benchmarks.corpus.debian import CorpusError, sha256_file
+from data.debian import CorpusError, sha256_file
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -95,7 +95,7 @@ def check(carry: Path) -> dict:
         manifest = json.loads((carry / MANIFEST).read_text())
     except FileNotFoundError:
         raise CorpusError(f"{carry}: no {MANIFEST}; prepare the corpora where there is network "
-                          f"(python -m benchmarks.prepare_corpus) and carry that folder") from None
+                          f"(python -m data.prepare_corpus) and carry that folder") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CorpusError(f"{carry / MANIFEST}: not a format-{FORMAT} manifest; prepare the corpora again")
     files = carry_files(manifest)

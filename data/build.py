@@ -11,7 +11,7 @@ from typing import Callable, Iterator
 
 from tqdm import tqdm
 
-from benchmarks.corpus.sources import Doc
+from data.sources import Doc
 from coat_ds.workloads import data
 
 

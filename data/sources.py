@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from benchmarks.corpus.debian import CorpusError, Tap, regular_files
+from data.debian import CorpusError, Tap, regular_files
 
 KERNEL_PACKAGE = "linux-source-6.1"           # bookworm's; trixie has linux-source-6.12
 KERNEL_VAL_DIRS = ("fs/btrfs/", "drivers/md/", "net/ipv6/", "Documentation/filesystems/")

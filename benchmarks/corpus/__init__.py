@@ -1,9 +1,0 @@
-"""Real corpora for the accuracy runs at scale (issue 46), prepared ahead from Debian packages: the Linux kernel's
-sources and Documentation for pretraining, perl's documentation and the manual pages for fine-tuning.
-
-debian.py fetches and checks the .deb files and reads their members; sources.py says which members make each
-corpus and which are held out; build.py splits, trains the BPE and tokenizes through the main job's own data
-pipeline (coat_ds.workloads.data); carry.py packs the token files into the few MiB that travel to a machine
-without network and unpacks them there. benchmarks/prepare_corpus.py is the command; docs/benchmarks.md has
-the numbers.
-"""
