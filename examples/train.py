@@ -34,6 +34,7 @@ from coat_ds.workloads import data as data_lib  # noqa: E402
 from coat_ds.workloads.causal_lm import (MODEL_SIZES, build_model, default_allocator, initialize,  # noqa: E402
                                        lm_loss, model_size_names, set_single_process_env)
 from coat_ds.workloads.cli import check_ds_config, read_ds_config, refuse  # noqa: E402
+from coat_ds.workloads.learning_rate import warn_pretraining_rate  # noqa: E402
 
 # ------------------------------------------------------------------------------------------------------------
 # Configuration: defaults live here; every one of them is a flag.
@@ -472,6 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.plan:
         print_plan(args, ds_config)
         return 0
+    warn_pretraining_rate(args.model, ds_config)   # a trained model at a pretraining rate: one line, before loading it
     tag = resume_tag(args, Path(args.save_dir) / "checkpoints")  # None: a fresh run
     if args.export and Path(args.export).is_file():
         raise SystemExit(f"error: --export {args.export}: is a file; give a directory")

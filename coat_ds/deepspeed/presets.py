@@ -40,6 +40,13 @@ INTENTS = {  # what each intent lays over the "coat" section (master_weights Non
     "largest_model": {"master_weights": "bf16_sr", "gradients": "release",
                       "activation": {"attention_fp8": True, "cache_weights": False}},
 }
+# Each preset's peak learning rate, for the sizes it is for: Llama 2's and Llama 3's pretraining rates, 3e-4 at 7-13B
+# (the ZeRO-2 / ZeRO-3 presets: 1B to 13B on one node) and 1.5e-4 at 70B (zero3_offload); the measured configs'
+# 1e-3 is the main job's small default model's (at 1e-3 Llama-3.1-8B's loss rose 12.6 -> 19.3 in 7 steps, issue 57).
+# Pretraining rates: a trained model (--model) is fine-tuned at ~2e-5 (--lr; the main job says so in one line,
+# coat_ds/workloads/learning_rate.py). Warm-up and schedule stay the measured config's (examples set the steps).
+PRETRAIN_LR = 3e-4
+LR = {"zero3_offload": 1.5e-4}   # layout -> its rate where it is for larger models than PRETRAIN_LR's
 # Where each intent is shipped: release steps each bucket on the device as ZeRO reduces it, so not under DeepSpeed's
 # Offload (coat_ds/deepspeed/zero/release.py); the host states step through release only (zero/states.py)
 ONLY_ON = {"largest_model": ("zero2", "zero3", "zero3_offload"), "exact": ("zero2", "zero3", "zero2_offload"),
@@ -59,6 +66,7 @@ def preset(layout: str, intent: str) -> dict:
     """The plain-DeepSpeed preset: concrete values, DeepSpeed's scheduler (examples set its steps)."""
     cfg = json.loads((CONFIGS / LAYOUTS[layout]).read_text())
     merge(cfg, LAYOUT_OVER.get(layout, {}))
+    cfg["optimizer"]["params"]["lr"] = lr(layout)
     over = INTENTS[intent]
     coat = cfg.setdefault("coat", {})
     coat["master_weights"] = over["master_weights"] or EXACT_MASTER[layout]
@@ -66,6 +74,11 @@ def preset(layout: str, intent: str) -> dict:
         coat["gradients"] = over["gradients"]
     coat["activation"] = {**coat.get("activation", {}), **over.get("activation", {})}
     return cfg
+
+
+def lr(layout: str) -> float:
+    """The peak learning rate a layout's presets carry (LR, PRETRAIN_LR)."""
+    return LR.get(layout, PRETRAIN_LR)
 
 
 def merge(into: dict, over: dict) -> None:
