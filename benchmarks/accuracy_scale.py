@@ -419,7 +419,7 @@ def final_val(entry: dict, steps: int) -> float | None:
 
 def judge(args: argparse.Namespace, res: dict) -> dict:
     """The targets' verdicts from the runs that ended (benchmarks/accuracy/verdicts.py); each pretraining run's
-    largest second-half spike is written into its entry."""
+    largest validation-loss rise is written into its entry."""
     pre, ft = args.recipes["pretrain"], args.recipes["finetune"]
     finals: dict[str, dict[int, float]] = {}
     spikes: dict[str, dict[int, float]] = {}
@@ -427,9 +427,9 @@ def judge(args: argparse.Namespace, res: dict) -> dict:
     for e in res["runs"].values():
         if e["phase"] != "pretrain" or e["status"] != "done":
             continue
-        e["spike"] = verdicts.largest_spike([s for s, *_ in e["train"]], [x for _, _, x, _ in e["train"]], pre.steps)
+        e["spike"] = verdicts.val_rise(e["val"])   # the largest rise of its validation loss (issue 57)
         finals.setdefault(e["config"], {})[e["seed"]] = final_val(e, pre.steps)
-        spikes.setdefault(e["config"], {})[e["seed"]] = e["spike"]["spike"]
+        spikes.setdefault(e["config"], {})[e["seed"]] = e["spike"]["rise"]
     same = (ft_runs.get(R.BASELINE) or {}).get("export_id")
     ft_runs = {n: e for n, e in ft_runs.items() if e.get("export_id") == same}
     order = {n: i for i, n in enumerate(R.CONFIGS)}
