@@ -15,11 +15,49 @@ _MLP = ("gate_proj", "up_proj", "down_proj")
 STAYS_STOCK = "embeddings, final norm, lm_head, rotary embeddings"
 
 
+# Families refused with the reason their blocks differ (beyond what missing_parts names).
+WHY_NOT = {
+    "gpt_oss": "attention sinks, and experts with biases, gate/up interleaved and a clamped SwiGLU, which the FP8 "
+               "flow has no kernels for",
+    "qwen2_moe": "a shared expert with its own sigmoid gate beside the routed experts",
+}
+
+
+def is_sparse(mlp: nn.Module | None) -> bool:
+    """Whether `mlp` is a mixture-of-experts block (a router `gate` and an `experts` module)."""
+    return mlp is not None and hasattr(mlp, "experts") and hasattr(mlp, "gate")
+
+
+def _experts_missing(mlp: nn.Module) -> list[str]:
+    """What a sparse block lacks of transformers 5's experts contract the FP8 experts take over: 3D gate_up_proj
+    [E, 2I, H] and down_proj [E, H, I], gate then up concatenated, no biases, the default act(gate) * up, no
+    post-expert norm, a router returning (logits, weights, indices), no jitter noise."""
+    experts, gate = mlp.experts, mlp.gate
+    missing = [f"mlp.experts.{n} (3D)" for n in ("gate_up_proj", "down_proj")
+               if getattr(getattr(experts, n, None), "dim", lambda: 0)() != 3]
+    flags = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True,
+             "has_post_expert_norm": False, "_is_expert_parallel": False}
+    missing += [f"mlp.experts.{n}={want}" for n, want in flags.items() if getattr(experts, n, want) != want]
+    apply_gate = getattr(type(experts), "_apply_gate", None)
+    if apply_gate is not None and getattr(apply_gate, "__name__", "") != "_default_apply_gate":
+        missing.append("mlp.experts: the default act(gate) * up")
+    if not hasattr(gate, "weight") or not hasattr(gate, "top_k"):
+        missing.append("mlp.gate (a top-k router)")
+    if getattr(mlp, "jitter_noise", 0):
+        missing.append("router_jitter_noise=0")
+    return missing
+
+
 def missing_parts(hf_layer: nn.Module, norms: Norms) -> list[str]:
     """What `hf_layer` lacks of the block the FP8 layer takes over (empty: it takes it)."""
     attn, mlp = getattr(hf_layer, "self_attn", None), getattr(hf_layer, "mlp", None)
     missing = [f"self_attn.{n}" for n in _ATTN if not isinstance(getattr(attn, n, None), nn.Linear)]
-    missing += [f"mlp.{n}" for n in _MLP if not isinstance(getattr(mlp, n, None), nn.Linear)]
+    if getattr(attn, "sinks", None) is not None:
+        missing.append("self_attn without attention sinks")
+    if is_sparse(mlp):
+        missing += _experts_missing(mlp)
+    else:
+        missing += [f"mlp.{n}" for n in _MLP if not isinstance(getattr(mlp, n, None), nn.Linear)]
     missing += [n for n in norms.names() if not hasattr(getattr(hf_layer, n, None), "weight")]
     return missing
 
@@ -50,7 +88,8 @@ def no_policy_refusal(model: nn.Module, model_type: str, supported: list[str]) -
     """One line: the type has no policy, nothing was swapped, and which layers (why) would stay stock."""
     layers = _layer_like(model)
     stock = _listing(model, layers) if layers else "all of it"
-    return (f"model_type={model_type!r} has no coat_ds injection policy; nothing swapped, stays stock: {stock}; "
+    why = f" ({WHY_NOT[model_type]})" if model_type in WHY_NOT else ""
+    return (f"model_type={model_type!r} has no coat_ds injection policy{why}; nothing swapped, stays stock: {stock}; "
             f"supported: {supported}")
 
 

@@ -1,4 +1,6 @@
-"""CoatDecoderLayer: a stock HF decoder layer (Llama, Mistral, Qwen2/3, Gemma 3) running COAT's FP8 flow.
+"""CoatDecoderLayer: a stock HF decoder layer (Llama, Mistral, Qwen2/3, Gemma 3, Qwen3-MoE, Mixtral) running COAT's
+FP8 flow. A mixture-of-experts MLP keeps its stock router (bf16/fp32: routing is what stock decides) and runs its
+experts through activation/experts.py's grouped FP8 GEMMs.
 
 It reuses the HF layer's submodules under the same names, so state_dict keys, checkpoints and weight
 tying are unchanged, and `to_hf()` gives the original layer back. The forward keeps HF's signature and
@@ -16,11 +18,12 @@ from torch.utils.checkpoint import checkpoint
 
 from ..activation.attention import Fp8AttentionFn
 from ..activation.config import ActivationConfig
+from ..activation.experts import ExpertsFn
 from ..kernels import quant
 from ..activation.functions import LinearFn, MlpFn, NormLinearFn, RmsNormFn, RopeFn
 from ..activation.weight_cache import WeightGroup
 from .contract import pop_cache
-from .coverage import missing_parts
+from .coverage import is_sparse, missing_parts
 from .registry import Norms
 
 try:
@@ -47,19 +50,22 @@ def _qk_norms(attn: nn.Module) -> tuple[nn.Module, nn.Module] | None:
 
 
 def gated_act(mlp: nn.Module) -> str | None:
-    """The FP8 flow's name for the stock MLP's activation (None: it has no FP8 non-linear for it)."""
-    return _GATED_ACTS.get(type(getattr(mlp, "act_fn", None)).__name__)
+    """The FP8 flow's name for the stock MLP's (or its experts') activation (None: it has no FP8 non-linear for it)."""
+    owner = mlp.experts if is_sparse(mlp) else mlp
+    return _GATED_ACTS.get(type(getattr(owner, "act_fn", None)).__name__)
 
 
 def _check_layer(hf_layer: nn.Module, cfg: ActivationConfig, norms: Norms) -> None:
     missing = missing_parts(hf_layer, norms)
     if missing:
         raise ValueError(f"{type(hf_layer).__name__} is not a Llama-shaped decoder layer: missing {missing}")
-    if cfg.mode == "full" and gated_act(hf_layer.mlp) is None:
+    sparse = is_sparse(hf_layer.mlp)
+    if (cfg.mode == "full" or sparse) and gated_act(hf_layer.mlp) is None:
         hf_cfg = getattr(hf_layer.self_attn, "config", None)
         act = getattr(hf_cfg, "hidden_act", None) or getattr(hf_cfg, "hidden_activation", None)
-        raise ValueError(f"activation.mode='full' needs a SiLU or tanh-GELU gated MLP, this layer uses "
-                         f"hidden_act={act!r} ({type(hf_layer.mlp.act_fn).__name__}); use activation.mode='linear'")
+        fix = ("the FP8 experts have no other non-linear" if sparse else "use activation.mode='linear'")
+        raise ValueError(f"activation.mode={cfg.mode!r} needs a SiLU or tanh-GELU gated MLP, this layer uses "
+                         f"hidden_act={act!r}; {fix}")
 
 
 class CoatDecoderLayer(_Base):
@@ -93,8 +99,9 @@ class CoatDecoderLayer(_Base):
         a, m, fwd, cache = self.self_attn, self.mlp, cfg.fwd, cfg.cache_enabled
         self._qkv = WeightGroup([a.q_proj, a.k_proj, a.v_proj], fwd, cache)
         self._o = WeightGroup([a.o_proj], fwd, cache)
-        self._gu = WeightGroup([m.gate_proj, m.up_proj], fwd, cache)
-        self._down = WeightGroup([m.down_proj], fwd, cache)
+        self._sparse = is_sparse(m)   # the experts quantize their weights per call: no cached WeightGroup
+        self._gu = None if self._sparse else WeightGroup([m.gate_proj, m.up_proj], fwd, cache)
+        self._down = None if self._sparse else WeightGroup([m.down_proj], fwd, cache)
         hf_module = sys.modules[type(a).__module__]
         self._rope = hf_module.apply_rotary_pos_emb
         self._eager_attention = hf_module.eager_attention_forward
@@ -107,7 +114,7 @@ class CoatDecoderLayer(_Base):
 
     @property
     def weight_groups(self) -> tuple[WeightGroup, ...]:
-        return self._qkv, self._o, self._gu, self._down
+        return tuple(g for g in (self._qkv, self._o, self._gu, self._down) if g is not None)
 
     def clear_weight_cache(self) -> None:
         for g in self.weight_groups:
@@ -218,6 +225,13 @@ class CoatDecoderLayer(_Base):
         # full: o is attention's own saved output, so o_proj keeps a reference to it instead of an FP8 copy
         return LinearFn.apply(o, residual, cfg, self._o, cfg.mode != "full", *self._o.params())
 
+    def _experts(self, x: torch.Tensor) -> torch.Tensor:
+        """The sparse MLP on the normed [tokens, hidden]: the stock router module (its output hooks, HF's
+        router_logits capture, fire as in stock), then the experts' grouped FP8 GEMMs."""
+        _, weights, index = self.mlp.gate(x)
+        e = self.mlp.experts
+        return ExpertsFn.apply(x, index, weights, self.coat_config, self._act, e, e.gate_up_proj, e.down_proj)
+
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.LongTensor | None = None, use_cache: bool | None = False,
                 position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs: Any) -> torch.Tensor:
@@ -241,7 +255,10 @@ class CoatDecoderLayer(_Base):
         if norms.attn_out:
             h = x + self._norm(norms.attn_out, h)
         add_residual = not norms.mlp_out
-        if full:
+        if self._sparse:
+            out = self._experts(self._norm(ln2, h))
+            out = out + h if add_residual else out
+        elif full:
             out = MlpFn.apply(h, self._norm_weight(ln2), _eps(ln2), cfg, self._gu, self._down, self._act,
                               add_residual, *self._gu.params(), *self._down.params())
         else:

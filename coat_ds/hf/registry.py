@@ -1,6 +1,7 @@
 """Policy registry: HF `config.model_type` -> which modules of that family are its decoder layers.
 
-A family with the Llama block shape (RMSNorm -> attention -> residual -> RMSNorm -> gated MLP -> residual),
+A family with the Llama block shape (RMSNorm -> attention -> residual -> RMSNorm -> gated MLP -> residual; the MLP
+may be a mixture-of-experts block with transformers 5's 3D experts),
 or Gemma's (a norm also after attention and after the MLP), needs only a policy, never its own injection
 code: the policy names the norms (`Norms`), and the FP8 layer reads everything else (sliding window, biases,
 per-head q/k norms, head layout, gated activation, attention scaling and backend) from the stock modules
@@ -38,18 +39,23 @@ class InjectionPolicy:
     does not import modeling files, and so that a class transformers derives from it (same name) matches.
     attention_kwargs: optional, stock layer -> extra keyword arguments for HF's attention function that the
     stock attention module computes in its own forward (Mistral's sliding window); None: nothing extra.
-    norms: the block's norm layout (`Norms`); Llama's by default."""
+    norms: the block's norm layout (`Norms`); Llama's by default.
+    sparse_blocks: class names of the family's mixture-of-experts blocks (the decoder layer's `mlp`); coat_ds makes
+    them ZeRO-3 leaf modules wherever they stay stock (their experts gathered together, whichever get tokens)."""
 
     model_type: str
     layer_class_names: tuple[str, ...]
     attention_kwargs: Optional[Callable[[nn.Module], dict[str, Any]]] = None
     norms: Norms = Norms()
+    sparse_blocks: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.model_type or not isinstance(self.model_type, str):
             raise ValueError(f"model_type={self.model_type!r} must be a non-empty string")
         if isinstance(self.layer_class_names, str) or not self.layer_class_names:
             raise ValueError(f"layer_class_names={self.layer_class_names!r} must be a non-empty tuple of class names")
+        if isinstance(self.sparse_blocks, str):
+            raise ValueError(f"sparse_blocks={self.sparse_blocks!r} must be a tuple of class names")
 
 
 _POLICIES: dict[str, InjectionPolicy] = {}

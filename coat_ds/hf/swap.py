@@ -174,6 +174,20 @@ def _attention_kwargs(policy: InjectionPolicy, layer: nn.Module) -> dict[str, An
     return {k: v for k, v in kwargs.items() if v is not None}
 
 
+def mark_sparse_blocks(model: nn.Module) -> int:
+    """Make the model's mixture-of-experts blocks (its policy's sparse_blocks) ZeRO-3 leaf modules, as DeepSpeed's
+    `zero_optimization.leaf_module` does (DeepSpeed #7461: ranks whose tokens reach different experts would
+    otherwise gather different parameters and wait on each other); returns how many. Where coat_ds swaps a layer,
+    the FP8 layer is the leaf (inject). A type without a policy marks nothing."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in supported_model_types():
+        return 0
+    blocks = [m for m in model.modules() if type(m).__name__ in get_policy(model_type).sparse_blocks]
+    for block in blocks:
+        sharding().mark_leaf(block)
+    return len(blocks)
+
+
 def inject(model: nn.Module, config: Any = None) -> nn.Module:
     """Swap every decoder layer of `model` for coat_ds's FP8 layer, in place; returns `model`.
 
@@ -184,6 +198,7 @@ def inject(model: nn.Module, config: Any = None) -> nn.Module:
     _refuse_wrapped(model, "inject")
     cfg = _as_config(config)
     policy = policy_for(model)
+    mark_sparse_blocks(model)
     if not cfg.enabled:  # "enabled": false in the JSON section: swap nothing
         return model
     coat_cls = _decoder_layer()
@@ -232,6 +247,7 @@ def apply(model: nn.Module, config: Any, gradient_accumulation_steps: int) -> in
     cfg = _as_config(config)
     coat_cls = _decoder_layer()
     layers = [m for m in model.modules() if isinstance(m, coat_cls)]
+    mark_sparse_blocks(model)   # stock sparse blocks too: enabled false keeps them, ZeRO-3 still needs them whole
     if not cfg.enabled:
         if layers:
             raise ValueError(f"enabled is false but the model already runs {len(layers)} FP8 decoder layers "

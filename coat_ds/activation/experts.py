@@ -1,0 +1,195 @@
+"""FP8 experts of a mixture-of-experts block: transformers 5's 3D expert weights (gate_up [E, 2I, H], down
+[E, H, I]) in grouped GEMMs, one call per projection for all experts (no Python loop over experts on the GPU).
+
+ExpertsFn computes what HF's experts (eager / batched_mm / grouped_mm) compute from the stock router's top-k
+indices and weights (routing itself stays bf16/fp32, outside), with COAT's FP8 flow:
+  input     E4M3 per tensor (one power-of-two scale); backward keeps its FP8 codes [T, H], not the k gathered copies
+  weights   E4M3 per expert (one power-of-two scale each), quantized in forward and again in backward, never
+            kept (a layer's experts are 0.4 GB even in FP8 at Qwen3-30B-A3B)
+  gate/up   its output saved in FP8 per 1 x G group (as MlpFn); act(gate) * up rebuilt from it as the down
+            GEMM's E4M3 per-tensor operand
+  gradients the output gradient and d[gate | up] in bwd_format (E5M2) per tensor
+The routing weights' gradient is <act(gate) up, dy W_down> per (token, expert) pair: no extra GEMM.
+
+grouped_mm: CUDA with FP8 grouped GEMMs (Hopper) and E4M3 operands: torch._scaled_grouped_mm with row-wise
+scales; other CUDA calls (backward's E5M2, other GPUs, fp32 models): torch._grouped_mm on the dequantized
+operands (FP8 values times powers of two are exact in bf16, accumulation fp32: the same products); the CPU:
+the plain-PyTorch reference below, per group in fp32, which is the source of truth the GPU paths are tested
+against."""
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+from torch import Tensor
+from torch.autograd import Function
+
+from ..formats import FP8Format, cast_to_fp8
+from ..kernels import quant
+from ..kernels.quant_reference import pow2_exponent
+from .config import ActivationConfig
+
+SCALED_GROUPED_CAPABILITIES = ((9, 0), (10, 0))   # torch._scaled_grouped_mm's devices (row-wise FP8)
+
+
+# ---------------------------------------------------------------------------------------------- routing and GEMMs
+
+def route(top_k_index: Tensor, num_experts: int) -> tuple[Tensor, Tensor]:
+    """(order, offs): the flattened (token, slot) pairs sorted by expert (stable), and the int32 cumulative pair
+    count per expert (the grouped GEMMs' group ends). Token of pair order[i]: order[i] // k."""
+    flat = top_k_index.reshape(-1)
+    order = torch.sort(flat, stable=True)[1]
+    offs = torch.cumsum(torch.bincount(flat, minlength=num_experts), 0).to(torch.int32)
+    return order, offs
+
+
+def expert_codes(w: Tensor, fmt: FP8Format) -> tuple[Tensor, Tensor]:
+    """(FP8 codes [E, N, K], fp32 power-of-two scale per expert [E]) of 3D expert weights. Multiplying by a power
+    of two is exact in w's dtype, so the codes equal a cast of w / scale computed in fp32."""
+    w = w.detach()
+    scale = torch.ldexp(torch.ones(w.shape[0], device=w.device), pow2_exponent(w.abs().amax(dim=(1, 2)), fmt))
+    return cast_to_fp8(w * (1.0 / scale).to(w.dtype)[:, None, None], fmt), scale
+
+
+def _dequant(codes: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    """codes * scale in `dtype` (exact for FP8 codes and power-of-two scales); scale 0-d or per leading index."""
+    s = scale.reshape(-1, *([1] * (codes.dim() - 1))) if scale.dim() else scale
+    return (codes.to(dtype) * s.to(dtype))
+
+
+def _work_dtype(x: Tensor, dtype: torch.dtype) -> torch.dtype:
+    """What dequantized GEMM operands are held in: fp32 on the CPU (the reference), the output dtype on CUDA."""
+    return torch.float32 if x.device.type == "cpu" else dtype
+
+
+def grouped_mm(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
+    """Rows of `a` [S, K] grouped by `offs` times b[g] [K, N] -> [S, N]: torch._grouped_mm on CUDA, the reference
+    (per group, fp32) elsewhere."""
+    if a.is_cuda and hasattr(torch, "_grouped_mm"):
+        return torch._grouped_mm(a, b, offs=offs)
+    return _reference_mm(a, b, offs)
+
+
+def grouped_mm_t(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
+    """a[g]^T b[g] for the row groups of a [S, M] and b [S, N] -> [G, M, N] (the weight gradients)."""
+    if a.is_cuda and hasattr(torch, "_grouped_mm"):
+        return torch._grouped_mm(a.t().contiguous(), b.t().contiguous().t(), offs=offs)
+    ends = offs.tolist()
+    starts = [0] + ends[:-1]
+    out = a.new_zeros(len(ends), a.shape[1], b.shape[1], dtype=torch.float32)
+    for g, (s, e) in enumerate(zip(starts, ends)):
+        if e > s:
+            out[g] = a[s:e].float().t() @ b[s:e].float()
+    return out
+
+
+def _reference_mm(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
+    ends = offs.tolist()
+    starts = [0] + ends[:-1]
+    out = a.new_zeros(a.shape[0], b.shape[2], dtype=torch.float32)
+    for g, (s, e) in enumerate(zip(starts, ends)):
+        if e > s:
+            out[s:e] = a[s:e].float() @ b[g].float()
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _scaled_grouped_device(index: int) -> bool:
+    capability = torch.cuda.get_device_capability(index)
+    return hasattr(torch, "_scaled_grouped_mm") and capability in SCALED_GROUPED_CAPABILITIES
+
+
+_SCALED_FAILED: list[str] = []   # the first failure of torch._scaled_grouped_mm: the fallback from then on
+
+
+def _scaled_ok(a: Tensor, w: Tensor, out_dtype: torch.dtype) -> bool:
+    return (a.is_cuda and not _SCALED_FAILED and _scaled_grouped_device(a.device.index or 0)
+            and a.dtype == w.dtype == torch.float8_e4m3fn and out_dtype == torch.bfloat16
+            and a.shape[1] % 16 == 0 and w.shape[1] % 16 == 0)
+
+
+def fp8_grouped_linear(a: Tensor, sa: Tensor, w: Tensor, sw: Tensor, offs: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """(a sa)_g (w[g] sw[g])^T: FP8 rows a [S, K] with a 0-d scale, FP8 weights w [G, N, K] with per-group scales
+    sw [G] -> [S, N] in out_dtype."""
+    if _scaled_ok(a, w, out_dtype):
+        try:
+            return torch._scaled_grouped_mm(a, w.transpose(-2, -1), sa.expand(a.shape[0]).contiguous(),
+                                            sw[:, None].expand(w.shape[0], w.shape[1]).contiguous(), offs=offs,
+                                            out_dtype=out_dtype)
+        except RuntimeError as exc:   # a build without the kernel: say so once, then take the fallback
+            _SCALED_FAILED.append(str(exc))
+            warnings.warn(f"coat_ds: torch._scaled_grouped_mm failed ({str(exc).splitlines()[0]}); the experts' "
+                          "GEMMs run on dequantized FP8 operands in bf16", RuntimeWarning, stacklevel=2)
+    dt = _work_dtype(a, out_dtype)
+    return grouped_mm(_dequant(a, sa, dt), _dequant(w, sw, dt).transpose(-2, -1), offs).to(out_dtype)
+
+
+def _rows(codes: Tensor, index: Tensor) -> Tensor:
+    """codes[index] of FP8 codes, gathered as bytes (not every device indexes FP8 dtypes)."""
+    return codes.view(torch.uint8)[index].view(codes.dtype)
+
+
+def _per_tensor(x: Tensor, fmt: FP8Format) -> tuple[Tensor, Tensor]:
+    scale = quant.tensor_scale(quant.row_amax(x), fmt)
+    return quant.quant_tensor(x, scale, fmt)[0], scale
+
+
+def _unsort_sum(rows: Tensor, order: Tensor, k: int) -> Tensor:
+    """Per token, the sum of its k pair rows (sorted by expert), fp32: deterministic (no atomics), as HF sums."""
+    out = torch.empty_like(rows)
+    out[order] = rows
+    return out.view(-1, k, rows.shape[-1]).sum(dim=1)
+
+
+# ---------------------------------------------------------------------------------------------- the Function
+
+class ExpertsFn(Function):
+    """out [T, H] = sum over each token's k experts e of w * down_e(act(gate_e x) * up_e x), FP8 as the module
+    docstring says. x [T, H]; top_k_index, top_k_weights [T, k] from the router; experts: the HF experts module
+    (its gate_up_proj, down_proj read in forward and backward, also passed as inputs for their gradients)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor, cfg: ActivationConfig, act: str,
+                experts: torch.nn.Module, gate_up: Tensor, down: Tensor) -> Tensor:
+        fwd, g, k = cfg.fwd, cfg.group_size, top_k_index.shape[1]
+        order, offs = route(top_k_index, gate_up.shape[0])
+        xq, xs = _per_tensor(x, fwd)
+        gu = fp8_grouped_linear(_rows(xq, order // k), xs, *expert_codes(gate_up, fwd), offs, x.dtype)
+        q, s, amax = quant.silu_mul_quant(gu, fwd, g, act)
+        del gu
+        a_s = quant.tensor_scale(amax, fwd)
+        a = quant.silu_mul_rebuild(q, s, a_s, fwd, g, act=act)[0]
+        y = fp8_grouped_linear(a, a_s, *expert_codes(down, fwd), offs, x.dtype)
+        w = top_k_weights.reshape(-1)[order]
+        out = _unsort_sum(y.float() * w.float()[:, None], order, k).to(x.dtype)
+        ctx.save_for_backward(xq, xs, q, s, a_s, order, offs, w)
+        ctx.cfg, ctx.act, ctx.k, ctx.experts = cfg, act, k, experts
+        ctx.dtypes = x.dtype, top_k_weights.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: Tensor):
+        xq, xs, q, s, a_s, order, offs, w = ctx.saved_tensors
+        cfg, k, (dtype, w_dtype) = ctx.cfg, ctx.k, ctx.dtypes
+        fwd, bwd, g = cfg.fwd, cfg.bwd, cfg.group_size
+        gate_up, down = ctx.experts.gate_up_proj, ctx.experts.down_proj
+        dt = _work_dtype(xq, dtype)
+        tok = order // k
+        dy = dout.to(dt)[tok]                         # [S, H]: each pair's output gradient, bf16 (module docstring)
+        a = _dequant(quant.silu_mul_rebuild(q, s, a_s, fwd, g, act=ctx.act)[0], a_s, dt)
+        gd = grouped_mm(dy, _dequant(*expert_codes(down, fwd), dt), offs)   # dy @ down_e: [S, I]
+        dw = (a.float() * gd.float()).sum(dim=1)                         # d routing weight of each pair
+        ddown = grouped_mm_t(dy * w.to(dt)[:, None], a, offs)            # [E, H, I]
+        del dy, a
+        dgu, amax = quant.silu_mul_backward((gd * w.to(gd.dtype)[:, None]).to(dtype), q, s, g, ctx.act)
+        del gd
+        dgs = quant.tensor_scale(amax, bwd)
+        dgu = _dequant(quant.quant_tensor(dgu, dgs, bwd)[0], dgs, dt)
+        dx_pairs = grouped_mm(dgu, _dequant(*expert_codes(gate_up, fwd), dt), offs)   # [S, H]
+        dgate_up = grouped_mm_t(dgu, _dequant(_rows(xq, tok), xs, dt), offs)                # [E, 2I, H]
+        dx = _unsort_sum(dx_pairs.float(), order, k).to(dtype)
+        dweights = torch.empty_like(dw)
+        dweights[order] = dw
+        return (dx, None, dweights.view(-1, k).to(w_dtype), None, None, None, dgate_up.to(gate_up.dtype),
+                ddown.to(down.dtype))
