@@ -200,34 +200,41 @@ def scaling(res: Path):
                num(top.get("coat_over_bf16"), 2)]
 
 
+ONE_NODE_70B = ("e2e_offload_llama3.1-70b_4gpu_h100.json", "e2e_offload_llama3.1-70b_4gpu.json")   # oldest first
+
+
 @table
 def one_node_70b(res: Path):
-    """README / docs/deepspeed.md: Llama-3.1-70B full-parameter on one node, FP8 states in pinned host memory."""
+    """README / docs/deepspeed.md: Llama-3.1-70B full-parameter on one node, FP8 states in pinned host memory; each
+    row names the GPUs it ran on, and its run's date and coat_ds commit."""
     from coat_ds import plan
 
-    yield ["model, GPUs", "configuration", "micro-batch", "peak GiB per GPU (allocated / reserved)",
-           "planner's peak GiB (fits an 80 GB H100)", "tokens/s on the node (per GPU)",
-           "step s: forward / backward / engine.step", "host GiB of the job (B/param)",
-           "BF16 + DeepSpeedCPUAdam host need (planner)"]
-    doc = load(res, "e2e_offload_llama3.1-70b_4gpu.json")
-    rungs = [r for r in doc["records"] if r["kind"] == "rung"]
-    first = rungs[0]
-    host = first["node_used_gb"]
-    shape, ds_config = plan.resolve_shape(doc["model"]), next(c for c in doc["configs"])["ds_config"]
-    job = plan.job_from_config(ds_config, shape, doc["seq_len"], doc["world_size"])
-    need = plan.plan(plan.job_from_config(plan.bf16_baseline(ds_config), shape, doc["seq_len"], doc["world_size"]), 1)
-    for r in rungs:
-        phases = r.get("phase_s") or first["phase_s"]
-        planned = plan.plan(job, r["micro_batch"])
-        yield [f"{doc['model']}, seq {doc['seq_len']}, {doc['world_size']}x {gpu(doc['device'])}",
-               "zero3_offload_largest_model (states on the host, each layer recomputed)", r["micro_batch"],
-               f"{num(r['peak_alloc_gb'])} / {num(r['peak_reserved_gb'])}",
-               f"{num(planned.peak / 2 ** 30)} ({'yes' if planned.fits(plan.GPUS['h100'] * 2 ** 30) else 'no'})",
-               f"{num(r['tokens_per_s'], 0)} ({num(r['tokens_per_s'] / doc['world_size'], 0)})",
-               " / ".join(num(phases[k], 2) for k in ("forward", "backward", "step")) +
-               ("" if "phase_s" in r else " (at micro-batch 1)"),
-               f"{num(host)} ({num(host * 2 ** 30 / doc['params'], 2)})",
-               f"{num(need.host * doc['world_size'] / 2 ** 30, 0)} GiB (4 ranks)"]
+    yield ["model", "GPUs (run: date, coat_ds commit)", "configuration", "micro-batch",
+           "peak GiB per GPU (allocated / reserved)", "planner's peak GiB (plans a fit on an 80 GB H100)",
+           "tokens/s on the node (per GPU)", "step s: forward / backward / engine.step",
+           "host GiB of the job (B/param)", "BF16 + DeepSpeedCPUAdam host need (planner)"]
+    for name in ONE_NODE_70B:
+        doc = load(res, name)
+        rungs = [r for r in doc["records"] if r["kind"] == "rung"]
+        first = rungs[0]
+        host = first["node_used_gb"]
+        shape, ds_config = plan.resolve_shape(doc["model"]), next(c for c in doc["configs"])["ds_config"]
+        job = plan.job_from_config(ds_config, shape, doc["seq_len"], doc["world_size"])
+        need = plan.plan(plan.job_from_config(plan.bf16_baseline(ds_config), shape, doc["seq_len"], doc["world_size"]),
+                         1)
+        run = f"{doc['world_size']}x {gpu(doc['device'])} ({doc['date'][:10]}, {doc['versions']['coat_ds_commit'][:7]})"
+        for r in rungs:
+            phases = r.get("phase_s") or first["phase_s"]
+            planned = plan.plan(job, r["micro_batch"])
+            yield [f"{doc['model']}, seq {doc['seq_len']}", run,
+                   "zero3_offload_largest_model (states on the host, each layer recomputed)", r["micro_batch"],
+                   f"{num(r['peak_alloc_gb'])} / {num(r['peak_reserved_gb'])}",
+                   f"{num(planned.peak / 2 ** 30)} ({'yes' if planned.fits(plan.GPUS['h100'] * 2 ** 30) else 'no'})",
+                   f"{num(r['tokens_per_s'], 0)} ({num(r['tokens_per_s'] / doc['world_size'], 0)})",
+                   " / ".join(num(phases[k], 2) for k in ("forward", "backward", "step")) +
+                   ("" if "phase_s" in r else " (at micro-batch 1)"),
+                   f"{num(host)} ({num(host * 2 ** 30 / doc['params'], 2)})",
+                   f"{num(need.host * doc['world_size'] / 2 ** 30, 0)} GiB (4 ranks)"]
 
 
 @table

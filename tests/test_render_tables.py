@@ -7,6 +7,8 @@ import shutil
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks import render_tables as rt  # noqa: E402
@@ -56,3 +58,37 @@ def test_a_candidate_settings_scaling_file_is_not_a_presets_row(tmp_path):
         assert rt.stale(results, [ROOT / "README.md"]) == []
     (results / "e2e_scaling_zcandidate.json").write_text(json.dumps(rows))
     assert rt.stale(results, [ROOT / "README.md"]) == ["README.md: scaling"]
+
+
+def test_each_70b_row_names_the_gpus_it_ran_on_and_the_h100_run_is_shown_beside_the_h200_one():
+    """Issue 57: the README's 70B heading said 4 H100s over rows measured on 4 H200s, and the H100 run (3,371 / 4,558
+    tokens/s) had been overwritten; each file keeps its own device, command and date, each row names them."""
+    table = rt.render("one_node_70b")
+    h100 = [row for row in table.splitlines() if "| 4x H100 80GB HBM3 (2026-11-28, 5308fbd) |" in row]
+    h200 = [row for row in table.splitlines() if "| 4x H200 (2026-11-28, b33f019) |" in row]
+    assert [r.split(" | ")[6] for r in h100] == ["3,371 (843)", "4,558 (1,139)"]
+    assert [r.split(" | ")[6] for r in h200] == ["3,561 (890)", "4,688 (1,172)", "6,087 (1,522)"]
+    runs = {name: json.loads((rt.RESULTS / name).read_text()) for name in rt.ONE_NODE_70B}
+    assert {(r["device"], r["date"], r["command"].split()[-1]) for r in runs.values()} == {
+        ("4x NVIDIA H100 80GB HBM3", "2026-11-28T02:05:41+00:00", "/root/out"),
+        ("4x NVIDIA H200", "2026-11-28T06:16:26+00:00", "/root/out")}
+    readme = (ROOT / "README.md").read_text()
+    heading = next(line for line in readme.splitlines() if line.startswith("## One node: Llama-3.1-70B"))
+    named = {g for g in ("H100", "H200") if g in heading}
+    assert named == {g for g in ("H100", "H200") if any(f"x {g}" in row for row in h100 + h200)}, heading
+
+
+def test_a_70b_memory_breakdown_splits_gpu_and_host():
+    """coat.states 'host' keeps the FP8 moments in pinned host memory: the breakdown's GPU parts add up to the
+    allocated peak (other_gb >= 0; it read -30.1 with 34.9 GiB of host states counted on the GPU), the states are in
+    host_gb: 2.125 B/param over 4 ranks."""
+    for name in rt.ONE_NODE_70B:
+        run = json.loads((rt.RESULTS / name).read_text())
+        (c,) = run["configs"]
+        bd = c["breakdown"]
+        gpu = bd["weights_gb"] + bd["optimizer_state_gb"] + bd["grads_gb"] + bd["activations_gb"] + bd["other_gb"]
+        assert bd["other_gb"] >= 0 and gpu == pytest.approx(c["equal_batch"]["peak_alloc_gb"]), name
+        assert bd["optimizer_state_gb"] == 0.0 and bd["host_gb"]["optimizer_state_gb"] * 2 ** 30 == pytest.approx(
+            2.125 * run["params"] / run["world_size"], rel=1e-3), name
+        rung = next(r for r in run["records"] if r["kind"] == "rung" and "breakdown" in r)
+        assert {k: v for k, v in rung["breakdown"].items() if k != "memory_trace"}.items() <= bd.items(), name

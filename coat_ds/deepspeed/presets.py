@@ -40,7 +40,7 @@ INTENTS = {  # what each intent lays over the "coat" section (master_weights Non
     "largest_model": {"master_weights": "bf16_sr", "gradients": "release",
                       "activation": {"attention_fp8": True, "cache_weights": False}},
 }
-# Each preset's peak learning rate, for the sizes it is for: Llama 2's and Llama 3's pretraining rates, 3e-4 at 7-13B
+# Each preset's peak learning rate, for the sizes it is for: LLaMA's and Llama 2's pretraining rates, 3e-4 at 7-13B
 # (the ZeRO-2 / ZeRO-3 presets: 1B to 13B on one node) and 1.5e-4 at 70B (zero3_offload); the measured configs'
 # 1e-3 is the main job's small default model's (at 1e-3 Llama-3.1-8B's loss rose 12.6 -> 19.3 in 7 steps, issue 57).
 # Pretraining rates: a trained model (--model) is fine-tuned at ~2e-5 (--lr; the main job says so in one line,

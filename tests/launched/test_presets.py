@@ -51,7 +51,7 @@ def test_largest_model_is_only_where_release_runs():
         == "host"
 
 
-# Llama 2's pretraining peak rates by size (Touvron et al. 2023, Table 1; Llama 3.1's 8B and 70B ran at the same)
+# Llama 2's pretraining peak rates by size (Touvron et al. 2023, Table 1; LLaMA's 7B-65B ran at the same)
 LLAMA_PEAK_LR = {"llama2-13b": 3e-4, "llama3.1-70b": 1.5e-4}
 # the largest model each layout's presets are for: one node's ZeRO-2 / ZeRO-3 up to 13B, the host-states one 70B
 FOR_MODEL = {"zero2": "llama2-13b", "zero3": "llama2-13b", "zero2_offload": "llama2-13b",
