@@ -197,15 +197,17 @@ def test_unknown_model_type_lists_supported():
 
 
 def test_unsupported_family_is_refused_in_one_line_saying_what_stays_stock():
-    """A mixture-of-experts model: no policy, nothing swapped, one line naming its layers and why."""
+    """gpt-oss (a mixture of experts with attention sinks and biased, interleaved, clamped-SwiGLU experts): no policy,
+    nothing swapped, one line naming its layers and why."""
     from family_cases import SMALL
     moe = AutoModelForCausalLM.from_config(AutoConfig.for_model(
-        "qwen3_moe", **SMALL, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32))
+        "gpt_oss", **SMALL, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+        layer_types=["sliding_attention", "full_attention"]))
     with pytest.raises(ValueError) as err:
         coat_ds.inject(moe)
     msg = str(err.value)
-    assert "\n" not in msg and "qwen3_moe" in msg and "nothing swapped" in msg and "supported" in msg
-    assert "Qwen3MoeDecoderLayer x2" in msg and "Qwen3MoeSparseMoeBlock" in msg
+    assert "\n" not in msg and "gpt_oss" in msg and "nothing swapped" in msg and "supported" in msg
+    assert "GptOssDecoderLayer x2" in msg and "attention sinks" in msg and "biases" in msg
     assert not is_injected(moe) and not any(isinstance(m, CoatDecoderLayer) for m in moe.modules())
 
 

@@ -52,8 +52,6 @@ def missing_parts(hf_layer: nn.Module, norms: Norms) -> list[str]:
     """What `hf_layer` lacks of the block the FP8 layer takes over (empty: it takes it)."""
     attn, mlp = getattr(hf_layer, "self_attn", None), getattr(hf_layer, "mlp", None)
     missing = [f"self_attn.{n}" for n in _ATTN if not isinstance(getattr(attn, n, None), nn.Linear)]
-    if getattr(attn, "sinks", None) is not None:
-        missing.append("self_attn without attention sinks")
     if is_sparse(mlp):
         missing += _experts_missing(mlp)
     else:

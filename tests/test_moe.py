@@ -1,0 +1,201 @@
+"""Mixture-of-experts layers in FP8 (coat_ds/activation/experts.py, the sparse branch of hf/decoder_layer.py).
+
+The grouped FP8 expert GEMMs against a plain-PyTorch reference written here per expert (quantize-dequantize by
+coat_ds's quantizers, then fp32 products), every element checked, NaN never passing; the whole-model family contract
+(training close to stock, generate, revert) is tests/test_families.py's for qwen3_moe and mixtral; ZeRO-3 on 2 ranks
+with tokens that reach different experts: tests/launched/test_families_zero3.py."""
+import copy
+
+import pytest
+import torch
+
+import coat_ds
+from coat_ds.activation import ActivationConfig
+from coat_ds.activation.experts import ExpertsFn, expert_codes
+from coat_ds.hf import CoatDecoderLayer
+from coat_ds.hf.swap import apply
+from coat_ds.kernels import quant_reference as R
+from family_cases import SEQ, VOCAB, build
+from harness import rel_error
+
+CFG = ActivationConfig()
+H, T = 64, 40   # family_cases' hidden size; 40 tokens, 2 of 8 experts each
+
+
+def _experts(seed=0, model_type="qwen3_moe"):
+    """A stock sparse block of a one-layer tiny model, and x [T, H] with its router's top-k."""
+    torch.manual_seed(seed)
+    model = build(model_type, seed, num_hidden_layers=1)
+    block = model.model.layers[0].mlp
+    x = torch.randn(T, H)
+    _, weights, index = block.gate(x)
+    return block, x, index, weights.detach()
+
+
+def _dq(codes, scale):
+    return codes.float() * scale
+
+
+def _ste(x, x_fake):
+    """x_fake's value, x's gradient (straight through the quantizer)."""
+    return x + (x_fake - x).detach()
+
+
+def _per_tensor(t, fmt):
+    s = R.tensor_scale(R.row_amax(t), fmt)
+    return _dq(R.quant_tensor(t, s, fmt)[0], s)
+
+
+class _GradQuant(torch.autograd.Function):
+    """Identity whose gradient is quantize-dequantized per tensor: d[gate | up] in bwd_format."""
+
+    @staticmethod
+    def forward(ctx, t, fmt):
+        ctx.fmt = fmt
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _per_tensor(grad, ctx.fmt), None
+
+
+class _GatedAct(torch.autograd.Function):
+    """act(gate) * up of the saved FP8 [gate | up] (q, s), its gradient by quant_reference's own formula (a float
+    order of its own would flip a rare E5M2 rounding of d[gate | up] against the FP8 path's)."""
+
+    @staticmethod
+    def forward(ctx, gu, q, s, g):
+        ctx.save_for_backward(q, s)
+        ctx.g = g
+        gate, up = R.group_dequant(q, s, g).chunk(2, dim=1)
+        return gate * torch.sigmoid(gate) * up
+
+    @staticmethod
+    def backward(ctx, da):
+        q, s = ctx.saved_tensors
+        return R.silu_mul_backward(da, q, s, ctx.g)[0], None, None, None
+
+
+def _fake_experts(w, fmt):
+    codes, scale = expert_codes(w, fmt)
+    return _ste(w, codes.float() * scale[:, None, None])
+
+
+def reference(x, index, weights, block, cfg=CFG):
+    """The FP8 experts in plain PyTorch, one matmul per expert: every operand the FP8 flow quantizes replaced by its
+    dequantized FP8 value (straight through for autograd), d[gate | up] quantized per tensor in bwd_format, products
+    in fp32; the pairs in expert order (a stable sort), each token's pairs summed."""
+    experts, fwd, g, k = block.experts, cfg.fwd, cfg.group_size, index.shape[1]
+    order = torch.sort(index.reshape(-1), stable=True)[1]
+    tok, expert = order // k, index.reshape(-1)[order]
+    xd = _ste(x, _per_tensor(x.detach(), fwd))
+    wgu, wd = _fake_experts(experts.gate_up_proj, fwd), _fake_experts(experts.down_proj, fwd)
+    groups = [torch.where(expert == e)[0] for e in range(wgu.shape[0])]
+    gu = torch.cat([xd[tok[rows]] @ wgu[e].t() for e, rows in enumerate(groups)])
+    gu = _GradQuant.apply(gu, cfg.bwd)
+    q, s, _ = R.silu_mul_quant(gu.detach(), fwd, g)
+    a = _GatedAct.apply(gu, q, s, g)
+    a = _ste(a, _per_tensor(a.detach(), fwd))
+    bounds = torch.cumsum(torch.tensor([0] + [len(r) for r in groups]), 0).tolist()
+    # each pair's routing weight scales its rows before the down GEMM: the same products, and the gradient reaching
+    # act(gate) * up is w (dy W_down) in the FP8 path's float order (another order may flip an E5M2 rounding)
+    aw = a * weights.reshape(-1)[order][:, None]
+    y = torch.cat([aw[bounds[e]:bounds[e + 1]] @ wd[e].t() for e in range(len(groups))])
+    return torch.zeros(x.shape).index_add(0, tok, y)
+
+
+def test_forward_equals_reference_every_element():
+    block, x, index, weights = _experts()
+    out = ExpertsFn.apply(x, index, weights, CFG, "silu", block.experts, block.experts.gate_up_proj,
+                          block.experts.down_proj)
+    torch.testing.assert_close(out, reference(x, index, weights, block), rtol=1e-5, atol=1e-6)  # NaN fails
+    stock = block.experts(x, index, weights)
+    assert 1e-3 < rel_error(out, stock) < 0.12   # FP8 really ran, and stays near the stock experts
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_gradients_equal_reference_every_element(model_type):
+    """d x, d routing weights, d gate_up_proj, d down_proj: the reference's, element by element."""
+    block, x, index, weights = _experts(1, model_type)
+    params = [x.requires_grad_(), weights.requires_grad_(), block.experts.gate_up_proj, block.experts.down_proj]
+    out = ExpertsFn.apply(x, index, weights, CFG, "silu", block.experts, *params[2:])
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, params, dout)
+    want = torch.autograd.grad(reference(x, index, weights, block), params, dout)
+    for name, g, w in zip(("x", "weights", "gate_up_proj", "down_proj"), got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype, name
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6 * w.abs().max().item(), msg=name)
+    stock = torch.autograd.grad(block.experts(x, index, weights), params, dout)
+    assert all(rel_error(g, s) < 0.2 for g, s in zip(got, stock))
+
+
+def test_nan_input_never_passes():
+    block, x, index, weights = _experts()
+    x[3, 5] = float("nan")
+    out = ExpertsFn.apply(x, index, weights, CFG, "silu", block.experts, block.experts.gate_up_proj,
+                          block.experts.down_proj)
+    assert not torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_router_sees_the_stock_norm_output_and_runs_stock(model_type):
+    """Routing is not FP8: the router module is the stock one, called on exactly the stock post-attention norm of
+    the layer's residual stream (fp32 model: bit for bit), so top-k is what stock picks for that stream."""
+    model = coat_ds.inject(build(model_type)).train()
+    layer = model.model.layers[0]
+    seen = {}
+    layer.mlp.gate.register_forward_hook(lambda m, i, o: seen.update(x=i[0], out=o))
+    norm_in = {}
+    orig = layer._norm
+
+    def record(norm, x):
+        if norm is layer.post_attention_layernorm:
+            norm_in["h"] = x
+        return orig(norm, x)
+
+    layer._norm = record
+    x = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    model(input_ids=x, labels=x).loss.backward()
+    with torch.no_grad():
+        assert torch.equal(seen["x"], layer.post_attention_layernorm(norm_in["h"]))
+        for a, b in zip(seen["out"], layer.mlp.gate(seen["x"])):
+            assert torch.equal(a, b)
+
+
+def test_aux_loss_and_dense_layers_of_a_qwen3_moe():
+    """output_router_logits: HF's load-balancing loss reads the stock router's logits (its capture hooks fire in
+    the FP8 layer); a Qwen3-MoE layer listed in mlp_only_layers keeps the dense FP8 flow."""
+    stock = build("qwen3_moe", output_router_logits=True, mlp_only_layers=[1])
+    injected = coat_ds.inject(copy.deepcopy(stock)).train()
+    assert type(injected.model.layers[1].mlp).__name__ == "Qwen3MoeMLP" and injected.model.layers[1]._gu is not None
+    x = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    ref, out = stock.train()(input_ids=x, labels=x), injected(input_ids=x, labels=x)
+    assert out.aux_loss is not None and len(out.router_logits) == 1
+    assert abs(out.aux_loss.item() - ref.aux_loss.item()) / ref.aux_loss.item() < 0.02
+    out.loss.backward()
+    assert injected.model.layers[0].mlp.gate.weight.grad is not None
+
+
+def test_refusals_in_one_line():
+    jitter = build("mixtral", router_jitter_noise=0.1)
+    with pytest.raises(ValueError, match="router_jitter_noise=0") as err:
+        coat_ds.inject(jitter)
+    assert "\n" not in str(err.value) and not any(isinstance(m, CoatDecoderLayer) for m in jitter.modules())
+    relu = build("qwen3_moe", hidden_act="relu")
+    with pytest.raises(ValueError, match="hidden_act='relu'"):
+        coat_ds.inject(relu, {"mode": "linear"})
+
+
+def test_sparse_blocks_become_zero3_leaves_even_when_kept_stock():
+    """The engine's "coat": {"activation": {"enabled": false}} keeps the stock layers; their sparse blocks are
+    still ZeRO-3 leaf modules (DeepSpeed's _z3_leaf), so ranks whose tokens skip an expert gather the same."""
+    pytest.importorskip("deepspeed")
+    model = build("mixtral")
+    assert apply(model, {"enabled": False}, 1) == 0
+    blocks = [m.mlp for m in model.model.layers]
+    assert all(type(b).__name__ == "MixtralSparseMoeBlock" and getattr(b, "_z3_leaf", False) for b in blocks)
+    dense = build("qwen3")
+    apply(dense, {"enabled": False}, 1)
+    assert not any(getattr(m, "_z3_leaf", False) for m in dense.modules())
+
+
