@@ -1,4 +1,4 @@
-"""Public Llama, Qwen3 and Gemma 3 shapes by name, with their vocabularies: what the planner (`python -m coat_ds.plan --model
+"""Public Llama, Qwen3, Qwen3-MoE and Gemma 3 shapes by name, with their vocabularies: what the planner (`python -m coat_ds.plan --model
 llama3-8b`) and the benchmarks mean by a model name, without a download. The main job's own sizes, whose
 vocabulary comes from its data, are causal_lm.MODEL_SIZES."""
 from __future__ import annotations
@@ -25,5 +25,11 @@ SHAPES = {
     "gemma3-4b": dict(model_type="gemma3_text", hidden_size=2560, num_hidden_layers=34, num_attention_heads=8,
                       num_key_value_heads=4, head_dim=256, intermediate_size=10240, vocab_size=262208,
                       tie_word_embeddings=True, sliding_window=1024),
+    # mixture of experts: 128 experts of 768, 8 a token (3.3B of 30.5B parameters active), every layer sparse,
+    # top-k weights renormalized; Qwen3-30B-A3B's config.json (intermediate_size: its dense MLP, unused there)
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, intermediate_size=6144, moe_intermediate_size=768,
+                          num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, rms_norm_eps=1e-6,
+                          tie_word_embeddings=False, vocab_size=151936),
 }
 ALIASES = {"llama3-8b": "llama3.1-8b", "llama3-70b": "llama3.1-70b"}
