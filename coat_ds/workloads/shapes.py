@@ -1,12 +1,12 @@
-"""Public Llama, Qwen3, Qwen3-MoE and Gemma 3 shapes by name, with their vocabularies: what the planner (`python -m coat_ds.plan --model
-llama3-8b`) and the benchmarks mean by a model name, without a download. The main job's own sizes, whose
+"""Public Llama, Qwen3, Qwen3-MoE and Gemma 3 shapes by name, with their vocabularies: what the planner
+(`python -m coat_ds.plan --model llama3-8b`) and the benchmarks mean by a model name, without a download. The main job's own sizes, whose
 vocabulary comes from its data, are causal_lm.MODEL_SIZES."""
 from __future__ import annotations
 
-from .causal_lm import MODEL_SIZES
-
 SHAPES = {
-    "llama-1b": dict(MODEL_SIZES["1b"], vocab_size=32000),                         # TinyLlama-1.1B
+    # TinyLlama-1.1B (the main job's 1b is its shape, causal_lm.MODEL_SIZES; not imported: causal_lm imports this)
+    "llama-1b": dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=16, num_key_value_heads=4,
+                     intermediate_size=5632, vocab_size=32000),
     "llama2-7b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
                       intermediate_size=11008, vocab_size=32000),
     "llama2-13b": dict(hidden_size=5120, num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=40,
