@@ -33,8 +33,12 @@ def _experts_missing(mlp: nn.Module) -> list[str]:
     [E, 2I, H] and down_proj [E, H, I], gate then up concatenated, no biases, the default act(gate) * up, no
     post-expert norm, a router returning (logits, weights, indices), no jitter noise."""
     experts, gate = mlp.experts, mlp.gate
-    missing = [f"mlp.experts.{n} (3D)" for n in ("gate_up_proj", "down_proj")
-               if getattr(getattr(experts, n, None), "dim", lambda: 0)() != 3]
+    # transformers' experts classes (use_experts_implementation) keep both as 3D parameters; their data may be
+    # partitioned here (ZeRO-3's zero.Init), so the contract is read from the class, not from the shapes
+    missing = [f"mlp.experts.{n}" for n in ("gate_up_proj", "down_proj")
+               if not isinstance(getattr(experts, n, None), nn.Parameter)]
+    if not hasattr(experts, "num_experts") or not hasattr(experts, "has_gate"):
+        missing.append("mlp.experts: transformers' experts interface (3D experts)")
     flags = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True,
              "has_post_expert_norm": False, "_is_expert_parallel": False}
     missing += [f"mlp.experts.{n}={want}" for n, want in flags.items() if getattr(experts, n, want) != want]
