@@ -226,3 +226,18 @@ def test_gpu_grouped_fp8_matches_the_cpu_reference():
     for name, got, want in zip(("out", "x", "weights", "gate_up_proj", "down_proj"), results["cuda"], results["cpu"]):
         assert torch.isfinite(got).all(), name
         torch.testing.assert_close(got, want, rtol=0.03, atol=0.01 * want.abs().max().item(), msg=name)
+
+
+def test_moe_benchmark_refuses_bad_flags_before_any_model(capsys):
+    """benchmarks/moe_one_gpu.py: a bad flag fails in one line naming it and the allowed values; its stock rows are the
+    preset with coat.activation off, its coat rows the preset as written."""
+    from benchmarks import moe_one_gpu as bench
+    for argv, key in ((["--configs", "coat,fp4"], "--configs"), (["--micro-batches", "1,x"], "--micro-batches"),
+                      (["--seq", "0"], "--seq")):
+        with pytest.raises(SystemExit):
+            bench.parse_args(argv)
+        assert key in capsys.readouterr().err.splitlines()[-1]
+    assert bench.ds_config("stock", 2)["coat"]["activation"] == {"enabled": False}
+    coat = bench.ds_config("coat", 2)
+    assert coat["coat"]["activation"]["enabled"] and coat["train_micro_batch_size_per_gpu"] == 2
+    assert bench.SHAPES[bench.MODEL]["model_type"] == "qwen3_moe"
