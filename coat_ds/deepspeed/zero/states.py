@@ -6,22 +6,28 @@
   contiguous block of one page-locked buffer per rank, pinned at its exact size (cudaHostRegister: torch's pinned
   allocator would round every block up to a power of two). Backward reaches the sub-groups in the same order every
   step, so as release steps a bucket the sub-group's block is copied to one of WINDOWS device windows (the next
-  sub-group of the last step's order is prefetched), stepped there, and copied back once every parameter of the
-  sub-group has been stepped, on two copy streams beside the compute stream: the step waits only for its own
-  block, and no host thread waits at all (the copies' events order them). engine.step() writes back what is still
-  open. The arithmetic is the device step's on the same bytes, so "host" equals "device" bit for bit.
+  sub-group of the last step's order not yet reached in this one is prefetched), stepped there, and copied back once
+  every parameter of the sub-group has been stepped, on two copy streams beside the compute stream: the step waits
+  only for its own block, a copy back only for its block's step and its own copy in, and no host thread waits at
+  all (the copies' events order them). engine.step() writes back what is still open. When the order changes (a
+  branch or an expert unused on some steps: its parameters are stepped with zeros at engine.step()), a block
+  fetched and not stepped is copied back only after it arrived. The arithmetic is the device step's on the same
+  bytes, so "host" equals "device" bit for bit.
+  The pinned buffers are unregistered and freed, and the windows freed, by the optimizer's destroy()
+  (`engine.destroy()`: DeepSpeed 0.19.8 keeps every ZeRO-3 engine reachable after its last reference is dropped),
+  or when the states are garbage-collected.
   What it buys: 70B's 150 GB of FP8 moments leave four 80 GB GPUs for the weights (ZeRO-3 bf16 partition, the
   master under bf16_sr) and the activations; the host keeps 2.125 B/param (DeepSpeed's CPU Adam: 12-16).
 """
 from __future__ import annotations
 
-import os
+import weakref
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
-import torch.distributed as dist
 
+from ... import node
 from ...formats import state_keys
 from ...optim.coat_adamw import MOMENTS, moment_formats
 from ...keys import check_choice
@@ -31,6 +37,7 @@ DEFAULT, HOST = STATES
 KEY = "coat.states"
 WINDOWS = 3  # sub-groups on the device at once: the one stepped, the next (prefetched), the last (copied back)
 ALIGN = 64  # elements: where every block starts in its buffers (16-byte loads stay aligned)
+HEADROOM = 0.9  # of the node's available host memory, what the states may pin
 
 
 def check_states(value: Any) -> str:
@@ -89,26 +96,17 @@ class Block:
         return [b.narrow(0, o, n) for b, o, n in zip(bufs, at, self.sizes)]
 
 
-def available_host_bytes() -> int | None:
-    """MemAvailable of this host (Linux), or None where it cannot be read."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def _gib(n: float) -> str:
-    return f"{n / 2**30:.1f} GiB"
+    """A size in GiB, or in MiB / KiB below one GiB (a tiny job's line still says its numbers)."""
+    unit = next((u for u in (3, 2, 1) if n >= 2 ** (10 * u)), 1)
+    return f"{n / 2 ** (10 * unit):.1f} {'KMG'[unit - 1]}iB"
 
 
 def host_refusal(need: int, local_ranks: int, available: int | None) -> str | None:
     """The one line that refuses the host states before anything is allocated, or None: every rank of this node
-    pins `need` bytes, and the node keeps a tenth of its available memory for everything else."""
-    if available is None or need * local_ranks <= 0.9 * available:
+    pins `need` bytes (ZeRO-3 pads every rank's partitions to one size), and the node keeps a tenth of its
+    available memory (node.available_bytes: MemAvailable and its cgroup's room) for everything else."""
+    if available is None or need * local_ranks <= HEADROOM * available:
         return None
     return (f"{KEY}={HOST!r} needs {_gib(need)} of pinned host memory per rank ({local_ranks} ranks on this node: "
             f"{_gib(need * local_ranks)}, the planner's host column); this host has {_gib(available)} available "
@@ -120,8 +118,7 @@ class HostStates:
     (module docstring). Release3Step calls acquire(i) before stepping sub-group i, done(params) after each bucket
     and flush() at the end of the step; sync() before anything reads the host copies (checkpoints)."""
 
-    def __init__(self, opt, masters: list[torch.Tensor], groups: list[dict], param_ids: list[set], device,
-                 process_group=None) -> None:
+    def __init__(self, opt, masters: list[torch.Tensor], groups: list[dict], param_ids: list[set], device) -> None:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         layouts = [opt.partition_of(m) for m in masters]
@@ -134,14 +131,8 @@ class HostStates:
         if any(f.dtype != d for g in groups for f, d in zip(moment_formats(g), self.dtypes)):
             raise ValueError(f"{KEY}={HOST!r} needs one v_format in every CoatAdamW param group")
         need = sum(n * torch.tensor([], dtype=d).element_size() for n, d in zip(ends, self.dtypes))
-        self._refuse_short_host(need, process_group)
-        self.host = [torch.empty(n, dtype=d) for n, d in zip(ends, self.dtypes)]
-        if self.cuda:  # page-locked at their exact sizes: async copies, no power-of-two rounding
-            for t in self.host:
-                rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
-                if int(rc) != 0:
-                    raise RuntimeError(f"{KEY}={HOST!r}: cudaHostRegister of {_gib(need)} failed ({rc}); "
-                                       "check `ulimit -l` (locked memory)")
+        _refuse_short_host(need, self.device)
+        self.host = self._pin(ends, need)
         biggest = [max((b.sizes[k] for b in self.blocks), default=0) for k in range(3)]
         self.windows = [[torch.empty(n, dtype=d, device=self.device) for n, d in zip(biggest, self.dtypes)]
                         for _ in range(WINDOWS)]
@@ -160,21 +151,27 @@ class HostStates:
         for i, (m, lay, g) in enumerate(zip(masters, layouts, groups)):
             lay.home = (self, i)
             opt.state[m] = self.fresh(i)
+        self._unpin = weakref.finalize(self, _unregister, self.host if self.cuda else [])  # if it is collected
+        self._unpin.atexit = False  # at exit the process goes with its registrations
 
-    def _refuse_short_host(self, need: int, process_group) -> None:
-        """Refuse on every rank together, before any rank allocates, when this node cannot pin every rank's states."""
-        world = dist.is_initialized() and dist.get_world_size(process_group) > 1
-        if world:
-            dist.barrier(group=process_group)  # every rank reads MemAvailable before any rank allocates
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        why = host_refusal(need, local, available_host_bytes())
-        if world:
-            bad = torch.tensor([why is not None], dtype=torch.float32, device=self.device)
-            dist.all_reduce(bad, group=process_group)
-            if why is None and bad.item() > 0:
-                why = f"{KEY}={HOST!r}: another rank's node has too little host memory for its states (see its line)"
-        if why is not None:
-            raise ValueError(why)
+    def _pin(self, sizes: list[int], need: int) -> list[torch.Tensor]:
+        """The host buffers, page-locked at their exact sizes on CUDA (async copies, no power-of-two rounding)."""
+        host = [torch.empty(n, dtype=d) for n, d in zip(sizes, self.dtypes)]
+        for k, t in enumerate(host if self.cuda else []):
+            rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+            if int(rc) != 0:
+                _unregister(host[:k])
+                raise RuntimeError(f"{KEY}={HOST!r}: cudaHostRegister of {_gib(need)} failed ({rc}); "
+                                   "check `ulimit -l` (locked memory)")
+        return host
+
+    def close(self) -> None:
+        """The host buffers unregistered and freed, the windows freed (the optimizer's destroy(): its states are
+        gone after it)."""
+        self.sync()
+        self._unpin()
+        for t in self.host + [t for w in self.windows for t in w]:
+            t.untyped_storage().resize_(0)
 
     # ------------------------------------------------------------------ the host copies (what opt.state holds)
     def host_views(self, i: int) -> dict[str, torch.Tensor]:
@@ -220,8 +217,8 @@ class HostStates:
         self.open[i] = self.open.pop(i)  # most recently used last
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_event(self.ready[i])
-        k = self.last_order.index(i) if i in self.last_order else -1
-        nxt = self.last_order[k + 1] if 0 <= k < len(self.last_order) - 1 else None
+        k = self.last_order.index(i) if i in self.last_order else len(self.last_order)
+        nxt = next((j for j in self.last_order[k + 1:] if j not in self.order), None)  # not stepped this step
         if nxt is not None and nxt not in self.open and len(self.open) < WINDOWS - 1:
             self._fetch(nxt, evict=False)
 
@@ -257,6 +254,7 @@ class HostStates:
                 dst.copy_(src)
             return
         self.d2h.wait_stream(torch.cuda.current_stream(self.device))  # after the step that wrote the window
+        self.d2h.wait_event(self.ready[i])  # and after the block arrived: a prefetched one may never have been stepped
         with torch.cuda.stream(self.d2h):
             for src, dst in pairs:
                 dst.copy_(src, non_blocking=True)
@@ -291,14 +289,44 @@ class HostStates:
         self.free = [None] * WINDOWS
 
 
+def _unregister(host: list[torch.Tensor]) -> None:
+    for t in host:
+        if t.untyped_storage().nbytes():
+            torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+
+
+def _refuse_short_host(need: int, device) -> None:
+    """Refuse on every rank together, before any rank pins, when a node cannot pin all its ranks' states: each
+    rank's need and its node's available memory gathered over the world (node.py: the ranks of a node counted by
+    the ranks themselves, whatever the launcher), one line naming what the node needs and what it has."""
+    available = node.available_bytes()
+    nodes = node.gather_by_node((need, -1 if available is None else available), device=device)
+    verdicts = {key: host_refusal(max(n for n, _ in rows), len(rows),
+                                  None if min(a for _, a in rows) < 0 else min(a for _, a in rows))
+                for key, rows in nodes.items()}
+    why = verdicts[node.node_key()]
+    if why is None and any(verdicts.values()):
+        why = f"{KEY}={HOST!r}: another node has too little host memory for its ranks' states (see its ranks' line)"
+    if why is not None:
+        raise ValueError(why)
+
+
 def install(zo) -> HostStates:
-    """Move the FP8 moments of ZeRO-3 optimizer `zo` (release installed, layouts bound) to pinned host memory."""
+    """Move the FP8 moments of ZeRO-3 optimizer `zo` (release installed, layouts bound) to pinned host memory, to
+    be released by zo.destroy() (engine.destroy() calls it)."""
     opt = zo.optimizer
     masters = list(zo.fp32_partitioned_groups_flat)
     groups = [opt.param_groups[zo.sub_group_to_group_id[i]] for i in range(len(masters))]
     ids = [{id(p) for p in group} for group in zo.fp16_groups]
-    zo._coat_home = HostStates(opt, masters, groups, ids, zo.device, zo.dp_process_group)
-    return zo._coat_home
+    home = zo._coat_home = HostStates(opt, masters, groups, ids, zo.device)
+    destroy = zo.destroy  # DeepSpeed's, bound: called, not re-stated
+
+    def destroy_and_release() -> None:
+        destroy()
+        home.close()
+
+    zo.destroy = destroy_and_release
+    return home
 
 
 def engine_refusal(zo, gradients: str) -> str | None:
