@@ -241,3 +241,26 @@ def test_moe_benchmark_refuses_bad_flags_before_any_model(capsys):
     coat = bench.ds_config("coat", 2)
     assert coat["coat"]["activation"]["enabled"] and coat["train_micro_batch_size_per_gpu"] == 2
     assert bench.SHAPES[bench.MODEL]["model_type"] == "qwen3_moe"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_gpu_bf16_moe_close_to_stock(model_type):
+    """Whole tiny MoE models in bf16 on the GPU (grouped FP8 experts, FP8 attention path of the dense families):
+    loss, logits and gradients near stock's (test_inject's bf16 bounds, gradients as family_cases' MoE bounds:
+    routing flips of near-tied tokens), and a cached greedy continuation equal to a full recompute's."""
+    from harness import assert_close_to_stock
+    shape = dict(hidden_size=256, intermediate_size=256, moe_intermediate_size=128, num_attention_heads=8,
+                 head_dim=32, max_position_embeddings=256)
+    stock = build(model_type, **shape).to("cuda", torch.bfloat16)
+    injected = coat_ds.inject(copy.deepcopy(stock))
+    x = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(0)).cuda()
+    assert_close_to_stock(stock.train(), injected.train(), x, loss_tol=1e-2, logits_tol=0.1, grad_max=0.6,
+                          grad_mean=0.3)
+    model = injected.eval()
+    prompt = x[:1, :16]
+    gen = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, do_sample=False,
+                         output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    with torch.no_grad():
+        full = model(input_ids=gen.sequences).logits
+    assert max(rel_error(logits[0], full[0, 15 + i]) for i, logits in enumerate(gen.logits)) < 0.05
