@@ -94,3 +94,70 @@ def test_layout_single_rank_step_matches_plain_coat_adamw():
     assert torch.equal(st["exp_avg_scale"], torch.cat([s["exp_avg_scale"] for s in ref_st]))
     assert torch.equal(st["exp_avg_q"][:131].view(torch.uint8),
                        torch.cat([s["exp_avg_q"].reshape(-1) for s in ref_st]).view(torch.uint8))
+
+
+# ------------------------------------------------------------------------ DeepSpeed's own keys (deepspeed_keys.py)
+def test_known_top_level_keys_are_what_deepspeeds_parser_reads():
+    """The allowed keys come from DeepSpeed: its parser's reads hold its constants' section names, every key of the
+    shipped configs, and no misspelling."""
+    import json
+
+    from deepspeed.runtime import constants as c
+    from deepspeed.runtime.zero.config import ZERO_OPTIMIZATION
+
+    from coat_ds.deepspeed.deepspeed_keys import _always_read
+    from harness import ROOT
+
+    known = _always_read()
+    assert {c.TRAIN_BATCH_SIZE, c.TRAIN_MICRO_BATCH_SIZE_PER_GPU, c.GRADIENT_ACCUMULATION_STEPS, c.OPTIMIZER,
+            c.SCHEDULER, c.BFLOAT16, c.BFLOAT16_OLD, c.FP16, c.GRADIENT_CLIPPING, ZERO_OPTIMIZATION} <= known
+    assert "zero_optimzation" not in known and "coat" not in known
+    for path in sorted((ROOT / "ds_configs").rglob("*.json")):
+        assert set(json.loads(path.read_text())) - {"coat"} <= known, path
+
+
+def test_hf_auto_values_pass_only_for_hf_trainer():
+    cfg = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
+           "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
+           "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"},
+           "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": "auto"}}}
+    check_config(cfg, hf_auto=True)
+    with pytest.raises(ValueError, match=r"^train_micro_batch_size_per_gpu='auto' is invalid here; allowed: a value"):
+        check_config(cfg)
+    with pytest.raises(ValueError, match=r"^train_micro_batch_size_per_gpu=0 is invalid; allowed: an integer >= 1 "
+                                         r"or \"auto\""):
+        check_config({**cfg, "train_micro_batch_size_per_gpu": 0}, hf_auto=True)
+
+
+def test_deepspeeds_batch_rule_at_the_jobs_world_size():
+    cfg = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}
+    check_config(cfg, world_size=2)
+    with pytest.raises(ValueError, match=r"^DeepSpeed refuses this config: Check batch related parameters.* "
+                                         r"16 != 4 \* 2 \* 1$"):
+        check_config(cfg, world_size=1)
+
+
+def test_an_engine_of_coat_ds_refuses_a_key_deepspeed_would_ignore(tmp_path):
+    """deepspeed.initialize of a config with a "coat" section (or CoatAdamW): the unknown key in one line, before the
+    model is moved or ZeRO built; a config without either is DeepSpeed's alone, which trains on as before."""
+    from harness import run_one_rank_job
+
+    source = '''
+import json, torch, deepspeed
+import coat_ds  # noqa: F401
+model = torch.nn.Linear(8, 8)
+cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimzation": {"stage": 2},
+       "optimizer": {"type": "CoatAdamW", "params": {"lr": 1e-3}}}
+try:
+    deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
+    coat = "accepted"
+except ValueError as e:
+    coat = str(e)
+cfg["optimizer"]["type"] = "AdamW"
+engine, *_ = deepspeed.initialize(model=torch.nn.Linear(8, 8), config=cfg)
+print("RESULT " + json.dumps({"coat": coat, "plain": engine.zero_optimization_stage()}))
+'''
+    r = run_one_rank_job(tmp_path, source)
+    assert r["coat"] == ("zero_optimzation: unknown top-level key, which DeepSpeed would ignore; nearest allowed: "
+                         "'zero_optimization' (allowed: the keys DeepSpeed's config parser reads, and 'coat')"), r
+    assert r["plain"] == 0

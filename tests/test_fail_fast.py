@@ -39,6 +39,27 @@ BAD = [
     ({**_opt(), "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"}}},
      "zero_optimization.offload_optimizer.device='nvme' is invalid with ZeRO-3 and CoatAdamW; allowed: 'cpu' or"),
     ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "fp16.enabled and bf16.enabled are both true"),
+    # DeepSpeed's own keys, by DeepSpeed's parser (coat_ds.deepspeed.deepspeed_keys): before, the first trained
+    # silently at ZeRO-0 and the others failed inside deepspeed.initialize, after the model, as tracebacks
+    ({"zero_optimzation": {"stage": 2}}, "zero_optimzation: unknown top-level key, which DeepSpeed would ignore; "
+                                         "nearest allowed: 'zero_optimization'"),
+    ({"bf16": {"enable": True}}, "bf16.enable: unknown key; allowed keys: ["),
+    ({"train_micro_batch_size_per_gpu": 0}, "train_micro_batch_size_per_gpu=0 is invalid; allowed: an integer >= 1"),
+    ({"gradient_accumulation_steps": 2.5}, "gradient_accumulation_steps=2.5 is invalid; allowed: an integer >= 1"),
+    ({"train_batch_size": 7, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1},
+     "DeepSpeed refuses this config: Check batch related parameters. train_batch_size is not equal to"),
+    ({"fp16": {"loss_scale_windw": 100}}, "fp16.loss_scale_windw: unknown key; allowed keys: ["),
+    ({"fp16": {"initial_scale_power": "high"}}, "fp16.initial_scale_power='high' is invalid; allowed: a valid int"),
+    ({"tensorboard": {"enabeld": True}}, "tensorboard.enabeld: unknown key; allowed keys: ['enabled', "),
+    ({"optimizer": {"type": "AdamW", "param": {}}}, "optimizer.param: unknown key; allowed keys: ['legacy_fusion', "
+                                                    "'params', 'type']; nearest allowed: 'params'"),
+    ({"optimizer": {"type": "AdamX"}}, "optimizer.type='AdamX' is invalid; nearest allowed: 'Adam'; allowed: one of "
+                                       "DeepSpeed's ["),
+    ({"scheduler": {"type": "WarmupCosine"}}, "scheduler.type='WarmupCosine' is invalid; nearest allowed: "
+                                              "'WarmupCosineLR'"),
+    ({"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 10, "warmup_num_step": 2}}},
+     "scheduler.params.warmup_num_step: unknown key; allowed keys: ['cos_min_ratio', "),
+    ({"gradient_clipping": "auto"}, "gradient_clipping='auto' is invalid here; allowed: a value"),
     ({"coat": {"master_weights": "bf16_sr"}, "zero_optimization": {"stage": 2}},
      "coat.master_weights='bf16_sr' needs a bf16 model (\"bf16\": {\"enabled\": true}); this one trains in fp32"),
     ({"coat": {"master_weights": "bf16_sr"}, "bf16": {"enabled": True}},

@@ -3,7 +3,8 @@
 The engine applies the same rules much later (CoatAdamW's params when DeepSpeed builds the optimizer, the
 "coat" section when it wraps the model, ZeRO's section when it builds ZeRO), on every rank, as a traceback.
 check_config runs them first, each rule from its owner: optimizer_type.validate_params, config.coat_section and
-DeepSpeed's own ZeRO config model; plus the combinations DeepSpeed or coat_ds refuse only once running.
+DeepSpeed's own parser for every DeepSpeed key (deepspeed_keys.py: unknown keys, bad values); plus the combinations
+DeepSpeed or coat_ds refuse only once running.
 check_tag tells whether a saved checkpoint tag is complete without reading its tensors.
 """
 from __future__ import annotations
@@ -12,10 +13,9 @@ import dataclasses
 import glob
 import os
 import re
-import typing
 from typing import Any, Mapping
 
-from ..keys import unknown_key
+from . import deepspeed_keys
 from .checkpoint.files import MODEL_FILE, CheckpointError, model_file, per_rank, torch_load
 from .config import SECTION, CoatSection, coat_section
 from .optimizer_type import NAME, validate_params
@@ -23,18 +23,20 @@ from .zero.gradients import config_refusal as gradients_refusal
 from .zero.states import config_refusal as states_refusal
 from .zero.master import config_refusal
 
-AUTO = "auto"  # HF Trainer / accelerate fill "auto" values themselves
+AUTO = deepspeed_keys.AUTO
 
 
-def check_config(cfg: Any, *, hf_auto: bool = False) -> None:
-    """Raise ValueError, one line naming the key and what is allowed, if DeepSpeed + coat_ds would refuse
-    `cfg`. With `hf_auto`, "auto" values are left to HF Trainer / accelerate, which fill them."""
+def check_config(cfg: Any, *, hf_auto: bool = False, world_size: int | None = None) -> None:
+    """Raise ValueError, one line naming the key and what is allowed, if DeepSpeed + coat_ds would refuse `cfg` or
+    DeepSpeed would ignore one of its keys. With `hf_auto`, "auto" values are left to HF Trainer / accelerate,
+    which fill them; `world_size`: the job's, for DeepSpeed's batch rule (default: the launcher's WORLD_SIZE)."""
     if not isinstance(cfg, Mapping):
         raise ValueError(f"the DeepSpeed config is a {type(cfg).__name__}; allowed: a JSON object")
     coat_opt = _check_optimizer(cfg.get("optimizer"), hf_auto)
     _check_coat(cfg, hf_auto)
-    _check_zero(cfg.get("zero_optimization"), coat_opt)
     _check_precision(cfg)
+    deepspeed_keys.check(cfg, hf_auto=hf_auto, world_size=world_size, ours=(SECTION,))
+    _check_zero(cfg.get("zero_optimization"), coat_opt)
 
 
 def _check_optimizer(opt: Any, hf_auto: bool) -> bool:
@@ -70,43 +72,17 @@ def _check_coat(cfg: Mapping, hf_auto: bool) -> None:
 
 
 def _check_zero(zero: Any, coat_opt: bool) -> None:
-    """DeepSpeed's own ZeRO config model, then what CoatAdamW cannot run."""
-    if zero is None or isinstance(zero, bool):  # a bool is DeepSpeed's deprecated form; it reads it itself
+    """What CoatAdamW cannot run of a ZeRO section DeepSpeed's own model accepted (deepspeed_keys.check)."""
+    if not isinstance(zero, Mapping):   # absent, or a bool: DeepSpeed's deprecated form, read by DeepSpeed itself
         return
-    if not isinstance(zero, Mapping):
-        raise ValueError(f"zero_optimization={zero!r} is invalid; allowed: an object of DeepSpeed's ZeRO keys")
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
-    from pydantic import ValidationError
 
-    try:
-        z = DeepSpeedZeroConfig(**zero)
-    except ValidationError as exc:
-        raise ValueError(_pydantic_line("zero_optimization", DeepSpeedZeroConfig, exc.errors()[0])) from None
+    z = DeepSpeedZeroConfig(**zero)
     device = getattr(z.offload_optimizer, "device", None)
     if coat_opt and int(z.stage) == 3 and str(getattr(device, "value", device)) == "nvme":
         raise ValueError(f"zero_optimization.offload_optimizer.device='nvme' is invalid with ZeRO-3 and {NAME}; "
                          "allowed: 'cpu' or 'none' (DeepSpeed's NVMe swapper keeps every optimizer state as fp32 "
                          "of its parameter's size; FP8 codes and per-group scales are not)")
-
-
-def _pydantic_line(prefix: str, model: type, err: dict) -> str:
-    """One pydantic error as `key=value is invalid; allowed: ...` (unknown keys: the keys allowed there)."""
-    key = ".".join(str(part) for part in (prefix, *err["loc"]))
-    if err["type"] == "extra_forbidden":
-        return unknown_key(".".join(str(part) for part in (prefix, *err["loc"][:-1])), err["loc"][-1],
-                           _fields(model, err["loc"][:-1]))
-    cause = (err.get("ctx") or {}).get("error")
-    msg = (str(cause) if cause is not None else err["msg"]).replace("Input should be ", "allowed: ")
-    return f"{key}={err['input']!r} is invalid; {msg}" if err["loc"] else f"{key}: {msg}"
-
-
-def _fields(model: type, path: tuple) -> list[str]:
-    """The current (not deprecated) keys of the pydantic model reached from `model` along `path`."""
-    for name in path:
-        ann = next(f for n, f in model.model_fields.items() if name in (n, f.alias)).annotation
-        model = next(a for a in (ann, *typing.get_args(ann)) if isinstance(a, type) and hasattr(a, "model_fields"))
-    return sorted(f.alias or n for n, f in model.model_fields.items()
-                  if not (f.json_schema_extra or {}).get("deprecated"))
 
 
 def _check_precision(cfg: Mapping) -> None:

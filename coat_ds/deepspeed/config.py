@@ -11,12 +11,15 @@ DeepSpeed ignores top-level keys it does not know; after `import coat_ds` its en
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 from ..activation import ActivationConfig
 from ..activation.loss import LossConfig
 from ..keys import unknown_key
+from . import deepspeed_keys
+from .optimizer_type import NAME
 from .zero import gradients as _gradients
 from .zero import states as _states
 from .zero.master import check_master_weights
@@ -59,6 +62,19 @@ def coat_section(config: Mapping[str, Any] | None) -> CoatSection:
     return CoatSection.from_dict((config or {}).get(SECTION))
 
 
+_CHECKED: "weakref.WeakSet" = weakref.WeakSet()   # the engines' DeepSpeedConfigs whose keys were checked
+
+
 def engine_section(engine) -> CoatSection:
-    """The "coat" section of a DeepSpeed engine's config."""
-    return coat_section(engine._config._param_dict)
+    """The "coat" section of a DeepSpeed engine's config. At the first call for an engine that runs coat_ds (a "coat"
+    section or CoatAdamW; engine.py calls it first in `_configure_distributed_model`, before the model is moved or
+    ZeRO is built), DeepSpeed's keys of the config are checked too: DeepSpeed's parser has accepted them, but it
+    ignores a top-level key it does not know ("zero_optimzation") and leaves the scheduler's params to the
+    scheduler (deepspeed_keys.check, one line)."""
+    cfg = engine._config._param_dict
+    if engine._config not in _CHECKED:
+        _CHECKED.add(engine._config)
+        opt = cfg.get("optimizer")
+        if SECTION in cfg or (isinstance(opt, Mapping) and opt.get("type") == NAME):
+            deepspeed_keys.check(cfg, hf_auto=True, world_size=engine._config.world_size, ours=(SECTION,))
+    return coat_section(cfg)
