@@ -264,3 +264,16 @@ def test_gpu_bf16_moe_close_to_stock(model_type):
     with torch.no_grad():
         full = model(input_ids=gen.sequences).logits
     assert max(rel_error(logits[0], full[0, 15 + i]) for i, logits in enumerate(gen.logits)) < 0.05
+
+
+def test_qwen3_30b_a3b_shape_builds_and_injects():
+    """coat_ds.workloads.shapes' Qwen3-30B-A3B (what the benchmark and the planner mean by it), built as the main job
+    builds shapes (from_shape; on the meta device: no memory): 30.53B parameters as published, every layer swapped."""
+    from coat_ds.workloads.causal_lm import from_shape
+    from coat_ds.workloads.shapes import SHAPES
+    model = from_shape(SHAPES["qwen3-30b-a3b"], 0, device="meta")
+    assert type(model).__name__ == "Qwen3MoeForCausalLM"
+    assert sum(p.numel() for p in model.parameters()) == 30_532_122_624
+    assert model.model.layers[0].mlp.experts.gate_up_proj.shape == (128, 2 * 768, 2048)
+    coat_ds.inject(model)
+    assert all(isinstance(layer, CoatDecoderLayer) for layer in model.model.layers)
