@@ -136,10 +136,11 @@ def _per_tensor(x: Tensor, fmt: FP8Format) -> tuple[Tensor, Tensor]:
 
 
 def _unsort_sum(rows: Tensor, order: Tensor, k: int) -> Tensor:
-    """Per token, the sum of its k pair rows (sorted by expert), fp32: deterministic (no atomics), as HF sums."""
+    """Per token, the sum of its k pair rows (sorted by expert), accumulated in fp32: deterministic (no atomics),
+    as HF sums; the rows stay in their dtype (an fp32 copy of [tokens x k, hidden] would be 2 GB at 32k tokens)."""
     out = torch.empty_like(rows)
     out[order] = rows
-    return out.view(-1, k, rows.shape[-1]).sum(dim=1)
+    return out.view(-1, k, rows.shape[-1]).sum(dim=1, dtype=torch.float32)
 
 
 # ---------------------------------------------------------------------------------------------- the Function
@@ -162,7 +163,7 @@ class ExpertsFn(Function):
         a = quant.silu_mul_rebuild(q, s, a_s, fwd, g, act=act)[0]
         y = fp8_grouped_linear(a, a_s, *expert_codes(down, fwd), offs, x.dtype)
         w = top_k_weights.reshape(-1)[order]
-        out = _unsort_sum(y.float() * w.float()[:, None], order, k).to(x.dtype)
+        out = _unsort_sum(y * w.to(y.dtype)[:, None], order, k).to(x.dtype)
         ctx.save_for_backward(xq, xs, q, s, a_s, order, offs, w)
         ctx.cfg, ctx.act, ctx.k, ctx.experts = cfg, act, k, experts
         ctx.dtypes = x.dtype, top_k_weights.dtype
@@ -188,7 +189,7 @@ class ExpertsFn(Function):
         dgu = _dequant(quant.quant_tensor(dgu, dgs, bwd)[0], dgs, dt)
         dx_pairs = grouped_mm(dgu, _dequant(*expert_codes(gate_up, fwd), dt), offs)   # [S, H]
         dgate_up = grouped_mm_t(dgu, _dequant(_rows(xq, tok), xs, dt), offs)                # [E, 2I, H]
-        dx = _unsort_sum(dx_pairs.float(), order, k).to(dtype)
+        dx = _unsort_sum(dx_pairs, order, k).to(dtype)
         dweights = torch.empty_like(dw)
         dweights[order] = dw
         return (dx, None, dweights.view(-1, k).to(w_dtype), None, None, None, dgate_up.to(gate_up.dtype),
