@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))          # coat_
 from coat_ds.workloads import data as data_lib  # noqa: E402
 from coat_ds.workloads.causal_lm import (MODEL_SIZES, build_model, default_allocator, initialize,  # noqa: E402
                                        lm_loss, model_size_names, set_single_process_env)
-from coat_ds.workloads.cli import check_ds_config, read_ds_config, refuse  # noqa: E402
+from coat_ds.workloads.cli import Parser, check_ds_config, check_model, fail, read_ds_config, refuse  # noqa: E402
 from coat_ds.workloads.learning_rate import warn_pretraining_rate  # noqa: E402
 
 # ------------------------------------------------------------------------------------------------------------
@@ -48,8 +48,7 @@ DEFAULTS = dict(
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = Parser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--deepspeed", "--deepspeed_config", dest="deepspeed", metavar="JSON",
                    help="DeepSpeed config (optimizer, ZeRO, precision, the coat section)")
     p.add_argument("--model", help="HF model name or path to fine-tune (default: a Llama built from --model-size)")
@@ -133,10 +132,8 @@ def save_checkpoint(engine, ckpt_dir: Path, step: int, client_state: dict, keep_
 
     try:
         path = Path(save_atomically(engine, str(ckpt_dir), f"step{step:07d}", client_state))
-    except CheckpointSaveError as e:
-        if engine.global_rank == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(1) from None
+    except CheckpointSaveError as e:   # the same on every rank: rank 0 says it, under the progress bar
+        fail(str(e))
     if writer(engine):
         old = sorted(d for d in ckpt_dir.glob("step*") if d.is_dir() and not d.name.endswith(".tmp"))
         for d in old[:-keep_last]:
@@ -256,6 +253,7 @@ def print_summary(s: dict) -> None:
 def load_inputs(args: argparse.Namespace, ds_config: dict | None = None):
     """Data and model, on the host (under ZeRO-3 partitioned over the ranks as it is built): bad inputs fail here,
     before any device memory is touched."""
+    check_model(args.model)
     try:
         if args.model:
             from transformers import AutoConfig
@@ -263,12 +261,12 @@ def load_inputs(args: argparse.Namespace, ds_config: dict | None = None):
         else:
             model_vocab = None
     except (OSError, ValueError) as e:
-        raise SystemExit(f"error: --model {args.model}: cannot load its config ({e})") from None
+        refuse(f"--model {args.model}: cannot load its config ({str(e).strip().splitlines()[0]})")
     try:
         tokens = data_lib.load(args.data, args.seq_len, tokenizer=args.model, vocab_size=args.vocab_size,
                                data_dtype=args.data_dtype, model_vocab=model_vocab)
     except data_lib.DataError as e:
-        raise SystemExit(f"error: {e}") from None
+        refuse(str(e))
     return tokens, build_model(args, tokens.vocab_size, args.seq_len, ds_config)
 
 
@@ -317,7 +315,7 @@ def resume(run: Run, tag: str | None) -> int:
     except CheckpointError as e:  # what check_tag cannot see (e.g. another optimizer's states)
         refuse(unusable(run.ckpt_dir, tag, e))
     if load_path is None:
-        raise SystemExit(f"error: --resume: DeepSpeed found no loadable checkpoint in {run.ckpt_dir}")
+        refuse(f"--resume: DeepSpeed found no loadable checkpoint in {run.ckpt_dir}")
     if client.get("data") != run.data_key:
         print(f"warning: resuming with a different seed/seq-len/batch/world size than the checkpoint "
               f"({client.get('data')}); the data order will differ", file=sys.stderr)
@@ -416,7 +414,7 @@ def train(run: Run, start: int, stop: dict) -> tuple[int, Path | None, bool]:
         if run.rank == 0:
             log_step(run, step, mean_loss, dt, accel.max_memory_allocated() / 2**30, bar)
         if not math.isfinite(mean_loss):
-            raise SystemExit(f"error: the loss became {mean_loss} at step {step}; lower --lr or check the data")
+            fail(f"the loss became {mean_loss} at step {step}; lower --lr or check the data")
         if args.eval_every and step % args.eval_every == 0 and step < args.steps:
             evaluate(run, step)
         if args.save_every and step % args.save_every == 0 and step < args.steps and not stopping:
@@ -448,9 +446,10 @@ def run_info(run: Run, ds_config: dict, n_params: int, tokens, **rest) -> dict:
 def print_plan(args: argparse.Namespace, ds_config: dict) -> None:
     """--plan: coat_ds.plan's table for this job (model, config, seq, micro-batch, world size), on rank 0."""
     import torch
+    from coat_ds.node import launcher_local_ranks
     from coat_ds.plan import GPUS, GIB, PlanError, report
 
-    world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    world, local = int(os.environ.get("WORLD_SIZE", "1")), launcher_local_ranks()  # any launcher's variable
     on_gpu = torch.cuda.is_available()
     memory = torch.cuda.get_device_properties(0).total_memory if on_gpu else GPUS["h100"] * GIB
     # what build_model gives it: the data's vocabulary (a public shape keeps its own)
@@ -476,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     warn_pretraining_rate(args.model, ds_config)   # a trained model at a pretraining rate: one line, before loading it
     tag = resume_tag(args, Path(args.save_dir) / "checkpoints")  # None: a fresh run
     if args.export and Path(args.export).is_file():
-        raise SystemExit(f"error: --export {args.export}: is a file; give a directory")
+        refuse(f"--export {args.export}: is a file; give a directory")
     tokens, model = load_inputs(args, ds_config)
 
     import deepspeed

@@ -118,7 +118,8 @@ def test_a_real_cgroup_limit_is_read(tmp_path):
         (child / ("memory.limit_in_bytes" if (parent / "memory.limit_in_bytes").exists() else "memory.max")
          ).write_text(str(limit))
     except OSError as e:
-        child.rmdir() if child.exists() else None
+        if child.exists():
+            child.rmdir()
         pytest.skip(f"cannot make a memory cgroup here: {e}")
     try:
         code = "from coat_ds import node; print(node.cgroup_available(), node.meminfo_available())"
@@ -131,3 +132,14 @@ def test_a_real_cgroup_limit_is_read(tmp_path):
         child.rmdir()
     assert 0 < room < limit - 20 * 2**20, out.stdout  # python and torch use more than 20 MiB of it
     assert meminfo > limit
+
+
+def test_train_plan_reads_the_deepspeed_launchers_node_size():
+    """`examples/train.py --plan` as a rank of `deepspeed` sees it (LOCAL_SIZE, no LOCAL_WORLD_SIZE): 8 ranks are
+    2 nodes of 4, not 8 nodes of 1."""
+    env = child_env(WORLD_SIZE="8", LOCAL_SIZE="4", RANK="0")
+    env.pop("LOCAL_WORLD_SIZE", None)
+    out = subprocess.run([sys.executable, "examples/train.py", "--plan", "--model-size", "1b", "--seq-len", "2048",
+                          "--micro-batch", "8"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "ZeRO-2 on 8 GPU(s) (2 node(s) x 4)" in out.stdout, out.stdout
