@@ -13,7 +13,8 @@ The routing weights' gradient is <act(gate) up, dy W_down> per (token, expert) p
 
 grouped_mm: CUDA with FP8 grouped GEMMs (Hopper) and E4M3 operands: torch._scaled_grouped_mm with row-wise
 scales; other CUDA calls (backward's E5M2, other GPUs, fp32 models): torch._grouped_mm on the dequantized
-operands (FP8 values times powers of two are exact in bf16, accumulation fp32: the same products); the CPU:
+operands (FP8 values times powers of two are exact in bf16, accumulation fp32: the same products; with
+bwd_format "e4m3" the gate/up input-gradient GEMM takes the FP8 kernel too); the CPU:
 the plain-PyTorch reference below, per group in fp32, which is the source of truth the GPU paths are tested
 against."""
 from __future__ import annotations
@@ -186,9 +187,11 @@ class ExpertsFn(Function):
         dgu, amax = quant.silu_mul_backward((gd * w.to(gd.dtype)[:, None]).to(dtype), q, s, g, ctx.act)
         del gd
         dgs = quant.tensor_scale(amax, bwd)
-        dgu = _dequant(quant.quant_tensor(dgu, dgs, bwd)[0], dgs, dt)
-        dx_pairs = grouped_mm(dgu, _dequant(*expert_codes(gate_up, fwd), dt), offs)   # [S, H]
-        dgate_up = grouped_mm_t(dgu, _dequant(_rows(xq, tok), xs, dt), offs)                # [E, 2I, H]
+        dgq = quant.quant_tensor(dgu, dgs, bwd)[0]
+        wq, ws = expert_codes(gate_up, fwd)   # dgu @ gate_up_e: an FP8 grouped GEMM where bwd_format is E4M3
+        dx_pairs = fp8_grouped_linear(dgq, dgs, wq.transpose(1, 2).contiguous(), ws, offs, dtype)   # [S, H]
+        del wq
+        dgate_up = grouped_mm_t(_dequant(dgq, dgs, dt), _dequant(_rows(xq, tok), xs, dt), offs)   # [E, 2I, H]
         dx = _unsort_sum(dx_pairs, order, k).to(dtype)
         dweights = torch.empty_like(dw)
         dweights[order] = dw
