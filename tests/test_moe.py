@@ -279,3 +279,23 @@ def test_qwen3_30b_a3b_shape_builds_and_injects():
     assert model.model.layers[0].mlp.experts.gate_up_proj.shape == (128, 2 * 768, 2048)
     coat_ds.inject(model)
     assert all(isinstance(layer, CoatDecoderLayer) for layer in model.model.layers)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_mode_linear_and_recompute(model_type):
+    """Mode linear (stock norms; the experts as in mode full) stays near stock; coat.activation.checkpoint's
+    recompute replays the router and the grouped FP8 GEMMs exactly: the same gradients, bit for bit."""
+    from family_cases import BOUNDS
+    from harness import assert_close_to_stock
+    stock = build(model_type).train()
+    assert_close_to_stock(stock, coat_ds.inject(copy.deepcopy(stock), {"mode": "linear"}).train(),
+                          torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1)),
+                          **BOUNDS[model_type])
+    x = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(2))
+    grads = []
+    for checkpoint in (False, True):
+        model = coat_ds.inject(build(model_type), {"checkpoint": checkpoint}).train()
+        model(input_ids=x, labels=x).loss.backward()
+        grads.append([p.grad for p in model.parameters()])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
