@@ -11,7 +11,7 @@ import torch
 
 import coat_ds
 from coat_ds.activation import ActivationConfig
-from coat_ds.activation.experts import ExpertsFn, expert_codes
+from coat_ds.activation.experts import ExpertsFn
 from coat_ds.hf import CoatDecoderLayer
 from coat_ds.hf.swap import apply
 from coat_ds.kernels import quant_reference as R
@@ -77,8 +77,8 @@ class _GatedAct(torch.autograd.Function):
 
 
 def _fake_experts(w, fmt):
-    codes, scale = expert_codes(w, fmt)
-    return _ste(w, codes.float() * scale[:, None, None])
+    """Each expert's weights through quant_reference's per-tensor quantizer (one power-of-two scale an expert)."""
+    return _ste(w, torch.stack([_per_tensor(we.detach(), fmt) for we in w]))
 
 
 def reference(x, index, weights, block, cfg=CFG):
