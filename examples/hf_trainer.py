@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # coat_ds from 
 
 from coat_ds.workloads import data as data_lib  # noqa: E402
 from coat_ds.workloads.causal_lm import MODEL_SIZES, build_model  # noqa: E402
-from coat_ds.workloads.cli import check_ds_config, read_ds_config  # noqa: E402
+from coat_ds.workloads.cli import Parser, check_ds_config, check_model, read_ds_config, refuse  # noqa: E402
 
 
 class Windows:
@@ -79,7 +79,7 @@ def training_arguments(ds_config: dict, args: argparse.Namespace):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = Parser(description=__doc__.split("\n")[0])
     p.add_argument("--deepspeed", default="ds_configs/zero2_coat.json", help="DeepSpeed JSON config")
     p.add_argument("--model", help="HF model name or path (default: a Llama built from --model-size)")
     p.add_argument("--model-size", default="small", choices=list(MODEL_SIZES))
@@ -95,11 +95,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     ds_config = check_ds_config(read_ds_config(args.deepspeed), hf_auto=True)  # one line, before model or data
+    check_model(args.model)
     try:
         tokens = data_lib.load(args.data, args.seq_len, tokenizer=args.model, vocab_size=args.vocab_size,
                                data_dtype=args.data_dtype)
     except data_lib.DataError as e:
-        raise SystemExit(f"error: {e}") from None
+        refuse(str(e))
     model = build_model(argparse.Namespace(model=args.model, model_size=args.model_size, seed=args.seed),
                         tokens.vocab_size, args.seq_len)
 

@@ -253,7 +253,6 @@ def print_summary(s: dict) -> None:
 def load_inputs(args: argparse.Namespace, ds_config: dict | None = None):
     """Data and model, on the host (under ZeRO-3 partitioned over the ranks as it is built): bad inputs fail here,
     before any device memory is touched."""
-    check_model(args.model)
     try:
         if args.model:
             from transformers import AutoConfig
@@ -469,6 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     default_allocator()
     args = parse_args(argv)
     ds_config = load_ds_config(args)
+    check_model(args.model)   # a --model path that is not a folder, said as such (not as a hub id HF cannot parse)
     if args.plan:
         print_plan(args, ds_config)
         return 0
