@@ -184,7 +184,7 @@ class ExpertsFn(Function):
         a = _dequant(quant.silu_mul_rebuild(q, s, a_s, fwd, g, act=ctx.act)[0], a_s, dt)
         gd = grouped_mm(dy, _dequant(*expert_codes(down, fwd), dt), offs)   # dy @ down_e: [S, I]
         dw = (a.float() * gd.float()).sum(dim=1)                         # d routing weight of each pair
-        ddown = grouped_mm_t(dy * w.to(dt)[:, None], a, offs)            # [E, H, I]
+        ddown = grouped_mm_t(dy, a * w.to(dt)[:, None], offs)            # [E, H, I]; w on the narrower operand
         del dy, a
         dgu, amax = quant.silu_mul_backward((gd * w.to(gd.dtype)[:, None]).to(dtype), q, s, g, ctx.act)
         del gd
