@@ -8,8 +8,9 @@ indices and weights (routing itself stays bf16/fp32, outside), with COAT's FP8 f
             kept (a layer's experts are 0.4 GB even in FP8 at Qwen3-30B-A3B)
   gate/up   its output saved in FP8 per 1 x G group (as MlpFn); act(gate) * up rebuilt from it as the down
             GEMM's E4M3 per-tensor operand
-  gradients the output gradient and d[gate | up] in bwd_format (E5M2) per tensor
-The routing weights' gradient is <act(gate) up, dy W_down> per (token, expert) pair: no extra GEMM.
+  gradients d[gate | up] in bwd_format (E5M2) per tensor; the output gradient stays bf16 in the down projection's
+            backward GEMMs, which read the routing weights' gradient <act(gate) up, dy W_down> per (token, expert)
+            pair (no extra GEMM) from it: in E5M2 it put ~30% error into the router's gradient (tiny Mixtral)
 
 grouped_mm: CUDA with FP8 grouped GEMMs (Hopper) and E4M3 operands: torch._scaled_grouped_mm with row-wise
 scales; other CUDA calls (backward's E5M2, other GPUs, fp32 models): torch._grouped_mm on the dequantized
