@@ -1,22 +1,27 @@
-"""coat_ds.deepspeed.watchdog in one process: a Watchdog for rank 0 on a real TCPStore, its peer (rank 1) played by
-hand through the store (a silent counter, a failure mark, a process that ends), the verdict caught instead of
-ending the process. tests/launched/test_lost_rank.py kills real ranks of the main job."""
+"""coat_ds.deepspeed.watchdog: a Watchdog for rank 0 on a real TCPStore, its peer (rank 1) played by hand through the
+store (a silent counter, a failure mark, a process that ends or is frozen) or a real process whose main thread holds
+the GIL, the verdict caught instead of ending the process; the heartbeat process (pulse) against a real process
+that runs, stops and ends. tests/launched/test_lost_rank.py kills, freezes and starves real ranks of jobs."""
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from dataclasses import asdict
 from datetime import timedelta
 
+import psutil
 import pytest
 import torch.distributed as dist
 
 from coat_ds.deepspeed import watchdog
-from coat_ds.deepspeed.watchdog import Peer, Watchdog, start_time
+from coat_ds.deepspeed.watchdog import Peer, Watchdog, start_pulse, start_time
+from harness import child_env
 
 HOST = socket.gethostname()
 
@@ -53,6 +58,7 @@ def play_peer(master, node: str = "1", pid: int = 4242, start: str = "") -> dist
     peer = client(master)
     peer.set("coat_ds/watchdog/peer/1", json.dumps(asdict(Peer(1, node, HOST, 0, pid, start))))
     peer.set("coat_ds/watchdog/beat/1", "0")
+    peer.set("coat_ds/watchdog/state/1", "up")
     return peer
 
 
@@ -80,7 +86,7 @@ def test_a_silent_peer_is_lost_after_the_timeout_and_named(store):
                      "every rank stops (exit 1); resume with --resume"], lines
     assert 1.0 <= took < 3.0
     assert dog.verdict.gone == (1,)
-    assert store.get("coat_ds/watchdog/beat/0").startswith(b"stopping:")   # the others stop with this verdict
+    assert store.get("coat_ds/watchdog/state/0").startswith(b"stopping:")   # the others stop with this verdict
 
 
 def test_a_beating_or_finished_peer_is_not_lost(store):
@@ -90,18 +96,18 @@ def test_a_beating_or_finished_peer_is_not_lost(store):
     for i in range(12):   # 1.2 s of beats
         peer.set("coat_ds/watchdog/beat/1", str(i + 1))
         time.sleep(0.1)
-    peer.set("coat_ds/watchdog/beat/1", "done")
+    peer.set("coat_ds/watchdog/state/1", "done")
     time.sleep(1.0)
     dog.stop()
     assert lines == [] and dog.verdict is None
-    assert store.get("coat_ds/watchdog/beat/0") == b"done"
+    assert store.get("coat_ds/watchdog/state/0") == b"done"
 
 
 def test_a_failed_peer_is_reported_with_its_error(store):
     peer = play_peer(store)
     dog, lines = rank0(store, timeout=60)
     dog.start()
-    peer.set("coat_ds/watchdog/beat/1", "failed:OutOfMemoryError: CUDA out of memory")
+    peer.set("coat_ds/watchdog/state/1", "failed:OutOfMemoryError: CUDA out of memory")
     wait_for(lines, 5)
     assert lines and lines[0].startswith("error: rank 1 (node 1, local rank 0, host ") and \
         " failed: OutOfMemoryError: CUDA out of memory; every rank stops (exit 1)" in lines[0], lines
@@ -113,12 +119,12 @@ def test_a_failure_on_every_rank_at_once_is_not_reported(store):
     peer = play_peer(store)
     dog, lines = rank0(store, timeout=60)
     dog.start()
-    peer.set("coat_ds/watchdog/beat/1", "failed:exit 1")
+    peer.set("coat_ds/watchdog/state/1", "failed:exit 1")
     time.sleep(0.2)
     dog.stop(failure="exit 1")
     time.sleep(0.5)
     assert lines == []
-    assert store.get("coat_ds/watchdog/beat/0") == b"failed:exit 1"
+    assert store.get("coat_ds/watchdog/state/0") == b"failed:exit 1"
 
 
 def test_a_peer_process_that_ends_on_this_node_is_lost_at_once(store):
@@ -181,7 +187,7 @@ def test_a_verdict_published_by_another_rank_is_adopted_and_its_node_prints_once
     line = "error: rank 2 (node 1, ...) was lost: its process ended; every rank stops (exit 1)"
     dog, lines = rank0(store, timeout=60)
     dog.start()
-    peer.set("coat_ds/watchdog/beat/1", "stopping:" + json.dumps({"line": line, "gone": [2]}))
+    peer.set("coat_ds/watchdog/state/1", "stopping:" + json.dumps({"line": line, "gone": [2]}))
     wait_for(lines, 5)
     assert lines == [line]
 
@@ -197,6 +203,7 @@ def test_rank_0s_store_gone_is_reported_as_rank_0_lost():
                                timeout=timedelta(seconds=5))
         master.set("coat_ds/watchdog/peer/0", json.dumps(asdict(Peer(0, "0", "elsewhere", 0, 4242, ""))))
         master.set("coat_ds/watchdog/beat/0", "0")
+        master.set("coat_ds/watchdog/state/0", "up")
         lines: list = []
         dog = Watchdog(client(master), 1, 2, 1.0, on_verdict=lines.append, interval=0.1,
                        store_address=f"127.0.0.1:{port}")
@@ -209,3 +216,176 @@ def test_rank_0s_store_gone_is_reported_as_rank_0_lost():
     assert lines and lines[0].startswith("error: rank 0 (node 0, local rank 0, host elsewhere, pid 4242) was lost: "
                                          f"the job's store it hosts (127.0.0.1:{port}) stopped answering for "), lines
     assert dog.verdict.gone == (0,)
+
+
+def sleeper() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+
+
+def test_a_frozen_peer_on_this_node_is_ended_with_the_verdict(store):
+    """A stopped rank on this node (SIGSTOP) is lost after the timeout, as before, and is now ended (SIGKILL): a
+    stopped process ignores the SIGTERM of DeepSpeed's launcher, which then waits 30 s before its SIGKILL."""
+    proc = sleeper()
+    try:
+        play_peer(store, node=HOST, pid=proc.pid, start=start_time(proc.pid))
+        proc.send_signal(signal.SIGSTOP)
+        dog, lines = rank0(store, timeout=0.5)
+        dog.start()
+        wait_for(lines, 10)
+        proc.wait(timeout=5)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert lines and "was lost: no heartbeat for 1 s; every rank stops (exit 1)" in lines[0], lines
+    assert dog.verdict.silent == (1,) and proc.returncode == -signal.SIGKILL
+
+
+def test_a_silent_peer_on_another_node_is_not_signalled(store):
+    """Only a rank of this node is ended: the pid a rank on another node published is not this node's."""
+    proc = sleeper()
+    try:
+        play_peer(store, node="1", pid=proc.pid, start=start_time(proc.pid))
+        dog, lines = rank0(store, timeout=0.5)
+        dog.start()
+        wait_for(lines, 10)
+        time.sleep(0.3)
+        assert lines and proc.poll() is None
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_rank_0_ended_on_this_node_is_named_without_a_call_to_its_store(capfd):
+    """Rank 1's view when rank 0, on this node, is killed: the store went with it, and every call to it printed a
+    page of torch's C++ warnings (TCPStore.cpp, a stack of 20 frames) before the line; /proc says it first now."""
+    host = subprocess.Popen([sys.executable, "-c", "import time, torch.distributed as d; "
+                             "s = d.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False); "
+                             "print(s.port, flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(host.stdout.readline())
+        master = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                               timeout=timedelta(seconds=5))
+        master.set("coat_ds/watchdog/peer/0",
+                   json.dumps(asdict(Peer(0, HOST, HOST, 0, host.pid, start_time(host.pid)))))
+        master.set("coat_ds/watchdog/beat/0", "0")
+        master.set("coat_ds/watchdog/state/0", "up")
+        lines: list = []
+        dog = Watchdog(client(master), 1, 2, 60, on_verdict=lines.append, interval=0.1)
+        _STARTED.append(dog.start())
+        time.sleep(0.3)
+        host.kill()
+        wait_for(lines, 10)
+        dog.stop()
+    finally:
+        host.kill()
+        host.wait()
+    assert lines and lines[0].startswith(f"error: rank 0 (node {HOST}, local rank 0, host {HOST}, pid {host.pid}) "
+                                         "was lost: its process ended;"), lines
+    err = capfd.readouterr().err
+    assert "TCPStore" not in err and "Exception raised from" not in err, err[-3000:]
+
+
+def beats(store, rank: int) -> int:
+    return int(store.get(f"coat_ds/watchdog/beat/{rank}"))
+
+
+def wait_connected(pid: int, port: int, seconds: float = 120) -> None:
+    """Until process `pid` holds a TCP connection to `port` (a pulse, once it has imported torch)."""
+    t0 = time.monotonic()
+    proc = psutil.Process(pid)
+    while not any(c.raddr and c.raddr.port == port for c in proc.net_connections("tcp")):
+        assert proc.status() != psutil.STATUS_ZOMBIE and time.monotonic() - t0 < seconds, "the pulse never connected"
+        time.sleep(0.1)
+
+
+def test_the_pulse_beats_while_its_process_runs_not_while_stopped_and_ends_with_it(store):
+    proc = sleeper()
+    pulse = start_pulse("127.0.0.1", store.port, 1, proc.pid, start_time(proc.pid), 0.1)
+    try:
+        wait_connected(pulse.pid, store.port)
+        time.sleep(0.5)
+        first = beats(store, 1)
+        time.sleep(0.5)
+        assert beats(store, 1) >= first + 3                 # it runs: beats
+        proc.send_signal(signal.SIGSTOP)
+        time.sleep(0.3)
+        stopped = beats(store, 1)
+        time.sleep(0.6)
+        assert beats(store, 1) == stopped                   # frozen: silent
+        proc.send_signal(signal.SIGCONT)
+        time.sleep(0.5)
+        assert beats(store, 1) >= stopped + 2
+        proc.kill()
+        proc.wait()
+        pulse.wait(timeout=5)                               # it ended: the pulse goes
+    finally:
+        proc.kill()
+        proc.wait()
+        pulse.kill()
+        pulse.wait()
+    assert pulse.returncode == 0
+
+
+# rank 1 of the job, on its own: a Watchdog (with its pulse, or without: the watchdog before the pulse), then its
+# main thread in a C call that keeps the GIL for HOLD_S (ctypes.PyDLL: the call is made with the GIL held), timed by a
+# thread that ticks every 50 ms. What holds the GIL in a real job: torch 2.13 releases it while torch.save writes a
+# storage to a file (2 GiB: the ticks never stopped for more than 0.07 s), not while it copies one into a buffer
+# (1 GiB: 1.5 s on a quiet 2-core machine, 9 s on a busy one; tests/launched/test_lost_rank.py saves 2 GiB so)
+HOLD_S = 2.0
+RANK1 = textwrap.dedent("""
+    import ctypes, sys, threading, time
+    from datetime import timedelta
+    import torch.distributed as dist
+    from coat_ds.deepspeed.watchdog import Watchdog
+    port, hold_s, with_pulse = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3] == "1"
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=5))
+    dog = Watchdog(store, 1, 2, 60, on_verdict=print, interval=0.1,
+                   address=("127.0.0.1", port) if with_pulse else None).start()
+    print("ready", dog.pulse.pid if dog.pulse else 0, flush=True)
+    sys.stdin.readline()
+    ticks = [time.monotonic()]
+    done = threading.Event()
+    def tick():
+        while not done.wait(0.05):
+            ticks.append(time.monotonic())
+    threading.Thread(target=tick, daemon=True).start()
+    time.sleep(0.2)
+    ctypes.PyDLL(None).usleep(int(hold_s * 1e6))
+    time.sleep(0.2)
+    done.set()
+    print("held", max(b - a for a, b in zip(ticks, ticks[1:])), flush=True)
+    sys.stdin.readline()
+    dog.stop()
+""")
+
+
+@pytest.mark.parametrize("with_pulse", [True, False], ids=["pulse", "thread_only"])
+def test_a_rank_holding_the_gil_past_the_timeout_is_not_lost(store, with_pulse):
+    """Rank 1's main thread holds the GIL for 2 s, rank 0's timeout is 0.5 s: rank 1's watchdog thread cannot beat,
+    its pulse does, and rank 0 sees it there. Without the pulse (the watchdog before it) the same hold is taken for
+    a frozen rank: named lost, and ended."""
+    rank1 = subprocess.Popen([sys.executable, "-c", RANK1, str(store.port), str(HOLD_S), "1" if with_pulse else "0"],
+                             env=child_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        dog, lines = rank0(store, timeout=0.5)
+        dog.start()
+        ready = next(ln for ln in rank1.stdout if ln.startswith("ready")).split()
+        if with_pulse:
+            wait_connected(int(ready[1]), store.port)
+        rank1.stdin.write("\n")
+        rank1.stdin.flush()
+        held = next((float(ln.split()[1]) for ln in rank1.stdout if ln.startswith("held")), None)   # None: ended
+        found = list(lines)
+        if held is not None:
+            rank1.stdin.write("\n")
+            rank1.stdin.flush()
+        rank1.wait(timeout=60)
+        dog.stop()
+    finally:
+        rank1.kill()
+        rank1.wait()
+    if with_pulse:
+        assert found == [] and held is not None and held > HOLD_S - 0.1 and rank1.returncode == 0, (found, held)
+    else:
+        assert found and "rank 1 (" in found[0] and "was lost: no heartbeat for " in found[0], found
+        assert rank1.returncode == -signal.SIGKILL
