@@ -10,7 +10,8 @@ indices and weights (routing itself stays bf16/fp32, outside), with COAT's FP8 f
             GEMM's E4M3 per-tensor operand
   gradients d[gate | up] in bwd_format (E5M2) per tensor; the output gradient stays bf16 in the down projection's
             backward GEMMs, which read the routing weights' gradient <act(gate) up, dy W_down> per (token, expert)
-            pair (no extra GEMM) from it: in E5M2 it put ~30% error into the router's gradient (tiny Mixtral)
+            pair (no extra GEMM) from it; those GEMMs run on bf16 operands anyway (torch's FP8 grouped kernel takes
+            E4M3 only), so E5M2 there would add error and save nothing
 
 grouped_mm: CUDA with FP8 grouped GEMMs (Hopper) and E4M3 operands: torch._scaled_grouped_mm with row-wise
 scales; other CUDA calls (backward's E5M2, other GPUs, fp32 models): torch._grouped_mm on the dequantized
