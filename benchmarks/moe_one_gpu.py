@@ -82,7 +82,8 @@ def run_one(args: argparse.Namespace, name: str, micro_batch: int) -> dict:
            str(micro_batch), "--seq", str(args.seq), "--steps", str(args.steps), "--cap-gib", str(args.cap_gib),
            *(["--layers", str(args.layers)] if args.layers else [])]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                              [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])})
     rows = [json.loads(line[len(TAG):]) for line in proc.stdout.splitlines() if line.startswith(TAG)]
     if rows:
         return rows[-1]

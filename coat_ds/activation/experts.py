@@ -76,9 +76,30 @@ def grouped_mm(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
     return _reference_mm(a, b, offs)
 
 
+GROUP_ALIGN = 16   # rows: torch._grouped_mm's contracted (dynamic) dimension per group, a multiple of 16 bytes
+
+
+def aligned_groups(a: Tensor, b: Tensor, offs: Tensor, align: int = GROUP_ALIGN) -> tuple[Tensor, Tensor, Tensor]:
+    """(a', b', offs') with every row group of a [S, M] and b [S, N] padded by zero rows to a multiple of `align`
+    rows (zero rows add nothing to a[g]^T b[g]); sizes fixed by S and G alone, so no device-to-host sync."""
+    counts = torch.diff(offs, prepend=offs.new_zeros(1))
+    starts = offs - counts
+    padded = (counts + align - 1) // align * align
+    pad_ends = torch.cumsum(padded, 0)
+    total = -(-a.shape[0] // align) * align + align * offs.numel()      # >= pad_ends[-1], a multiple of align
+    pad_ends[-1] = total                                               # the last group takes the spare zero rows
+    rows = torch.arange(a.shape[0], device=a.device)
+    group = torch.searchsorted(offs, rows, right=True)
+    dest = rows - starts[group] + (pad_ends - padded)[group]
+    out_a, out_b = a.new_zeros(total, a.shape[1]), b.new_zeros(total, b.shape[1])
+    out_a[dest], out_b[dest] = a, b
+    return out_a, out_b, pad_ends.to(torch.int32)
+
+
 def grouped_mm_t(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
     """a[g]^T b[g] for the row groups of a [S, M] and b [S, N] -> [G, M, N] (the weight gradients)."""
     if a.is_cuda and hasattr(torch, "_grouped_mm"):
+        a, b, offs = aligned_groups(a, b, offs)
         return torch._grouped_mm(a.t().contiguous(), b.t().contiguous().t(), offs=offs)
     ends = offs.tolist()
     starts = [0] + ends[:-1]
