@@ -1,5 +1,6 @@
 """The examples exit 2 on bad input with one `error:` line, before any model, data or device memory
-(--resume / --resume-from included); the checks themselves: tests/test_fail_fast.py."""
+(--resume / --resume-from included, DeepSpeed's own keys, --model and --data); the checks themselves:
+tests/test_fail_fast.py and tests/test_deepspeed_config.py."""
 import argparse
 import json
 import os
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from coat_ds.deepspeed.check import check_tag
-from harness import ROOT, child_env, free_port, launcher
+from harness import ROOT, child_env, free_port, launcher, ranks_launcher
 
 pytestmark = pytest.mark.one_core   # a launch whose ranks exit at the check, then one process at a time
 
@@ -49,6 +50,71 @@ def test_bad_config_exits_2_once_before_data_or_model(tmp_path):
     assert not (tmp_path / "run").exists()
     rc, out = _run([sys.executable, "examples/hf_trainer.py", *common, "--output-dir", str(tmp_path / "hf")])
     assert rc == 2 and _errors(out) == [want] and "Traceback" not in out, out[-3000:]
+
+
+def _misspelled(cfg: dict, case: str) -> dict:
+    """The issue's three mistakes in a shipped config."""
+    cfg = json.loads(json.dumps(cfg))
+    if case == "zero_optimzation":
+        cfg["zero_optimzation"] = cfg.pop("zero_optimization")
+    elif case == "bf16.enable":
+        cfg["bf16"] = {"enable": True}
+    else:
+        cfg["train_micro_batch_size_per_gpu"] = 0
+    return cfg
+
+
+MISSPELLED = {
+    "zero_optimzation": "error: zero_optimzation: unknown top-level key, which DeepSpeed would ignore; nearest "
+                        "allowed: 'zero_optimization' (allowed: the keys DeepSpeed's config parser reads, and 'coat')",
+    "bf16.enable": "error: bf16.enable: unknown key; allowed keys: ['bf16_master_weights_and_grads', ",
+    "micro_batch_0": "error: train_micro_batch_size_per_gpu=0 is invalid; allowed: an integer >= 1",
+}
+
+
+@pytest.mark.parametrize("case", list(MISSPELLED))
+def test_misspelled_deepspeed_keys_exit_2_in_one_line_before_the_model(tmp_path, case):
+    """The main job and HF Trainer (examples/hf_trainer.py, on the ds_configs/hf/ twin with HF's "auto" values): one
+    line naming the key and the nearest allowed one, exit 2, before the data (the missing --data is not reported)
+    and the model (no --save-dir). Before: "zero_optimzation" trained at ZeRO-0, the other two ended in tracebacks
+    inside deepspeed.initialize, after the model and data had loaded."""
+    want = MISSPELLED[case]
+    for script, base, out_flag in (("train.py", "zero2_coat.json", "--save-dir"),
+                                   ("hf_trainer.py", "hf/zero2_coat.json", "--output-dir")):
+        bad = tmp_path / f"{script}.json"
+        bad.write_text(json.dumps(_misspelled(json.loads((ROOT / "ds_configs" / base).read_text()), case)))
+        rc, out = _run([sys.executable, f"examples/{script}", "--deepspeed", str(bad), "--data",
+                        str(tmp_path / "no_data"), out_flag, str(tmp_path / script)])
+        assert rc == 2 and len(_errors(out)) == 1 and _errors(out)[0].startswith(want), (script, out[-3000:])
+        assert "Traceback" not in out and "no_data" not in out and not (tmp_path / script).exists(), out[-3000:]
+    if case == "bf16.enable":
+        assert _errors(out)[0].endswith("; nearest allowed: 'enabled'"), out[-3000:]
+
+
+def test_misspelled_key_under_the_launcher_is_said_once(tmp_path):
+    """2 ranks through DeepSpeed's launcher: the line once (rank 0), exit 2."""
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(_misspelled(json.loads((ROOT / "ds_configs/zero2_coat.json").read_text()),
+                                          "zero_optimzation")))
+    rc, out = _run([launcher(), "--num_gpus", "2", "--master_port", str(free_port()), "examples/train.py",
+                    "--deepspeed", str(bad), "--save-dir", str(tmp_path / "run")])
+    assert rc == 2 and _errors(out) == [MISSPELLED["zero_optimzation"]] and "Traceback" not in out, out[-3000:]
+
+
+def test_input_errors_exit_2_once_from_rank_0(tmp_path):
+    """A --model path that does not exist is said as such (HF said "Repo id must be in the form 'repo_name'..."), and
+    a --data path that does not exist: once each on 2 ranks, exit 2, as a config error. Before: every rank printed
+    it and the job exited 1."""
+    ranks = ranks_launcher(2)
+    rc, out = _run([*ranks, "examples/train.py", "--model", str(tmp_path / "no_model"), "--save-dir",
+                    str(tmp_path / "run")])
+    assert rc == 2 and _errors(out) == [f"error: --model {tmp_path / 'no_model'}: no such directory; allowed: an HF "
+                                        "model folder (config.json, weights; --export writes one) or a hub id such as "
+                                        "'org/name'"] and "Repo id" not in out, out[-3000:]
+    rc, out = _run([*ranks, "examples/train.py", "--data", str(tmp_path / "no_data"), *TINY,
+                    "--save-dir", str(tmp_path / "run")])
+    assert rc == 2 and len(_errors(out)) == 1 and str(tmp_path / "no_data") in _errors(out)[0], out[-3000:]
+    assert "Traceback" not in out and not (tmp_path / "run").exists(), out[-3000:]
 
 
 class _Shell:
