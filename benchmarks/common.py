@@ -9,9 +9,7 @@ import json
 import math
 import os
 import platform
-import selectors
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -20,11 +18,12 @@ import time
 import warnings
 from pathlib import Path
 
-import torch
-from torch.profiler import ProfilerActivity, profile
+T0 = time.time()   # this process's start (common is imported first): a worker's budget counts its imports too
 
-from benchmarks import plot_utils
-from coat_ds.report import versions as package_versions
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+from coat_ds.report import versions as package_versions  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -55,12 +54,26 @@ def git_commit() -> str | None:
     return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "") if out.returncode == 0 else None
 
 
-def versions(*extra: str) -> dict:
-    """What shapes the numbers: coat_ds.report's versions (with `extra`), this checkout's commit, the GPUs."""
+def versions(*extra: str, parent: bool = False) -> dict:
+    """What shapes the numbers: coat_ds.report's versions (with `extra`), this checkout's commit, the GPUs (in a
+    `parent`, from nvidia-smi: see provenance)."""
     v = {**package_versions(*extra), "coat_ds_commit": git_commit()}
-    if torch.cuda.is_available():
-        v.update(gpu=torch.cuda.get_device_name(0), gpu_count=torch.cuda.device_count())
+    gpus = gpu_names(parent)
+    if gpus:
+        v.update(gpu=gpus[0], gpu_count=len(gpus))
     return v
+
+
+def gpu_names(parent: bool = False) -> list[str]:
+    """Each GPU's model ([] without one); in a `parent`, as nvidia-smi names them, without initialising CUDA."""
+    if not parent:
+        return [torch.cuda.get_device_name(0)] * torch.cuda.device_count() if torch.cuda.is_available() else []
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.strip() for line in out.stdout.splitlines() if line.strip()]
 
 
 def cpu_info() -> dict[str, str]:
@@ -73,11 +86,11 @@ def cpu_info() -> dict[str, str]:
                                                if ":" in line)}
 
 
-def device_name(device: str | None = None) -> str:
+def device_name(device: str | None = None, parent: bool = False) -> str:
     """The GPU ('2x ...' for several), or with device 'cpu' or no GPU the CPU's model and torch's threads."""
-    if device != "cpu" and torch.cuda.is_available():
-        n = torch.cuda.device_count()
-        return f"{n}x {torch.cuda.get_device_name(0)}" if n > 1 else torch.cuda.get_device_name(0)
+    gpus = [] if device == "cpu" else gpu_names(parent)
+    if gpus:
+        return f"{len(gpus)}x {gpus[0]}" if len(gpus) > 1 else gpus[0]
     model = cpu_info().get("model name") or platform.processor() or platform.machine()
     return f"cpu ({model}, {torch.get_num_threads()} threads of {os.cpu_count()} cores)"
 
@@ -93,9 +106,12 @@ def command() -> str:
     return " ".join([Path(sys.executable).name, *argv])
 
 
-def provenance(extra: tuple[str, ...] = ()) -> dict:
-    """The fields every results file carries: device, versions (with the `extra` distributions), command, date."""
-    return {"device": device_name(), "versions": versions(*extra), "command": command(), "date": now()}
+def provenance(extra: tuple[str, ...] = (), parent: bool = False) -> dict:
+    """The fields every results file carries: device, versions (with the `extra` distributions), command, date,
+    commit. A `parent` (a process that starts workers) never initialises CUDA: a CUDA context would take memory on a
+    GPU where a worker measures."""
+    return {"device": device_name(parent=parent), "versions": versions(*extra, parent=parent), "command": command(),
+            "date": now(), "commit": git_commit()}
 
 
 class WarningLog:
@@ -215,33 +231,6 @@ def core_list(devices: str, host_gpus: int, host_cores: int | None = None) -> st
     return ",".join(f"{per * int(d)}-{per * int(d) + per - 1}" for d in devices.split(","))
 
 
-def run_worker(cmd: list[str], timeout: float, echo=lambda line: False, env: dict | None = None) -> tuple[int, str]:
-    """Run a worker (`env` added to its environment) in a process group of its own, printing the lines of its output
-    that `echo` accepts -> (exit code, its last 40 lines); after `timeout` s the group is killed and the code is 124."""
-    proc = subprocess.Popen(cmd, env=worker_env(**(env or {})), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    tail: list[str] = []
-    deadline = time.time() + timeout
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    while time.time() < deadline:
-        if not sel.select(timeout=1.0):
-            if proc.poll() is not None:
-                break
-            continue
-        line = proc.stdout.readline()
-        if not line:
-            return proc.wait(timeout=30), "".join(tail)
-        if echo(line):
-            print(line, end="", flush=True)
-        tail = (tail + [line])[-40:]
-    if proc.poll() is not None:
-        return proc.returncode, "".join(tail)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    return 124, "".join(tail) + f"killed after {timeout:.0f} s (time budget)\n"
-
-
 # --- Output files -----------------------------------------------------------------------------------------------------
 def read_json(path: str | Path, default=None):
     """The JSON in `path`, or `default` where there is no such file (a results file not written yet)."""
@@ -263,30 +252,11 @@ def read_log(path: str | Path) -> list[dict]:
     return out
 
 
-def replace_rows(old: list[dict], new: list[dict], key) -> list[dict]:
-    """`old`'s rows whose `key` no row of `new` has, then `new`: a results file that several runs fill, each row
-    saying where and how it was measured."""
-    keys = {key(r) for r in new}
-    return [r for r in old if key(r) not in keys] + new
-
-
 def write_json(path: str | Path, obj, indent: int = 1) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(obj, indent=indent))
     return path
-
-
-def write_results(res: dict, out: Path, name: str, plot=None) -> Path:
-    """`name`.json and `name`.png, drawn by `plot` (default plot_utils.plot_`name`); the JSON names the PNG once
-    it exists. A node without matplotlib writes the JSON alone: `python -m benchmarks.plot_utils` draws it later."""
-    path = write_json(out / f"{name}.json", res)
-    try:
-        (plot or getattr(plot_utils, f"plot_{name}"))(res, out / f"{name}.png")
-        res["png"] = str(out / f"{name}.png")
-    except ImportError as e:
-        print(f"warning: no plot ({e}); draw it later with python -m benchmarks.plot_utils {path}", file=sys.stderr)
-    return write_json(path, res)
 
 
 # --- Timing and profiler read-outs ---------------------------------------------------------------------------------

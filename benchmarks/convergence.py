@@ -11,16 +11,15 @@ import math
 import os
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
-from benchmarks import e2e
-from benchmarks.common import (RESULTS, ROOT, add_worker_args, provenance, read_json, run_worker, worker_cmd,
-                               write_results)
-from benchmarks.e2e import CONFIGS, base_optimizer, check_args, ds_config
-from coat_ds.deepspeed.teardown import torn_down
+from benchmarks.common import RESULTS, ROOT, add_worker_args, provenance, read_json, worker_cmd
+from benchmarks.configs import CONFIGS, check_args, ds_config
+from benchmarks import harness
+from benchmarks.harness import run_worker, write_results
+from benchmarks.worker import Worker as EngineWorker, base_optimizer
 from coat_ds.workloads import causal_lm as train_lib, data as data_lib
 from coat_ds.workloads.causal_lm import FAMILIES
 
@@ -36,7 +35,7 @@ def model_name(args: argparse.Namespace) -> str:
     return f"{args.family}-{args.model_size}"
 
 
-class Worker(e2e.Worker):
+class Worker(EngineWorker):
     """One configuration's run: the engine, the fixed batches, the loss curves and the result file."""
 
     def setup_engine(self):
@@ -205,21 +204,22 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     return p, p.parse_args(argv)
 
 
-def run_workers(rec: argparse.Namespace, jobs: list[tuple[str, int]], out: Path, max_parallel: int, stop_at: float,
-                kill_at: float, tag=lambda name, seed: name) -> dict[tuple[str, int], dict]:
-    """Each (config, seed) job's worker, at most max_parallel at once, in order -> its result. Workers stop themselves
-    at stop_at (evaluate, save) and are killed at kill_at; a job not started a minute before stop_at is left out."""
-    rec.deadline = stop_at
+def run_workers(rec: argparse.Namespace, jobs: list[tuple[str, int]], out: Path, max_parallel: int,
+                deadline: harness.Deadline, tag=lambda name, seed: name) -> dict[tuple[str, int], dict]:
+    """Each (config, seed) job's worker, at most max_parallel at once on the one device, in order -> its result.
+    Workers stop themselves at the deadline's stop (evaluate, save) and are killed at its kill; a job not started a
+    minute before the stop is left out."""
+    rec.deadline = deadline.stop_at
 
-    def run(job: tuple[str, int]) -> dict | None:
+    def run(_, job: tuple[str, int]) -> dict | None:
         name, seed = job
-        if time.time() >= rec.deadline - 60:
+        if not deadline.fits(60):
             return None
         return launch(argparse.Namespace(**{**vars(rec), "seed": seed}), name, out, tag(name, seed),
-                      kill_at - time.time())
+                      deadline.kill_at - time.time())
 
-    with ThreadPoolExecutor(max_parallel) as pool:
-        return {job: res for job, res in zip(jobs, pool.map(run, jobs)) if res is not None}
+    done = harness.side_by_side(run, jobs, max_parallel)
+    return {job: res for job, res in zip(jobs, done) if res is not None}
 
 
 def no_run(name: str, status: str) -> dict:
@@ -299,8 +299,7 @@ def smoke_recipe(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     p, args = parse_args(argv)
     if args.worker:
-        with torn_down():   # its exit code is the worker's, not an abort of Python's finalization
-            return worker(args)
+        return harness.worker_exit(lambda: worker(args))
     if args.smoke:
         smoke_recipe(args)
     args.configs = args.configs or (SMOKE_CONFIGS if args.smoke else DEFAULT_CONFIGS)
@@ -310,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     tokens = load_tokens(args, t0)
     done = run_workers(args, [(n, args.seed) for n in names], out, len(names) if args.parallel else 1,
-                       stop_at=t0 + args.time_budget - 20, kill_at=t0 + args.time_budget + 40)
+                       harness.Deadline(args.time_budget, stop_s=20, kill_s=-40, start=t0))
     runs = {n: done.get((n, args.seed)) or no_run(n, "not started: time budget") for n in names}
     res = headline(args, runs, tokens, t0)
     path = write_results(res, out, "convergence")

@@ -15,8 +15,9 @@ import time
 from pathlib import Path
 
 from benchmarks import e2e
-from benchmarks.common import (RESULTS, check_positive, command, device_name, git_commit, now, provenance, read_json,
-                               replace_rows, write_results)
+from benchmarks.common import RESULTS, check_positive, command, device_name, git_commit, now, provenance, read_json
+from benchmarks.configs import MODELS, check_args
+from benchmarks.harness import merged, write_results
 from benchmarks.render_tables import markdown, num
 
 NAME = "e2e_real_shapes"
@@ -63,7 +64,7 @@ def worker_args(args: argparse.Namespace) -> tuple[argparse.Namespace, list[str]
             "--max-rungs", str(args.max_rungs), "--steps", str(args.steps), "--warmup", str(0 if args.smoke else 1),
             "--time-budget", str(args.time_budget), "--out", args.out]
     p, eargs = e2e.parse_args(argv)
-    return eargs, e2e.check_args(p, eargs, ())
+    return eargs, check_args(p, eargs, ())
 
 
 def summary(row: dict) -> dict:
@@ -82,7 +83,7 @@ def case_result(args: argparse.Namespace, eargs: argparse.Namespace, rows: list[
     bf16_mb = bf16 and bf16.get("max_micro_batch")
     best = lambda row: (row.get("max_batch") or {}).get("tokens_per_s") if row else None  # noqa: E731
     return {"case": args.case, "target_gpu": case["gpu"], **provenance(), "model": case["model"],
-            "params": next((r["params"] for r in rows if r.get("params")), None), "shape": e2e.MODELS[case["model"]],
+            "params": next((r["params"] for r in rows if r.get("params")), None), "shape": MODELS[case["model"]],
             "seq_len": case["seq_len"], "target_micro_batch": case["target"],
             "meets_target": None if mb is None else mb >= case["target"],
             "coat_row": coat_row,
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         r["measured"] = {"device": device_name(), "date": now(), "command": command(), "commit": git_commit()}
     cases = read_json(out / f"{NAME}.json", {}).get("cases", {})
-    rows = replace_rows(cases.get(args.case, {}).get("configs", []), rows, lambda r: r["name"])
+    rows = list(merged(lambda r: r["name"], cases.get(args.case, {}).get("configs", []), rows).values())
     res = case_result(args, eargs, rows, t0)
     path = write_results(with_provenance({**cases, args.case: res}), out, NAME)
     print(markdown(["case", "configuration", "largest micro-batch", "tokens/s there", "needs at 1 (GiB, >=)"],

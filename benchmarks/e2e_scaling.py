@@ -13,24 +13,21 @@ ordered by importance (docs/benchmarks.md, "Scaling").
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import statistics
-import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from benchmarks import e2e
-from benchmarks.common import (GIB, RESULTS, check_positive, command, core_list, device_name, git_commit, names_of,
-                               now, read_json, write_results)
+from benchmarks import e2e, harness
+from benchmarks.common import (GIB, RESULTS, T0, check_positive, command, core_list, device_name, git_commit,
+                               gpu_names, names_of, now)
+from benchmarks.configs import LABELS, MODELS as SHAPES, PEERS, check_bind_cores, ds_config, parse_zero_set
 from benchmarks.render_tables import render
 from coat_ds import plan
-from coat_ds.report import versions as package_versions
 
 NAME = "e2e_scaling"
 MODELS, BIG = ("llama3.1-8b", "llama2-13b"), "llama3.1-70b"   # BIG: issue 47, 8 GPUs, ZeRO-3, built under zero.Init
@@ -70,9 +67,9 @@ class Run:
 # --- The matrix, the planner's verdicts and the schedule --------------------------------------------------------------
 def job(args: argparse.Namespace, model: str, config: str, stage: int, world: int) -> plan.Job:
     """The planner's job for configuration `config` of e2e.py, as its worker will run it (--zero-set applied)."""
-    cfg = e2e.ds_config(config, micro_batch=1, zero_stage=stage, zero_set=args.zero_set)
+    cfg = ds_config(config, micro_batch=1, zero_stage=stage, zero_set=args.zero_set)
     cfg.pop("_source")
-    return plan.job_from_config(cfg, plan.shape_from_hf(e2e.MODELS[model], model), args.seq, world)
+    return plan.job_from_config(cfg, plan.shape_from_hf(SHAPES[model], model), args.seq, world)
 
 
 def matrix(args: argparse.Namespace) -> list[Run]:
@@ -122,7 +119,7 @@ def history(results: Path = RESULTS) -> dict:
         doc = json.loads(path.read_text())
         for run in (doc.get("cases") or {"": doc}).values():
             for c in run.get("configs", []):
-                if (c.get("params") or 0) < 3e9 or not c.get("rungs") or c["name"] in e2e.PEERS:
+                if (c.get("params") or 0) < 3e9 or not c.get("rungs") or c["name"] in PEERS:
                     continue
                 world = run.get("world_size") or 1
                 pts.append((c["params"] / world / 1e9, c["setup_s"]))
@@ -138,7 +135,7 @@ def estimate(r: Run, hist: dict, args: argparse.Namespace) -> float:
     memory breakdown's step)."""
     if not r.rungs:
         return 0.0
-    params = plan.shape_from_hf(e2e.MODELS[r.model], r.model).params / 1e9
+    params = plan.shape_from_hf(SHAPES[r.model], r.model).params / 1e9
     a, b = hist["setup"]
     step = params / hist["speed"]["bf16" if r.preset == "bf16" else "coat"] * args.seq   # s per sample
     steps = [args.warmup + args.steps + 5] + [args.warmup + args.steps] * (len(r.rungs) - 1)
@@ -148,25 +145,11 @@ def estimate(r: Run, hist: dict, args: argparse.Namespace) -> float:
 
 
 def waves(runs: list[Run], gpus: int) -> list[list[Run]]:
-    """Runs side by side on disjoint GPUs, in priority order: a wave starts with the first run left and takes the
-    next that fit its free GPUs; one of a later tier only where it lengthens the wave by under a quarter of its own
-    time (cheaper than a wave of its own later)."""
-    left, out = [r for r in runs if r.rungs], []
-    while left:
-        wave = [left.pop(0)]
-        for r in list(left):
-            free, length = gpus - sum(w.world for w in wave), max(w.est_s for w in wave)
-            if r.world <= free and (r.order[:3] == wave[0].order[:3] or r.est_s - length <= r.est_s / 4):
-                wave.append(r)
-                left.remove(r)
-        out.append(wave)
-    return out
-
-
-def devices(wave: list[Run]) -> list[str]:
-    """Each run's CUDA ids, disjoint: "0", "1", "2,3"."""
-    starts = itertools.accumulate((r.world for r in wave), initial=0)
-    return [",".join(map(str, range(first, first + r.world))) for first, r in zip(starts, wave)]
+    """Runs side by side on disjoint GPUs, in priority order (harness.pack): one of a later tier joins a wave only
+    where it lengthens it by under a quarter of its own time (cheaper than a wave of its own later)."""
+    joins = lambda wave, r: (r.order[:3] == wave[0].order[:3]  # noqa: E731
+                             or r.est_s - max(w.est_s for w in wave) <= r.est_s / 4)
+    return harness.pack([r for r in runs if r.rungs], gpus, lambda r: r.world, joins)
 
 
 def schedule_text(sched: list[list[Run]], verdicts: list[Run]) -> str:
@@ -236,27 +219,9 @@ def identity(r: Run) -> dict:
 def verdict(args: argparse.Namespace, r: Run) -> dict:
     """A row the planner says does not fit at micro-batch 1: not run, its plan recorded."""
     p = plan.plan(job(args, r.model, r.config, r.stage, r.world), 1)
-    return {"name": r.config, "label": e2e.LABELS[r.config], **identity(r), "max_micro_batch": None,
+    return {"name": r.config, "label": LABELS[r.config], **identity(r), "max_micro_batch": None,
             "verdict": f"does not fit (planner: {p.peak / GIB:.1f} GiB + {p.reserve / GIB:.1f} reserve at micro-batch "
                        f"1 > {plan.USABLE:.0%} of {args.memory / GIB:.1f} GiB)", "planner_peak_gb_at_1": p.peak / GIB}
-
-
-def gpu_name() -> str | None:
-    """GPU 0's model (None without nvidia-smi), asked of nvidia-smi: the parent never initialises CUDA, whose context
-    would take memory on a GPU where a worker measures."""
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", "0"],
-                             capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None
-
-
-def this_call(args: argparse.Namespace) -> dict:
-    """Where, when and how this call measures (common.provenance's fields, the GPU from nvidia-smi)."""
-    return {"device": args.device, "versions": {**package_versions(), "coat_ds_commit": git_commit(), "gpu": args.gpu,
-                                                "gpu_count": torch.cuda.device_count()},
-            "command": command(), "date": now(), "commit": git_commit(), "gpus": args.num_gpus}
 
 
 # --- The results file -------------------------------------------------------------------------------------------------
@@ -272,16 +237,10 @@ def setting(src: dict) -> dict:
 
 def merged_rows(paths: list[str], options: dict | None = None) -> tuple[dict, list[dict]]:
     """The rows (by key) and calls of earlier results files, later files first; a file measured with another
-    `setting` than `options`' is refused."""
-    rows, calls, this = {}, [], setting(options or {})
-    for path in paths:
-        doc = read_json(path, {})
-        if setting(doc) != this:
-            sys.exit(f"--merge {path}: measured with {setting(doc)}, this call's is {this}; allowed: "
-                     "files measured with the same")
-        calls += doc.get("calls", [])
-        rows.update({key_of(c): c for case in doc.get("cases", {}).values() for c in case["configs"]})
-    return rows, calls
+    `setting` than `options'` is refused."""
+    docs = harness.merge_files(paths, setting, setting(options or {}))
+    rows = harness.merged(key_of, *([c for case in d.get("cases", {}).values() for c in case["configs"]] for d in docs))
+    return rows, harness.calls_of(docs)
 
 
 def summary(rows: dict) -> list[dict]:
@@ -310,14 +269,12 @@ def result(args: argparse.Namespace, rows: dict, calls: list[dict], log: dict) -
     cases: dict[str, dict] = {}
     for k, r in sorted(rows.items()):
         case = cases.setdefault(f"{k[0]} x{k[1]} ZeRO-{k[2]}", {
-            "model": k[0], "shape": e2e.MODELS[k[0]], "seq_len": args.seq, "world_size": k[1], "zero_stage": k[2],
+            "model": k[0], "shape": SHAPES[k[0]], "seq_len": args.seq, "world_size": k[1], "zero_stage": k[2],
             "smoke": args.smoke, "device": None, "date": "", "configs": []})
         case["configs"].append(r)
         if r.get("measured") and r["measured"]["date"] > case["date"]:
             case.update(device=r["measured"]["device"], date=r["measured"]["date"])
-    last = calls[-1] if calls else {}
-    return {"what": " ".join(__doc__.split("\n\n")[0].split()),
-            **{k: last.get(k) for k in ("device", "versions", "command", "date", "commit")}, "calls": calls,
+    return {"what": " ".join(__doc__.split("\n\n")[0].split()), **harness.head(calls),
             "seq_len": args.seq, "gpu_memory_gb": args.memory / GIB, "zero_set": args.zero_set,
             "bind_cores": args.bind_cores,
             "timing": {"warmup": args.warmup, "timed_steps": args.steps, "first_rung_extra_warmup": 4},
@@ -362,8 +319,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.stages = [int(s) for s in names_of(p, "stages", args.stages, ("2", "3"))]
     args.configs = names_of(p, "configs", args.configs, PRESETS)
     try:
-        args.zero_set_text, args.zero_set = args.zero_set, e2e.parse_zero_set(args.zero_set)
-        e2e.check_bind_cores("all" if args.bind_cores else None)
+        args.zero_set_text, args.zero_set = args.zero_set, parse_zero_set(args.zero_set)
+        check_bind_cores("all" if args.bind_cores else None)
     except ValueError as e:
         p.error(str(e))
     args.all_models, args.big = (SMOKE_MODELS, SMOKE_BIG) if args.smoke else (MODELS, BIG)
@@ -373,7 +330,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.seq, args.steps, args.warmup, args.max_batch = 32, 1, 0, 1
     else:
         args.seq = 4096
-    args.gpu = gpu_name() if torch.cuda.is_available() else None
+    args.gpu = next(iter(gpu_names(parent=True)), None) if torch.cuda.is_available() else None
     args.device = args.gpu or device_name("cpu")
     named = next((k for k in plan.GPUS if k.upper() in (args.gpu or "").upper()), "h100")
     args.memory, args.out = plan.gpu_memory(args.gpu_memory or named), Path(args.out)
@@ -394,23 +351,20 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit(f"--num-gpus {args.num_gpus}: this host has {torch.cuda.device_count()} GPUs")
     rows.update({r.key: verdict(args, r) for r in runs if not r.rungs})
     args.out.mkdir(parents=True, exist_ok=True)
-    call = this_call(args)
+    call, deadline = harness.this_call(gpus=args.num_gpus), harness.Deadline(args.deadline, start=T0)
     log: dict = {"waves": [], "skipped": []}
     for wave in sched:
-        left = e2e._T0 + args.deadline - time.time()
         names = [f"{r.model} x{r.world} ZeRO-{r.stage} {r.preset}" for r in wave]
-        if max(r.est_s for r in wave) > left:
+        if not deadline.fits(max(r.est_s for r in wave)):
             log["skipped"] += names
             continue
-        t0 = time.time()
+        t0, ids = time.time(), harness.devices(r.world for r in wave)
         on_gpu = torch.cuda.is_available()
-        with ThreadPoolExecutor(len(wave)) as pool:
-            futures = [pool.submit(run_one, args, r, d if on_gpu else None, e2e._T0 + args.deadline)
-                       for r, d in zip(wave, devices(wave))]
-            rows.update({key_of(row): row for row in (f.result() for f in futures)})
+        done = harness.side_by_side(lambda i, r: run_one(args, r, ids[i] if on_gpu else None, deadline.stop_at), wave)
+        rows.update({key_of(row): row for row in done})
         log["waves"].append({"runs": names, "predicted_s": max(r.est_s for r in wave), "wall_s": time.time() - t0})
-        write_results(result(args, rows, [*calls, call], log), args.out, NAME)   # what it has, after each wave
-    path = write_results(result(args, rows, [*calls, call] if log["waves"] else calls, log), args.out, NAME)
+        harness.write_results(result(args, rows, [*calls, call], log), args.out, NAME)   # what it has, after each wave
+    path = harness.write_results(result(args, rows, [*calls, call] if log["waves"] else calls, log), args.out, NAME)
     print(render(NAME, args.out), f"-> {path}", sep="\n")
     return 0
 

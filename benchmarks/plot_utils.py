@@ -10,6 +10,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+from benchmarks.configs import LABELS
+
 COLORS = {"bf16": "#4c72b0", "coat_opt": "#dd8452", "coat_full": "#55a868"}
 PARTS = [("weights_gb", "weights (16-bit, fp32 master, FP8 copies)"), ("optimizer_state_gb", "optimizer state"),
          ("grads_gb", "gradients"), ("activations_gb", "activations (saved for backward)"),
@@ -193,8 +195,6 @@ def plot_hf_trainer(res: dict, path: Path) -> None:
 
 def plot_seed_spread(res: dict, path: Path) -> None:
     """Per section: the validation curves (seeds thin, mean thick) and each seed's final loss with BF16's band."""
-    from benchmarks.e2e import LABELS
-
     keys = sorted((k for k, v in res.items() if isinstance(v, dict) and "summary" in v),
                   key=lambda k: (k != "default", k != "long_data"))
     fig, axes = _plt().subplots(len(keys), 2, figsize=(14, 4.8 * len(keys)), squeeze=False,
@@ -213,8 +213,10 @@ def plot_seed_spread(res: dict, path: Path) -> None:
             ax2.scatter([i] * len(st["final"]), st["final"], color=c, s=14)
             if st["final_std"] is not None:
                 ax2.errorbar(i, st["final_mean"], yerr=st["final_std"], fmt="_", color=c, capsize=6, ms=16)
-        if sec.get("bf16_band"):
-            ax2.axhspan(*sec["bf16_band"], color="gray", alpha=0.15, label="BF16 [min, max] +- 1 std")
+        band = sec.get("bf16_band")   # verdicts.band (files before issue 59: [min - std, max + std])
+        if band:
+            ax2.axhspan(*((band["low"], band["high"]) if isinstance(band, dict) else band), color="gray", alpha=0.15,
+                        label="BF16's band" if isinstance(band, dict) else "BF16 [min, max] +- 1 std")
             ax2.legend(fontsize=8)
         rc, names = sec["recipe"], list(sec["runs"])
         ax.set(xlabel="step", ylabel="validation loss",

@@ -13,7 +13,7 @@ import pytest
 from harness import ROOT, child_env
 
 sys.path.insert(0, str(ROOT))
-from benchmarks import e2e_scaling as S  # noqa: E402
+from benchmarks import e2e_scaling as S, harness  # noqa: E402
 from benchmarks import render_tables as rt  # noqa: E402
 
 
@@ -36,7 +36,7 @@ def test_waves_put_the_issues_first_rows_first_on_disjoint_gpus():
     assert max(bf16) < min(lowest)                                           # BF16 at 4 GPUs before lowest-memory
     for wave in waves:
         assert sum(r.world for r in wave) <= 4
-        ids = [int(i) for d in S.devices(wave) for i in d.split(",")]
+        ids = [int(i) for d in harness.devices(r.world for r in wave) for i in d.split(",")]
         assert sorted(ids) == list(range(len(ids)))                          # disjoint, from GPU 0
     for r in runs:
         assert len(r.rungs) == (2 if r.planned else 0) and r.est_s >= 0
@@ -93,7 +93,7 @@ def test_zero_set_reaches_the_planner_and_the_workers_and_keeps_merges_apart(tmp
     eargs = S.worker_args(big, r5, "0,1,2,3")
     assert eargs.zero_set == "reduce_bucket_size=5e8" and S.worker_args(base, r, "0,1,2,3").zero_set is None
     (tmp_path / "old.json").write_text(json.dumps({"calls": [], "cases": {}}))
-    with pytest.raises(SystemExit, match="measured with {'zero_set': {}, 'bind_cores': False}, this call's is "
+    with pytest.raises(SystemExit, match=r"followed another setting \(zero_set differ: {'zero_set': {}} there, "
                                          "{'zero_set': {'reduce_bucket_size'"):
         S.merged_rows([str(tmp_path / "old.json")], vars(big))
     assert S.merged_rows([str(tmp_path / "old.json")], vars(base)) == ({}, [])
@@ -103,7 +103,7 @@ def test_zero_set_reaches_the_planner_and_the_workers_and_keeps_merges_apart(tmp
 
 def test_bind_cores_gives_rows_side_by_side_disjoint_cores(monkeypatch, tmp_path):
     """--bind-cores: each row's ranks on its GPUs' share of the host's cores, written down, kept apart in merges."""
-    monkeypatch.setattr(S.e2e.shutil, "which", lambda name: f"/usr/bin/{name}")   # numactl, wherever this runs
+    monkeypatch.setattr("benchmarks.configs.shutil.which", lambda name: f"/usr/bin/{name}")   # numactl, anywhere
     monkeypatch.setattr("benchmarks.common.os.cpu_count", lambda: 64)
     args, runs, waves = schedule("--bind-cores")
     two = next(r for r in runs if r.world == 2 and r.rungs)
@@ -112,7 +112,7 @@ def test_bind_cores_gives_rows_side_by_side_disjoint_cores(monkeypatch, tmp_path
     plain, runs0, _ = schedule()
     assert S.worker_args(plain, runs0[0], "0").bind_cores is None
     (tmp_path / "old.json").write_text(json.dumps({"calls": [], "cases": {}}))
-    with pytest.raises(SystemExit, match="'bind_cores': False}, this call's is {'zero_set': {}, 'bind_cores': True"):
+    with pytest.raises(SystemExit, match="bind_cores differ: {'bind_cores': False} there, {'bind_cores': True} in"):
         S.merged_rows([str(tmp_path / "old.json")], vars(args))
 
 

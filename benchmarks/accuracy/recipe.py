@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from benchmarks import e2e
+from benchmarks import configs as e2e
 
 BASELINE = "bf16"
 PRESETS = ("exact", "lowest_memory", "largest_model")          # coat's, each against BF16

@@ -1,0 +1,239 @@
+"""The one job runner of the benchmarks. A case (a runner script: e2e_scaling, accuracy_scale, seed_spread,
+hf_trainer_speed, offload) names its jobs: their identity, GPUs, predicted seconds and command. The harness packs
+them side by side on disjoint GPU slots, honours a deadline (a job starts only where its prediction fits, is told to
+stop before the deadline and killed at it), runs each in a process group of its own (a job told to stop saves what it
+has: its curve, its checkpoint, from which a later call resumes it), merges rows into the case's results file by
+identity (a file measured with another setting is refused in one line), and records where, when and how each call
+measured (device, versions, command, commit, date) once. docs/benchmarks.md, "A new benchmark", says how a case
+uses it."""
+from __future__ import annotations
+
+import math
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, TypeVar
+
+from benchmarks import plot_utils
+from benchmarks.common import provenance, read_json, worker_env, write_json
+from coat_ds.deepspeed.teardown import torn_down
+
+J = TypeVar("J")
+ENDED = ("done", "ok", "diverged")   # a job that ended: kept, not run again (a diverged run is a result too)
+CALL_FIELDS = ("device", "versions", "command", "date", "commit")
+POLL_S = 0.2
+
+
+# --- The deadline -----------------------------------------------------------------------------------------------------
+@dataclass
+class Deadline:
+    """`seconds` from `start` (now by default; common.T0: the process's start, its imports counted) by which a call
+    is done. A job is told to stop `stop_s` before it (it saves what it has) and killed `kill_s` before it (negative:
+    after)."""
+    seconds: float = math.inf
+    stop_s: float = 0.0
+    kill_s: float = 0.0
+    start: float = field(default_factory=time.time)
+
+    @property
+    def stop_at(self) -> float:
+        return self.start + self.seconds - self.stop_s
+
+    @property
+    def kill_at(self) -> float:
+        return self.start + self.seconds - self.kill_s
+
+    def left(self) -> float:
+        """Seconds to the deadline itself."""
+        return self.start + self.seconds - time.time()
+
+    def fits(self, est_s: float) -> bool:
+        """A job predicted to take `est_s` ends before it is told to stop."""
+        return est_s <= self.stop_at - time.time()
+
+
+# --- Slots: jobs side by side on disjoint GPUs ------------------------------------------------------------------------
+def pack(jobs: list[J], gpus: int, size: Callable[[J], int], joins: Callable[[list[J], J], bool],
+         in_order: bool = False) -> list[list[J]]:
+    """Waves of jobs side by side on `gpus` GPUs, in the jobs' order: a wave starts with the first job left and takes
+    each later one that fits its free GPUs and `joins` it; with `in_order` the first one that does not ends the wave
+    (jobs that must run in their order: a fine-tuning after the pretraining it starts from)."""
+    left, out = list(jobs), []
+    while left:
+        wave = [left.pop(0)]
+        for job in list(left):
+            if size(job) <= gpus - sum(map(size, wave)) and joins(wave, job):
+                wave.append(job)
+                left.remove(job)
+            elif in_order:
+                break
+        out.append(wave)
+    return out
+
+
+def devices(sizes: Iterable[int]) -> list[str]:
+    """Each job's CUDA ids, disjoint and from GPU 0: sizes 1, 1, 2 -> "0", "1", "2,3"."""
+    out, first = [], 0
+    for n in sizes:
+        out.append(",".join(map(str, range(first, first + n))))
+        first += n
+    return out
+
+
+def side_by_side(run: Callable[[int, J], object], jobs: list[J], at_once: int | None = None) -> list:
+    """run(i, job) for the i-th job, all at once (a wave on its slots) or `at_once` at a time (jobs sharing one
+    device: the next starts as one ends), each in a thread of its own that waits on its process -> their results,
+    in the jobs' order."""
+    if len(jobs) == 1:
+        return [run(0, jobs[0])]
+    with ThreadPoolExecutor(at_once or len(jobs)) as pool:
+        return list(pool.map(run, range(len(jobs)), jobs))
+
+
+# --- A job's process --------------------------------------------------------------------------------------------------
+def run_process(cmd: list[str], *, stop_at: float = math.inf, kill_at: float = math.inf, log: Path | None = None,
+                echo: Callable[[str], bool] = lambda line: False, env: dict | None = None, cwd: Path | None = None,
+                watch: Callable[[], None] = lambda: None, ready: Callable[[], bool] = lambda: True) -> dict:
+    """Run a job in a process group of its own -> {exit_code, signalled, killed, start, wall_s, tail}. Its output
+    is appended to `log`, or read line by line: printed where `echo` says so, its last 40 lines kept as `tail`.
+    `watch()` runs every POLL_S. At `stop_at` the group gets SIGTERM once `ready()` (a job with nothing to save yet
+    gets until `kill_at`), at `kill_at` SIGKILL."""
+    out = open(log, "a") if log else subprocess.PIPE
+    proc = subprocess.Popen(cmd, cwd=cwd, env=worker_env(**(env or {})), stdout=out, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    sel = None if log else selectors.DefaultSelector()
+    if sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+    t0, tail, signalled, killed = time.time(), [], False, False
+    try:
+        while True:
+            if sel is None or not sel.select(timeout=POLL_S):
+                if proc.poll() is not None:
+                    break
+                if sel is None:
+                    time.sleep(POLL_S)
+            else:
+                line = proc.stdout.readline()
+                if not line:   # its output closed: it ended
+                    break
+                if echo(line):
+                    print(line, end="", flush=True)
+                tail = (tail + [line])[-40:]
+            watch()
+            now = time.time()
+            if not signalled and now >= stop_at and (ready() or now >= kill_at):
+                signalled = _signal(proc, signal.SIGTERM)
+            if not killed and now >= kill_at and proc.poll() is None:
+                killed = _signal(proc, signal.SIGKILL)
+                tail.append(f"killed after {now - t0:.0f} s (deadline)\n")
+        proc.wait()
+    finally:
+        if log:
+            out.close()
+    return {"exit_code": proc.returncode, "signalled": signalled, "killed": killed, "start": t0,
+            "wall_s": time.time() - t0, "tail": "".join(tail)}
+
+
+def _signal(proc: subprocess.Popen, sig: int) -> bool:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+    return True
+
+
+def worker_exit(run: Callable[[], int]) -> int:
+    """A worker process's exit code: run()'s, not an abort of Python's finalization (its process group torn down)."""
+    with torn_down():
+        return run()
+
+
+def run_worker(cmd: list[str], timeout: float, echo: Callable[[str], bool] = lambda line: False,
+               env: dict | None = None) -> tuple[int, str]:
+    """A worker killed after `timeout` s -> (exit code, 124 where it was killed; the end of its output)."""
+    r = run_process(cmd, kill_at=time.time() + timeout, echo=echo, env=env)
+    return (124 if r["killed"] else r["exit_code"]), r["tail"]
+
+
+# --- The results file -------------------------------------------------------------------------------------------------
+def further(new: dict, old: dict) -> bool:
+    """Whether `new` replaces `old`, two rows of one job: one that ended beats one that did not, a partial one a
+    failed one, then the one further on; a tie goes to `new`, the later."""
+    rank = lambda r: (r.get("status") in ENDED, r.get("status") != "failed", r.get("steps_done") or 0)  # noqa: E731
+    return rank(new) >= rank(old)
+
+
+def merged(key: Callable[[dict], object], *groups: Iterable[dict]) -> dict:
+    """Rows by identity, in the groups' order (earlier files' first, this call's last); of two rows of one identity
+    `further` decides, the row keeping its place."""
+    out: dict = {}
+    for row in (r for group in groups for r in group):
+        k = key(row)
+        if k not in out or further(row, out[k]):
+            out[k] = row
+    return out
+
+
+def same_setting(where: str, theirs: dict, ours: dict, what: str = "setting",
+                 allowed: str = "files measured with the same") -> None:
+    """Exit in one line where rows of `where` were measured with another setting than this call's (their rows of
+    the same identity are another configuration's)."""
+    diff = sorted(k for k in {*theirs, *ours} if theirs.get(k) != ours.get(k))
+    if diff:
+        sys.exit(f"error: {where}: its rows followed another {what} ({', '.join(diff)} differ: "
+                 f"{ {k: theirs.get(k) for k in diff} } there, { {k: ours.get(k) for k in diff} } in this call); "
+                 f"allowed: {allowed}")
+
+
+def merge_files(paths: list[str], setting: Callable[[dict], dict], ours: dict, what: str = "setting",
+                allowed: str = "files measured with the same") -> list[dict]:
+    """The results files of earlier calls (a missing one is skipped with a line), each checked to share this call's
+    `setting`."""
+    docs = []
+    for path in paths:
+        doc = read_json(path)
+        if doc is None:
+            print(f"--merge {path}: no such file; skipped", flush=True)
+            continue
+        same_setting(f"--merge {path}", setting(doc), ours, what, allowed)
+        docs.append(doc)
+    return docs
+
+
+def calls_of(docs: list[dict], key: str = "calls") -> list[dict]:
+    """The calls that measured these files' rows, each once (the committed file and a machine's copy of it share
+    their first calls)."""
+    out: list[dict] = []
+    for doc in docs:
+        out += [c for c in doc.get(key, []) if c not in out]
+    return out
+
+
+def this_call(**extra) -> dict:
+    """Where, when and how this call measures, from a parent that never initialises CUDA (a CUDA context would take
+    memory on a GPU where a job measures): device, versions, command, date, commit, and `extra`."""
+    return {**provenance(parent=True), **extra}
+
+
+def head(calls: list[dict]) -> dict:
+    """A file's top: the last call's device, versions, command, date and commit, and every call."""
+    last = calls[-1] if calls else {}
+    return {**{k: last.get(k) for k in CALL_FIELDS}, "calls": calls}
+
+
+def write_results(res: dict, out: Path, name: str, plot=None) -> Path:
+    """`name`.json and `name`.png, drawn by `plot` (default plot_utils.plot_`name`); the JSON names the PNG once
+    it exists. A node without matplotlib writes the JSON alone: `python -m benchmarks.plot_utils` draws it later."""
+    path = write_json(out / f"{name}.json", res)
+    try:
+        (plot or getattr(plot_utils, f"plot_{name}"))(res, out / f"{name}.png")
+        res["png"] = str(out / f"{name}.png")
+    except ImportError as e:
+        print(f"warning: no plot ({e}); draw it later with python -m benchmarks.plot_utils {path}", file=sys.stderr)
+    return write_json(path, res)
