@@ -11,6 +11,7 @@ coat_ds` loads before that import DeepSpeed only inside the functions that need 
 """
 from __future__ import annotations
 
+import atexit
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ import torch
 from ..optim import CoatAdamW
 from .fence import warn_if_untested
 from .optimizer_type import NAME, coat_adamw_from_config
+from .teardown import at_exit
 
 
 def register() -> None:
@@ -31,6 +33,8 @@ def register() -> None:
     from .sharding import register as register_sharding  # imports DeepSpeed
 
     warn_if_untested()  # a release whose methods we re-state may differ from the tested ones (fence.py)
+    atexit.unregister(at_exit)   # once: a live process group is destroyed before finalization, where it can abort
+    atexit.register(at_exit)     # a script that is not ours (teardown.py)
     setattr(torch.optim, NAME, coat_adamw_from_config)
     if CoatAdamW not in zero_utils.ZERO_SUPPORTED_OPTIMIZERS:
         zero_utils.ZERO_SUPPORTED_OPTIMIZERS.append(CoatAdamW)

@@ -8,7 +8,8 @@ of C++ beside the job's own, at random (CI saw it on the main job's refused save
 How: a job that ends well destroys its process group (torch's documented teardown, every rank past the job's last
 barrier; bounded by DESTROY_S); one that fails ends its process at once with its exit code (os._exit, after
 flushing what it printed), as the watchdog does for a lost rank: destroying a group whose peers may still be inside
-a collective can block.
+a collective can block. A script that is not ours (an HF Trainer user's) gets the same from at_exit, which `import
+coat_ds` registers with atexit: a group still alive when the interpreter exits is destroyed first.
 """
 from __future__ import annotations
 
@@ -78,3 +79,16 @@ def _teardown_hung() -> None:
     print(f"\nwarning: the process group's teardown took over {DESTROY_S:.0f} s; the job had ended: exit 0",
           file=sys.stderr)
     _flush_and_exit(0)
+
+
+def at_exit() -> None:
+    """atexit's hook (registration.register): the process group of a script that ends with one alive is destroyed
+    before Python's finalization, bounded as above; after an uncaught exception (its traceback printed, the exit
+    code 1) the process ends at once with 1 instead, as torn_down does. Nothing without an initialized group."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return
+    failed = getattr(sys, "last_value", None)   # set by the interpreter for an uncaught exception (not SystemExit)
+    if failed is not None and not isinstance(failed, SystemExit):
+        _flush_and_exit(1)
+    _destroy(dist)

@@ -62,3 +62,40 @@ def test_a_teardown_that_hangs_ends_the_finished_job_with_0(tmp_path):
     assert proc.returncode == 0 and time.monotonic() - t0 < 60, out[-3000:]
     assert "job done" in out and "not reached" not in out, out[-3000:]
     assert "warning: the process group's teardown took over 1 s; the job had ended: exit 0" in out, out[-3000:]
+
+
+def test_a_users_hf_trainer_script_importing_coat_ds_never_aborts_at_exit(tmp_path):
+    """An HF Trainer script that is not ours (ds_scripts/user_hf_trainer.py: no torn_down, no end_training) on 2 CPU
+    ranks, run as many times as fit in ~2 minutes (at least twice): each trains and exits 0, never "terminate called
+    without an active exception" (exit 250 through a launcher), for `import coat_ds` destroys the live process group
+    before the interpreter's finalization (teardown.at_exit). COAT_DISABLE_OPS: CoatAdamW's reference step, so that
+    no run waits on a JIT build; the teardown is the same. By hand (2 cores, 2026-12-02): 20 runs, 0 aborts."""
+    t0, runs = time.monotonic(), 0
+    while runs < 2 or time.monotonic() - t0 < 120:
+        proc = subprocess.run([*ranks_launcher(2), str(DS_SCRIPTS / "user_hf_trainer.py"), "--out", str(tmp_path)],
+                              cwd=ROOT, env=child_env(COAT_DISABLE_OPS="1"), capture_output=True, text=True,
+                              timeout=600)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 0 and "terminate called" not in out, (runs, out[-3000:])
+        assert [ln for ln in out.splitlines() if ln == "trained"] == ["trained"] * 2, out[-3000:]
+        runs += 1
+
+
+def test_the_exit_hook_destroys_a_live_group_and_keeps_a_failures_code(tmp_path):
+    """teardown.at_exit, as `import coat_ds` registers it: a script that ends with a live group has it destroyed
+    (the group is gone when torch's own atexit runs: none is left to abort); one that raises exits 1 at once."""
+    code = textwrap.dedent("""
+        import atexit, sys, torch.distributed as dist
+        atexit.register(lambda: print("group alive at exit:", dist.is_initialized(), flush=True))  # runs after ours
+        import coat_ds  # noqa: F401
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        if sys.argv[1] == "raise":
+            raise ValueError("boom")
+    """)
+    env = child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    ok = subprocess.run([sys.executable, "-c", code, "end"], env=env, capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0 and "group alive at exit: False" in ok.stdout, ok.stdout + ok.stderr[-3000:]
+    env["MASTER_PORT"] = str(free_port())
+    bad = subprocess.run([sys.executable, "-c", code, "raise"], env=env, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 1 and "ValueError: boom" in bad.stderr and "terminate called" not in bad.stderr, \
+        bad.stderr[-3000:]
