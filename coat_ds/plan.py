@@ -27,8 +27,8 @@ from typing import Any, Mapping
 
 from .activation.loss import DEFAULT_CHUNK_TOKENS, LossConfig
 from .deepspeed.config import coat_section
-from .deepspeed.memory import (HOST_STATES, ZeroJob, buffers, largest_sub_group, model_states, step_transient,
-                               zero_job)
+from .deepspeed.memory import (HOST_STATES, ZeroJob, buffers, largest_sub_group, model_states, resume_host,
+                               step_transient, zero_job)
 from .deepspeed.presets import INTENTS
 from .formats import Fp8Moment
 from .workloads.causal_lm import MODEL_SIZES
@@ -202,6 +202,7 @@ class Plan:
     peak: float
     phase: str
     host: float          # per rank, under Offload or coat.states "host"
+    resume: float = 0.0  # host bytes per rank while a checkpoint is resumed (memory.resume_host)
 
     @property
     def reserve(self) -> float:
@@ -258,7 +259,15 @@ def plan(job: Job, micro_batch: int) -> Plan:
     """What one GPU holds at its peak with `micro_batch` samples of job.seq tokens."""
     by_phase = phases(job, micro_batch)
     phase = max(by_phase, key=lambda p: sum(by_phase[p].values()))
-    return Plan(micro_batch, by_phase[phase], sum(by_phase[phase].values()), phase, states_of(job)["host"])
+    host = states_of(job)["host"]
+    return Plan(micro_batch, by_phase[phase], sum(by_phase[phase].values()), phase, host, resume_of(job, host))
+
+
+def resume_of(job: Job, host: float) -> float:
+    """Host bytes per rank while the job resumes from a checkpoint (ZeRO-3: its largest sub-group's master at once)."""
+    s, z = job.shape, job.zero
+    sub_group = largest_sub_group(s.tensors(), z.world, z.sub_group) if z.stage == 3 else 0
+    return resume_host(z, s.params, host, sub_group)
 
 
 def max_micro_batch(job: Job, memory: float, cap: int = 1 << 16) -> int:
@@ -420,6 +429,9 @@ def render(title: str, cols: list[tuple[str, Plan, int]], memory: float, gpus_pe
         lines.append(fmt("host memory per rank", [f"{c[1].host / GIB:.2f}" for c in cols]))
         lines.append(fmt(f"host memory per node ({gpus_per_node} ranks)",
                          [f"{c[1].host * gpus_per_node / GIB:.2f}" for c in cols]))
+    lines.append(fmt("host at resume, per rank", [f"{c[1].resume / GIB:.2f}" for c in cols]))
+    lines.append(fmt(f"host at resume, per node ({gpus_per_node} ranks)",
+                     [f"{c[1].resume * gpus_per_node / GIB:.2f}" for c in cols]))
     return "\n".join(lines)
 
 

@@ -66,7 +66,11 @@ def job_of(row: dict) -> P.Job:
 
 # Rows the planner misses, with the band its planned / measured peak stays in (docs/plan.md says why): the test fails
 # when a row leaves its band, so a fixed planner removes the entry
-KNOWN_MISSES: dict[tuple[str, str], tuple[float, float]] = {}
+# Llama-3.1-70B, 4 H100s, host states + checkpointing (restored from git history as its own file): measured before the
+# fix in hf/swap.py (ZeRO-3 held every layer's q_proj through backward, ~10 GiB); the H200 rows after it are in band
+KNOWN_MISSES: dict[tuple[str, str], tuple[float, float]] = {
+    ("e2e_offload_llama3.1-70b_4gpu_h100.json", "largest_model_z3_offload"): (0.74, 0.82),
+}
 
 
 def test_every_measured_end_to_end_peak_is_planned_within_10_percent():
@@ -381,3 +385,28 @@ def test_the_command_names_the_offload_preset_for_70b_on_4_gpus(capsys):
     assert P.main(["--model", "llama3.1-70b", "--seq", "4096", "--gpus-per-node", "4"]) == 0
     out = capsys.readouterr().out
     assert "\n  zero3_offload_largest_model " in out and "34.91 / 139.63" in out
+
+
+def test_the_host_column_gains_the_resume_peak():
+    """Issue 57: a resume's host need per rank (memory.resume_host) is what the rank keeps on the host plus the largest
+    tensor the load holds at once. CoatAdamW's load maps each file and copies one tensor at a time
+    (tests/launched/test_resume_memory.py measures it): at 70B on 4 ranks with the states on the host, 34.91 GiB of
+    states + lm_head's sub-group's bf16 master (262.7M values, 0.49 GiB) = 35.40 GiB, 141.59 the node. DeepSpeed's
+    own load (BF16 + DeepSpeedCPUAdam) reads the rank's whole optimizer file (fp32 master and moments, 12 B/param
+    over 4) beside its 297.6 GiB of host: 494.8 GiB a rank. ZeRO-2 with a bf16 master on one GPU: the model file's
+    weights, which DeepSpeed copies whole (2 B/param)."""
+    from coat_ds.deepspeed.memory import largest_sub_group
+
+    shape = P.resolve_shape("llama3.1-70b")
+    host = P.plan(P.job_from_config(offload_preset(), shape, SEQ_70B, 4), 1)
+    lm_head = largest_sub_group(shape.tensors(), 4, 100_000_000)
+    assert host.resume == host.host + 2 * lm_head
+    assert (host.resume / GIB, 4 * host.resume / GIB) == pytest.approx((35.40, 141.59), abs=0.01)
+    base = P.plan(P.job_from_config(P.bf16_baseline(offload_preset()), shape, SEQ_70B, 4), 1)
+    assert base.resume == base.host + 12 * shape.params / 4
+    assert base.resume / GIB == pytest.approx(494.77, abs=0.01)
+    eight = P.resolve_shape("llama3.1-8b")
+    z2 = P.plan(P.job_from_config(P.read_config("zero2_lowest_memory")[0], eight, 4096, 1), 1)
+    assert z2.host == 0.0 and z2.resume == 2 * eight.params
+    out = P.render("t", [("coat", host, 1), ("bf16", base, 1)], H100, 4)
+    assert "host at resume, per rank" in out and "35.40" in out and "141.59" in out and "494.77" in out

@@ -19,6 +19,9 @@ e2e*.json and offload.json; docs/plan.md has the derivation):
 - coat.states "host" (ZeRO-3 with gradients released) keeps CoatAdamW's FP8 moments in pinned host memory at
   their exact size and streams them to the GPU one ZeRO-3 sub-group at a time: the GPU holds STATE_WINDOWS
   sub-groups' states (the largest sub-group of stage3.py's _create_fp16_sub_groups, largest_sub_group).
+- a resume (engine.load_checkpoint at the same world size) adds to the host what it reads at once: for CoatAdamW
+  one tensor of a memory-mapped file at a time (checkpoint/load.py), for any other optimizer DeepSpeed's
+  torch.load of the rank's whole optimizer file (resume_host).
 """
 from __future__ import annotations
 
@@ -134,6 +137,24 @@ def model_states(job: ZeroJob, n: int, layer_params: int, largest: int, sub_grou
         return dict(weights=weights, master=master, optimizer=STATE_WINDOWS * job.state_bytes * sub_group,
                     gradients=grads, host=optimizer)
     return dict(weights=weights, master=master, optimizer=optimizer, gradients=grads, host=0.0)
+
+
+def resume_host(job: ZeroJob, n: float, host: float, sub_group: int = 0) -> float:
+    """Host bytes per rank while engine.load_checkpoint resumes at the same world size: `host` (what the rank keeps
+    there: Offload, coat.states "host") plus what the load holds at once. CoatAdamW's (checkpoint/load.py) maps each
+    file and copies one tensor at a time into place: the largest is a ZeRO-3 sub-group's saved master
+    (`sub_group`: largest_sub_group's values) or a ZeRO-1/2 partition's, or, read before the optimizer, the model
+    file's weights (ZeRO-0/1/2: DeepSpeed copies the module's state dict whole). A bf16 master is saved in bf16,
+    any other in fp32. Another optimizer's load is DeepSpeed's: the rank's whole optimizer file (master and states),
+    read into memory."""
+    part = n / job.world if job.stage >= 1 else n
+    master = 2 if job.coat and job.mixed and MASTER_BYTES[job.master] == 0 else 4
+    module = job.param_bytes * n if job.stage < 3 else 0.0
+    if job.stage == 0:  # the optimizer is in the model file, read (or mapped) whole with the weights
+        return host + module + (master + job.state_bytes) * part
+    if not job.coat:
+        return host + max(module, (master + job.state_bytes) * part)
+    return host + max(module, master * (sub_group if job.stage == 3 else part))
 
 
 def buffers(job: ZeroJob) -> float:
