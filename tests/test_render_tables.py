@@ -92,3 +92,18 @@ def test_a_70b_memory_breakdown_splits_gpu_and_host():
             2.125 * run["params"] / run["world_size"], rel=1e-3), name
         rung = next(r for r in run["records"] if r["kind"] == "rung" and "breakdown" in r)
         assert {k: v for k, v in rung["breakdown"].items() if k != "memory_trace"}.items() <= bd.items(), name
+
+
+def test_the_breakdown_counts_what_lies_off_the_gpu_as_host():
+    """What wrote the 70B file's -30.1: benchmarks' StorageCounter counted every storage as the GPU's. A GPU job's
+    counter (a device object is enough, no GPU) now keeps host tensors apart, by category; a CPU job's counts all."""
+    import torch
+
+    from benchmarks.worker import StorageCounter
+
+    states, weights = torch.zeros(1000, dtype=torch.uint8), torch.zeros(10, device="meta")
+    gpu_job = StorageCounter(torch.device("cuda", 0))
+    assert gpu_job.add([states, states[10:]], "optimizer_state_gb") == 0 and gpu_job.add([weights]) == 0
+    assert gpu_job.host == {"optimizer_state_gb": 1000}
+    cpu_job = StorageCounter(torch.device("cpu"))
+    assert cpu_job.add([states, states[10:]], "optimizer_state_gb") == 1000 and cpu_job.host == {}
