@@ -70,20 +70,24 @@ def preset_config(world: int, states_where: str = "host") -> dict:
 
 
 class Branchy(nn.Module):
-    """A branch unused every third step: backward reaches the sub-groups in another order."""
+    """A branch after the third of six layers, unused every third step: backward reaches the sub-groups in another
+    order (the branch's last, at engine.step(), after the layers below it, whose windows others have used since)."""
 
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.l0, self.branch, self.l1, self.head = (nn.Linear(IN, HID), nn.Linear(HID, HID), nn.Linear(HID, HID),
-                                                    nn.Linear(HID, OUT))
+        self.first = nn.Linear(IN, HID, bias=False)   # no biases: each weight a sub-group of its own
+        self.layers = nn.ModuleList(nn.Linear(HID, HID, bias=False) for _ in range(5))
+        self.branch, self.head = nn.Linear(HID, HID, bias=False), nn.Linear(HID, OUT, bias=False)
         self.step = 0
 
     def forward(self, x):
-        h = nn.functional.gelu(self.l0(x))
-        if self.step % 3 != 1:
-            h = h + nn.functional.gelu(self.branch(h))
-        return self.head(nn.functional.gelu(self.l1(h)))
+        h = nn.functional.gelu(self.first(x))
+        for k, layer in enumerate(self.layers):
+            if k == 2 and self.step % 3 != 1:
+                h = h + nn.functional.gelu(self.branch(h))
+            h = nn.functional.gelu(layer(h))
+        return self.head(h)
 
 
 class Experts(nn.Module):
@@ -94,8 +98,8 @@ class Experts(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.l0, self.head = nn.Linear(IN, HID), nn.Linear(HID, OUT)
-        self.experts = nn.ModuleList(nn.Linear(HID, HID) for _ in range(EXPERTS))
+        self.l0, self.head = nn.Linear(IN, HID, bias=False), nn.Linear(HID, OUT, bias=False)
+        self.experts = nn.ModuleList(nn.Linear(HID, HID, bias=False) for _ in range(EXPERTS))
         self.bank = nn.Parameter(torch.randn(EXPERTS, HID, HID) * HID ** -0.5)
         self.step = 0
 
