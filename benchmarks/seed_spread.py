@@ -1,6 +1,7 @@
-"""Seed spread: is coat's validation loss inside BF16's own seed-to-seed spread? One convergence worker per
-(configuration, seed), up to --max-parallel at once, on convergence's default recipe. Calls merge into one
-seed_spread.json; docs/benchmarks.md has the commands, what the sections run and how the statistics compare.
+"""Seed spread: is coat's validation loss inside BF16's own seed-to-seed spread (BF16's band: the one definition of
+benchmarks/accuracy/verdicts.py)? One convergence worker per (configuration, seed), up to --max-parallel at once on
+one device, on convergence's default recipe. Calls merge into one seed_spread.json; docs/benchmarks.md has the
+commands, what the sections run and how the statistics compare.
 """
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks import convergence
-from benchmarks.common import RESULTS, provenance, read_json, write_results
+from benchmarks import convergence, harness
+from benchmarks.accuracy import verdicts
+from benchmarks.common import RESULTS, read_json
+from benchmarks.configs import CONFIGS, check_args
 from benchmarks.convergence import SMOKE_CONFIGS, fmt, last_common_step, rel_gap
-from benchmarks.e2e import CONFIGS, check_args
 from benchmarks.render_tables import markdown
 
 DEFAULT_CONFIGS = "bf16,coat_opt,coat_full,coat_full_bf16sr"
@@ -104,20 +106,21 @@ def config_stats(runs: dict[str, dict], step: int | None) -> dict:
 
 
 def summarize(section: dict) -> None:
-    """steps_compared, the BF16 band and every configuration's statistics and gap, written into `section`."""
+    """steps_compared, BF16's band (verdicts.band: its seeds' mean +- the wider of 2 std and 0.5%) and every
+    configuration's statistics and gap, written into `section`."""
     step = last_common_step(e["val"] for r in section["runs"].values() for e in r.values() if e["val"])
     stats = {n: config_stats(r, step) for n, r in section["runs"].items()}
     base = stats.get("bf16") or config_stats({}, step)   # no BF16 seeds: every figure None
-    std = base["final_std"]
-    band = None if std is None else [base["final_min"] - std, base["final_max"] + std]
+    band = verdicts.band(base["final"]) if base["final"] else None
     for st in stats.values():
         mean = st["final_mean"]
         st["gap_rel_mean"] = rel_gap(mean, base["final_mean"])
         st["gap_rel_mean_best"] = rel_gap(st["best_mean"], base["best_mean"])
         st["within_bf16_spread"] = st["outside_bf16_spread_rel"] = None
         if band is not None and mean is not None:
-            inside = st["within_bf16_spread"] = band[0] <= mean <= band[1]
-            st["outside_bf16_spread_rel"] = 0.0 if inside else min(abs(mean - b) for b in band) / base["final_mean"]
+            inside = st["within_bf16_spread"] = band["low"] <= mean <= band["high"]
+            st["outside_bf16_spread_rel"] = 0.0 if inside else min(abs(mean - band[k]) for k in ("low", "high")) / \
+                base["final_mean"]
     section.update(steps_compared=step, bf16_band=band, summary=stats)
 
 
@@ -125,23 +128,23 @@ def summarize(section: dict) -> None:
 def load_existing(path: Path, key: str, recipe: dict) -> dict:
     """The JSON in --out (or a fresh one); exits with one line when its `key` section ran another recipe."""
     res = read_json(path, {"calls": []})
-    old = res.get(key)
-    if old and old["recipe"] != recipe:
-        diff = sorted(k for k in set(old["recipe"]) | set(recipe) if old["recipe"].get(k) != recipe.get(k))
-        sys.exit(f"{path}: its '{key}' section ran another recipe ({', '.join(diff)} differ); use another --out "
-                 f"or move the file away")
+    if res.get(key):
+        harness.same_setting(f"{path}: its '{key}' section", res[key]["recipe"], recipe, "recipe",
+                             "another --out, or the file moved away")
     res.setdefault(key, {"recipe": recipe, "runs": {}})
     return res
 
 
 def merge(section: dict, done: dict[tuple[str, int], dict], call: int) -> None:
-    """New results replace the old ones of the same pair, except a run with no curve never replaces one with."""
+    """Each new result replaces the old one of its pair where harness.further says so (one that ended beats one that
+    did not, a partial one a failed one: a run that saved no curve never replaces one that did)."""
     for (name, seed), run in done.items():
-        new, old = entry(run, call), section["runs"].get(name, {}).get(str(seed))
-        if old and old["val"] and not new["val"]:
-            print(f"{name} seed {seed}: this run failed ({new['detail']}); keeping call {old['call']}'s result")
+        new, runs = entry(run, call), section["runs"].setdefault(name, {})
+        old = runs.get(str(seed))
+        if old and not harness.further(new, old):
+            print(f"{name} seed {seed}: this run ended {new['detail']}; keeping call {old['call']}'s result")
             continue
-        section["runs"].setdefault(name, {})[str(seed)] = new
+        runs[str(seed)] = new
 
 
 # --- Table ------------------------------------------------------------------------------------------------------------
@@ -168,21 +171,21 @@ def main(argv: list[str] | None = None) -> int:
     at_once = min(args.max_parallel, len(names) * len(seeds))
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // at_once)))   # the cores shared
     pairs = [(n, s) for s in seeds for n in names]          # seed-major: a short budget still covers every config
-    done = convergence.run_workers(rec, pairs, out, args.max_parallel, stop_at=t0 + args.time_budget - STOP_MARGIN_S,
-                                   kill_at=t0 + args.time_budget - KILL_MARGIN_S, tag=lambda n, s: f"{n}_seed{s}")
-    res["calls"].append({"section": key, "configs": names, "seeds": seeds, **provenance(),
-                         "max_parallel": args.max_parallel, "omp_num_threads": os.environ["OMP_NUM_THREADS"],
-                         "time_budget_s": args.time_budget, "wall_s": time.time() - t0})
+    deadline = harness.Deadline(args.time_budget, STOP_MARGIN_S, KILL_MARGIN_S, start=t0)
+    done = convergence.run_workers(rec, pairs, out, args.max_parallel, deadline, tag=lambda n, s: f"{n}_seed{s}")
+    res["calls"].append(harness.this_call(section=key, configs=names, seeds=seeds, max_parallel=args.max_parallel,
+                                          omp_num_threads=os.environ["OMP_NUM_THREADS"],
+                                          time_budget_s=args.time_budget, wall_s=time.time() - t0))
     merge(res[key], done, len(res["calls"]) - 1)
     keys = [k for k in ("default", "long_data", *convergence.FAMILIES) if k in res]
     for k in keys:
         summarize(res[k])
-    res.update({k: res["calls"][-1][k] for k in ("device", "versions", "command", "date")})
+    res.update(harness.head(res["calls"]))
     res["note"] = ("per section: each (config, seed) run's validation curve; summary compares them all at "
                    "steps_compared; std is the sample std (n - 1); within_bf16_spread: the config's final mean "
-                   "lies in [min, max] of BF16's seeds widened by one BF16 std each side; long_data keeps the "
+                   f"lies in BF16's band ({verdicts.TARGETS['band']}); long_data keeps the "
                    "default recipe's tokens per step (seq 1024 x micro-batch 8 = 512 x 16)")
-    path = write_results(res, out, "seed_spread")
+    path = harness.write_results(res, out, "seed_spread")
     print(table(res, keys) + f"\n-> {path}", flush=True)
     return 0 if done and all(r.get("status") == "ok" for r in done.values()) else 1
 
