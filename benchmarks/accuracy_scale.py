@@ -21,13 +21,12 @@ import shutil
 import statistics
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks import harness
 from benchmarks.accuracy import recipe as R, runs, verdicts
-from benchmarks.common import RESULTS, ROOT, git_commit, names_of, now, provenance, read_json, run_worker, \
-    write_results
+from benchmarks.common import RESULTS, ROOT, names_of, now, read_json
 from benchmarks.render_tables import render
 
 NAME = "accuracy_scale"
@@ -38,7 +37,7 @@ KILL_MARGIN_S = 10.0    # and killed this long before it, whatever it is doing
 MIN_PARTIAL_S = 120.0   # --partial-ok starts a run that will not end only where it gets this long before the signal
 OUTLIERS_S = (90.0, 20.0)   # the outlier measure's predicted seconds (4 GPUs, smoke): load the export, 8 forwards
 EXPORT, MARK = "export_bf16", "coat_export.json"   # BF16's model the fine-tuning starts from, and what made it
-DONE = ("done", "diverged")   # a run that ended: kept, not run again (a diverged run is a result)
+DONE = harness.ENDED   # a run that ended: kept, not run again (a diverged run is a result)
 
 
 @dataclass(frozen=True)
@@ -140,34 +139,16 @@ def recipe_facts(args: argparse.Namespace) -> dict:
     return {"smoke": args.smoke, **{phase: r.facts() for phase, r in args.recipes.items()}}
 
 
-def rank(entry: dict | None) -> tuple:
-    """Which of two entries of a run to keep: one that ended, then the one further on."""
-    if entry is None:
-        return (-1, -1)
-    return (entry["status"] in DONE, entry["status"] != "failed", entry.get("steps_done", 0))
-
-
 def merged(paths: list[str], recipe: dict) -> dict:
-    """The runs, outlier measure and calls of earlier results files (later files win a tie; a call that two files
-    both hold, the committed file and the machine's copy of it, counted once); exits with one line where a file ran
-    another recipe."""
-    res = {"runs": {}, "outliers": None, "calls": []}
-    for path in paths:
-        doc = read_json(path)
-        if doc is None:
-            print(f"--merge {path}: no such file; skipped", flush=True)
-            continue
-        if doc.get("recipe") != recipe:
-            old = doc.get("recipe") or {}
-            diff = sorted(k for k in set(old) | set(recipe) if old.get(k) != recipe.get(k))
-            sys.exit(f"error: --merge {path}: its runs followed another recipe ({', '.join(diff)} differ); allowed: "
-                     f"results of this recipe (benchmarks/accuracy/recipe.py; --smoke has its own)")
-        res["calls"] += [c for c in doc.get("calls", []) if c not in res["calls"]]
-        for key, entry in doc.get("runs", {}).items():
-            if rank(entry) >= rank(res["runs"].get(key)):
-                res["runs"][key] = entry
-        res["outliers"] = doc.get("outliers") or res["outliers"]
-    return res
+    """The runs, outlier measure and calls of earlier results files (of two entries of a run, harness.further's; a
+    call that two files both hold, the committed file and the machine's copy of it, counted once); exits with one
+    line where a file ran another recipe."""
+    docs = harness.merge_files(paths, lambda doc: doc.get("recipe") or {}, recipe, "recipe",
+                               "results of this recipe (benchmarks/accuracy/recipe.py; --smoke has its own)")
+    key = lambda e: Job(e["phase"], e["config"], e["seed"]).key  # noqa: E731
+    return {"runs": harness.merged(key, *(d.get("runs", {}).values() for d in docs)),
+            "outliers": next((d["outliers"] for d in reversed(docs) if d.get("outliers")), None),
+            "calls": harness.calls_of(docs)}
 
 
 # --- The schedule -----------------------------------------------------------------------------------------------------
@@ -288,20 +269,14 @@ def slots(args: argparse.Namespace, phase: str) -> int:
 
 def devices(args: argparse.Namespace, phase: str, slot: int) -> str:
     """The CUDA ids of a side-by-side job's slot."""
-    per = side_gpus(args, phase)
-    return ",".join(str(slot * per + i) for i in range(per))
+    return harness.devices([side_gpus(args, phase)] * (slot + 1))[slot]
 
 
 def groups(args: argparse.Namespace, plan: list[Todo]) -> list[list[Todo]]:
-    """The plan as this call runs it: one job at a time, but with --side-by-side consecutive jobs of one phase in
-    groups of `slots`, each group at once."""
-    out: list[list[Todo]] = []
-    for t in plan:
-        if out and out[-1][0].job.phase == t.job.phase and len(out[-1]) < slots(args, t.job.phase):
-            out[-1].append(t)
-        else:
-            out.append([t])
-    return out
+    """The plan as this call runs it (harness.pack): one job at a time, but with --side-by-side consecutive jobs of
+    one phase as many at once as the host's GPUs hold (the outlier measure always alone)."""
+    joins = lambda group, t: slots(args, t.job.phase) > 1 and t.job.phase == group[0].job.phase  # noqa: E731
+    return harness.pack(plan, args.host_gpus, lambda t: side_gpus(args, t.job.phase), joins, in_order=True)
 
 
 def schedule_text(args: argparse.Namespace, res: dict, plan: list[Todo]) -> str:
@@ -336,7 +311,7 @@ def check_data(args: argparse.Namespace) -> dict[str, int]:
     return out
 
 
-def run_job(args: argparse.Namespace, res: dict, t: Todo, stop: runs.Stop, call: dict, tokens: dict,
+def run_job(args: argparse.Namespace, res: dict, t: Todo, stop: harness.Deadline, call: dict, tokens: dict,
             where: str | None = None, beside: int = 0) -> None:
     """One job to its end or the deadline, on the first --num-gpus GPUs or (side by side, `beside` other jobs at
     once) on the CUDA ids `where`; its entry (or the outlier measure) written into `res`."""
@@ -389,7 +364,7 @@ def status(entry: dict, seg: dict, run_dir: Path, export: Path | None) -> str:
     return "diverged" if "the loss became" in runs.failure(run_dir) else "failed"
 
 
-def measure_outliers(args: argparse.Namespace, res: dict, stop: runs.Stop, call: dict) -> None:
+def measure_outliers(args: argparse.Namespace, res: dict, stop: harness.Deadline, call: dict) -> None:
     """max |x| / RMS at BF16's exported model's decoder-layer inputs, in a process of its own (benchmarks.accuracy.
     outliers: on one GPU, in bf16)."""
     export_dir, out = args.run_root / EXPORT, args.run_root / "outliers.json"
@@ -402,7 +377,7 @@ def measure_outliers(args: argparse.Namespace, res: dict, stop: runs.Stop, call:
            "--micro-batch", str(R.OUTLIER_MICRO_BATCH), "--seq-len", str(r.seq_len), "--out", str(out)]
     print(f"== outliers: {' '.join(cmd)}", flush=True)
     out.unlink(missing_ok=True)
-    code, tail = run_worker(cmd, max(1.0, stop.kill_at - time.time()), env={"CUDA_VISIBLE_DEVICES": "0"})
+    code, tail = harness.run_worker(cmd, max(1.0, stop.kill_at - time.time()), env={"CUDA_VISIBLE_DEVICES": "0"})
     got = read_json(out)
     if code != 0 or got is None:
         print(f"   outliers failed (exit {code}): {tail[-1500:]}", flush=True)
@@ -440,11 +415,9 @@ def judge(args: argparse.Namespace, res: dict) -> dict:
 
 
 def result(args: argparse.Namespace, res: dict, calls: list[dict], tokens: dict) -> dict:
-    last = calls[-1] if calls else {}
     order = {f"{j.key}": i for i, j in enumerate(jobs_every(args))}
     runs_sorted = dict(sorted(res["runs"].items(), key=lambda kv: order.get(kv[0], len(order))))
-    return {"what": " ".join(__doc__.split("\n\n")[0].split()),
-            **{k: last.get(k) for k in ("device", "versions", "command", "date", "commit")}, "calls": calls,
+    return {"what": " ".join(__doc__.split("\n\n")[0].split()), **harness.head(calls),
             "recipe": recipe_facts(args), "train_tokens": tokens, "targets": verdicts.TARGETS,
             "verdicts": judge(args, res), "outliers": res.get("outliers"), "runs": runs_sorted}
 
@@ -453,6 +426,16 @@ def jobs_every(args: argparse.Namespace) -> list[Job]:
     """Every job of the issue in the order of --phase all (the file lists its runs so)."""
     every = argparse.Namespace(**{**vars(args), "configs": list(R.CONFIGS), "phase": "all"})
     return jobs(every)
+
+
+def why_not(args: argparse.Namespace, group: list[Todo], stop: harness.Deadline) -> str | None:
+    """Why this call does not start a group (None: it does): no export to fine-tune from, or too little time (with
+    --partial-ok a run that will not end starts where it gets MIN_PARTIAL_S before the signal)."""
+    est, phase = max(t.est_s for t in group), group[0].job.phase
+    if phase == "finetune" and export_id(args) is None:
+        return "no export of BF16's model on this machine yet"
+    partial = args.partial_ok and phase != "outliers" and stop.stop_at - time.time() >= MIN_PARTIAL_S
+    return None if stop.fits(est) or partial else f"predicted {est:.0f} s, {stop.left():.0f} s left"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -466,37 +449,27 @@ def main(argv: list[str] | None = None) -> int:
     tokens = check_data(args)
     args.out.mkdir(parents=True, exist_ok=True)
     args.run_root.mkdir(parents=True, exist_ok=True)
-    call = {**provenance(), "commit": git_commit(), "phase": args.phase, "configs": args.configs,
-            "seeds": args.seeds, "num_gpus": args.num_gpus, "deadline_s": args.deadline, "partial_ok": args.partial_ok,
-            "ran": [], "skipped": []}
+    call = harness.this_call(phase=args.phase, configs=args.configs, seeds=args.seeds, num_gpus=args.num_gpus,
+                             deadline_s=args.deadline, partial_ok=args.partial_ok, ran=[], skipped=[])
     calls = [*res["calls"], call]
-    stop = runs.Stop(t0 + args.deadline - STOP_MARGIN_S, t0 + args.deadline - KILL_MARGIN_S)
+    stop = harness.Deadline(args.deadline, STOP_MARGIN_S, KILL_MARGIN_S, start=t0)
     for group in groups(args, plan):
         group = [t for t in (todo(args, res, t.job) for t in group) if t]   # what the runs before changed
-        if not group:
-            continue
         for t in group:
             t.est_s = predict(args, res, t)
-        est, left, phase = max(t.est_s for t in group), t0 + args.deadline - time.time(), group[0].job.phase
-        fits = est + STOP_MARGIN_S <= left
-        partial = args.partial_ok and phase != "outliers" and left - STOP_MARGIN_S >= MIN_PARTIAL_S
-        why = ("no export of BF16's model on this machine yet" if phase == "finetune" and export_id(args) is None
-               else None if fits or partial else f"predicted {est:.0f} s, {left:.0f} s left")
+        why = why_not(args, group, stop) if group else "done already"
         if why:
             call["skipped"] += [{"job": t.job.key, "why": why} for t in group]
             print(*(f"== {t.job.key}: skipped ({why})" for t in group), sep="\n", flush=True)
             continue
         call["ran"] += [t.job.key for t in group]
-        if slots(args, phase) > 1:
-            with ThreadPoolExecutor(len(group)) as pool:
-                list(pool.map(lambda it: run_job(args, res, it[1], stop, call, tokens, devices(args, phase, it[0]),
-                                                 len(group) - 1), enumerate(group)))
-        else:
-            run_job(args, res, group[0], stop, call, tokens)
+        phase, beside = group[0].job.phase, len(group) - 1
+        harness.side_by_side(lambda i, t: run_job(args, res, t, stop, call, tokens, devices(args, phase, i) if slots(
+            args, phase) > 1 else None, beside), group)
         call["wall_s"] = time.time() - t0
-        write_results(result(args, res, calls, tokens), args.out, NAME)   # what it has, after each job
+        harness.write_results(result(args, res, calls, tokens), args.out, NAME)   # what it has, after each job
     call["wall_s"] = time.time() - t0
-    path = write_results(result(args, res, calls, tokens), args.out, NAME)
+    path = harness.write_results(result(args, res, calls, tokens), args.out, NAME)
     print(render(NAME, args.out), render(f"{NAME}_finetune", args.out), f"-> {path}", sep="\n", flush=True)
     return 0
 

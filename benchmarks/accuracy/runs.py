@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import statistics
-import subprocess
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.accuracy.recipe import CONFIGS, Recipe
-from benchmarks.common import ROOT, free_port, launcher, read_json, read_log, worker_env
+from benchmarks.common import ROOT, free_port, launcher, read_json, read_log
+from benchmarks.harness import Deadline, run_process
 
-POLL_S = 0.2
 PROGRESS_S = 60.0
 
 
@@ -32,15 +29,6 @@ def command(recipe: Recipe, config: str, seed: int, gpus: int, run_dir: Path, da
            "--seed", str(seed), "--save-dir", str(run_dir)]
     cmd += ["--model", str(model), "--eval-first"] if model else ["--model-size", recipe.model_size]
     return cmd + (["--export", str(export)] if export else []) + (["--resume"] if resume else [])
-
-
-@dataclass
-class Stop:
-    """When a run is told to stop (SIGTERM to its process group: every rank finishes its step, checkpoints and
-    exits 143) and when it is killed. A run that has not logged a step yet by `signal_at` has nothing to save, so it
-    gets until `kill_at` to log one first."""
-    signal_at: float = float("inf")
-    kill_at: float = float("inf")
 
 
 def last_train_step(log: Path) -> int:
@@ -62,42 +50,27 @@ def last_train_step(log: Path) -> int:
     return 0
 
 
-def launch(cmd: list[str], run_dir: Path, start_step: int, stop: Stop, name: str, total: int) -> dict:
-    """Run the job in a process group of its own, its output appended to run_dir/launch.log, told to stop by `stop`
-    -> {exit_code, signalled, killed, start (Unix time), startup_s (to its first step), wall_s}."""
+def launch(cmd: list[str], run_dir: Path, start_step: int, stop: Deadline, name: str, total: int) -> dict:
+    """Run the job (harness.run_process), its output appended to run_dir/launch.log, told to stop at `stop` once it
+    has logged a step (it checkpoints on the signal) -> {exit_code, signalled, killed, start (Unix time), startup_s
+    (to its first step), wall_s}."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    log, t0 = run_dir / "log.jsonl", time.time()
-    first = signalled = killed = None
-    shown = t0
+    log, t0, seen = run_dir / "log.jsonl", time.time(), {"first": None, "shown": time.time()}
+
+    def watch() -> None:
+        now, step = time.time(), last_train_step(log)
+        if seen["first"] is None and step > start_step:
+            seen["first"] = now
+        if now - seen["shown"] >= PROGRESS_S:
+            print(f"  [{name}] step {step}/{total}, {now - t0:.0f} s", flush=True)
+            seen["shown"] = now
+
     with open(run_dir / "launch.log", "a") as out:
         out.write(f"\n== {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(cmd)}\n")
-        out.flush()
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=worker_env(), stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        while proc.poll() is None:
-            time.sleep(POLL_S)
-            now, step = time.time(), last_train_step(log)
-            if first is None and step > start_step:
-                first = now
-            if now - shown >= PROGRESS_S:
-                print(f"  [{name}] step {step}/{total}, {now - t0:.0f} s", flush=True)
-                shown = now
-            if signalled is None and now >= stop.signal_at and (first is not None or now >= stop.kill_at):
-                signalled = now
-                _signal(proc, signal.SIGTERM)
-            if killed is None and now >= stop.kill_at and proc.poll() is None:
-                killed = now
-                _signal(proc, signal.SIGKILL)
-        end = time.time()
-    return {"exit_code": proc.returncode, "signalled": signalled is not None, "killed": killed is not None,
-            "start": t0, "startup_s": None if first is None else first - t0, "wall_s": end - t0}
-
-
-def _signal(proc: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(proc.pid, sig)
-    except ProcessLookupError:
-        pass
+    r = run_process(cmd, stop_at=stop.stop_at, kill_at=stop.kill_at, log=run_dir / "launch.log", cwd=ROOT,
+                    watch=watch, ready=lambda: seen["first"] is not None)
+    return {**{k: r[k] for k in ("exit_code", "signalled", "killed", "start", "wall_s")},
+            "startup_s": None if seen["first"] is None else seen["first"] - t0}
 
 
 def checkpoint_step(run_dir: Path) -> int | None:
