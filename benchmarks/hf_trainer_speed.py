@@ -21,10 +21,12 @@ from pathlib import Path
 import deepspeed
 import torch
 
-from benchmarks import e2e
+from benchmarks import harness
 from benchmarks.common import (GIB, RESULTS, ROOT, StepProbe, WarningLog, add_worker_args, check_positive,
-                               provenance, read_json, replace_rows, run_worker, worker_cmd, write_results)
-from coat_ds.deepspeed.teardown import torn_down
+                               provenance, read_json, worker_cmd)
+from benchmarks.configs import MODELS, build_model, merge_into
+from benchmarks.e2e import ratio
+from benchmarks.worker import Worker, base_optimizer, oom_needed_gb
 from coat_ds.workloads import causal_lm as train_lib
 
 HF_CONFIG = "ds_configs/hf/zero2_coat.json"
@@ -66,7 +68,7 @@ def parse_run(spec: str) -> dict:
         raise ValueError(f"--runs {spec!r}: expected path:preset:model:micro_batch:tuning[:profile]")
     path, preset, model, mb, tuning = parts[:5]
     for key, val, allowed in (("path", path, ("trainer", "plain")), ("preset", preset, tuple(PRESETS)),
-                              ("model", model, tuple(e2e.MODELS)), ("tuning", tuning, tuple(TUNINGS))):
+                              ("model", model, tuple(MODELS)), ("tuning", tuning, tuple(TUNINGS))):
         if val not in allowed:
             raise ValueError(f"--runs {spec!r}: {key} {val!r} is unknown; allowed: {list(allowed)}")
     if not mb.isdigit() or int(mb) < 1:
@@ -83,7 +85,7 @@ def hf_ds_config(run: dict) -> dict:
         cfg["optimizer"] = {"type": "AdamW", "params": {k: "auto" for k in ("lr", "betas", "eps", "weight_decay")}}
         if not torch.cuda.is_available():
             cfg["optimizer"]["params"]["torch_adam"] = True
-    e2e.merge_into(cfg, TUNINGS[run["tuning"]][0])
+    merge_into(cfg, TUNINGS[run["tuning"]][0])
     return cfg
 
 
@@ -142,7 +144,7 @@ class Meter:
             res = torch.cuda.max_memory_reserved()
             mem = {"peak_alloc_gb": torch.cuda.max_memory_allocated() / GIB, "peak_reserved_gb": res / GIB,
                    "fits": res <= self.args.mem_fraction * torch.cuda.get_device_properties(0).total_memory}
-        base = e2e.base_optimizer(engine)
+        base = base_optimizer(engine)
         return {"step_time_s": med, "step_time_mean_s": mean, "tokens_per_s": tokens / med,
                 "tokens_per_s_mean": tokens / mean, "step_times_s": intervals, **mem,
                 "engine": type(engine).__name__, "optimizer": type(base).__name__,
@@ -168,7 +170,7 @@ def trainer_worker(run: dict, args: argparse.Namespace) -> dict:
         def on_step_end(self, targs, state, control, **kw):
             meter.step_end(state.global_step)
 
-    model = e2e.build_model(run["model"], device, torch.bfloat16 if on_cuda else torch.float32, 1234)
+    model = build_model(run["model"], device, torch.bfloat16 if on_cuda else torch.float32, 1234)
     targs = training_args(run, meter.total, args.scratch)
     ids = torch.randint(0, model.config.vocab_size, (meter.total * run["micro_batch"], args.seq_len),
                         generator=torch.Generator().manual_seed(1234))
@@ -179,7 +181,7 @@ def trainer_worker(run: dict, args: argparse.Namespace) -> dict:
     return meter.result(trainer.model_wrapped, losses[-1])
 
 
-class PlainWorker(e2e.Worker):
+class PlainWorker(Worker):
     """e2e's loop (forward, engine.backward, engine.step) on the config HF Trainer would fill, the model as the Trainer
     runs it (use_cache off) and one param group of every trainable parameter (HF's, for a config "optimizer")."""
 
@@ -213,7 +215,7 @@ def worker(args: argparse.Namespace) -> int:
         rec = (trainer_worker if run["path"] == "trainer" else plain_worker)(run, args)
     except torch.OutOfMemoryError as e:
         msg = str(e).splitlines()[0]
-        rec = {"oom": msg, "needed_gb": e2e.oom_needed_gb(msg)}
+        rec = {"oom": msg, "needed_gb": oom_needed_gb(msg)}
     rec.update(run, wall_s=time.time() - t0, config=hf_ds_config(run), coat_warnings=wlog.messages)
     Path(args.result).write_text(json.dumps(rec))
     return 0
@@ -225,7 +227,7 @@ def launch(spec: str, args: argparse.Namespace, result: Path, timeout: float) ->
                      result=result, scratch=result.parent / "trainer_out")
     print(f"== {spec}", flush=True)
     result.unlink(missing_ok=True)
-    rc, tail = run_worker(cmd, timeout)
+    rc, tail = harness.run_worker(cmd, timeout)
     rec = json.loads(result.read_text()) if rc == 0 and result.exists() else \
         {**parse_run(spec), "error": f"worker exit {rc}: {tail[-3000:]}"}
     if args.verbose or "error" in rec:
@@ -240,9 +242,9 @@ def summarize(rows: list[dict]) -> dict:
     for (path, preset, model, mb, tuning), v in tps.items():
         key = f"{preset}:{model}:{mb}:{tuning}"
         if path == "trainer" and ("plain", preset, model, mb, tuning) in tps:
-            trainer_over_plain[key] = e2e.ratio(v, tps[("plain", preset, model, mb, tuning)])
+            trainer_over_plain[key] = ratio(v, tps[("plain", preset, model, mb, tuning)])
         if preset == "coat" and (path, "bf16", model, mb, tuning) in tps:
-            coat_over_bf16[f"{path}:{model}:{mb}:{tuning}"] = e2e.ratio(v, tps[(path, "bf16", model, mb, tuning)])
+            coat_over_bf16[f"{path}:{model}:{mb}:{tuning}"] = ratio(v, tps[(path, "bf16", model, mb, tuning)])
     return {"trainer_over_plain": trainer_over_plain, "coat_over_bf16": coat_over_bf16}
 
 
@@ -285,12 +287,12 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     return args, specs
 
 
-def run_all(specs: list[str], args: argparse.Namespace, out: Path, t0: float) -> list[dict]:
+def run_all(specs: list[str], args: argparse.Namespace, out: Path, deadline: harness.Deadline) -> list[dict]:
     """One worker per run, in order, skipping those the time budget no longer leaves room for -> their rows."""
     rows = []
     for spec in specs:
-        left = args.time_budget - (time.time() - t0)
-        if left < NEEDS_S.get(parse_run(spec)["model"], 45):
+        left = deadline.left()
+        if not deadline.fits(NEEDS_S.get(parse_run(spec)["model"], 45)):
             rows.append({**parse_run(spec), "error": f"skipped: time budget ({args.time_budget:.0f} s) spent"})
             continue
         rows.append(r := launch(spec, args, out / "hf_trainer_run.json", left))
@@ -304,19 +306,19 @@ def run_all(specs: list[str], args: argparse.Namespace, out: Path, t0: float) ->
 def main(argv: list[str] | None = None) -> int:
     args, specs = parse_args(argv)
     if args.worker:
-        with torn_down():   # its exit code is the worker's, not an abort of Python's finalization
-            return worker(args)
-    out = Path(args.out)
+        return harness.worker_exit(lambda: worker(args))
+    out, t0 = Path(args.out), time.time()
     out.mkdir(parents=True, exist_ok=True)
-    t0 = time.time()
-    rows = run_all(specs, args, out, t0)
-    if args.merge:   # the runs not rerun now stay
-        rows = replace_rows(read_json(out / "hf_trainer.json", {"runs": []})["runs"], rows, lambda r: r["spec"])
-    res = {"seq_len": args.seq_len, "warmup_steps": args.warmup, "timed_steps": args.steps, "hf_config": HF_CONFIG,
-           "tunings": TUNINGS, "presets": {k: v[0] for k, v in PRESETS.items()}, "runs": rows, **summarize(rows),
-           "targets": TARGETS, **provenance()}
+    setting = {"seq_len": args.seq_len, "warmup_steps": args.warmup, "timed_steps": args.steps}
+    old = read_json(out / "hf_trainer.json", {"runs": []}) if args.merge else {"runs": []}
+    if old["runs"]:   # the runs not rerun now stay: they must have been timed alike
+        harness.same_setting(str(out / "hf_trainer.json"), {k: old.get(k) for k in setting}, setting)
+    rows = run_all(specs, args, out, harness.Deadline(args.time_budget, start=t0))
+    rows = list(harness.merged(lambda r: r["spec"], old["runs"], rows).values())
+    res = {**setting, "hf_config": HF_CONFIG, "tunings": TUNINGS, "presets": {k: v[0] for k, v in PRESETS.items()},
+           "runs": rows, **summarize(rows), "targets": TARGETS, **provenance()}
     res.update(targets_met=targets_met(res), wall_s=time.time() - t0, smoke=args.smoke)
-    path = write_results(res, out, "hf_trainer")
+    path = harness.write_results(res, out, "hf_trainer")
     print(json.dumps({k: res[k] for k in ("trainer_over_plain", "coat_over_bf16", "targets_met")}, indent=1))
     print(f"-> {path}")
     return 0 if all("error" not in r and "oom" not in r for r in rows) else 1
