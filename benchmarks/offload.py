@@ -15,11 +15,12 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import e2e
-from benchmarks.common import (GIB, RESULTS, add_worker_args, check_positive, command, device_name, names_of, now,
-                               proc_bytes, read_json, replace_rows, run_worker, versions, worker_cmd, write_results)
+from benchmarks import harness
+from benchmarks.common import (GIB, RESULTS, T0, add_worker_args, check_positive, device_name, names_of, proc_bytes,
+                               read_json, versions, worker_cmd)
+from benchmarks.configs import MODELS as SHAPES, build_model, ds_config
+from benchmarks.worker import StorageCounter, Worker, _tensors, base_optimizer
 from benchmarks.render_tables import markdown, num
-from coat_ds.deepspeed.teardown import torn_down
 from coat_ds.workloads.causal_lm import param_groups
 
 CONFIGS = {"bf16": "BF16 + DeepSpeedCPUAdam", "coat_full": "coat_ds full (fp32 master)",
@@ -64,7 +65,7 @@ def predict_host(group_numels: list[int], largest_param: int, config: str, pinne
 
 def model_numels(model: str) -> tuple[list[int], int]:
     """(numel of each of the main job's param groups, largest parameter) from the model built on the meta device."""
-    net = e2e.build_model(model, "meta", torch.bfloat16, seed=0)
+    net = build_model(model, "meta", torch.bfloat16, seed=0)
     numels = [sum(p.numel() for p in g["params"]) for g in param_groups(net)]
     return numels, max(p.numel() for p in net.parameters())
 
@@ -112,16 +113,16 @@ def host_accounting(engine, n_params: int) -> dict:
     in the first category that names it (bf16_sr: the staging buffer *is* the master, so it counts as master).
     `other` is whatever else the ZeRO optimizer keeps on the host (with DeepSpeed's CPU accelerator the device
     is the host: then it also holds the model's flat weights and the reduction buckets)."""
-    zo, base = engine.optimizer, e2e.base_optimizer(engine)
+    zo, base = engine.optimizer, base_optimizer(engine)
     masters = [p for g in base.param_groups for p in g["params"]]
     cats = [("master", masters),
-            ("optimizer_states", [t for st in base.state.values() for t in e2e._tensors(st)]),
+            ("optimizer_states", [t for st in base.state.values() for t in _tensors(st)]),
             ("master_grads", [p.grad for p in masters]),
             ("bf16_staging", list(getattr(zo, "param_buffer_of_bit16_for_cpu_offload_groups", []))),
             ("grad_staging", [getattr(zo, "temp_grad_buffer_for_cpu_offload", None)]),
-            ("accumulated_grads", list(e2e._tensors(getattr(zo, "accumulated_grads_in_cpu", {})))),
-            ("other", [t for v in vars(zo).values() for t in e2e._tensors(v)])]
-    counter, out = e2e.StorageCounter(), {}
+            ("accumulated_grads", list(_tensors(getattr(zo, "accumulated_grads_in_cpu", {})))),
+            ("other", [t for v in vars(zo).values() for t in _tensors(v)])]
+    counter, out = StorageCounter(), {}
     for name, tensors in cats:
         b = counter.add(t for t in tensors if t is not None and t.device.type == "cpu")
         pinned = [t.untyped_storage().nbytes() for t in counter.new if _is_pinned(t)]
@@ -133,7 +134,7 @@ def host_accounting(engine, n_params: int) -> dict:
             "host_optimizer_bytes": opt, "host_optimizer_bytes_per_param": opt / n_params}
 
 
-class OffloadWorker(e2e.Worker):
+class OffloadWorker(Worker):
     """e2e's worker with e2e's configuration under ZeRO-2, the optimizer offloaded to the host; records RSS at each
     stage of its life. The BF16 row keeps "type": "AdamW", which DeepSpeed runs as DeepSpeedCPUAdam under Offload
     (on CPU too: no torch_adam)."""
@@ -143,7 +144,7 @@ class OffloadWorker(e2e.Worker):
         self.rss = {"start": rss_gb()}
         net = self.model()
         self.rss["model_built"] = rss_gb()
-        cfg = e2e.ds_config(args.config, micro_batch=args.micro_batch, zero_stage=2)
+        cfg = ds_config(args.config, micro_batch=args.micro_batch, zero_stage=2)
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": args.pin_memory}
         cfg.pop("_source")
         engine = self.train_lib.initialize(net, cfg)
@@ -174,7 +175,7 @@ def run_row(w: OffloadWorker) -> dict:
     if w.on_cuda:
         torch.cuda.reset_peak_memory_stats()
     t0, steps = time.perf_counter(), 0
-    while steps < args.steps and (steps == 0 or time.time() - e2e._T0 < args.budget_s):
+    while steps < args.steps and (steps == 0 or time.time() - T0 < args.budget_s):
         loss = w.one_step(x, y)
         steps += 1
     w.sync()
@@ -216,13 +217,13 @@ def launch(args: argparse.Namespace, model: str, config: str, micro_batch: int, 
                      configs=config, micro_batch=micro_batch, budget_s=max(budget - 30, 10), result=result,
                      no_pin_memory=not args.pin_memory)
     print(f"== {model} / {config}, micro-batch {micro_batch}: {' '.join(cmd)}", flush=True)
-    rc, tail = run_worker(cmd, budget)
+    rc, tail = harness.run_worker(cmd, budget)
     why = "host OOM: killed by SIGKILL" if rc in (-9, 137) else f"worker exit {rc}"
     return read_json(result) or {"model": model, "config": config, "micro_batch": micro_batch, "fits": False,
                                  "why_not": why, "error_tail": tail[-1500:]}
 
 
-def one_row(args: argparse.Namespace, model: str, config: str, avail: int, left: float) -> dict | None:
+def one_row(args: argparse.Namespace, model: str, config: str, avail: int) -> dict | None:
     """The predicted host memory, then the worker if it is worth trying on this host (halving the micro-batch once
     after a GPU OOM); None: no time left."""
     groups, largest = model_numels(model)
@@ -238,13 +239,12 @@ def one_row(args: argparse.Namespace, model: str, config: str, avail: int, left:
                            f"{p['setup_peak_bytes'] / GIB:.1f}, steady {p['steady_bytes'] / GIB:.1f}) > "
                            f"{HOST_MARGIN} x {avail / GIB:.1f} GiB available; not run", **plan, "pinned": p["pinned"]}
     est = EST_S.get(model, 300)
-    if left < min(est, 60):
+    if not args.deadline.fits(min(est, 60)):
         return None
     mb = args.micro_batch or MICRO_BATCH.get(model, 1)
-    row = launch(args, model, config, mb, left)
-    left = args.time_budget - (time.time() - args.t0)
-    if row.get("gpu_oom") and mb > 1 and left > est:
-        row = launch(args, model, config, mb // 2, left)
+    row = launch(args, model, config, mb, args.deadline.left())
+    if row.get("gpu_oom") and mb > 1 and args.deadline.fits(est):
+        row = launch(args, model, config, mb // 2, args.deadline.left())
     # pinned: as the worker's DeepSpeed config said, or as predicted where no engine was built
     return {**row, **plan, "pinned": args.pin_memory if "ds_config" in row else p["pinned"]}
 
@@ -267,7 +267,7 @@ def table(rows: list[dict]) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, from {list(e2e.MODELS)}")
+    p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, from {list(SHAPES)}")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from {list(CONFIGS)}")
     p.add_argument("--micro-batch", type=int, help=f"default per model: {MICRO_BATCH}")
     p.add_argument("--seq-len", type=int, default=2048)
@@ -282,46 +282,45 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_worker_args(p)
     p.add_argument("--budget-s", type=float, default=1e9, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    args.models = names_of(p, "models", args.models, e2e.MODELS)
+    args.models = names_of(p, "models", args.models, SHAPES)
     args.configs = names_of(p, "configs", args.configs, CONFIGS)
     check_positive(p, args, ("micro_batch", "seq_len", "steps", "warmup"))
     return args
 
 
-def meta(args: argparse.Namespace, rows: list[dict], avail: int) -> dict:
-    """How the rows were measured; device and versions as a worker saw them (no CUDA context in the parent)."""
-    ran = next((r for r in rows[::-1] if r.get("device")), None) or {"device": device_name(), "versions": versions()}
+def meta(args: argparse.Namespace, avail: int) -> dict:
+    """How this call measured (harness.this_call: no CUDA context in the parent)."""
     return {"what": "ZeRO-2 + offload_optimizer cpu, 1 rank: host memory per parameter, GPU peak, tokens/s",
-            "device": ran["device"], "versions": ran["versions"], "host_available_gb": avail / GIB,
-            "pin_memory": args.pin_memory, "pin_backend": os.environ.get("DS_PIN_MEMORY_BACKEND", "torch"),
-            "seq_len": args.seq_len, "command": command(), "date": now(), "wall_s": time.time() - args.t0,
-            "smoke": args.smoke}
+            **harness.this_call(), "host_available_gb": avail / GIB, "pin_memory": args.pin_memory,
+            "pin_backend": os.environ.get("DS_PIN_MEMORY_BACKEND", "torch"), "seq_len": args.seq_len,
+            "wall_s": args.deadline.seconds - args.deadline.left(), "smoke": args.smoke}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
         args.model, args.config = args.models[0], args.configs[0]
-        with torn_down():   # its exit code is the worker's, not an abort of Python's finalization
-            return worker(args)
+        return harness.worker_exit(lambda: worker(args))
     if args.smoke:
         args.models, args.seq_len, args.steps, args.warmup = ["tiny"], 32, 2, 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    args.t0, avail, rows = time.time(), proc_bytes("MemAvailable", "/proc/meminfo"), []
+    args.deadline, avail, rows = harness.Deadline(args.time_budget), proc_bytes("MemAvailable", "/proc/meminfo"), []
     old = read_json(out / "offload.json", {})
+    if old.get("rows"):   # its rows stay where this call does not measure them again: at the same sequence length
+        harness.same_setting(str(out / "offload.json"), {"seq_len": old.get("seq_len")}, {"seq_len": args.seq_len})
     for model in args.models:
         for config in args.configs:
-            row = one_row(args, model, config, avail, args.time_budget - (time.time() - args.t0))
+            row = one_row(args, model, config, avail)
             if row is None:
                 print(f"== {model} / {config}: skipped, time budget spent", flush=True)
                 continue
             rows.append(row)
             # the rows so far replace old's rows of the same (model, config); this invocation joins old's
-            merged = replace_rows(old.get("rows", []), rows, lambda r: (r["model"], r["config"]))
-            run = meta(args, rows, avail)
+            merged = harness.merged(lambda r: (r["model"], r["config"]), old.get("rows", []), rows).values()
+            run = meta(args, avail)
             res = {**run, "rows": sorted(merged, key=_row_order), "invocations": old.get("invocations", []) + [run]}
-            write_results(res, out, "offload")
+            harness.write_results(res, out, "offload")
     if not rows:
         return 1
     print(table(res["rows"]) + f"\n-> {out / 'offload.json'}")
