@@ -11,6 +11,8 @@
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from coat_ds.deepspeed.zero.states import host_refusal
@@ -34,7 +36,8 @@ def cpu_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("host_states")
     (tmp / "host").mkdir()
     out = tmp / "r.json"
-    env = dict(job_env(), COAT_DS_HOST_ROOT=str(tmp / "host"))
+    env = dict(job_env(), COAT_DS_HOST_ROOT=str(tmp / "host"),   # 4 tasks, 12 engines on 2 CPU ranks
+               COAT_JOB_TIMEOUT=os.environ.get("COAT_JOB_TIMEOUT", "540"))
     env.pop("LOCAL_WORLD_SIZE", None)
     cmd = [launcher(), "--num_gpus", "2", "--master_port", str(free_port()), str(JOB), "--out", str(out),
            "--ckpt", str(tmp), *ORDER, "node:3", "refuse:3"]
