@@ -133,6 +133,8 @@ class HostStates:
         need = sum(n * torch.tensor([], dtype=d).element_size() for n, d in zip(ends, self.dtypes))
         _refuse_short_host(need, self.device)
         self.host = self._pin(ends, need)
+        self._unpin = weakref.finalize(self, _unregister, self.host if self.cuda else [])  # if it is collected
+        self._unpin.atexit = False  # at exit the process goes with its registrations
         biggest = [max((b.sizes[k] for b in self.blocks), default=0) for k in range(3)]
         self.windows = [[torch.empty(n, dtype=d, device=self.device) for n, d in zip(biggest, self.dtypes)]
                         for _ in range(WINDOWS)]
@@ -151,8 +153,6 @@ class HostStates:
         for i, (m, lay, g) in enumerate(zip(masters, layouts, groups)):
             lay.home = (self, i)
             opt.state[m] = self.fresh(i)
-        self._unpin = weakref.finalize(self, _unregister, self.host if self.cuda else [])  # if it is collected
-        self._unpin.atexit = False  # at exit the process goes with its registrations
 
     def _pin(self, sizes: list[int], need: int) -> list[torch.Tensor]:
         """The host buffers, page-locked at their exact sizes on CUDA (async copies, no power-of-two rounding)."""
