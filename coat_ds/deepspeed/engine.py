@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -51,6 +52,7 @@ from .config import SECTION, engine_section
 from .optimizer_type import NAME
 from .zero.bind import bind
 from .zero.master import alias_zero3_masters, bf16_master_from_setup
+from .zero.step import replaces_grad_buffer
 
 SECTION_KEY = "coat.activation"
 
@@ -89,9 +91,35 @@ def _bf16_master_from_setup(engine, client_optimizer: Any, *_: Any) -> None:
         engine._config.bfloat16_config.bf16_master_weights_and_grads = True
 
 
+# The coat.gradients of the engine whose optimizer is being configured (None: not a CoatAdamW engine): ZeRO-3's
+# set-up, which has no engine, reads it.
+_GRADIENTS: ContextVar[str | None] = ContextVar("coat_gradients", default=None)
+
+
 def _configure_optimizer_before(engine, client_optimizer: Any, *args: Any) -> None:
     _client_coat_adamw_offload(engine, client_optimizer)
     _bf16_master_from_setup(engine, client_optimizer)
+    _GRADIENTS.set(engine_section(engine).gradients if _will_run_coat_adamw(engine, client_optimizer) else None)
+
+
+def _zero3_setup(zo, original, *args: Any, **kw: Any):
+    """DeepSpeedZeroOptimizer_Stage3._setup_for_real_optimizer ends by allocating a gradient buffer of the rank's
+    whole partition, which Zero3Step replaces right after (GradPartitions): at world 1 the model's gradients
+    beside its weights, 57 GiB each at Qwen3-30B-A3B, past an 80 GB card. Where it will be replaced, the buffer
+    is built on the meta device: the device is swapped once the optimizer states exist (_meta_after_states)."""
+    gradients = _GRADIENTS.get()
+    zo._coat_meta_buffer = bool(gradients and isinstance(zo.optimizer, CoatAdamW)
+                                and replaces_grad_buffer(zo, gradients))
+    device = zo.device
+    try:
+        return original(*args, **kw)
+    finally:
+        zo.device, zo._coat_meta_buffer = device, False
+
+
+def _meta_after_states(zo, *_: Any) -> None:
+    if getattr(zo, "_coat_meta_buffer", False):
+        zo.device = torch.device("meta")
 
 
 def _coat_master_weights(zo, original, **kw: Any):
@@ -176,3 +204,5 @@ def hook(engine_cls) -> None:
     _wrap(DeepSpeedZeroOptimizer, "_configure_master_weights", around=_coat_master_weights)
     _wrap(DeepSpeedZeroOptimizer_Stage3, "_configure_master_weights", around=_coat_master_weights)
     _wrap(DeepSpeedZeroOptimizer_Stage3, "_create_fp32_partitions", around=_zero3_masters)
+    _wrap(DeepSpeedZeroOptimizer_Stage3, "_setup_for_real_optimizer", around=_zero3_setup)
+    _wrap(DeepSpeedZeroOptimizer_Stage3, "initialize_optimizer_states", after=_meta_after_states)

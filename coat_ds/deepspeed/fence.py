@@ -63,6 +63,10 @@ METHODS: dict[str, str] = {
         "re-stated (its branch for equal dtypes): zero.master.use_bf16_master and, wrapped, alias_zero3_masters",
     "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3.has_overflow":
         "overridden: zero.step.Zero3Step (reads the flat gradient buffer GradPartitions empties)",
+    "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3._setup_for_real_optimizer":
+        "wrapped: engine._zero3_setup (its last use of self.device is the gradient buffer GradPartitions replaces)",
+    "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3.initialize_optimizer_states":
+        "wrapped: engine._meta_after_states (called by _setup_for_real_optimizer before that buffer)",
     "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3.partition_grads":
         "indexes the private gradient map that zero.step.GradPartitions replaces; overridden: "
         "zero.release.Release3Step (steps each bucket's slices)",
@@ -129,6 +133,10 @@ TESTED: dict[str, dict[str, str]] = {
             "2d22754c23f57f2968c8abdaa5aa3eaeb7b9e46c954fb4aa7684ac4cc4fc40ba",
         "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3.has_overflow":
             "1008a8e067cd7462b7225d87c15b897a67ece8c23cf49002797f8f7c0060f019",
+        "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3._setup_for_real_optimizer":
+            "501df2275cc2960cc64dcdf85ac1fc80126e536e04ccac771560f9ffc5ce224d",
+        "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3.initialize_optimizer_states":
+            "e7929e87483515f88cbf98551c0d6928a309efea7802e545f22752763912abf0",
         "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3.partition_grads":
             "93119b25314ec6d345ce60cb66ed87ba3519141e52885daa70b6c67839f7bbeb",
         "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3.independent_gradient_partition_epilogue":

@@ -226,7 +226,7 @@ class Zero3Step:
     def _coat_use_grad_partitions(self) -> None:
         """Replace DeepSpeed's gradient buffer (a partition-sized tensor alive from set-up) by GradPartitions. On the
         device only: Offload copies gradients into host buffers of its own from the same map."""
-        if self.offload_optimizer or self.offload_param or isinstance(getattr(self, GRAD_MAP), GradPartitions):
+        if not replaces_grad_buffer(self) or isinstance(getattr(self, GRAD_MAP), GradPartitions):
             return
         params = [p for group in self.fp16_groups for p in group]
         setattr(self, GRAD_MAP, self._coat_grad_map({p.ds_id: p.partition_numel() for p in params},
@@ -388,6 +388,13 @@ def _subclass(mixin: type, base: type) -> type:
 def mixin(zo) -> type:
     """This module's mixin for DeepSpeed's optimizer wrapper `zo` (coat.gradients "release" has release.mixin's)."""
     return {ZERO3: Zero3Step, ZERO12: Zero12Step}.get(zero_kind(zo), Bf16Step)
+
+
+def replaces_grad_buffer(zo, gradients: str = GRADIENTS_DEFAULT) -> bool:
+    """Whether install() replaces ZeRO-3's partition-sized gradient buffer by GradPartitions (so set-up need not
+    build it): ZeRO-3 on the device, coat.gradients other than "partition_buffer"."""
+    return (zero_kind(zo) == ZERO3 and gradients != PARTITION_BUFFER
+            and not (zo.offload_optimizer or zo.offload_param))
 
 
 def install(zo, cls: type, gradients: str = GRADIENTS_DEFAULT) -> None:
