@@ -15,13 +15,10 @@ import shutil
 from typing import Any
 
 from .files import LATEST, latest_tag  # the file DeepSpeed's load_checkpoint(tag=None) reads, and its reader
-from .space import checked, existing_dir, mount_of, ranks_text, refuse_if_short
+from .space import CheckpointSaveError, checked, existing_dir, mount_of, ranks_text, refuse_if_short
 
+__all__ = ["CheckpointSaveError", "save_atomically", "write_failure", "writer"]
 PROBE_BYTES = 1 << 20
-
-
-class CheckpointSaveError(RuntimeError):
-    """A save that failed on some rank: one line, the same on every rank; the partial tag is removed."""
 
 
 def writer(engine: Any) -> bool:

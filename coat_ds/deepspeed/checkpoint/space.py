@@ -42,6 +42,10 @@ SLACK = 64 * 2 ** 10     # bytes per writing rank: its files' metadata (~8-10 KB
 _CHECKED: ContextVar[bool] = ContextVar("coat_ds_space_checked", default=False)
 
 
+class CheckpointSaveError(RuntimeError):
+    """A save that failed, or was refused, on some rank: one line, the same on every rank (save.py re-exports it)."""
+
+
 @dataclass(frozen=True)
 class RankSpace:
     """What one rank reports: its files' estimated bytes, its filesystem (key, mount) and the free space there."""
@@ -151,8 +155,6 @@ def refuse_if_short(engine: Any, save_dir: str, tag: str, latest: str | None) ->
     """Collective: raise the same CheckpointSaveError on every rank if a filesystem cannot hold this save of `tag`
     (`latest`: the tag `latest` names now, for the message). Nothing is written either way."""
     import deepspeed.comm as dist
-
-    from .save import CheckpointSaveError
 
     mine = report(engine, save_dir)
     spaces = [mine]
