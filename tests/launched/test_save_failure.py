@@ -47,11 +47,12 @@ def test_an_errno_in_the_chain_is_used():
 def test_main_job_on_a_full_disk_says_why_and_keeps_latest(tmp_path):
     """The main job (2 CPU ranks) saves into a tmpfs with room for the bytes of two checkpoints (~9 MiB each for the
     tiny model) but files for one: 12 inodes, 10 in use after step 2's. The free-space check passes and step 4's
-    write fails: one line, the partial tag removed, `latest` on step 2, exit code 1."""
+    write fails, mid-run: one line of its own (before issue 58, on the progress bar's line), the partial tag removed,
+    `latest` on step 2, exit code 1."""
     run = tmp_path / "run"
     run.mkdir()
     job = [*ranks_launcher(2), "examples/train.py", "--deepspeed", "ds_configs/zero2_coat.json", "--save-dir", str(run),
-           *TRAIN_SMALL, "--steps", "4", "--save-every", "2", "--eval-every", "0"]
+           *TRAIN_SMALL, "--steps", "6", "--save-every", "2", "--eval-every", "0"]
     # the listing is taken inside the namespace: the tmpfs is gone once it exits
     script = (f'mount -t tmpfs -o size=64m,nr_inodes=12 tmpfs "{run}" && "$@"; rc=$?; '
               f'echo "LS:" $(ls "{run}/checkpoints"); echo "LATEST:" $(cat "{run}/checkpoints/latest"); exit $rc')
@@ -61,8 +62,8 @@ def test_main_job_on_a_full_disk_says_why_and_keeps_latest(tmp_path):
                             start_new_session=True)
     out = finish(proc)
     assert proc.returncode == 1, out[-3000:]
-    errors = [ln for ln in out.splitlines() if ln.startswith("error: ")]
-    assert len(errors) == 1, out[-3000:]
+    errors = [ln for ln in out.split("\n") if "error: " in ln]   # a line of its own: not after the bar's \r
+    assert len(errors) == 1 and errors[0].startswith("error: "), out[-3000:]
     assert errors[0].startswith(f"error: checkpoint step0000004 not saved to {run}/checkpoints: no space left on "
                                 f"device (no inodes left: the filesystem's limit on files) (") and \
         f"MiB free of 64.0 MiB on {run})" in errors[0], errors
