@@ -159,3 +159,76 @@ def test_refusals_are_told_from_truncation_by_the_pickle_not_torchs_text(tmp_pat
     assert refusal(proto4) == (f"checkpoint file refused unread: {proto4} holds objects outside DeepSpeed's "
                                "checkpoint contents (pickle instructions torch's weights-only reader refuses); "
                                "unpickling it could run code")
+
+
+def _rss_file() -> int:
+    """This process's resident pages of mapped files (RssFile), bytes."""
+    with open("/proc/self/status") as fh:
+        return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("RssFile:"))
+
+
+ENTRY = 4 * 2**20   # values of each partition's tensors in the file below (16 MiB as fp32)
+SLACK = 4 * 2**20   # RssFile also counts the pages of shared libraries that run for the first time
+
+
+def _optimizer_file(path, partitions: int = 6) -> list[dict]:
+    """A ZeRO-1/2 optimizer file of `partitions` flat partitions (fp32 master, two fp32 moments each), as DeepSpeed
+    saves one; returns the states written."""
+    torch.manual_seed(0)
+    states = [{"step": torch.tensor(3.0), "exp_avg": torch.randn(ENTRY), "exp_avg_sq": torch.rand(ENTRY)}
+              for _ in range(partitions)]
+    osd = {"base_optimizer_state": {"state": dict(enumerate(states)), "param_groups": [GROUP]},
+           "single_partition_of_fp32_groups": [torch.randn(ENTRY) for _ in range(partitions)]}
+    torch.save({"optimizer_state_dict": osd, "ds_version": "0.19.8"}, path)
+    return states
+
+
+def test_a_mapped_optimizer_file_keeps_one_entry_resident_as_a_load_copies_it(tmp_path):
+    """files.read_mapped: the file is mapped, not read, and a load that copies its entries into place in turn (as
+    DeepSpeed's and CoatAdamW's do: states by items(), masters by iterating the list) leaves one entry's pages
+    resident at a time, not the file's (96 MiB here); every value arrives as saved, and one read again after its pages
+    were dropped is still the file's."""
+    from coat_ds.deepspeed.checkpoint.files import read_mapped
+
+    path = tmp_path / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    saved = _optimizer_file(path)
+    base = _rss_file()
+    osd = read_mapped(str(path))["optimizer_state_dict"]
+    assert _rss_file() - base < SLACK                      # mapped: nothing read yet
+    state, flats = osd["base_optimizer_state"]["state"], osd["single_partition_of_fp32_groups"]
+    into = {k: torch.empty(ENTRY) for k in ("exp_avg", "exp_avg_sq")}
+    resident = []
+    for i, st in state.items():                             # CoatAdamW's load_state_dict
+        for key, dst in into.items():
+            dst.copy_(st[key])
+            resident.append(_rss_file() - base)
+        assert all(torch.equal(into[k], saved[i][k]) for k in into), i
+    master = torch.empty(ENTRY)
+    for i, flat in zip(range(len(flats)), flats):             # DeepSpeed's copy of the saved masters
+        master.copy_(flat)
+        resident.append(_rss_file() - base)
+    assert max(resident) <= 2 * 4 * ENTRY + SLACK, [r / 2**20 for r in resident]   # this tensor and the last
+    assert _rss_file() - base <= 4 * ENTRY + SLACK
+    assert torch.equal(state[0]["exp_avg"], saved[0]["exp_avg"])   # dropped, read again: the file's values
+
+
+def test_release_leaves_anything_but_the_mapped_file_alone(tmp_path):
+    """release() drops pages only inside the given file's mapping: a heap tensor, or one of another file, keeps its
+    values (MADV_DONTNEED on anonymous memory would zero them)."""
+    from coat_ds.deepspeed.checkpoint.files import mapped_ranges, release
+
+    path = tmp_path / "a.pt"
+    torch.save({"t": torch.randn(ENTRY)}, path)
+    mapped = torch_load(str(path), mmap=True)["t"]
+    ranges = mapped_ranges(str(path))
+    assert ranges and any(lo <= mapped.data_ptr() < hi for lo, hi in ranges)
+    heap = torch.randn(ENTRY)
+    want = heap.clone()
+    release([heap, {"x": heap}], ranges)
+    assert torch.equal(heap, want)
+    before = _rss_file()
+    mapped.sum()                                             # read: resident
+    assert _rss_file() - before >= 0.9 * 4 * ENTRY
+    release(mapped, ranges)
+    assert _rss_file() - before < 0.1 * 4 * ENTRY            # dropped again
+    assert torch.equal(mapped, torch_load(str(path))["t"])

@@ -10,8 +10,10 @@ to its own partitions (the inverse, ParamState.scatter).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import glob
+import mmap
 import os
 import pickle
 import pickletools
@@ -59,6 +61,128 @@ def torch_load(path: str, mmap: bool = False) -> Any:
             first = str(exc).splitlines()[0] if str(exc) else ""
             error = f"{_UNREADABLE}: {path} ({type(exc).__name__}: {first})"
     raise CheckpointError(error)
+
+
+def read_mapped(path: str) -> Any:
+    """torch_load of `path` with its tensors memory-mapped (nothing read until used), and where it holds a ZeRO
+    optimizer state (a rank's optimizer file), that state streamed: its per-partition entries are Streamed, so a load
+    that copies them one after another into place (DeepSpeed's, CoatAdamW's, canonical's) keeps one entry's pages
+    resident, not the file's. An old-format (non-zip) file is read whole, as torch reads it."""
+    obj = torch_load(path, mmap=True)
+    ranges = mapped_ranges(path)
+    osd = obj.get("optimizer_state_dict") if isinstance(obj, dict) else None
+    if ranges and isinstance(osd, dict):
+        for key in ("base_optimizer_state", "optimizer_state_dict"):
+            base = osd.get(key)
+            if isinstance(base, dict) and isinstance(base.get("state"), dict):
+                base["state"] = Streamed({i: Streamed(st, ranges) if isinstance(st, dict) else st
+                                          for i, st in base["state"].items()}, ranges)
+        for key in ("single_partition_of_fp32_groups", "fp32_flat_groups"):
+            if isinstance(osd.get(key), list):
+                osd[key] = StreamedList(osd[key], ranges)
+    return obj
+
+
+def mapped_ranges(path: str) -> list[tuple[int, int]]:
+    """The address ranges at which this process maps the file `path` (/proc/self/maps): where release() may drop."""
+    real, out = os.path.realpath(path), []
+    try:
+        with open("/proc/self/maps") as fh:
+            for line in fh:
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[5].rstrip("\n") == real:
+                    lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                    out.append((lo, hi))
+    except OSError:  # no procfs: nothing is released, the load reads as torch does
+        pass
+    return out
+
+
+_MADV_DONTNEED = 4
+
+
+@functools.cache
+def _madvise():
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc.madvise
+
+
+def release(value: Any, ranges: list[tuple[int, int]]) -> None:
+    """Drop the resident pages of every tensor in `value` (a tensor, or a dict / list of them) that lies inside
+    `ranges`, a read-only use of a private file mapping (madvise MADV_DONTNEED): a later read maps them again from
+    the file, unchanged, so dropping never changes a value. A tensor elsewhere (heap memory) is left alone."""
+    if isinstance(value, dict):
+        for v in dict.values(value):
+            release(v, ranges)
+    elif isinstance(value, (list, tuple)):
+        for v in list.__iter__(value) if isinstance(value, list) else value:
+            release(v, ranges)
+    elif isinstance(value, torch.Tensor) and value.device.type == "cpu":
+        start = value.data_ptr()
+        end = start + value.numel() * value.element_size()
+        if any(lo <= start and end <= hi for lo, hi in ranges):
+            page = mmap.PAGESIZE
+            lo, hi = -(-start // page) * page, end // page * page  # whole pages inside the tensor only
+            if hi > lo:
+                _madvise()(lo, hi - lo, _MADV_DONTNEED)
+
+
+class Streamed(dict):
+    """A dict read from a mapped file whose entries are dropped (release) as a reader moves on: the entry taken last
+    (by key, get, items or values) is released when another one is taken, or when items() / values() run out. Loads
+    copy each entry once, in turn; one that reads an entry again maps it again, unchanged."""
+
+    def __init__(self, items: dict, ranges: list[tuple[int, int]]) -> None:
+        super().__init__(items)
+        self._ranges, self._taken = ranges, None
+
+    def _take(self, key: Any) -> Any:
+        if self._taken is not None and self._taken[0] != key:
+            release(self._taken[1], self._ranges)
+        value = dict.__getitem__(self, key)
+        self._taken = (key, value)
+        return value
+
+    def _walk(self):
+        for k in list(self.keys()):
+            yield k, self._take(k)
+        if self._taken is not None:  # every entry read: the last one too is done with
+            release(self._taken[1], self._ranges)
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._take(key)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        return self._take(key) if key in self else default
+
+    def items(self):
+        return self._walk()
+
+    def values(self):
+        return (v for _, v in self._walk())
+
+
+class StreamedList(list):
+    """A list read from a mapped file whose entries are dropped as a reader moves on (as Streamed)."""
+
+    def __init__(self, items: list, ranges: list[tuple[int, int]]) -> None:
+        super().__init__(items)
+        self._ranges, self._taken = ranges, None
+
+    def __getitem__(self, i: Any) -> Any:
+        value = list.__getitem__(self, i)
+        if isinstance(i, int):
+            if self._taken is not None and self._taken[0] != i:
+                release(self._taken[1], self._ranges)
+            self._taken = (i, value)
+        return value
+
+    def __iter__(self):
+        for i in range(len(self)):
+            yield self[i]
+        if self._taken is not None:
+            release(self._taken[1], self._ranges)
 
 
 def _refusal(path: str) -> str:

@@ -18,6 +18,7 @@ Reading saved files and the per-parameter form are files.py's (universal.py shar
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 
@@ -32,7 +33,7 @@ from ..zero.kind import is_zero3
 from ..zero.layout import meta_offsets
 from ..zero.partitions import partitions, zero3_slice
 from .files import (LATEST, LATEST_UNIVERSAL, LAYOUTS, ZERO3_MODEL_FILE, CheckpointError, ParamState, base_and_flats,
-                    canonical, check_contents, latest_tag, model_file, torch_load, zero_files)
+                    canonical, check_contents, latest_tag, model_file, read_mapped, zero_files)
 from .universal import read as read_universal
 
 
@@ -123,36 +124,69 @@ def _agree(err: str | None) -> None:
         raise CheckpointError(bad[0])
 
 
-def _read(engine, load_dir: str, tag: str) -> tuple[int, list[dict] | None]:
-    """(saved dp world size, ZeRO optimizer dicts or None without ZeRO), checked.
+def _read(engine, load_dir: str, tag: str) -> tuple[int, list[dict] | None, dict[str, dict]]:
+    """(saved dp world size, ZeRO optimizer dicts or None without ZeRO, what was read: absolute path -> the file's
+    contents), checked; every file memory-mapped, its optimizer state streamed (files.read_mapped).
 
     At the saved world size each rank checks its own file (the others check theirs; _agree shares the
     verdict); at another world size every rank needs, and checks, all of them."""
     ckpt_dir = os.path.join(load_dir, tag)
     path = model_file(ckpt_dir) or os.path.join(ckpt_dir, ZERO3_MODEL_FILE)  # neither: torch_load says it is missing
-    sd = torch_load(path)
+    sd = read_mapped(path)
+    files = {os.path.abspath(path): sd}
     world = int(sd.get("dp_world_size", 1))
     if not engine.zero_optimization():
         opt_sd = sd.get("optimizer")
         if opt_sd is None:
             raise CheckpointError(f"{path}: holds no optimizer state")
         check_state(opt_sd.get("optimizer_state_dict", opt_sd) if isinstance(opt_sd, dict) else opt_sd, path)
-        return world, None
+        return world, None, files
     paths = zero_files(ckpt_dir, world)
     if world == engine.seq_dp_world_size:
-        own = [_checked(paths[dist.get_rank(group=engine.optimizer.dp_process_group) if dist.is_initialized() else 0])]
-        if _group_sizes(own) == _current_sizes(engine):
-            return world, own
-    return world, [_checked(p) for p in paths]
+        own = paths[dist.get_rank(group=engine.optimizer.dp_process_group) if dist.is_initialized() else 0]
+        files[os.path.abspath(own)] = read_mapped(own)
+        zsds = [_checked(files[os.path.abspath(own)], own)]
+        if _group_sizes(zsds) == _current_sizes(engine):
+            return world, zsds, files
+    for p in paths:
+        files.setdefault(os.path.abspath(p), read_mapped(p))
+    return world, [_checked(files[os.path.abspath(p)], p) for p in paths], files
 
 
-def _checked(path: str) -> dict:
-    z = torch_load(path)
-    base, _ = base_and_flats(z.get("optimizer_state_dict"), path)
+def _checked(z: dict, path: str) -> dict:
+    """The ZeRO optimizer dict of the file `path` (its contents `z`), refused if CoatAdamW did not write it."""
+    base, _ = base_and_flats(z.get("optimizer_state_dict") if isinstance(z, dict) else None, path)
     check_state(base, path)
     if LAYOUTS not in base:
         raise CheckpointError(f"{path}: no partition layouts; it was not saved by a coat_ds CoatAdamW engine")
     return z["optimizer_state_dict"]
+
+
+class _HandedOver:
+    """engine.checkpoint_engine while DeepSpeed loads a tag coat_ds has read: a file coat_ds read is handed over as it
+    is (DeepSpeed's own load reads each rank's optimizer file whole, a second time), any other file is read as coat_ds
+    reads (files.read_mapped: weights_only, mapped, its optimizer state streamed) instead of DeepSpeed's
+    torch.load(weights_only=False). Everything else is DeepSpeed's own checkpoint engine."""
+
+    def __init__(self, inner, files: dict[str, dict]) -> None:
+        self._inner, self._files = inner, files
+
+    def load(self, path: str, map_location=None):
+        got = self._files.pop(os.path.abspath(path), None)  # handed over once: DeepSpeed holds it from here
+        return got if got is not None else read_mapped(path)
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+
+@contextlib.contextmanager
+def _handed_over(engine, files: dict[str, dict]):
+    inner = engine.checkpoint_engine
+    engine.checkpoint_engine = _HandedOver(inner, files)
+    try:
+        yield
+    finally:
+        engine.checkpoint_engine = inner
 
 
 # ------------------------------------------------------------------ load
@@ -164,20 +198,22 @@ def load(engine, original, load_dir: str, tag: str | None = None, **kw):
     tag = _tag(load_dir, tag)
     if tag is None:
         return original(load_dir, None, **kw)
-    err, world, zsds = None, None, None
+    err, world, zsds, files = None, None, None, {}
     try:
         check_contents(os.path.join(load_dir, tag))  # every file DeepSpeed may unpickle, before it does
-        world, zsds = _read(engine, load_dir, tag)
+        world, zsds, files = _read(engine, load_dir, tag)
     except CheckpointError as exc:
         err = str(exc)
     _agree(err)
     if not load_opt or not engine.zero_optimization() or (world == engine.seq_dp_world_size
                                                           and _group_sizes(zsds) == _current_sizes(engine)):
-        return original(load_dir, tag, **kw)
+        with _handed_over(engine, files):  # DeepSpeed's own load, on what coat_ds read: no file read twice
+            return original(load_dir, tag, **kw)
     if is_zero3(engine.optimizer):  # ZeRO-3: model files are per saved rank
-        path, client = _engine_state(engine, load_dir, tag, kw.get("load_lr_scheduler_states", True))
+        path, client = _engine_state(engine, load_dir, tag, kw.get("load_lr_scheduler_states", True), files)
     else:  # module weights, scheduler, counters and client state by DeepSpeed; the optimizer below
-        path, client = original(load_dir, tag, **dict(kw, load_optimizer_states=False))
+        with _handed_over(engine, files):
+            path, client = original(load_dir, tag, **dict(kw, load_optimizer_states=False))
     try:
         canon = canonical(zsds)
         restore(engine, canon, zsds[0])
@@ -217,11 +253,13 @@ _DS_KEYS = ("module", "skipped_steps", "global_steps", "dp_world_size", "mp_worl
             "lr_scheduler", "optimizer", "global_samples")
 
 
-def _engine_state(engine, load_dir: str, tag: str, load_lr: bool) -> tuple[str, dict]:
-    """What DeepSpeed's _load_checkpoint restores besides weights and optimizer, from saved rank 0's model file."""
+def _engine_state(engine, load_dir: str, tag: str, load_lr: bool, files: dict | None = None) -> tuple[str, dict]:
+    """What DeepSpeed's _load_checkpoint restores besides weights and optimizer, from saved rank 0's model file (in
+    `files` where read already)."""
     ckpt_dir = os.path.join(load_dir, tag)
     path = os.path.join(ckpt_dir, ZERO3_MODEL_FILE)
-    sd = torch_load(path)
+    sd = (files or {}).get(os.path.abspath(path))
+    sd = read_mapped(path) if sd is None else sd
     if load_lr and engine.lr_scheduler is not None and sd.get("lr_scheduler") is not None:
         engine.lr_scheduler.load_state_dict(sd["lr_scheduler"])
     engine.global_steps = sd["global_steps"]

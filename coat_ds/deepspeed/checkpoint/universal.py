@@ -19,7 +19,8 @@ import shutil
 
 import torch
 
-from .files import LATEST_UNIVERSAL, MODEL_STATES, CheckpointError, ParamState, canonical, torch_load, zero_files
+from .files import (LATEST_UNIVERSAL, MODEL_STATES, CheckpointError, ParamState, canonical, read_mapped, torch_load,
+                    zero_files)
 
 STATES = "coat_states.bin"
 _SHARDED = ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups")
@@ -34,9 +35,9 @@ def _model_files(src: str) -> list[str]:
 
 def convert(src: str, dst: str) -> int:
     """Convert the checkpoint folder `src` (…/TAG) into a universal one at `dst`; returns the parameter count."""
-    model = torch_load(_model_files(src)[0])
+    model = read_mapped(_model_files(src)[0])
     world = int(model.get("dp_world_size", 1))
-    zsds = [torch_load(p)["optimizer_state_dict"] for p in zero_files(src, world)]
+    zsds = [read_mapped(p)["optimizer_state_dict"] for p in zero_files(src, world)]  # each file's pages read once
     canon = canonical(zsds)
     shapes = {}
     for group in model.get("param_shapes") or []:
