@@ -346,7 +346,7 @@ def pulse(host: str, port: int, rank: int, pid: int, start: str, interval: float
         time.sleep(interval)
 
 
-def from_env(timeout: float, hint: str = "") -> Watchdog | None:
+def from_env(timeout: float, hint: str = "", interval: float = INTERVAL) -> Watchdog | None:
     """A started Watchdog for this rank of the initialized torch.distributed job, on a client of its TCPStore
     (MASTER_ADDR:MASTER_PORT, as DeepSpeed's and torch's launchers set them); None in a world of one, where
     `timeout` is 0 (off), or without those variables."""
@@ -358,7 +358,7 @@ def from_env(timeout: float, hint: str = "") -> Watchdog | None:
         return None
     store = dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=max(5.0, 2 * INTERVAL)),
                           wait_for_workers=False)
-    return Watchdog(store, dist.get_rank(), world, timeout, hint, store_address=f"{addr}:{port}",
+    return Watchdog(store, dist.get_rank(), world, timeout, hint, interval=interval, store_address=f"{addr}:{port}",
                     address=(addr, int(port))).start()
 
 
@@ -371,13 +371,13 @@ def _failure(exc: BaseException) -> str | None:
 
 
 @contextmanager
-def watching(timeout: float, hint: str = "") -> Iterator[Watchdog | None]:
+def watching(timeout: float, hint: str = "", interval: float = INTERVAL) -> Iterator[Watchdog | None]:
     """Watch the other ranks while the block runs (from_env). An exception in it is first checked against a lost
     peer (`suspect`: a collective that failed because a rank is gone ends the process with the one line; not for
     SystemExit or KeyboardInterrupt, which are the job's own), then recorded for the other ranks, which stop with
     a line naming this rank. The job's last collective may stay inside: ranks that leave the block together do
     not report each other, as a verdict waits GRACE_S for this rank's own exit from it."""
-    dog = from_env(timeout, hint)
+    dog = from_env(timeout, hint, interval)
     if dog is None:
         yield None
         return
