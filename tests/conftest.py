@@ -4,11 +4,11 @@ import os
 import pytest
 import torch
 
-# JIT builds and inductor's compiled graphs land in one cache per checkout, shared by every test process (the
-# launcher's ranks too): torch's default inductor cache is one folder per user, and a graph compiled from another
-# checkout's custom ops (another signature) was reused here
+# inductor's compiled graphs land in one cache per checkout, shared by every test process (the launcher's ranks
+# too): torch's default inductor cache is one folder per user, and a graph compiled from another checkout's custom
+# ops (another signature) was reused here. JIT builds stay where a plain process looks (TORCH_EXTENSIONS_DIR, else
+# torch's default), where .ci/setup built them (.ci/build_ops)
 _CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache")
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(_CACHE, "torch_extensions"))
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(_CACHE, "inductor"))
 
 
