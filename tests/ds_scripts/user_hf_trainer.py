@@ -2,8 +2,8 @@
 ds_configs/hf/ config, two steps, then the end of the script: no torn_down, no accelerator.end_training(). Such a
 script aborted at the interpreter's exit now and then ("terminate called without an active exception", exit 250
 through a launcher: gloo's teardown in Python's finalization); `import coat_ds` now destroys the live process group
-first (coat_ds.deepspeed.teardown.at_exit). `--bare` takes that hook out (the control).
-Used by tests/launched/test_teardown.py:
+first (coat_ds.deepspeed.teardown.at_exit). `--bare` takes that hook out (the control); `--deepspeed JSON` another
+config. Used by tests/launched/test_teardown.py and test_hf_trainer.py:
 
     python tests/ds_scripts/ranks.py --num_gpus 2 --master_port P tests/ds_scripts/user_hf_trainer.py [--bare]
 """
@@ -26,7 +26,8 @@ model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediat
 ids = torch.randint(0, 256, (16, 32))
 data = [{"input_ids": row, "labels": row} for row in ids]
 args = TrainingArguments(output_dir=sys.argv[sys.argv.index("--out") + 1] if "--out" in sys.argv else "/tmp/user_hf",
-                         deepspeed="ds_configs/hf/zero2_coat.json", per_device_train_batch_size=2, max_steps=2,
+                         deepspeed=sys.argv[sys.argv.index("--deepspeed") + 1] if "--deepspeed" in sys.argv else
+                         "ds_configs/hf/zero2_coat.json", per_device_train_batch_size=2, max_steps=2,
                          use_cpu=True, report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True)
 Trainer(model=model, args=args, train_dataset=data).train()
 print("trained", flush=True)

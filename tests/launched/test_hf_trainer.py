@@ -9,7 +9,8 @@ import subprocess
 
 import pytest
 
-from harness import ROOT, assert_runs_as_configured, child_env, finish, launch_presets_job, ranks, ranks_launcher
+from harness import (DS_SCRIPTS, ROOT, assert_runs_as_configured, child_env, finish, launch_presets_job, ranks,
+                     ranks_launcher)
 
 HF_CONFIGS = sorted(p.name for p in (ROOT / "ds_configs" / "hf").glob("*.json"))
 
@@ -64,3 +65,23 @@ def test_every_hf_config_runs_with_default_training_arguments(hf_job):
             assert len(r["losses"]) == 3, (name, r)
             steps = len(r["lr"])                                     # HF's default: linear decay, no warmup
             assert r["lr"] == pytest.approx([r["default_lr"] * (1 - k / steps) for k in range(1, steps + 1)]), r
+
+
+@pytest.mark.one_core   # one rank
+def test_a_users_trainer_script_gets_deepspeeds_ignored_key_in_one_line(tmp_path):
+    """A user's HF Trainer script (not ours: no check before the model) with "gradient_cliping" in its ds_configs/hf/
+    config: DeepSpeed would train without clipping (accelerate itself refuses a config without "zero_optimization");
+    the engine of coat_ds (a "coat" section) raises one line naming the nearest key as the Trainer builds it, before
+    ZeRO (coat_ds.deepspeed.config.engine_section)."""
+    cfg = json.loads((ROOT / "ds_configs" / "hf" / "zero2_coat.json").read_text())
+    del cfg["gradient_clipping"]
+    cfg["gradient_cliping"] = 1.0
+    (tmp_path / "bad.json").write_text(json.dumps(cfg))
+    proc = subprocess.run([*ranks_launcher(1), str(DS_SCRIPTS / "user_hf_trainer.py"), "--deepspeed",
+                           str(tmp_path / "bad.json"), "--out", str(tmp_path / "out")], cwd=ROOT,
+                          env=child_env(COAT_DISABLE_OPS="1"), capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1 and "trained" not in out.splitlines(), out[-3000:]
+    assert out.splitlines()[-1].endswith("ValueError: gradient_cliping: unknown top-level key, which DeepSpeed would "
+                                         "ignore; nearest allowed: 'gradient_clipping' (allowed: the keys DeepSpeed's "
+                                         "config parser reads, and 'coat')"), out[-3000:]
