@@ -246,17 +246,16 @@ def task_order(args, world, stage, dtype, rest):
 
 
 def _registered(ptr: int) -> bool:
-    """Whether CUDA has host memory at `ptr` registered (cudaPointerGetAttributes: cudaMemoryTypeHost, 1)."""
-    for name in ("libcudart.so.12", "libcudart.so.13", "libcudart.so"):
-        try:
-            rt = ctypes.CDLL(name)
-            break
-        except OSError:
-            continue
-    attrs = (ctypes.c_int * 8)()
+    """Whether CUDA has host memory at `ptr` registered (cudaPointerGetAttributes: cudaMemoryTypeHost, 1), asked of
+    the CUDA runtime torch loaded (another release's, loaded by name, crashed in ctypes on an H200); the struct
+    gets room to spare, as releases add fields to it."""
+    path = next((line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines() if "libcudart" in line),
+                "libcudart.so.13")
+    rt = ctypes.CDLL(path)
+    attrs = ctypes.create_string_buffer(512)
     rc = rt.cudaPointerGetAttributes(attrs, ctypes.c_void_p(ptr))
     rt.cudaGetLastError()
-    return rc == 0 and attrs[0] == 1
+    return rc == 0 and ctypes.c_int.from_buffer(attrs).value == 1
 
 
 def _rss() -> int:
