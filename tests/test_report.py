@@ -60,7 +60,7 @@ def test_report_names_a_jit_lock_left_in_the_cache(tmp_path):
 
 def test_report_sees_a_jit_built_op_and_loads_it(tmp_path):
     op_builder.CPUCoatAdamBuilder().load()  # into this session's JIT cache (tests/conftest.py)
-    rows = _report(tmp_path, os.environ["TORCH_EXTENSIONS_DIR"], "--build")
+    rows = _report(tmp_path, os.path.dirname(op_builder.CPUCoatAdamBuilder().jit_dir()), "--build")
     assert rows["op coat_cpu_adam"].startswith("built: JIT cache; compatible: yes; runs: kernel (loaded), ")
 
 
