@@ -28,7 +28,7 @@ def test_long_functions_are_found(tmp_path):
 
 
 def test_no_function_over_60_lines():
-    found = [f for d in ("coat_ds", "examples", "benchmarks") for f in long_functions(ROOT / d)]
+    found = [f for d in ("coat_ds", "examples", "benchmarks", "data") for f in long_functions(ROOT / d)]
     assert not found, f"functions over {MAX_LINES} lines (split them into named steps):\n" + "\n".join(found)
 
 
@@ -89,3 +89,54 @@ def test_layering_violations_are_found(tmp_path):
 def test_imports_follow_the_rooms():
     found = layering_violations()
     assert not found, "imports against docs/architecture.md's rooms:\n" + "\n".join(found)
+
+
+def _from_names(path: Path) -> set[str]:
+    """The names of every `from X import name` in path: a name may be a module of package X."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    return {a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) for a in node.names}
+
+
+def import_circles(roots: tuple[str, ...] = ("coat_ds", "benchmarks", "examples", "data"),
+                   base: Path = ROOT) -> list[str]:
+    """`a -> b -> ... -> a` for each circle of imports between the repository's modules (imports inside functions
+    count: a circle there is one module's job split in two). A package's __init__ re-exporting its modules is
+    not a circle: only edges to modules, not to packages, are followed."""
+    modules = {}
+    for path in (p for r in roots if (base / r).is_dir() for p in sorted((base / r).rglob("*.py"))):
+        parts = path.relative_to(base).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = path.relative_to(base).with_suffix("").parts[:-1]
+        names = set(_imports(path, package))
+        names |= {f"{n}.{a}" for n in list(names) for a in _from_names(path)}  # from benchmarks import plot_utils
+        targets = {n for n in names if n in modules and n != name}
+        graph[name] = {t for t in targets if modules[t].name != "__init__.py"}
+    found, done = [], set()
+    for start in sorted(graph):                # each circle once, from its smallest module
+        stack = [(start, [start])]
+        while stack:
+            node, trail = stack.pop()
+            for nxt in sorted(graph[node]):
+                if nxt == start:
+                    found.append(" -> ".join(trail + [start]))
+                elif nxt > start and nxt not in trail and nxt not in done:
+                    stack.append((nxt, trail + [nxt]))
+        done.add(start)
+    return found
+
+
+def test_import_circles_are_found(tmp_path):
+    pkg = tmp_path / "coat_ds"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from . import a\n")
+    (pkg / "a.py").write_text("from .b import f\n")
+    (pkg / "b.py").write_text("def f():\n    from .a import g\n")
+    assert import_circles(("coat_ds",), base=tmp_path) == ["coat_ds.a -> coat_ds.b -> coat_ds.a"]
+
+
+def test_no_import_circles():
+    found = import_circles()
+    assert not found, "modules that import each other (one job split in two; merge or move the shared part):\n" \
+        + "\n".join(found)
