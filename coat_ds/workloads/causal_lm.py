@@ -67,10 +67,12 @@ def build_model(spec: Any, vocab_size: int, seq_len: int, ds_config: dict | None
         if zero3:
             return load_partitioned(spec.model, ds_config, dtype or torch.float32)
         return AutoModelForCausalLM.from_pretrained(spec.model, dtype=dtype or torch.float32)
-    size, family = _size(spec.model_size), getattr(spec, "family", "llama")
-    if family not in FAMILIES:
+    size = _size(spec.model_size)
+    own = size.pop("model_type", None)    # a public shape of its own family (qwen3-30b-a3b: qwen3_moe), kept as is
+    family = own or getattr(spec, "family", "llama")
+    if own is None and family not in FAMILIES:
         raise ValueError(f"family={family!r} is unknown; allowed: {list(FAMILIES)}")
-    extra = _family_extra(family, size, seq_len) if family != "llama" else {}
+    extra = _family_extra(family, size, seq_len) if family != "llama" and own is None else {}
     vocab = max((vocab_size + 63) // 64 * 64, size.pop("vocab_size", 0))   # tensor-core width
     with built_partitioned(ds_config):
         return from_shape(dict(size, model_type=family, vocab_size=vocab,
@@ -81,7 +83,7 @@ def model_size_names() -> list[str]:
     """What --model-size accepts: the main job's sizes, then the public shapes (coat_ds.workloads.shapes)."""
     from .shapes import SHAPES
 
-    return list(MODEL_SIZES) + [n for n, s in SHAPES.items() if s.get("model_type", "llama") == "llama"]
+    return list(MODEL_SIZES) + list(SHAPES)
 
 
 def _size(name: str) -> dict:
@@ -213,9 +215,13 @@ def load_partitioned(name_or_path: str, ds_config: dict, dtype: Any):
 
 
 def param_groups(model) -> list[dict]:
-    """Weight decay on matrices only (norm weights and biases are not decayed), the usual LM recipe."""
-    decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() < 2]
+    """Weight decay on matrices only (norm weights and biases are not decayed), the usual LM recipe. A parameter's
+    shape is its whole one (`ds_shape`) where ZeRO-3 has partitioned it: its data is then a 1-D slice or empty."""
+    def matrix(p) -> bool:
+        return len(getattr(p, "ds_shape", p.shape)) >= 2
+
+    decay = [p for n, p in model.named_parameters() if p.requires_grad and matrix(p)]
+    no_decay = [p for n, p in model.named_parameters() if p.requires_grad and not matrix(p)]
     return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
