@@ -62,19 +62,25 @@ def coat_section(config: Mapping[str, Any] | None) -> CoatSection:
     return CoatSection.from_dict((config or {}).get(SECTION))
 
 
-_CHECKED: "weakref.WeakSet" = weakref.WeakSet()   # the engines' DeepSpeedConfigs whose keys were checked
+_CHECKED: "weakref.WeakSet" = weakref.WeakSet()   # the DeepSpeedConfigs whose keys were checked
+
+
+def check_keys(ds_config, param_dict: Mapping) -> None:
+    """DeepSpeed's keys of a config that runs coat_ds (a "coat" section or CoatAdamW), checked once per
+    DeepSpeedConfig (deepspeed_keys.check, one line): engine.py runs this as DeepSpeed starts to parse it, so that
+    `deepspeed.initialize` (a user's script, HF Trainer) refuses a bad value ("bf16": {"enable": true}, a
+    micro-batch of 0) in one line before building anything, where DeepSpeed's parser would raise tracebacks; and a
+    top-level key DeepSpeed would ignore ("zero_optimzation") as well."""
+    if ds_config in _CHECKED or deepspeed_keys.parsing():
+        return
+    _CHECKED.add(ds_config)
+    opt = param_dict.get("optimizer")
+    if SECTION in param_dict or (isinstance(opt, Mapping) and opt.get("type") == NAME):
+        deepspeed_keys.check(param_dict, hf_auto=True, world_size=ds_config.world_size, ours=(SECTION,))
 
 
 def engine_section(engine) -> CoatSection:
-    """The "coat" section of a DeepSpeed engine's config. At the first call for an engine that runs coat_ds (a "coat"
-    section or CoatAdamW; engine.py calls it first in `_configure_distributed_model`, before the model is moved or
-    ZeRO is built), DeepSpeed's keys of the config are checked too: DeepSpeed's parser has accepted them, but it
-    ignores a top-level key it does not know ("zero_optimzation") and leaves the scheduler's params to the
-    scheduler (deepspeed_keys.check, one line)."""
-    cfg = engine._config._param_dict
-    if engine._config not in _CHECKED:
-        _CHECKED.add(engine._config)
-        opt = cfg.get("optimizer")
-        if SECTION in cfg or (isinstance(opt, Mapping) and opt.get("type") == NAME):
-            deepspeed_keys.check(cfg, hf_auto=True, world_size=engine._config.world_size, ours=(SECTION,))
-    return coat_section(cfg)
+    """The "coat" section of a DeepSpeed engine's config, whose keys were checked as DeepSpeed parsed it
+    (check_keys; here too for an engine built from a DeepSpeedConfig made before `import coat_ds`)."""
+    check_keys(engine._config, engine._config._param_dict)
+    return coat_section(engine._config._param_dict)

@@ -21,11 +21,13 @@ import logging
 import os
 import typing
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any, Iterator, Mapping
 
 from ..keys import unknown_key
 
 AUTO = "auto"   # HF Trainer / accelerate fill "auto" values themselves
+_PARSING: ContextVar[bool] = ContextVar("coat_parsing_keys", default=False)
 # read by deepspeed.initialize itself, before its parser (a mesh of data x sequence parallelism)
 INITIALIZE_KEYS = ("sequence_parallel_size", "data_parallel_size")
 
@@ -90,12 +92,20 @@ def _parse(cfg: Mapping, world_size: int) -> tuple[list, Exception | None]:
             super()._initialize_params(param_dict)
 
     reads = _Reads(cfg)
+    token = _PARSING.set(True)
     try:
         with _quiet():
             _AtWorldSize(reads)
         return reads.read, None
     except Exception as exc:  # noqa: BLE001 - whatever DeepSpeed's parser raises is its refusal, said in one line
         return reads.read, exc
+    finally:
+        _PARSING.reset(token)
+
+
+def parsing() -> bool:
+    """Whether DeepSpeed's parser now runs for this module's check (the check of a config it parses is this one)."""
+    return _PARSING.get()
 
 
 @functools.cache

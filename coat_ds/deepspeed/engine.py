@@ -21,7 +21,11 @@ DeepSpeedEngine from a config; `import coat_ds` wraps five of its methods (hook(
 - `load_checkpoint`: a CoatAdamW engine checks every file of the tag first and re-partitions to another
   world size (checkpoint/load.py);
 - `save_checkpoint`: a CoatAdamW engine's save is refused before anything is written where the filesystem cannot
-  hold it (checkpoint/space.py).
+  hold it (checkpoint/space.py);
+
+and `DeepSpeedConfig._initialize_params`, where deepspeed.initialize starts to parse a config: one that runs coat_ds
+has DeepSpeed's keys checked first, one line each (config.check_keys); ZeRO-3's `_setup_for_real_optimizer` does
+not allocate the gradient buffer that coat replaces (_zero3_setup);
 
 and one of ZeRO-1/2's: `DeepSpeedZeroOptimizer._configure_master_weights`, whose validator accepts a bf16
 master only for DeepSpeedCPUAdam under Offload (its concern: fp32 moments beside a bf16 master); CoatAdamW
@@ -38,6 +42,7 @@ from contextvars import ContextVar
 from typing import Any
 
 import torch
+from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from deepspeed.utils import log_dist
@@ -48,7 +53,7 @@ from ..optim import CoatAdamW
 from .checkpoint.files import latest_tag
 from .checkpoint.load import install as checkpoint_hooks, load as checkpoint_load
 from .checkpoint.space import already_checked, refuse_if_short
-from .config import SECTION, engine_section
+from .config import SECTION, check_keys, engine_section
 from .optimizer_type import NAME
 from .zero.bind import bind
 from .zero.master import alias_zero3_masters, bf16_master_from_setup
@@ -205,4 +210,5 @@ def hook(engine_cls) -> None:
     _wrap(DeepSpeedZeroOptimizer_Stage3, "_configure_master_weights", around=_coat_master_weights)
     _wrap(DeepSpeedZeroOptimizer_Stage3, "_create_fp32_partitions", around=_zero3_masters)
     _wrap(DeepSpeedZeroOptimizer_Stage3, "_setup_for_real_optimizer", around=_zero3_setup)
+    _wrap(DeepSpeedConfig, "_initialize_params", before=check_keys)
     _wrap(DeepSpeedZeroOptimizer_Stage3, "initialize_optimizer_states", after=_meta_after_states)

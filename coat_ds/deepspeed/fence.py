@@ -63,6 +63,8 @@ METHODS: dict[str, str] = {
         "re-stated (its branch for equal dtypes): zero.master.use_bf16_master and, wrapped, alias_zero3_masters",
     "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3.has_overflow":
         "overridden: zero.step.Zero3Step (reads the flat gradient buffer GradPartitions empties)",
+    "deepspeed.runtime.config:DeepSpeedConfig._initialize_params":
+        "wrapped: config.check_keys (before); subclassed by deepspeed_keys._parse (the check's own parse)",
     "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3._setup_for_real_optimizer":
         "wrapped: engine._zero3_setup (its last use of self.device is the gradient buffer GradPartitions replaces)",
     "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3.initialize_optimizer_states":
@@ -133,6 +135,8 @@ TESTED: dict[str, dict[str, str]] = {
             "2d22754c23f57f2968c8abdaa5aa3eaeb7b9e46c954fb4aa7684ac4cc4fc40ba",
         "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3.has_overflow":
             "1008a8e067cd7462b7225d87c15b897a67ece8c23cf49002797f8f7c0060f019",
+        "deepspeed.runtime.config:DeepSpeedConfig._initialize_params":
+            "ccf7da2da6a0dee9a5be741cf701b8970ea566d4e856f312e1f659c812f2df8a",
         "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3._setup_for_real_optimizer":
             "501df2275cc2960cc64dcdf85ac1fc80126e536e04ccac771560f9ffc5ce224d",
         "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3.initialize_optimizer_states":

@@ -1,0 +1,42 @@
+"""deepspeed.initialize in a user's own script, with a "coat" section or CoatAdamW: DeepSpeed's keys are checked as
+DeepSpeed starts to parse the config (config.check_keys), so a bad value is refused in one line naming the key
+before anything is built; DeepSpeed's own parser raised two pydantic tracebacks ("bf16": {"enable": true}) or an
+AssertionError (a micro-batch of 0). A config that does not run coat_ds is DeepSpeed's alone."""
+import json
+import textwrap
+
+import pytest
+
+from harness import run_one_rank_job
+
+pytest.importorskip("deepspeed")
+
+JOB = textwrap.dedent("""
+    import json
+    import torch
+    import deepspeed
+    import coat_ds
+
+    cfg = json.loads({cfg!r})
+    model = torch.nn.Linear(8, 8)
+    try:
+        deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        print("RESULT " + json.dumps({{"error": None}}))
+    except Exception as exc:
+        print("RESULT " + json.dumps({{"error": type(exc).__name__, "message": str(exc)}}))
+""")
+BASE = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "CoatAdamW", "params": {"lr": 1e-3}}}
+
+
+@pytest.mark.parametrize("bad, names", [({"bf16": {"enable": True}}, "bf16.enable"),
+                                        ({"train_micro_batch_size_per_gpu": 0}, "train_micro_batch_size_per_gpu")])
+def test_a_bad_value_is_refused_in_one_line_naming_the_key(tmp_path, bad, names):
+    out = run_one_rank_job(tmp_path, JOB.format(cfg=json.dumps({**BASE, **bad})))
+    assert out["error"] == "ValueError" and "\n" not in out["message"] and names in out["message"], out
+
+
+def test_a_config_without_coat_is_deepspeeds_alone(tmp_path):
+    cfg = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enable": True},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    out = run_one_rank_job(tmp_path, JOB.format(cfg=json.dumps(cfg)))
+    assert out["error"] == "ValidationError" and "\n" in out["message"], out   # pydantic's, several lines
