@@ -259,7 +259,7 @@ def write_token_folder(d: Path, source: str, train_docs: Callable[[], Iterable[s
                        show_progress: bool = False) -> tuple[Tok, dict]:
     """Tokenize a text source's two splits into `d` (train.bin, val.bin, meta.json), training a BPE on the train
     split first when `tok` is None (kept as d/tokenizer.json): the cache's layout, which `load` reads back as a
-    tokenized folder. One function for the cache and for a corpus prepared ahead (benchmarks/corpus/)."""
+    tokenized folder. One function for the cache and for a corpus prepared ahead (data/)."""
     d.mkdir(parents=True, exist_ok=True)
     if tok is None:
         if not (d / "tokenizer.json").exists():
