@@ -30,6 +30,7 @@ from typing import Any, Iterable, Mapping
 
 from .optimizer_type import NAME
 from .zero.gradients import DEFAULT as GRADIENTS_DEFAULT, PARTITION_BUFFER
+from .zero.states import WINDOWS as STATE_WINDOWS   # sub-groups whose streamed states the GPU holds at once
 
 ADAM_STATE_BYTES = 8.0                   # fp32 exp_avg + exp_avg_sq
 # coat.master_weights -> device bytes per partition value beyond the bf16 model copy (zero/master.py says why)
@@ -38,7 +39,6 @@ DEFAULT_BUCKET = 500_000_000             # DeepSpeed's reduce_bucket_size / allg
 DEFAULT_SUB_GROUP = 1_000_000_000        # ZeRO-3's sub_group_size default
 DEFAULT_MAX_LIVE = 1_000_000_000         # ZeRO-3's stage3_max_live_parameters default
 HOST_STATES = "host"                     # coat.states: CoatAdamW's moments in pinned host memory (ZeRO-3, release)
-STATE_WINDOWS = 3                        # sub-groups whose streamed states the GPU holds at once under it
 
 
 @dataclass(frozen=True)
