@@ -96,15 +96,15 @@ def _bf16_master_from_setup(engine, client_optimizer: Any, *_: Any) -> None:
         engine._config.bfloat16_config.bf16_master_weights_and_grads = True
 
 
-# The coat.gradients of the engine whose optimizer is being configured (None: not a CoatAdamW engine): ZeRO-3's
+# The "coat" section of the engine whose optimizer is being configured (None: not a CoatAdamW engine): ZeRO-3's
 # set-up, which has no engine, reads it.
-_GRADIENTS: ContextVar[str | None] = ContextVar("coat_gradients", default=None)
+_SECTION: ContextVar[Any] = ContextVar("coat_section", default=None)
 
 
 def _configure_optimizer_before(engine, client_optimizer: Any, *args: Any) -> None:
     _client_coat_adamw_offload(engine, client_optimizer)
     _bf16_master_from_setup(engine, client_optimizer)
-    _GRADIENTS.set(engine_section(engine).gradients if _will_run_coat_adamw(engine, client_optimizer) else None)
+    _SECTION.set(engine_section(engine) if _will_run_coat_adamw(engine, client_optimizer) else None)
 
 
 def _zero3_setup(zo, original, *args: Any, **kw: Any):
@@ -112,9 +112,9 @@ def _zero3_setup(zo, original, *args: Any, **kw: Any):
     whole partition, which Zero3Step replaces right after (GradPartitions): at world 1 the model's gradients
     beside its weights, 57 GiB each at Qwen3-30B-A3B, past an 80 GB card. Where it will be replaced, the buffer
     is built on the meta device: the device is swapped once the optimizer states exist (_meta_after_states)."""
-    gradients = _GRADIENTS.get()
-    zo._coat_meta_buffer = bool(gradients and isinstance(zo.optimizer, CoatAdamW)
-                                and replaces_grad_buffer(zo, gradients))
+    section = _SECTION.get()
+    zo._coat_meta_buffer = bool(section and isinstance(zo.optimizer, CoatAdamW)
+                                and replaces_grad_buffer(zo, section.gradients, section.master_weights))
     device = zo.device
     try:
         return original(*args, **kw)

@@ -38,7 +38,7 @@ from deepspeed.runtime.zero.stage_1_and_2 import (INITIAL_MICRO_STEP_ID, OPTIMIZ
 from deepspeed.checkpoint.constants import FP32_FLAT_GROUPS, SINGLE_PARTITION_OF_FP32_GROUPS
 
 from ...formats.remainder import bf16_weight, check_finite
-from .gradients import DEFAULT as GRADIENTS_DEFAULT, PARTITION_BUFFER
+from .gradients import DEFAULT as GRADIENTS_DEFAULT, PARTITION_BUFFER, RELEASE
 from .kind import ZERO3, ZERO12, zero_kind
 from .layout import FlatPieces
 
@@ -390,10 +390,13 @@ def mixin(zo) -> type:
     return {ZERO3: Zero3Step, ZERO12: Zero12Step}.get(zero_kind(zo), Bf16Step)
 
 
-def replaces_grad_buffer(zo, gradients: str = GRADIENTS_DEFAULT) -> bool:
+def replaces_grad_buffer(zo, gradients: str = GRADIENTS_DEFAULT, master: str | None = None) -> bool:
     """Whether install() replaces ZeRO-3's partition-sized gradient buffer by GradPartitions (so set-up need not
-    build it): ZeRO-3 on the device, coat.gradients other than "partition_buffer"."""
-    return (zero_kind(zo) == ZERO3 and gradients != PARTITION_BUFFER
+    build it): ZeRO-3 on the device, coat.gradients other than "partition_buffer", and a step of coat's to come
+    (`master`, coat.master_weights, before bind: it installs one for release, a master other than fp32, or while
+    ENABLED; None: installed already)."""
+    ours = master is None or gradients == RELEASE or ENABLED or master != "fp32"
+    return (ours and zero_kind(zo) == ZERO3 and gradients != PARTITION_BUFFER
             and not (zo.offload_optimizer or zo.offload_param))
 
 
