@@ -22,7 +22,7 @@ from typing import Callable, Iterable, TypeVar
 
 from benchmarks import plot_utils
 from benchmarks.common import provenance, read_json, worker_env, write_json
-from coat_ds.deepspeed.teardown import torn_down
+from coat_ds.launch.teardown import torn_down
 
 J = TypeVar("J")
 ENDED = ("done", "ok", "diverged")   # a job that ended: kept, not run again (a diverged run is a result too)

@@ -77,7 +77,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup-steps", type=int, help="override scheduler.params.warmup_num_steps")
     p.add_argument("--peer-timeout", type=float, metavar="S",
                    help="a rank silent this long (or whose process ended, on the same node: at once) is lost: every "
-                        "rank stops with one line, exit 1 (coat_ds.deepspeed.watchdog; 0: off)")
+                        "rank stops with one line, exit 1 (coat_ds.launch.watchdog; 0: off)")
     p.add_argument("--plan", action="store_true", help="print what each GPU will hold and the largest micro-batch "
                                                         "(python -m coat_ds.plan), then exit without training")
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)  # from the launcher
@@ -480,8 +480,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import deepspeed
     import deepspeed.comm as dist
-    from coat_ds.deepspeed.teardown import torn_down
-    from coat_ds.deepspeed.watchdog import watching
+    from coat_ds.launch.teardown import torn_down
+    from coat_ds.launch.watchdog import watching
 
     set_single_process_env()
     deepspeed.init_distributed()

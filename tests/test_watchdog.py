@@ -1,4 +1,4 @@
-"""coat_ds.deepspeed.watchdog: a Watchdog for rank 0 on a real TCPStore, its peer (rank 1) played by hand through the
+"""coat_ds.launch.watchdog: a Watchdog for rank 0 on a real TCPStore, its peer (rank 1) played by hand through the
 store (a silent counter, a failure mark, a process that ends or is frozen) or a real process whose main thread holds
 the GIL, the verdict caught instead of ending the process; the heartbeat process (pulse) against a real process
 that runs, stops and ends. tests/launched/test_lost_rank.py kills, freezes and starves real ranks of jobs."""
@@ -19,8 +19,8 @@ import psutil
 import pytest
 import torch.distributed as dist
 
-from coat_ds.deepspeed import watchdog
-from coat_ds.deepspeed.watchdog import Peer, Watchdog, start_pulse, start_time
+from coat_ds.launch import watchdog
+from coat_ds.launch.watchdog import Peer, Watchdog, start_pulse, start_time
 from harness import child_env
 
 HOST = socket.gethostname()
@@ -336,7 +336,7 @@ RANK1 = textwrap.dedent("""
     import ctypes, sys, threading, time
     from datetime import timedelta
     import torch.distributed as dist
-    from coat_ds.deepspeed.watchdog import Watchdog
+    from coat_ds.launch.watchdog import Watchdog
     port, hold_s, with_pulse = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3] == "1"
     store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=5))
     dog = Watchdog(store, 1, 2, 60, on_verdict=print, interval=0.1,

@@ -19,7 +19,7 @@ import torch
 from ..optim import CoatAdamW
 from .fence import warn_if_untested
 from .optimizer_type import NAME, coat_adamw_from_config
-from .teardown import at_exit
+from ..launch.teardown import at_exit
 
 
 def register() -> None:

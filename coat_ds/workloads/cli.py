@@ -4,7 +4,7 @@ One exit code per kind of failure, its line said once, on a line of its own:
 
     2   the job's input refused before it starts (flags, the config, --data, --model, the checkpoint to resume):
         refuse(); every rank finds the same fault, rank 0 says it
-    1   a failure while the job runs (a save, a non-finite loss, a lost rank: coat_ds.deepspeed.watchdog): fail();
+    1   a failure while the job runs (a save, a non-finite loss, a lost rank: coat_ds.launch.watchdog): fail();
         said by rank 0 where every rank knows it, else by the rank that failed
     128 + N   stopped by signal N, after its checkpoint
 """

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import coat_ds  # noqa: F401
-from coat_ds.deepspeed.teardown import torn_down
+from coat_ds.launch.teardown import torn_down
 
 
 def model(width: int, depth: int) -> nn.Module:

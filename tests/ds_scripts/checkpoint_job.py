@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import section_job  # noqa: E402  its launcher harness (main)
 from family_cases import SEQ, VOCAB, build  # noqa: E402
 from layer_probe import counting_forwards, saved_per_layer  # noqa: E402
-from coat_ds.deepspeed.teardown import torn_down  # noqa: E402
+from coat_ds.launch.teardown import torn_down  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS, MICRO = 3, 2

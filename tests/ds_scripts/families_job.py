@@ -26,7 +26,7 @@ from coat_ds.hf import CoatDecoderLayer
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from family_cases import SEQ, VOCAB, build  # noqa: E402
-from coat_ds.deepspeed.teardown import torn_down  # noqa: E402
+from coat_ds.launch.teardown import torn_down  # noqa: E402
 
 DS_CONFIG = {"train_micro_batch_size_per_gpu": 2, "zero_allow_untested_optimizer": True,
              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}

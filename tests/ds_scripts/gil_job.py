@@ -1,4 +1,4 @@
-"""Two gloo ranks under coat_ds.deepspeed.watchdog.watching: rank 1 saves a state of --gib GiB with torch.save into a
+"""Two gloo ranks under coat_ds.launch.watchdog.watching: rank 1 saves a state of --gib GiB with torch.save into a
 buffer, which keeps its GIL for the whole copy of the storage (torch 2.13 releases it while it writes to a file, not
 into a buffer), while rank 0 waits in a barrier. Prints `RESULT {"held": S}`: the longest stretch, in seconds, in
 which rank 1's other threads could not run (a thread that ticks every 50 ms).
@@ -15,8 +15,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from coat_ds.deepspeed.teardown import torn_down
-from coat_ds.deepspeed.watchdog import watching
+from coat_ds.launch.teardown import torn_down
+from coat_ds.launch.watchdog import watching
 
 
 def gil_held(work: Callable[[], object]) -> float:

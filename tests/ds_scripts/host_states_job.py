@@ -43,7 +43,7 @@ import torch.nn as nn  # noqa: E402
 import common  # noqa: E402
 import job  # noqa: E402
 from coat_ds import node  # noqa: E402
-from coat_ds.deepspeed.teardown import torn_down  # noqa: E402
+from coat_ds.launch.teardown import torn_down  # noqa: E402
 from coat_ds.deepspeed.zero import states as coat_states  # noqa: E402
 from release_job import states  # noqa: E402
 from zero_state_job import _all, _joined  # noqa: E402

@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM  # noqa: F401  (imported before th
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from benchmarks.common import proc_bytes  # noqa: E402
-from coat_ds.deepspeed.teardown import torn_down  # noqa: E402
+from coat_ds.launch.teardown import torn_down  # noqa: E402
 _spec = importlib.util.spec_from_file_location("train", ROOT / "examples" / "train.py")
 train = sys.modules["train"] = importlib.util.module_from_spec(_spec)   # its dataclass looks itself up
 _spec.loader.exec_module(train)

@@ -25,7 +25,7 @@ import section_job  # noqa: E402  its launcher harness (main) and tiny Llama
 from section_job import LLAMA, ROOT, fp8_layers, tiny  # noqa: E402
 from coat_ds.deepspeed import presets  # noqa: E402
 from coat_ds.deepspeed.config import engine_section  # noqa: E402
-from coat_ds.deepspeed.teardown import torn_down  # noqa: E402
+from coat_ds.launch.teardown import torn_down  # noqa: E402
 
 SEQ, PLAIN_STEPS, HF_STEPS = 16, 5, 3
 

@@ -46,7 +46,7 @@ from zero_state_job import _all, _joined, build, build_outcomes, config, masters
 from coat_ds.deepspeed.zero import states as coat_states  # noqa: E402
 from coat_ds.deepspeed.zero.layout import meta_offsets  # noqa: E402
 from coat_ds.optim.coat_adamw import fp8_moments  # noqa: E402
-from coat_ds.deepspeed.teardown import torn_down  # noqa: E402
+from coat_ds.launch.teardown import torn_down  # noqa: E402
 
 STEPS, SAVE_AT = job.STEPS, job.SAVE_AT
 if torch.cuda.is_available():   # two GPU runs agree bit for bit only with deterministic algorithms

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from benchmarks.common import proc_bytes  # noqa: E402
 from coat_ds.deepspeed.checkpoint.files import torch_load, zero_files  # noqa: E402
-from coat_ds.deepspeed.teardown import torn_down  # noqa: E402
+from coat_ds.launch.teardown import torn_down  # noqa: E402
 
 SUB_GROUP = 2_000_000   # values of a rank's ZeRO-3 sub-group: its master (bf16) is the file's largest tensor
 

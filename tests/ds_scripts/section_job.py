@@ -27,7 +27,7 @@ import coat_ds
 from coat_ds.activation import ActivationConfig
 from coat_ds.hf import CoatDecoderLayer
 from coat_ds.hf.swap import apply
-from coat_ds.deepspeed.teardown import torn_down
+from coat_ds.launch.teardown import torn_down
 
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -23,7 +23,7 @@ import torch.nn as nn  # noqa: E402
 import common  # noqa: E402
 from coat_ds.deepspeed.checkpoint import space  # noqa: E402
 from coat_ds.deepspeed.checkpoint.save import CheckpointSaveError  # noqa: E402
-from coat_ds.deepspeed.teardown import torn_down  # noqa: E402
+from coat_ds.launch.teardown import torn_down  # noqa: E402
 
 WIDTH = 512   # ~0.8M parameters: the tensors, not the pickled metadata, make most of each file
 CONFIGS = {"z1_fp32": (1, "fp32", {}), "z2_bf16": (2, "bf16", {}), "z3_bf16": (3, "bf16", {}),

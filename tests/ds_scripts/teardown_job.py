@@ -1,4 +1,4 @@
-"""A gloo job of N ranks that gathers once, then ends as ENDING says inside coat_ds.deepspeed.teardown.torn_down
+"""A gloo job of N ranks that gathers once, then ends as ENDING says inside coat_ds.launch.teardown.torn_down
 (or, `bare`, without it: the control). Used by tests/launched/test_teardown.py."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from coat_ds.deepspeed.teardown import torn_down
+from coat_ds.launch.teardown import torn_down
 
 
 def _raise() -> None:

@@ -2,7 +2,7 @@
 ds_configs/hf/ config, two steps, then the end of the script: no torn_down, no accelerator.end_training(). Such a
 script aborted at the interpreter's exit now and then ("terminate called without an active exception", exit 250
 through a launcher: gloo's teardown in Python's finalization); `import coat_ds` now destroys the live process group
-first (coat_ds.deepspeed.teardown.at_exit). `--bare` takes that hook out (the control); `--deepspeed JSON` another
+first (coat_ds.launch.teardown.at_exit). `--bare` takes that hook out (the control); `--deepspeed JSON` another
 config. Used by tests/launched/test_teardown.py and test_hf_trainer.py:
 
     python tests/ds_scripts/ranks.py --num_gpus 2 --master_port P tests/ds_scripts/user_hf_trainer.py [--bare]
@@ -16,7 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArgumen
 import coat_ds  # noqa: F401  CoatAdamW and the "coat" section, as the config asks
 
 if "--bare" in sys.argv:
-    from coat_ds.deepspeed.teardown import at_exit
+    from coat_ds.launch.teardown import at_exit
 
     atexit.unregister(at_exit)
 

@@ -34,7 +34,7 @@ import job  # noqa: E402  (its main runs the tasks)
 from coat_ds.deepspeed.zero import step as zero_step  # noqa: E402
 from coat_ds.deepspeed.zero.kind import master_partitions as masters  # noqa: E402
 from coat_ds.formats import bf16_weight  # noqa: E402
-from coat_ds.deepspeed.teardown import torn_down  # noqa: E402
+from coat_ds.launch.teardown import torn_down  # noqa: E402
 
 STEPS, SAVE_AT = job.STEPS, job.SAVE_AT
 

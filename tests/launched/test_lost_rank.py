@@ -1,4 +1,4 @@
-"""One rank of the main job lost mid-step (coat_ds.deepspeed.watchdog): the others stop within a bounded time, with
+"""One rank of the main job lost mid-step (coat_ds.launch.watchdog): the others stop within a bounded time, with
 one line naming the rank and its node, a non-zero exit, and the last checkpoint intact. 2 CPU ranks, tiny model:
   - SIGKILL of rank 1 under one `deepspeed --num_gpus 2` launcher: the peer sees the process end (same node);
   - SIGKILL of rank 0 (which hosts the job's store) the same way: the line comes before any of torch's C++ warnings

@@ -1,4 +1,4 @@
-"""A distributed job's exit code is its own (coat_ds.deepspeed.teardown.torn_down): 5 gloo ranks that leave work
+"""A distributed job's exit code is its own (coat_ds.launch.teardown.torn_down): 5 gloo ranks that leave work
 in gloo's threads, as a training job's last collectives do. Without torn_down such a job's `sys.exit(1)` aborted
 in Python's finalization ("terminate called without an active exception", exit 250 through the launcher) in 5 of 6
 runs here (2 cores, 2026-11-28; ds_scripts/teardown_job.py `bare`); CI saw it once on the main job's refused save."""
@@ -47,7 +47,7 @@ def test_a_teardown_that_hangs_ends_the_finished_job_with_0(tmp_path):
     """A destroy_process_group that never returns (stood in by a sleep) ends the process after DESTROY_S."""
     code = textwrap.dedent("""
         import time, torch.distributed as dist
-        from coat_ds.deepspeed import teardown
+        from coat_ds.launch import teardown
         dist.init_process_group("gloo", rank=0, world_size=1)
         teardown.DESTROY_S = 1.0
         dist.destroy_process_group = lambda: time.sleep(120)
