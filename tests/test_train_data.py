@@ -1,5 +1,7 @@
 """coat_ds.workloads.data and examples/train.py's input checks: every source format, deterministic batches, and a
 clear error (before DeepSpeed or any device memory) for every bad input we handle."""
+import contextlib
+import io
 import json
 import os
 import sys
@@ -35,9 +37,14 @@ def no_device(monkeypatch):
 
 
 def run_main(*argv):
-    with pytest.raises(SystemExit) as e:
+    """What the main job says when it refuses its input: exit 2 and one `error: ...` line (workloads/cli.refuse)."""
+    err = io.StringIO()
+    with pytest.raises(SystemExit) as e, contextlib.redirect_stderr(err):
         train.main(["--deepspeed", str(ROOT / "ds_configs/zero2_coat.json"), *argv])
-    return str(e.value)
+    said = err.getvalue()
+    assert e.value.code == 2 and said.splitlines()[-1].startswith("error: ") and said.count("error") == 1, \
+        (e.value.code, said)   # a warning line may come first (a trained --model at a pretraining rate)
+    return said
 
 
 # --- sources ------------------------------------------------------------------------------------------------
@@ -226,7 +233,9 @@ def test_every_config_parses_and_names_known_keys():
 
 def test_bad_model_and_export_paths(no_device, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    assert "cannot load its config" in run_main("--model", str(tmp_path / "no_model"))
+    assert f"--model {tmp_path / 'no_model'}: no such directory" in run_main("--model", str(tmp_path / "no_model"))
+    (tmp_path / "empty").mkdir()
+    assert "cannot load its config" in run_main("--model", str(tmp_path / "empty"))
     (tmp_path / "f").write_text("x")
     assert "is a file; give a directory" in run_main("--export", str(tmp_path / "f"))
 
