@@ -86,6 +86,7 @@ def test_a_trained_model_at_a_pretraining_rate_is_said_in_one_line(tmp_path):
         assert proc.returncode != 0 and "cannot load its config" in proc.stderr, proc.stderr[-2000:]
         return [line for line in proc.stderr.splitlines() if "pretraining rate" in line]
 
+    (tmp_path / "trained").mkdir()      # a folder (a missing one is refused before, as no such directory)
     (line,) = job()
     assert line.startswith(f"warning: --model {tmp_path / 'trained'} is a trained model") and "0.00015" in line \
         and f"--lr {FINE_TUNING_LR:g}" in line
