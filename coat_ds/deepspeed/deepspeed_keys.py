@@ -219,21 +219,28 @@ def _refusal(cfg: Mapping, reads: list, exc: Exception) -> str:
     return f"DeepSpeed refuses this config: {msg}"
 
 
+def _section(cfg: Mapping, key: str, params_key: str, allowed: tuple) -> Mapping | None:
+    """cfg[key] where it is an object of `allowed` keys (None where absent); a one-line refusal otherwise."""
+    section = cfg.get(key)
+    if section is None:
+        return None
+    if not isinstance(section, Mapping):
+        raise ValueError(f"{key}={section!r} is invalid; allowed: an object with \"{allowed[0]}\" and \"{params_key}\"")
+    for k in section:
+        if k not in allowed:
+            raise ValueError(unknown(key, k, allowed))
+    return section
+
+
 def _check_optimizer_section(cfg: Mapping) -> None:
     """optimizer: DeepSpeed's keys, and a name that its engine finds (its own optimizers, or torch.optim's)."""
     import torch
     from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
     from deepspeed.runtime.constants import LEGACY_FUSION, OPTIMIZER, OPTIMIZER_PARAMS, TYPE
 
-    opt = cfg.get(OPTIMIZER)
+    opt = _section(cfg, OPTIMIZER, OPTIMIZER_PARAMS, (TYPE, OPTIMIZER_PARAMS, LEGACY_FUSION))
     if opt is None:
         return
-    if not isinstance(opt, Mapping):
-        raise ValueError(f"{OPTIMIZER}={opt!r} is invalid; allowed: an object with \"{TYPE}\" and "
-                         f"\"{OPTIMIZER_PARAMS}\"")
-    for key in opt:
-        if key not in (TYPE, OPTIMIZER_PARAMS, LEGACY_FUSION):
-            raise ValueError(unknown(OPTIMIZER, key, (TYPE, OPTIMIZER_PARAMS, LEGACY_FUSION)))
     name = opt.get(TYPE)
     if not isinstance(name, str) or not (name.lower() in DEEPSPEED_OPTIMIZERS or hasattr(torch.optim, name)):
         choices = sorted(DEEPSPEED_OPTIMIZERS) + ["CoatAdamW"]
@@ -252,15 +259,9 @@ def _check_scheduler_section(cfg: Mapping) -> None:
     from deepspeed.runtime import lr_schedules
     from deepspeed.runtime.constants import SCHEDULER, SCHEDULER_PARAMS, TYPE
 
-    sched = cfg.get(SCHEDULER)
+    sched = _section(cfg, SCHEDULER, SCHEDULER_PARAMS, (TYPE, SCHEDULER_PARAMS))
     if sched is None:
         return
-    if not isinstance(sched, Mapping):
-        raise ValueError(f"{SCHEDULER}={sched!r} is invalid; allowed: an object with \"{TYPE}\" and "
-                         f"\"{SCHEDULER_PARAMS}\"")
-    for key in sched:
-        if key not in (TYPE, SCHEDULER_PARAMS):
-            raise ValueError(unknown(SCHEDULER, key, (TYPE, SCHEDULER_PARAMS)))
     name = sched.get(TYPE)
     cls = None
     if isinstance(name, str):
