@@ -192,15 +192,20 @@ def test_a_verdict_published_by_another_rank_is_adopted_and_its_node_prints_once
     assert lines == [line]
 
 
-def test_rank_0s_store_gone_is_reported_as_rank_0_lost():
-    """Rank 1's view when rank 0 (on another node) and the store it hosts are gone."""
-    host = subprocess.Popen([sys.executable, "-c", "import sys, time, json, torch.distributed as d; "
+def store_host() -> tuple[subprocess.Popen, int, dist.TCPStore]:
+    """(process, port, a client) of rank 0's store hosted in a process of its own, as rank 0 would host it."""
+    host = subprocess.Popen([sys.executable, "-c", "import time, torch.distributed as d; "
                              "s = d.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False); "
                              "print(s.port, flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    port = int(host.stdout.readline())
+    return host, port, dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                                     timeout=timedelta(seconds=5))
+
+
+def test_rank_0s_store_gone_is_reported_as_rank_0_lost():
+    """Rank 1's view when rank 0 (on another node) and the store it hosts are gone."""
+    host, port, master = store_host()
     try:
-        port = int(host.stdout.readline())
-        master = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
-                               timeout=timedelta(seconds=5))
         master.set("coat_ds/watchdog/peer/0", json.dumps(asdict(Peer(0, "0", "elsewhere", 0, 4242, ""))))
         master.set("coat_ds/watchdog/beat/0", "0")
         master.set("coat_ds/watchdog/state/0", "up")
@@ -258,13 +263,8 @@ def test_a_silent_peer_on_another_node_is_not_signalled(store):
 def test_rank_0_ended_on_this_node_is_named_without_a_call_to_its_store(capfd):
     """Rank 1's view when rank 0, on this node, is killed: the store went with it, and every call to it printed a
     page of torch's C++ warnings (TCPStore.cpp, a stack of 20 frames) before the line; /proc says it first now."""
-    host = subprocess.Popen([sys.executable, "-c", "import time, torch.distributed as d; "
-                             "s = d.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False); "
-                             "print(s.port, flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    host, port, master = store_host()
     try:
-        port = int(host.stdout.readline())
-        master = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
-                               timeout=timedelta(seconds=5))
         master.set("coat_ds/watchdog/peer/0",
                    json.dumps(asdict(Peer(0, HOST, HOST, 0, host.pid, start_time(host.pid)))))
         master.set("coat_ds/watchdog/beat/0", "0")

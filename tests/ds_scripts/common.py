@@ -81,6 +81,14 @@ def train(engine, steps: range, dtype: str, poison: set[int] = frozenset()) -> l
     return losses
 
 
+def mean_over_ranks(loss: torch.Tensor, world: int) -> float:
+    """A step's loss averaged over the ranks, each of which computed it on its own micro-batch."""
+    total = loss.detach().float()
+    if world > 1:
+        dist.all_reduce(total)
+    return total.item() / world
+
+
 def write(path: str, obj) -> None:
     if int(os.environ.get("RANK", "0")) == 0:
         with open(path, "w") as f:

@@ -131,10 +131,7 @@ def train(engine, steps: range) -> list[float]:
                                            y[mine].to(engine.device))
         engine.backward(loss)
         engine.step()
-        total = loss.detach().float()
-        if world > 1:
-            dist.all_reduce(total)
-        losses.append(total.item() / world)
+        losses.append(common.mean_over_ranks(loss, world))
     return losses
 
 

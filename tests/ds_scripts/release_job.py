@@ -83,10 +83,7 @@ def train(engine, steps: range, spike: int | None = None, nan: int | None = None
         if handle is not None:
             handle.remove()
         engine.step()
-        total = loss.detach().float()
-        if world > 1:
-            dist.all_reduce(total)
-        losses.append(total.item() / world)
+        losses.append(common.mean_over_ranks(loss, world))
     return losses
 
 
