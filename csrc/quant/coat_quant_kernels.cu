@@ -404,36 +404,44 @@ struct GatedSrc {
     }
 };
 
+// Row tiles stride over blockIdx.y: gridDim.y stops at 65535, 4,194,240 rows (a 4M-token micro-batch).
+constexpr int64_t kMaxGridY = 65535;
+
 template <bool OUT_E5M2, class Src>
 __global__ void tile_quant_k(Src src, const float* scale, uint8_t* out, uint8_t* out_t, int64_t m, int64_t n,
                              int64_t ld_t) {
     __shared__ alignas(16) uint8_t tile[kTile][kTile + 16];  // [column][row]
     const int t = threadIdx.x;
-    const int rr = t >> 2, cc = (t & 3) * G;
-    const int64_t r = (int64_t)blockIdx.y * kTile + rr, c0 = (int64_t)blockIdx.x * kTile + cc;
+    const int rr = t >> 2, cc = (t & 3) * G, tc = t >> 2, tr = (t & 3) * G;
+    const int64_t c0 = (int64_t)blockIdx.x * kTile + cc, oc = (int64_t)blockIdx.x * kTile + tc;
+    const int64_t row_tiles = (m + kTile - 1) / kTile;
     const float inv = 1.0f / *scale;  // a power of two: exact
-    if (r < m && c0 < n) {
-        float v[G];
-        src.load(r, c0, v);
-        alignas(16) uint8_t c[G];
+    for (int64_t ty = blockIdx.y; ty < row_tiles; ty += gridDim.y) {  // the same trips for the whole block
+        const int64_t r = ty * kTile + rr;
+        if (r < m && c0 < n) {
+            float v[G];
+            src.load(r, c0, v);
+            alignas(16) uint8_t c[G];
 #pragma unroll
-        for (int j = 0; j < G; ++j) c[j] = fp8_cast<OUT_E5M2>(v[j] * inv);
-        if (out != nullptr) store_codes(out + r * n + c0, c);
-        if (out_t != nullptr)
+            for (int j = 0; j < G; ++j) c[j] = fp8_cast<OUT_E5M2>(v[j] * inv);
+            if (out != nullptr) store_codes(out + r * n + c0, c);
+            if (out_t != nullptr)
 #pragma unroll
-            for (int j = 0; j < G; ++j) tile[cc + j][rr] = c[j];
+                for (int j = 0; j < G; ++j) tile[cc + j][rr] = c[j];
+        }
+        if (out_t == nullptr) continue;
+        __syncthreads();
+        const int64_t orow = ty * kTile + tr;
+        if (oc < n && orow < m) store_codes(out_t + oc * ld_t + orow, &tile[tc][tr]);
+        if (ty + gridDim.y < row_tiles) __syncthreads();  // read before the next row tile writes it
     }
-    if (out_t == nullptr) return;
-    __syncthreads();
-    const int tc = t >> 2, tr = (t & 3) * G;
-    const int64_t oc = (int64_t)blockIdx.x * kTile + tc, orow = (int64_t)blockIdx.y * kTile + tr;
-    if (oc < n && orow < m) store_codes(out_t + oc * ld_t + orow, &tile[tc][tr]);
 }
 
 template <class Src>
 void launch_tile(Src src, const float* scale, uint8_t* out, uint8_t* out_t, int64_t m, int64_t n, bool e5m2,
                  cudaStream_t s, int64_t ld_t = -1) {
-    const dim3 grid((unsigned)((n + kTile - 1) / kTile), (unsigned)((m + kTile - 1) / kTile));
+    const int64_t row_tiles = (m + kTile - 1) / kTile;
+    const dim3 grid((unsigned)((n + kTile - 1) / kTile), (unsigned)std::min(row_tiles, kMaxGridY));
     if (ld_t < 0) ld_t = m;
     if (e5m2)
         tile_quant_k<true><<<grid, kThreads, 0, s>>>(src, scale, out, out_t, m, n, ld_t);
