@@ -6,7 +6,6 @@ import argparse
 import contextlib
 import datetime
 import json
-import math
 import os
 import platform
 import shutil
@@ -114,6 +113,12 @@ def provenance(extra: tuple[str, ...] = (), parent: bool = False) -> dict:
             "date": now(), "commit": git_commit()}
 
 
+def row_provenance(device: str | None = None) -> dict:
+    """Where, when and how one row was measured (a file's rows may come from several calls): `device` as the parent
+    named it (default: device_name())."""
+    return {"device": device or device_name(), "date": now(), "command": command(), "commit": git_commit()}
+
+
 class WarningLog:
     """Collects coat_ds's warnings (a kernel that fell back to the reference path changes every figure)."""
 
@@ -163,6 +168,33 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)
+
+
+# the options several benchmarks take: type, default, meaning (a script may give its own default, or default and help)
+OPTIONS = {"out": (str, str(RESULTS), "the folder the results go to"), "seq_len": (int, 2048, "tokens a sample"),
+           "steps": (int, 3, "timed steps"), "warmup": (int, 1, "untimed steps before the timed ones"),
+           "seed": (int, 1234, "the weights' and the tokens' seed"), "verbose": (bool, False, "echo workers' output"),
+           "time_budget": (float, None, "seconds for everything; a job that would end later is skipped"),
+           "mem_fraction": (float, 0.95, "'fits': peak reserved <= this x device memory")}
+
+
+def parser(doc: str, *names: str, smoke: str | None = None, worker: bool = False, **given) -> argparse.ArgumentParser:
+    """A benchmark's parser, described by `doc`'s first paragraph: the OPTIONS in `names` and `given` (each a default,
+    or (default, help)), --smoke (its help) where given, and a worker's hidden options with `worker`."""
+    p = argparse.ArgumentParser(description=" ".join(doc.split("\n\n")[0].split()))
+    for name in (*names, *given):
+        kind, default, text = OPTIONS[name]
+        default, text = given[name] if isinstance(given.get(name), tuple) else (given.get(name, default), text)
+        flag = f"--{name.replace('_', '-')}"
+        if kind is bool:
+            p.add_argument(flag, action="store_true", help=text)
+        else:
+            p.add_argument(flag, type=kind, default=default, help=text)
+    if smoke:
+        p.add_argument("--smoke", action="store_true", help=smoke)
+    if worker:
+        add_worker_args(p)
+    return p
 
 
 # --- Worker processes: a DeepSpeed engine never gives its memory back, so each measurement gets its own ---------------
@@ -239,16 +271,12 @@ def read_json(path: str | Path, default=None):
 
 
 def read_log(path: str | Path) -> list[dict]:
-    """The records of the main job's log.jsonl ([] where there is none yet); a line cut by a kill is skipped."""
-    path = Path(path)
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
+    """The records of a JSON-lines file (the main job's log.jsonl, a worker's records; [] where there is none yet); a
+    line cut by a kill is skipped."""
+    path, out = Path(path), []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        with contextlib.suppress(ValueError):
             out.append(json.loads(line))
-        except ValueError:
-            pass
     return out
 
 
@@ -355,6 +383,17 @@ def _device_events(trace: dict) -> list[tuple[float, float, str, object]]:
                   key=lambda t: t[0])
 
 
+def _gaps(events: list) -> list[tuple[float, float, float, str, str]]:
+    """Where device events sorted by start leave the device idle (overlaps count once): (length, from, to, the
+    event before, the event after), in microseconds."""
+    out, end = [], events[0][1]
+    for (_, _, before, _), (s, e, after, _) in zip(events, events[1:]):
+        if s > end:
+            out.append((s - end, end, s, before, after))
+        end = max(end, e)
+    return out
+
+
 def stream_gaps(trace: dict, top: int = 6) -> str:
     """Each stream's busy time in a profiled step, then where the busiest (backward's compute stream) idles while
     others work: its longest gaps, with the device time other streams spent inside each by kernel name (a
@@ -365,34 +404,22 @@ def stream_gaps(trace: dict, top: int = 6) -> str:
     by_stream: dict = {}
     for ev in dev:
         by_stream.setdefault(ev[3], []).append(ev)
-    busy = {k: _union_us(v) for k, v in by_stream.items()}
+    gaps = {k: _gaps(v) for k, v in by_stream.items()}
+    busy = {k: max(e for _, e, *_ in v) - v[0][0] - sum(g[0] for g in gaps[k]) for k, v in by_stream.items()}
     span = max(e for _, e, *_ in dev) - dev[0][0]
     lines = [f"stream {k}: busy {b / 1e3:.2f} ms of {span / 1e3:.2f} ({len(by_stream[k])} events)"
              for k, b in sorted(busy.items(), key=lambda kv: -kv[1])]
     main = max(busy, key=busy.get)
-    mine, gaps = by_stream[main], []
-    for (_, e0, n0, _), (s1, _, n1, _) in zip(mine, mine[1:]):
-        if s1 > e0:
-            gaps.append((s1 - e0, e0, s1, n0[:40], n1[:40]))
-    lines.append(f"stream {main} idle {sum(g[0] for g in gaps) / 1e3:.2f} ms in {len(gaps)} gaps; the longest:")
-    for g, a, b, n0, n1 in sorted(gaps, reverse=True)[:top]:
+    lines.append(f"stream {main} idle {sum(g[0] for g in gaps[main]) / 1e3:.2f} ms in {len(gaps[main])} gaps; the "
+                 "longest:")
+    for g, a, b, n0, n1 in sorted(gaps[main], reverse=True)[:top]:
         inside: dict[str, float] = {}
         for s, e, n, k in dev:
             if k != main and s < b and e > a:
                 inside[n[:40]] = inside.get(n[:40], 0.0) + min(e, b) - max(s, a)
         meanwhile = ", ".join(f"{n} {t:.0f} us" for n, t in sorted(inside.items(), key=lambda kv: -kv[1])[:2])
-        lines.append(f"  {g:8.1f} us  after {n0}  before {n1}  meanwhile: {meanwhile or 'nothing'}")
+        lines.append(f"  {g:8.1f} us  after {n0[:40]}  before {n1[:40]}  meanwhile: {meanwhile or 'nothing'}")
     return "\n".join(lines) + "\n"
-
-
-def _union_us(events: list) -> float:
-    """Device time covered by events sorted by start (overlaps once)."""
-    total, end = 0.0, -math.inf
-    for s, e, *_ in events:
-        if e > end:
-            total += e - max(s, end)
-            end = e
-    return total
 
 
 def gpu_gaps(trace: dict, top: int = 8) -> str:
@@ -402,12 +429,8 @@ def gpu_gaps(trace: dict, top: int = 8) -> str:
     dev = _device_events(trace)
     if not dev:
         return "no device events\n"
-    gaps, end = [], dev[0][1]
-    for (_, e0, n0, _), (s1, e1, n1, _) in zip(dev, dev[1:]):
-        if s1 > end:
-            gaps.append((s1 - end, n0[:50], n1[:50]))
-        end = max(end, e1)
-    span, idle = dev[-1][1] - dev[0][0], sum(g for g, *_ in gaps)
+    gaps = _gaps(dev)
+    span, idle = dev[-1][1] - dev[0][0], sum(g[0] for g in gaps)
     lines = [f"GPU span {span / 1e3:.2f} ms, busy {(span - idle) / 1e3:.2f}, idle {idle / 1e3:.2f} in {len(gaps)} gaps"]
-    lines += [f"  {g:8.1f} us  after {a}  before {b}" for g, a, b in sorted(gaps, reverse=True)[:top]]
+    lines += [f"  {g:8.1f} us  after {a[:50]}  before {b[:50]}" for g, _, _, a, b in sorted(gaps, reverse=True)[:top]]
     return "\n".join(lines) + "\n"

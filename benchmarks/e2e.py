@@ -1,32 +1,20 @@
 """End-to-end memory and speed: BF16 + FusedAdam vs coat_ds optimizer-only vs coat_ds full, one worker process each
 (benchmarks/worker.py: a DeepSpeed engine never gives its memory back); e2e_real_shapes and e2e_scaling run their
-rows through it.
-
-    python -m benchmarks.e2e --model llama-1b --equal-batch 2 --out /tmp/e2e             # one GPU
-    python -m benchmarks.e2e --model llama2-7b --num-gpus 2 --zero-stage 2 --out /tmp/e2e  # ZeRO-2, 2 GPUs
-    python -m benchmarks.e2e --smoke --out /tmp/e2e_smoke                                # CPU, tiny, < 60 s
-
-docs/benchmarks.md has the search, the memory breakdown and e2e.json's fields.
-"""
+rows through it. docs/benchmarks.md has the commands, the search, the memory breakdown and e2e.json's fields."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import GIB, RESULTS, add_worker_args, parse_cores, provenance, worker_cmd
+from benchmarks.common import GIB, parse_cores, parser, provenance, read_log, worker_cmd
 from benchmarks.configs import LABELS, MODELS, ZERO_SET_KEYS, check_args, check_bind_cores, parse_zero_set, shape_of
 from benchmarks.harness import run_worker, worker_exit, write_results
 
 E2E_CONFIGS = "bf16,coat_opt,coat_full,coat_full_bf16sr"   # the default (round to nearest is for convergence)
 TARGETS = {"memory_reduction": 1.54, "speedup_at_max_batch": 1.43}   # COAT's paper, Llama-2-7B
-
-
-def read_records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
 def launch(args: argparse.Namespace, name: str, result: Path, start: int, known_fail: int | None,
@@ -105,7 +93,11 @@ def ratio(a, b):
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = parser(__doc__, "out", "seq_len", "seed", "mem_fraction", "verbose", worker=True,
+               steps=(3, "timed steps per micro-batch size"),
+               warmup=(1, "untimed steps per micro-batch size (the first size: 4 more)"),
+               time_budget=(420.0, "seconds for all configurations together"),
+               smoke="tiny model, few steps (CPU is fine)")
     p.add_argument("--model", default="llama-1b", choices=list(MODELS))
     p.add_argument("--configs", default=E2E_CONFIGS, help=f"comma-separated, from {list(LABELS)}")
     p.add_argument("--num-gpus", type=int, default=1, help="world size (deepspeed launcher when > 1)")
@@ -115,31 +107,19 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     p.add_argument("--bind-cores", help="bind each rank to cores of its own, as `deepspeed --bind_cores_to_rank "
                                         "--bind_core_list LIST` does (numactl): 'all' (the host's cores) or a "
                                         "core list, e.g. 0-31")
-    p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--equal-batch", type=int, default=1, help="micro-batch at which peak memory is compared")
     p.add_argument("--max-batch", type=int, default=256, help="largest micro-batch the search tries")
-    p.add_argument("--steps", type=int, default=3, help="timed steps per micro-batch size")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps per micro-batch size (the first size: 4 more)")
     p.add_argument("--max-rungs", type=int, default=7, help="micro-batch sizes tried per configuration")
-    p.add_argument("--mem-fraction", type=float, default=0.95, help="'fits': peak reserved <= this x device memory")
-    p.add_argument("--time-budget", type=float, default=420.0, help="seconds for all configurations together")
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--smoke", action="store_true", help="tiny model, few steps (CPU is fine)")
-    p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--profile", action="store_true",
                    help="record one step's top kernels, top host-side calls and device syncs (at the largest batch)")
     p.add_argument("--profile-batch", type=int, help="profile at this micro-batch instead of the largest that fits")
-    p.add_argument("--verbose", action="store_true", help="echo the workers' whole output")
     p.add_argument("--layers", type=int, help="the model's decoder layers instead of its shape's (a stand-in)")
     p.add_argument("--memory-trace", action="store_true",
                    help="rank 0's allocator trace over the first micro-batch's instrumented step: the blocks alive "
                         "at its peak by allocating line (benchmarks/memory_trace.py)")
-    add_worker_args(p)
-    p.add_argument("--config", help=argparse.SUPPRESS)
-    p.add_argument("--start-batch", type=int, default=1, help=argparse.SUPPRESS)
-    p.add_argument("--known-fail", type=int, help=argparse.SUPPRESS)
-    p.add_argument("--then-batch", type=int, help=argparse.SUPPRESS)
-    p.add_argument("--budget-s", type=float, default=1e9, help=argparse.SUPPRESS)
+    for hidden, kind, default in (("config", str, None), ("start_batch", int, 1), ("known_fail", int, None),
+                                  ("then_batch", int, None), ("budget_s", float, 1e9)):
+        p.add_argument(f"--{hidden.replace('_', '-')}", type=kind, default=default, help=argparse.SUPPRESS)
     return p, p.parse_args(argv)
 
 
@@ -149,7 +129,7 @@ def run_config(args: argparse.Namespace, name: str, result: Path, share: float, 
     result.unlink(missing_ok=True)
     errors: list[str] = []
     rc, tail = launch(args, name, result, args.equal_batch, None, share)
-    recs = read_records(result)
+    recs = read_log(result)
     if rc != 0:
         ooms = [r["micro_batch"] for r in recs if r["kind"] == "oom"]
         fit = [r["micro_batch"] for r in recs if r["kind"] == "rung" and r["fits"]]
@@ -159,7 +139,7 @@ def run_config(args: argparse.Namespace, name: str, result: Path, share: float, 
             start = (max(fit) + ooms[-1]) // 2 if fit else ooms[-1] // 2
             if start >= 1 and start not in fit:
                 rc2, tail2 = launch(args, name, result, start, ooms[-1], left)
-                recs = read_records(result)
+                recs = read_log(result)
                 if rc2 != 0:
                     errors.append(f"restart exit {rc2}: {tail2[-1500:]}")
     return summarize_config(name, recs, args.equal_batch, errors)

@@ -1,12 +1,7 @@
 """Today's model shapes on one GPU, no offload (issue 30): the largest micro-batch and its tokens/s.
 
-    . .whl/prelude.sh && python3 -m benchmarks.e2e_real_shapes --case llama3.1-8b   # one 80 GB H100, ~5 min
-    python3 -m benchmarks.e2e_real_shapes --case llama3.1-8b --configs torchao_fp8 --start-batch 2 --max-rungs 2
-    python -m benchmarks.e2e_real_shapes --smoke --out /tmp/real_shapes                # CPU, tiny, ~1 min
-
-Each case merges into e2e_real_shapes.json under its name; `--configs` re-runs some of its configurations and
-keeps the others' rows, each saying where and how it was measured (docs/benchmarks.md).
-"""
+Each case merges into e2e_real_shapes.json under its name; `--configs` re-runs some of its configurations and keeps
+the others' rows (docs/benchmarks.md has the commands)."""
 from __future__ import annotations
 
 import argparse
@@ -15,7 +10,7 @@ import time
 from pathlib import Path
 
 from benchmarks import e2e
-from benchmarks.common import RESULTS, check_positive, command, device_name, git_commit, now, provenance, read_json
+from benchmarks.common import check_positive, parser, provenance, read_json, row_provenance
 from benchmarks.configs import MODELS, check_args
 from benchmarks.harness import merged, write_results
 from benchmarks.render_tables import markdown, num
@@ -38,17 +33,15 @@ CASES = {
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = parser(__doc__, "out", steps=(3, "timed steps per micro-batch size"),
+               time_budget=(480.0, "seconds for the case's configurations"),
+               smoke="the tiny case, one step per size (CPU is fine)")
     p.add_argument("--case", choices=list(CASES), default="llama3.1-8b")
     p.add_argument("--configs", help="comma-separated e2e.py configurations (default: the case's); the case's "
                    "other configurations keep their earlier rows")
     p.add_argument("--start-batch", type=int, default=1, help="the micro-batch each ladder starts at")
     p.add_argument("--max-batch", type=int, default=256, help="the largest micro-batch the ladders try")
     p.add_argument("--max-rungs", type=int, default=4, help="micro-batch sizes tried per configuration")
-    p.add_argument("--steps", type=int, default=3, help="timed steps per micro-batch size")
-    p.add_argument("--time-budget", type=float, default=480.0, help="seconds for the case's configurations")
-    p.add_argument("--out", default=str(RESULTS))
-    p.add_argument("--smoke", action="store_true", help="the tiny case, one step per size (CPU is fine)")
     args = p.parse_args(argv)
     if args.smoke:
         args.case, args.steps, args.max_rungs = "tiny", 1, 2
@@ -108,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     rows = e2e.run_configs(eargs, names, out, f"{NAME}_{args.case}")
     for r in rows:
-        r["measured"] = {"device": device_name(), "date": now(), "command": command(), "commit": git_commit()}
+        r["measured"] = row_provenance()
     cases = read_json(out / f"{NAME}.json", {}).get("cases", {})
     rows = list(merged(lambda r: r["name"], cases.get(args.case, {}).get("configs", []), rows).values())
     res = case_result(args, eargs, rows, t0)

@@ -1,15 +1,8 @@
 """Scaling over the GPUs of one host (issues 44, 47): per-GPU tokens/s and peak of coat's presets against BF16 +
 FusedAdam, Llama-3.1-8B and Llama-2-13B at seq 4096 on 1, 2, 4 (8) GPUs, ZeRO-2 and ZeRO-3.
 
-    python -m benchmarks.e2e_scaling --plan-only                       # the schedule and its predicted wall time
-    . .whl/prelude.sh && python3 -m benchmarks.e2e_scaling --deadline 450 --out $OUT/scaling     # 4 H100s
-    python -m benchmarks.e2e_scaling --merge benchmarks/results/e2e_scaling.json --out $OUT/s   # what is missing
-    python -m benchmarks.e2e_scaling --smoke --gpus 1 --stages 3 --configs largest_model --out /tmp/s   # CPU, ~30 s
-    python -m benchmarks.e2e_scaling --smoke --num-gpus 8 --gpus 8 --models tiny-gqa --out /tmp/s8     # world 8, CPU
-
-Every (model, GPUs, ZeRO stage, preset) is one e2e.py worker; workers run side by side on disjoint GPUs, in waves
-ordered by importance (docs/benchmarks.md, "Scaling").
-"""
+Every (model, GPUs, ZeRO stage, preset) is one e2e.py worker, side by side on disjoint GPUs in waves ordered by
+importance; docs/benchmarks.md, "Scaling", has the commands."""
 from __future__ import annotations
 
 import argparse
@@ -23,8 +16,8 @@ from pathlib import Path
 import torch
 
 from benchmarks import e2e, harness
-from benchmarks.common import (GIB, RESULTS, T0, check_positive, command, core_list, device_name, git_commit,
-                               gpu_names, names_of, now)
+from benchmarks.common import (GIB, RESULTS, T0, check_positive, core_list, device_name, gpu_names, names_of,
+                               parser, row_provenance)
 from benchmarks.configs import LABELS, MODELS as SHAPES, PEERS, check_bind_cores, ds_config, parse_zero_set
 from benchmarks.render_tables import render
 from coat_ds import plan
@@ -208,7 +201,7 @@ def measured(args: argparse.Namespace, r: Run, row: dict) -> dict:
         largest["exact"] = bool((row.get("max_batch") or {}).get("exact"))
     return {**row, **identity(r), "rungs_planned": list(r.rungs), "common_micro_batch": r.common,
             "largest": largest, "common": at(args, r, next((g for g in fits if g["micro_batch"] == r.common), None)),
-            "measured": {"device": args.device, "date": now(), "command": command(), "commit": git_commit()}}
+            "measured": row_provenance(args.device)}
 
 
 def identity(r: Run) -> dict:
@@ -284,7 +277,9 @@ def result(args: argparse.Namespace, rows: dict, calls: list[dict], log: dict) -
 
 # --- The command ------------------------------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = parser(__doc__, "out", steps=(3, "timed steps per micro-batch"),
+               warmup=(1, "untimed steps per micro-batch (the first: 4 more)"),
+               smoke="tiny models, seq 32, one step (CPU is fine)")
     p.add_argument("--num-gpus", type=int, default=4, help="GPUs of the host that the waves share")
     p.add_argument("--gpus", help="comma-separated GPU counts per run (default: 1, 2, 4 ... up to --num-gpus)")
     p.add_argument("--models", help=f"comma-separated, from {[*MODELS, BIG]} (default: the first two, {BIG} at 8)")
@@ -293,8 +288,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--common-batch", type=int, help="the micro-batch all GPU counts are compared at (default: the "
                    "planner's largest that every coat preset of the model takes on the fewest GPUs)")
     p.add_argument("--max-batch", type=int, default=256, help="cap on the planner's largest micro-batch")
-    p.add_argument("--steps", type=int, default=3, help="timed steps per micro-batch")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps per micro-batch (the first: 4 more)")
     p.add_argument("--deadline", type=float, default=float("inf"),
                    help="seconds from start: a wave predicted to end later is skipped, a worker killed at it")
     p.add_argument("--merge", nargs="+", default=[], help="earlier results files: their measured rows are kept and "
@@ -309,8 +302,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--bind-cores", action="store_true", help="bind each row's ranks to its GPUs' share of the host's "
                    "cores (e2e.py --bind-cores: DeepSpeed's --bind_cores_to_rank)")
     p.add_argument("--plan-only", action="store_true", help="print the schedule and its predicted wall time")
-    p.add_argument("--smoke", action="store_true", help="tiny models, seq 32, one step (CPU is fine)")
-    p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args(argv)
     check_positive(p, args, ("num_gpus", "common_batch", "max_batch", "steps"))
     choices = [1 << i for i in range(args.num_gpus.bit_length()) if 1 << i <= args.num_gpus]

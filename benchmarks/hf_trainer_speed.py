@@ -1,13 +1,8 @@
 """HF Trainer against a plain deepspeed.initialize loop on the same DeepSpeed config: tokens/s, memory, and
 where the Trainer's extra time goes.
 
-    python -m benchmarks.hf_trainer_speed --out benchmarks/results          # one H100, < 9 min: the plan "all"
-    python -m benchmarks.hf_trainer_speed --runs trainer:coat:llama-1b:4:one_gpu:profile --out /tmp/hf
-    python -m benchmarks.hf_trainer_speed --smoke --out /tmp/hf              # CPU, tiny: checks the script only
-
-A run is path:preset:model:micro_batch:tuning[:profile], each in its own process; docs/benchmarks.md says what
-a run measures, docs/deepspeed.md ("HF Trainer speed") what each tuning changes.
-"""
+A run is path:preset:model:micro_batch:tuning[:profile], each in its own process; docs/benchmarks.md has the
+commands and what a run measures, docs/deepspeed.md ("HF Trainer speed") what each tuning changes."""
 from __future__ import annotations
 
 import argparse
@@ -22,8 +17,8 @@ import deepspeed
 import torch
 
 from benchmarks import harness
-from benchmarks.common import (GIB, RESULTS, ROOT, StepProbe, WarningLog, add_worker_args, check_positive,
-                               provenance, read_json, worker_cmd)
+from benchmarks.common import (GIB, ROOT, StepProbe, WarningLog, check_positive, parser, provenance, read_json,
+                               worker_cmd)
 from benchmarks.configs import MODELS, build_model, merge_into
 from benchmarks.e2e import ratio
 from benchmarks.worker import Worker, base_optimizer, oom_needed_gb
@@ -222,19 +217,6 @@ def worker(args: argparse.Namespace) -> int:
 
 
 # --- Parent: one worker per run, then the ratios and the chart --------------------------------------------------------
-def launch(spec: str, args: argparse.Namespace, result: Path, timeout: float) -> dict:
-    cmd = worker_cmd("benchmarks.hf_trainer_speed", args, ("seq_len", "warmup", "steps", "mem_fraction"), run=spec,
-                     result=result, scratch=result.parent / "trainer_out")
-    print(f"== {spec}", flush=True)
-    result.unlink(missing_ok=True)
-    rc, tail = harness.run_worker(cmd, timeout)
-    rec = json.loads(result.read_text()) if rc == 0 and result.exists() else \
-        {**parse_run(spec), "error": f"worker exit {rc}: {tail[-3000:]}"}
-    if args.verbose or "error" in rec:
-        print(tail, flush=True)
-    return rec
-
-
 def summarize(rows: list[dict]) -> dict:
     """Trainer over plain for each run both paths ran; coat over BF16 per (path, model, batch, tuning)."""
     tps = {(r["path"], r["preset"], r["model"], r["micro_batch"], r["tuning"]): r.get("tokens_per_s") for r in rows}
@@ -258,20 +240,13 @@ def targets_met(summary: dict) -> dict:
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     """The options and the runs (--runs, or the plan's), every run checked before any process starts."""
-    p = argparse.ArgumentParser(description="HF Trainer against a plain deepspeed.initialize loop, same config")
+    p = parser(__doc__, "out", "seq_len", "mem_fraction", "verbose", worker=True, steps=(6, "timed steps"),
+               warmup=(5, "untimed steps (coat's first steps tune GEMMs)"),
+               time_budget=(520.0, "seconds for everything (JIT builds included); runs that would start later are "
+                                   "skipped"), smoke="tiny model on the CPU: checks the script only")
     p.add_argument("--plan", default="all", choices=[k for k in PLANS if k != "smoke"])
     p.add_argument("--runs", nargs="+", help="path:preset:model:micro_batch:tuning ... (instead of --plan)")
-    p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--warmup", type=int, default=5, help="untimed steps (coat's first steps tune GEMMs)")
-    p.add_argument("--steps", type=int, default=6, help="timed steps")
-    p.add_argument("--mem-fraction", type=float, default=0.95, help="'fits': peak reserved <= this x device memory")
-    p.add_argument("--time-budget", type=float, default=520.0,
-                   help="seconds for everything (JIT builds included); runs that would start later are skipped")
     p.add_argument("--merge", action="store_true", help="keep the rows of an existing hf_trainer.json not rerun now")
-    p.add_argument("--smoke", action="store_true", help="tiny model on the CPU: checks the script only")
-    p.add_argument("--out", default=str(RESULTS))
-    p.add_argument("--verbose", action="store_true")
-    add_worker_args(p)
     p.add_argument("--run", help=argparse.SUPPRESS)
     p.add_argument("--scratch", default="/tmp/hf_trainer_out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -289,17 +264,25 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
 
 def run_all(specs: list[str], args: argparse.Namespace, out: Path, deadline: harness.Deadline) -> list[dict]:
     """One worker per run, in order, skipping those the time budget no longer leaves room for -> their rows."""
-    rows = []
+    rows, result = [], out / "hf_trainer_run.json"
     for spec in specs:
-        left = deadline.left()
-        if not deadline.fits(NEEDS_S.get(parse_run(spec)["model"], 45)):
-            rows.append({**parse_run(spec), "error": f"skipped: time budget ({args.time_budget:.0f} s) spent"})
+        run = parse_run(spec)
+        if not deadline.fits(NEEDS_S.get(run["model"], 45)):
+            rows.append({**run, "error": f"skipped: time budget ({args.time_budget:.0f} s) spent"})
             continue
-        rows.append(r := launch(spec, args, out / "hf_trainer_run.json", left))
+        print(f"== {spec}", flush=True)
+        result.unlink(missing_ok=True)
+        cmd = worker_cmd("benchmarks.hf_trainer_speed", args, ("seq_len", "warmup", "steps", "mem_fraction"),
+                         run=spec, result=result, scratch=out / "trainer_out")
+        rc, tail = harness.run_worker(cmd, deadline.left())
+        r = (read_json(result) if rc == 0 else None) or {**run, "error": f"worker exit {rc}: {tail[-3000:]}"}
+        rows.append(r)
+        if args.verbose or "error" in r:
+            print(tail, flush=True)
         if "tokens_per_s" in r:
             print(f"   {r['tokens_per_s']:,.0f} tok/s (median), {r['tokens_per_s_mean']:,.0f} (mean), peak "
                   f"{r['peak_alloc_gb'] or 0:.2f} GiB, {r['wall_s']:.0f} s", flush=True)
-    (out / "hf_trainer_run.json").unlink(missing_ok=True)
+    result.unlink(missing_ok=True)
     return rows
 
 

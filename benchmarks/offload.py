@@ -1,9 +1,8 @@
 """ZeRO-2 + ZeRO-Offload (optimizer on the host): host memory per parameter, GPU peak, tokens/s; one process per row.
 
 A row predicted not to fit the host (`predict_host`) is skipped instead of taking the node down. Rows merge into
---out's offload.json as they finish: to add rows to the committed one, copy it into --out first. docs/benchmarks.md
-has the commands and what a row reports, docs/notes_offload.md where every host byte goes.
-"""
+--out's offload.json as they finish (to add rows to the committed one, copy it into --out first); docs/benchmarks.md
+has the commands and what a row reports, docs/notes_offload.md where every host byte goes."""
 from __future__ import annotations
 
 import argparse
@@ -16,8 +15,8 @@ from pathlib import Path
 import torch
 
 from benchmarks import harness
-from benchmarks.common import (GIB, RESULTS, T0, add_worker_args, check_positive, device_name, names_of, proc_bytes,
-                               read_json, versions, worker_cmd)
+from benchmarks.common import (GIB, T0, check_positive, device_name, names_of, parser, proc_bytes, read_json, versions,
+                               worker_cmd)
 from benchmarks.configs import MODELS as SHAPES, build_model, ds_config
 from benchmarks.worker import StorageCounter, Worker, _tensors, base_optimizer
 from benchmarks.render_tables import markdown, num
@@ -266,20 +265,15 @@ def table(rows: list[dict]) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = parser(__doc__, "out", "seq_len", "seed", worker=True, smoke="tiny model, seq 32, CPU is fine",
+               steps=(3, "timed steps per row (cut short by the time budget)"),
+               warmup=(2, "untimed steps before the steady-state measurement"),
+               time_budget=(560.0, "seconds for all rows together"))
     p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, from {list(SHAPES)}")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from {list(CONFIGS)}")
     p.add_argument("--micro-batch", type=int, help=f"default per model: {MICRO_BATCH}")
-    p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--steps", type=int, default=3, help="timed steps per row (cut short by the time budget)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps before the steady-state measurement")
     p.add_argument("--no-pin-memory", dest="pin_memory", action="store_false",
                    help='"pin_memory": false in offload_optimizer (default true)')
-    p.add_argument("--time-budget", type=float, default=560.0, help="seconds for all rows together")
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--smoke", action="store_true", help="tiny model, seq 32, CPU is fine")
-    p.add_argument("--out", default=str(RESULTS))
-    add_worker_args(p)
     p.add_argument("--budget-s", type=float, default=1e9, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.models = names_of(p, "models", args.models, SHAPES)

@@ -1,31 +1,18 @@
 """Two "nodes" of N GPUs through a hostfile, checkpointed, then the same job resumed on one node of 2N (issue 44):
 the main job run as docs/train.md "Two nodes, then one" tells a user to, and whether its losses go on where they
-stopped.
-
-    . .whl/prelude.sh && python -m benchmarks.two_nodes --out $OUT            # Llama-3.1-8B, seq 4096, 2 + 2 -> 4 GPUs
-    python -m benchmarks.two_nodes --smoke --out /tmp/two_nodes                  # CPU ranks (gloo), tiny model, ~1 min
-
-Both "nodes" run on this machine: one `deepspeed --hostfile H --no_ssh --node_rank r` launcher each, node 1's ranks
-on the GPUs after node 0's (`--include`: on two real nodes each would use its own GPUs 0..N-1). The two-node job
-trains `--steps` steps and checkpoints every `--save-at`; it is both the job that is resumed and the uninterrupted run
-that the resumed one must follow. The resumed job (`deepspeed --num_gpus 2N ... --resume-from stepSAVE_AT`) logs the
-steps after SAVE_AT again. The world is 2N ranks with the same global ranks both times, so every rank loads the ZeRO
-partition it wrote and reads the samples it would have read: on CPU ranks (gloo) the losses are equal bit for bit; on
-GPUs NCCL may pick other rings or trees for one node than for two, and they agree to that rounding.
-"""
+stopped. Both "nodes" run on this machine, one launcher each; the two-node run is both the job resumed and the
+uninterrupted run the resumed one must follow (docs/benchmarks.md has the commands and the file's fields)."""
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import (GIB, RESULTS, ROOT, check_positive, free_port, launcher, provenance, read_log,
-                               worker_env, write_json)
+from benchmarks import harness
+from benchmarks.common import GIB, ROOT, check_positive, free_port, launcher, parser, provenance, read_log, write_json
+from benchmarks.render_tables import markdown
 
 TIMINGS = ("tokens_per_s", "step_time_s", "peak_mem_gb")   # a train record's fields that no rerun repeats
 SMOKE = {"model_size": "tiny", "seq_len": 64, "micro_batch": 2, "steps": 6, "save_at": 3, "gpus_per_node": 2,
@@ -41,23 +28,12 @@ def job(args: argparse.Namespace, run: Path) -> list[str]:
 
 
 def launch(cmds: list[list[str]], logs: list[Path], timeout: float) -> tuple[list[int], float]:
-    """Start `cmds` side by side (the last one last: node 0 hosts the rendezvous), each in a process group of its own
-    with its output in its log -> (exit codes, wall seconds); past `timeout` every group is killed (code 124)."""
-    t0, procs = time.time(), []
-    for cmd, log in zip(cmds, logs):
-        with open(log, "w") as fh:
-            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=worker_env(), stdout=fh, stderr=subprocess.STDOUT,
-                                          start_new_session=True))
-    codes = []
-    for p in procs:
-        try:
-            codes.append(p.wait(timeout=max(1.0, t0 + timeout - time.time())))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                if q.poll() is None:
-                    os.killpg(q.pid, signal.SIGKILL)
-            codes.append(124)
-    return codes, time.time() - t0
+    """Run `cmds` side by side, each in a process group of its own with its output in its log -> (exit codes, 124
+    where it was killed past `timeout`; wall seconds)."""
+    t0 = time.time()
+    ends = harness.side_by_side(lambda i, cmd: harness.run_process(cmd, kill_at=t0 + timeout, log=logs[i], cwd=ROOT),
+                                cmds)
+    return [124 if r["killed"] else r["exit_code"] for r in ends], time.time() - t0
 
 
 def records(run: Path) -> list[dict]:
@@ -83,20 +59,16 @@ def compare(before: list[dict], after: list[dict]) -> dict:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = parser(__doc__, "out", seq_len=4096, steps=(8, "training steps"), smoke=f"CPU ranks: {SMOKE}")
     p.add_argument("--model-size", default="llama3.1-8b")
     p.add_argument("--config", default="zero3_largest_model.json", help="a file of ds_configs/")
     p.add_argument("--data", help="the main job's --data (default: its own, the Python standard library)")
-    p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--steps", type=int, default=8)
     p.add_argument("--save-at", type=int, default=4, help="checkpoint every this many steps; resumed from the first")
     p.add_argument("--gpus-per-node", type=int, default=2)
     p.add_argument("--run-dir", default="runs/two_nodes", help="the job's --save-dir (emptied first)")
     p.add_argument("--timeout", type=float, default=540.0, help="seconds for each of the two launches")
-    p.add_argument("--smoke", action="store_true", help=f"CPU ranks: {SMOKE}")
-    p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args(argv)
     if args.smoke:
         vars(args).update(SMOKE)
@@ -171,14 +143,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_table(res: dict) -> None:
-    after = {(r["kind"], r["step"]): r for r in res.get("resumed", {}).get("records", [])}
-    print("| step | two nodes: loss | resumed on one node: loss | equal |")
-    print("| --- | --- | --- | --- |")
+    after, rows = {(r["kind"], r["step"]): r for r in res.get("resumed", {}).get("records", [])}, []
     for r in res["two_nodes"]["records"]:
-        b = after.get((r["kind"], r["step"]))
-        v, w = loss_of(r), None if b is None else loss_of(b)
-        name = f"{r['step']}" + (" (val)" if r["kind"] == "eval" else "")
-        print(f"| {name} | {v:.6f} | {'-' if w is None else f'{w:.6f}'} | {'-' if w is None else w == v} |")
+        v, w = loss_of(r), after.get((r["kind"], r["step"]))
+        w = None if w is None else loss_of(w)
+        rows.append([f"{r['step']}" + (" (val)" if r["kind"] == "eval" else ""), f"{v:.6f}",
+                     *(["-", "-"] if w is None else [f"{w:.6f}", w == v])])
+    print(markdown(["step", "two nodes: loss", "resumed on one node: loss", "equal"], rows), end="")
     c = res.get("comparison")
     if c and c["pairs"]:
         print(f"resumed steps {c['steps']}: bit-equal {c['bit_equal']}, largest relative loss difference "
