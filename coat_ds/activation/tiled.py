@@ -1,0 +1,84 @@
+"""The FP8 MLP over row tiles of the sequence: one layer's MLP memory bounded by a tile, not the sequence.
+
+MlpFn saves, per token, the FP8 input and the FP8 gate/up outputs (H + 2I bytes and their scales) and holds
+bf16 [tokens, 2I] transients in both passes: at a million tokens at Llama-8B width (H 4096, I 14336) that is
+tens of GB for one layer. `TiledMlpFn` runs MlpFn over tiles of `tile_tokens` rows (DeepSpeed's TiledMLP idea
+on the FP8 flow): its forward runs without autograd and saves only its bf16 input h (2H bytes a token); its
+backward recomputes each tile's MlpFn forward under autograd and takes the tile's vector-Jacobian product,
+writing dh into one preallocated tensor and summing the weight gradients in fp32. Those are returned once,
+as this Function's own: the weights are its inputs, so a gradient hook (DeepSpeed ZeRO's reduction) fires
+once per parameter per backward, not once per tile. The price is one more MLP forward per backward.
+
+Each tile quantizes its GEMM operands with its own per-tensor scale, as MlpFn would on that tile alone.
+Scales are powers of two and a tile's is at most the whole tensor's, so the FP8 values of a tile are those of
+the untiled flow except where the whole tensor's scale would make them subnormal (they come out finer): the
+outputs and gradients equal MlpFn's up to that and to the order in which the GEMMs and the tiles'
+weight gradients are summed. One tile is MlpFn exactly."""
+from __future__ import annotations
+
+import torch
+from torch.autograd import Function
+
+from .config import ActivationConfig
+from .functions import MlpFn
+from .weight_cache import WeightGroup
+
+TILE_MULTIPLE = 16  # FP8 GEMMs (torch._scaled_mm) and the tile kernels take row counts that are multiples of 16
+
+
+def check_tile_tokens(tile_tokens: object) -> None:
+    """A one-line ValueError unless tile_tokens is a positive multiple of TILE_MULTIPLE."""
+    if isinstance(tile_tokens, bool) or not isinstance(tile_tokens, int) or tile_tokens <= 0 \
+            or tile_tokens % TILE_MULTIPLE:
+        raise ValueError(f"activation.tile_tokens={tile_tokens!r} must be a positive multiple of {TILE_MULTIPLE} "
+                         "(or null: the MLP untiled)")
+
+
+def tiles(rows: int, tile_tokens: int) -> list[slice]:
+    """The row slices of [rows, ...] in tiles of tile_tokens (the last one shorter where it does not divide)."""
+    return [slice(r, min(r + tile_tokens, rows)) for r in range(0, rows, tile_tokens)]
+
+
+class TiledMlpFn(Function):
+    """MlpFn(h, ...) computed tile by tile of `tile_tokens` rows of h [tokens, H], saving only h."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, norm_w: torch.Tensor, eps: float, cfg: ActivationConfig, gu: WeightGroup,
+                down: WeightGroup, act: str, add_residual: bool, tile_tokens: int,
+                *params: torch.Tensor) -> torch.Tensor:
+        out = h.new_empty(h.shape[0], sum(down.out_features))
+        for rows in tiles(h.shape[0], tile_tokens):  # autograd is off in a Function's forward: MlpFn saves nothing
+            out[rows] = MlpFn.apply(h[rows], norm_w, eps, cfg, gu, down, act, add_residual, *params)
+        ctx.save_for_backward(h, norm_w, *params)
+        ctx.args = (eps, cfg, gu, down, act, add_residual)
+        ctx.tile_tokens = tile_tokens
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor):
+        h, *weights = ctx.saved_tensors
+        dout = dout.contiguous()
+        # detached leaves: each tile's gradients come back from autograd.grad, never into a parameter's .grad
+        leaves = [w.detach().requires_grad_() for w in weights]
+        dh = torch.empty_like(h)
+        sums: list[torch.Tensor] = []
+        for rows in tiles(h.shape[0], ctx.tile_tokens):
+            x = h[rows].detach().requires_grad_()
+            with torch.enable_grad():
+                out = MlpFn.apply(x, leaves[0], *ctx.args, *leaves[1:])
+            dx, *grads = torch.autograd.grad(out, [x, *leaves], dout[rows])
+            dh[rows] = dx
+            del out, dx
+            sums = [g.float() for g in grads] if not sums else [s.add_(g) for s, g in zip(sums, grads)]
+        dnw, *dparams = (s.to(w.dtype) for s, w in zip(sums, weights))
+        return dh, dnw, None, None, None, None, None, None, None, *dparams
+
+
+def mlp(h: torch.Tensor, norm_w: torch.Tensor, eps: float, cfg: ActivationConfig, gu: WeightGroup,
+        down: WeightGroup, act: str, add_residual: bool, tile_tokens: int | None) -> torch.Tensor:
+    """The FP8 MLP of a decoder layer on [tokens, H]: MlpFn, or TiledMlpFn where tile_tokens is set."""
+    params = (*gu.params(), *down.params())
+    if tile_tokens is None:
+        return MlpFn.apply(h, norm_w, eps, cfg, gu, down, act, add_residual, *params)
+    check_tile_tokens(tile_tokens)
+    return TiledMlpFn.apply(h, norm_w, eps, cfg, gu, down, act, add_residual, tile_tokens, *params)

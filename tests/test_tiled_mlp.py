@@ -1,0 +1,112 @@
+"""TiledMlpFn: MlpFn over row tiles, saving only its input; its gradients arrive once per backward (CPU)."""
+import pytest
+import torch
+from torch import nn
+
+from coat_ds.activation.config import ActivationConfig
+from coat_ds.activation.tiled import TILE_MULTIPLE, check_tile_tokens, mlp, tiles
+from coat_ds.activation.weight_cache import WeightGroup
+
+HIDDEN, INTER, TOKENS = 64, 160, 88  # 88 rows: tiles of 32 leave a last tile of 24
+DT = torch.bfloat16
+
+
+class _Mlp:
+    """A gated MLP's weights as the decoder layer hands them to the FP8 Functions, with fixed inputs."""
+
+    def __init__(self, bias: bool = False, seed: int = 0):
+        torch.manual_seed(seed)
+        self.cfg = ActivationConfig()
+        lins = [nn.Linear(HIDDEN, INTER, bias=bias, dtype=DT), nn.Linear(HIDDEN, INTER, bias=bias, dtype=DT),
+                nn.Linear(INTER, HIDDEN, bias=bias, dtype=DT)]
+        self.gu, self.down = WeightGroup(lins[:2], self.cfg.fwd), WeightGroup(lins[2:], self.cfg.fwd)
+        self.norm_w = nn.Parameter(1 + 0.1 * torch.randn(HIDDEN, dtype=DT))
+        self.params = [self.norm_w, *self.gu.params(), *self.down.params()]
+        # rows of different magnitudes: tiles take different per-tensor scales
+        self.h = torch.randn(TOKENS, HIDDEN, dtype=DT) * torch.linspace(0.05, 4, TOKENS, dtype=DT)[:, None]
+        self.dout = torch.randn(TOKENS, HIDDEN, dtype=DT)
+
+    def run(self, tile_tokens, act="silu", add_residual=True):
+        """(output, dh, every parameter's gradient) of one forward and backward."""
+        for p in self.params:
+            p.grad = None
+        h = self.h.clone().requires_grad_()
+        out = mlp(h, self.norm_w, 1e-6, self.cfg, self.gu, self.down, act, add_residual, tile_tokens)
+        out.backward(self.dout)
+        return [out.detach(), h.grad, *(p.grad for p in self.params)]
+
+
+def _assert_rounding_close(got: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    """Every element within two bf16 ulps of the tensor's largest magnitude (what summing bf16 partial
+    results in another order moves); NaN or inf fails."""
+    assert torch.isfinite(got).all() and torch.isfinite(ref).all(), what
+    tol = 2.0 ** -7 * ref.float().abs().max().item()
+    diff = (got.float() - ref.float()).abs()
+    assert diff.max().item() <= tol, f"{what}: max |diff| {diff.max().item():.3g} > {tol:.3g}"
+
+
+@pytest.mark.parametrize("tile_tokens", [16, 32, 48])
+@pytest.mark.parametrize("act,add_residual,bias", [("silu", True, False), ("gelu_tanh", False, True)])
+def test_tiled_equals_untiled_within_rounding(tile_tokens, act, add_residual, bias):
+    m = _Mlp(bias=bias)
+    ref = m.run(None, act, add_residual)
+    got = m.run(tile_tokens, act, add_residual)
+    names = ["output", "dh"] + [f"grad {i}" for i in range(len(m.params))]
+    assert len(got) == len(ref) == 2 + (7 if bias else 4)
+    for g, r, name in zip(got, ref, names):
+        assert g.shape == r.shape and g.dtype == r.dtype, name
+        _assert_rounding_close(g, r, name)
+
+
+def test_one_tile_is_mlp_fn_exactly():
+    m = _Mlp()
+    for g, r in zip(m.run(8 * TILE_MULTIPLE), m.run(None)):
+        assert torch.equal(g, r)
+
+
+def test_a_dropped_tile_gradient_is_caught():
+    """The tolerance above is far below one tile's share: a tiling that lost a tile would fail it."""
+    m = _Mlp()
+    ref = m.run(None)
+    half = TOKENS // 2
+    m.dout[half:] = 0  # the same as losing the gradients of the second half's tiles
+    lost = m.run(32)
+    with pytest.raises(AssertionError):
+        _assert_rounding_close(lost[3], ref[3], "gate weight")
+
+
+def test_gradients_arrive_once_per_parameter():
+    """Each parameter's gradient accumulates once per backward whatever the tile count (ZeRO's reduction
+    hooks fire on it); its input gets one gradient tensor."""
+    m = _Mlp()
+    counts = {id(p): 0 for p in m.params}
+    handles = [p.register_post_accumulate_grad_hook(lambda p: counts.__setitem__(id(p), counts[id(p)] + 1))
+               for p in m.params]
+    m.run(16)  # 6 tiles
+    for hd in handles:
+        hd.remove()
+    assert list(counts.values()) == [1] * len(m.params)
+
+
+def test_forward_saves_only_its_input():
+    m = _Mlp()
+    saved = []
+    h = m.h.clone().requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        mlp(h, m.norm_w, 1e-6, m.cfg, m.gu, m.down, "silu", True, 32)
+    params = {p.data_ptr() for p in m.params}
+    activations = [t for t in saved if t.data_ptr() not in params]
+    assert len(activations) == 1 and activations[0].data_ptr() == h.data_ptr()
+    assert len(saved) == 1 + len(m.params)
+
+
+def test_tiles_cover_the_rows_once():
+    assert tiles(88, 32) == [slice(0, 32), slice(32, 64), slice(64, 88)]
+    assert tiles(64, 32) == [slice(0, 32), slice(32, 64)]
+    assert tiles(10, 32) == [slice(0, 10)]
+
+
+@pytest.mark.parametrize("bad", [0, -16, 24, 16.0, True, "32"])
+def test_bad_tile_tokens_is_one_line(bad):
+    with pytest.raises(ValueError, match=r"^activation.tile_tokens=.* must be a positive multiple of 16"):
+        check_tile_tokens(bad)
