@@ -5,9 +5,10 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Mapping
 
 from ..formats import FP8Format, get_format
-from ..keys import unknown_key
+from ..keys import check_choice, unknown_key
 
 MODES = ("linear", "full")
+CHECKPOINT_STORES = ("gpu", "gpu_fp8", "host_fp8")
 ACT_GROUP_SIZES = (16, 32, 64, 128)
 CACHE_WHEN_ACCUMULATING = "when_accumulating"
 
@@ -28,7 +29,12 @@ class ActivationConfig:
     `attention_fp8` (opt-in) saves attention's q, k, v in E4M3 instead of the backend's bf16 tensors and
     recomputes attention in backward from them (`activation/attention.py`). `checkpoint` recomputes each
     decoder layer in backward (torch.utils.checkpoint, non-reentrant), keeping only its bf16 input: what HF's
-    gradient_checkpointing_enable() does, for users of plain deepspeed.initialize or coat_ds.inject."""
+    gradient_checkpointing_enable() does, for users of plain deepspeed.initialize or coat_ds.inject.
+    `checkpoint_store` is where that input waits for backward (activation/checkpoint_store.py): "gpu" as it is
+    (2 B/token/hidden), "gpu_fp8" in the FP8 flow's per-group format on the GPU (1 + 1/group_size), "host_fp8" the
+    same in pinned host memory, streamed back one layer ahead of backward (nothing on the GPU); the recompute runs
+    on the dequantized input. `tile_tokens`: the MLP runs over sequence tiles of this many tokens in forward and
+    recompute; None: untiled."""
 
     enabled: bool = True
     mode: str = "full"
@@ -38,6 +44,8 @@ class ActivationConfig:
     cache_weights: bool | str = "when_accumulating"
     attention_fp8: bool = False
     checkpoint: bool = False
+    checkpoint_store: str = "gpu"
+    tile_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):
@@ -56,6 +64,13 @@ class ActivationConfig:
             raise ValueError(f"activation.attention_fp8={self.attention_fp8!r} must be true or false")
         if not isinstance(self.checkpoint, bool):
             raise ValueError(f"activation.checkpoint={self.checkpoint!r} must be true or false")
+        check_choice("activation.checkpoint_store", self.checkpoint_store, CHECKPOINT_STORES)
+        if self.checkpoint_store != CHECKPOINT_STORES[0] and not self.checkpoint:
+            raise ValueError(f"activation.checkpoint_store={self.checkpoint_store!r} stores the input of a recomputed "
+                             "layer: it needs activation.checkpoint=true")
+        if self.tile_tokens is not None and (type(self.tile_tokens) is not int or self.tile_tokens < 1):
+            raise ValueError(f"activation.tile_tokens={self.tile_tokens!r} is invalid; allowed: null (untiled) or "
+                             "an integer >= 1")
 
     @property
     def cache_enabled(self) -> bool:

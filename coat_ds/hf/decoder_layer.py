@@ -8,14 +8,13 @@ return value and HF's own pieces for what stays bf16: rotary embeddings (`positi
 KV cache, masks and the attention backend (`ALL_ATTENTION_FUNCTIONS`: sdpa / eager / flash)."""
 from __future__ import annotations
 
-import functools
 import sys
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
+from ..activation import checkpoint_store
 from ..activation.attention import Fp8AttentionFn
 from ..activation.config import ActivationConfig
 from ..activation.experts import ExpertsFn
@@ -71,9 +70,8 @@ def _check_layer(hf_layer: nn.Module, cfg: ActivationConfig, norms: Norms) -> No
 class CoatDecoderLayer(_Base):
     """FP8 twin of an HF decoder layer; same parameters, same forward signature and output."""
 
-    # coat.activation.checkpoint's recompute: non-reentrant, so ZeRO-3 re-gathers the layer's parameters in
-    # backward, and RNG state is restored for the replay (torch's preserve_rng_state: dropout draws the same mask)
-    CHECKPOINT = functools.partial(checkpoint, use_reentrant=False)
+    # coat.activation.checkpoint's recompute with checkpoint_store "gpu" (torch's non-reentrant checkpoint)
+    CHECKPOINT = checkpoint_store.CHECKPOINT
 
     def __init__(self, hf_layer: nn.Module, config: ActivationConfig | dict | None = None,
                  attention_kwargs: dict[str, Any] | None = None, norms: Norms | None = None) -> None:
@@ -130,14 +128,15 @@ class CoatDecoderLayer(_Base):
 
     def checkpoint_if_configured(self) -> None:
         """coat.activation.checkpoint: recompute this layer in backward as HF's gradient_checkpointing_enable()
-        does (the flag and function transformers' GradientCheckpointingLayer reads). Off leaves what HF set."""
+        does (the flag and function transformers' GradientCheckpointingLayer reads), the layer's input kept where
+        coat.activation.checkpoint_store says. Off leaves what HF set."""
         if not self.coat_config.checkpoint:
             return
         if _Base is nn.Module:  # pragma: no cover - transformers without GradientCheckpointingLayer
             raise ValueError("activation.checkpoint=true needs transformers' GradientCheckpointingLayer "
                              "(transformers >= 4.52); allowed here: false")
         self.gradient_checkpointing = True
-        self._gradient_checkpointing_func = self.CHECKPOINT
+        self._gradient_checkpointing_func = checkpoint_store.function(self.coat_config)
 
     def weight_cache_bytes(self) -> int:
         return sum(g.nbytes() for g in self.weight_groups)

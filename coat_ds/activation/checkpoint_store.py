@@ -1,0 +1,232 @@
+"""coat.activation.checkpoint_store: where the input of a recomputed decoder layer waits for its backward.
+
+torch's non-reentrant checkpoint keeps the layer's tensor inputs through the saved-tensor hooks active when the
+checkpoint starts (torch 2.13: `_CheckpointFrame.save_inputs`; 2.5-2.12: `_NoopSaveInputs.save_for_backward`),
+and everything the layer saves inside through its own inner hooks. So hooks around the call see the inputs alone:
+here the hidden states (HF passes the mask and the rotary cos/sin, shared by every layer, as keyword arguments,
+which the checkpoint keeps by reference). "gpu" keeps the bf16 tensor (2 B/token/hidden: 256 KB a token over
+Llama-8B's 32 x 4096); "gpu_fp8" keeps it in the FP8 flow's per-group format (kernels.quant.group_quant: E4M3,
+one power-of-two exponent per 1 x group_size, 1 + 1/G B); "host_fp8" copies those to pinned host memory on a
+copy stream as the forward goes (nothing stays on the GPU) and back on another one layer ahead of backward. The
+recompute runs on the dequantized input: gradients move by what E4M3 rounding of the input moves.
+
+Without CUDA the host path is the same with plain buffers and synchronous copies."""
+from __future__ import annotations
+
+import bisect
+import functools
+import weakref
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from ..formats import get_format
+from ..kernels import quant
+from .config import CHECKPOINT_STORES, ActivationConfig
+
+# Non-reentrant, so ZeRO-3 re-gathers the layer's parameters in backward and the RNG state is restored for the
+# replay (torch's preserve_rng_state: dropout draws the same mask). The "gpu" store is this function itself.
+CHECKPOINT = functools.partial(checkpoint, use_reentrant=False)
+GPU, GPU_FP8, HOST_FP8 = CHECKPOINT_STORES
+# Smaller tensors stay as they are: their exponents and a copy's launch would cost more than they save (and
+# torch 2.5-2.12 saves an empty dummy beside the inputs).
+MIN_NUMEL = 1024
+
+
+def function(cfg: ActivationConfig) -> Callable[..., Any]:
+    """The checkpoint function of a layer with config `cfg`: torch's own for "gpu", else the store's (one store
+    per format and group size, shared by every layer, so each prefetches the one packed before it)."""
+    if cfg.checkpoint_store == GPU:
+        return CHECKPOINT
+    return _store(cfg.checkpoint_store == HOST_FP8, cfg.fwd_format, cfg.group_size)
+
+
+@functools.lru_cache(maxsize=None)
+def _store(host: bool, fmt: str, group_size: int) -> "Fp8Store":
+    return Fp8Store(host, fmt, group_size)
+
+
+class Packed:
+    """A layer input in FP8: codes [rows, hidden] and exponents [rows, hidden / G] on the device (`codes`, `sexp`),
+    and for the host store both in one pool buffer (`lease`: the buffer, codes first, and the event of its last
+    copy), given back to the pool when this dies. `prev`: the input packed before this one (weak)."""
+
+    def __init__(self, t: Tensor, prev: Callable[[], "Packed | None"]) -> None:
+        self.shape, self.dtype, self.device = t.shape, t.dtype, t.device
+        self.codes: Tensor | None = None
+        self.sexp: Tensor | None = None
+        self.lease: list | None = None  # [host buffer, event of the last copy from or to it]
+        self.ready: Any = None  # the H2D's event: the codes are on the device
+        self.prev = prev
+
+
+class HostPool:
+    """Host buffers reused across steps, each with the event of the last copy that touched it. CUDA's are pinned at
+    their own size (cudaHostRegister: the caching host allocator rounds to powers of two), rounded up to a
+    sixteenth of their power of two so that other sequence lengths reuse them; a request that no free buffer fits
+    drops one free buffer, so the pool holds no more buffers than a step keeps at once."""
+
+    def __init__(self, pin: bool) -> None:
+        self.pin = pin
+        self.free: list[tuple[int, int, Tensor, Any]] = []  # (bytes, id, buffer, event), by size
+        self.nbytes = 0  # every buffer's, free or leased
+
+    def take(self, nbytes: int) -> list:
+        """A lease [buffer of >= nbytes, event of its last copy or None]."""
+        k = bisect.bisect_left(self.free, nbytes, key=lambda e: e[0])
+        if k < len(self.free):
+            return list(self.free.pop(k)[2:])
+        if self.free:
+            self._drop(self.free.pop(0))
+        size = _rounded(nbytes)
+        buf = torch.empty(size, dtype=torch.uint8)
+        if self.pin:
+            rc = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), size, 0)
+            if int(rc) != 0:
+                raise RuntimeError(f"coat.activation.checkpoint_store={HOST_FP8!r}: cudaHostRegister of {size} bytes "
+                                   f"failed ({rc}); check `ulimit -l` (locked memory)")
+        self.nbytes += size
+        return [buf, None]
+
+    def give(self, lease: list) -> None:
+        buf, event = lease
+        bisect.insort(self.free, (buf.numel(), id(buf), buf, event), key=lambda e: e[0])
+
+    def _drop(self, entry: tuple[int, int, Tensor, Any]) -> None:
+        size, _, buf, event = entry
+        if self.pin:
+            if event is not None:
+                event.synchronize()
+            torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+        self.nbytes -= size
+
+
+def _rounded(n: int) -> int:
+    step = max(1 << max(n.bit_length() - 4, 0), 512)
+    return -(-n // step) * step
+
+
+class Fp8Store:
+    """The "gpu_fp8" (host False) or "host_fp8" store: a checkpoint function whose saved-tensor hooks keep a
+    layer's hidden-state input in FP8 (module docstring)."""
+
+    def __init__(self, host: bool, fmt: str, group_size: int) -> None:
+        self.host, self.fmt, self.group_size = host, get_format(fmt), group_size
+        self.name = HOST_FP8 if host else GPU_FP8
+        self.last: Callable[[], Packed | None] = lambda: None  # the latest packed input (weak)
+        self.packed = 0  # inputs packed so far (the check that torch's checkpoint saved through the hooks)
+        self.pools: dict[bool, HostPool] = {}
+        self.streams: dict[torch.device, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}  # (D2H, H2D)
+
+    def __call__(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """torch's checkpoint of fn(*args, **kwargs), its inputs saved through this store."""
+        before = self.packed
+        with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
+            out = CHECKPOINT(fn, *args, **kwargs)
+        if self.packed == before and torch.is_grad_enabled() and any(self.takes(a) for a in args):
+            raise RuntimeError(f"coat.activation.checkpoint_store={self.name!r}: torch {torch.__version__}'s "
+                               f"checkpoint saved the layer input past saved-tensor hooks; allowed here: {GPU!r}")
+        return out
+
+    def takes(self, t: Any) -> bool:
+        """Whether the store keeps `t` in FP8: a floating tensor of at least MIN_NUMEL whose last dimension (the
+        hidden one) divides into groups; anything else is kept as it is."""
+        return (isinstance(t, Tensor) and t.is_floating_point() and t.dim() >= 2 and t.numel() >= MIN_NUMEL
+                and t.shape[-1] % self.group_size == 0)
+
+    def host_bytes(self) -> int:
+        """Host memory the store holds: every pool buffer, leased or free."""
+        return sum(pool.nbytes for pool in self.pools.values())
+
+    # ------------------------------------------------------------------ the hooks
+    def pack(self, t: Tensor) -> Packed | Tensor:
+        if not self.takes(t):
+            return t
+        p = Packed(t, self.last)
+        with torch.no_grad():
+            p.codes, p.sexp = quant.group_quant(t.detach().reshape(-1, t.shape[-1]), self.fmt, self.group_size)
+        if self.host:
+            self._to_host(p)
+        self.last = weakref.ref(p)
+        self.packed += 1
+        return p
+
+    def unpack(self, p: Packed | Tensor) -> Tensor:
+        if isinstance(p, Tensor):
+            return p
+        self._fetch(p)
+        prev = p.prev()
+        if prev is not None:
+            self._fetch(prev)  # its H2D overlaps this layer's recompute and backward
+        if p.ready is not None:
+            compute = torch.cuda.current_stream(p.device)
+            compute.wait_event(p.ready)
+            for t in (p.codes, p.sexp):
+                t.record_stream(compute)  # allocated on the copy stream
+            p.ready = None
+        with torch.no_grad():
+            out = quant.group_dequant(p.codes, p.sexp, self.group_size, p.dtype).view(p.shape)
+        if self.host:  # the host copy stays until p dies (a second backward fetches it again)
+            p.codes = p.sexp = None
+        return out
+
+    # ------------------------------------------------------------------ the copies
+    def _copy_stream(self, device: torch.device, h2d: bool) -> torch.cuda.Stream:
+        if device not in self.streams:
+            self.streams[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+        return self.streams[device][h2d]
+
+    def _to_host(self, p: Packed) -> None:
+        """Codes and exponents into a pool buffer; their device memory reused only after the D2H read it."""
+        pool = self.pools.setdefault(p.device.type == "cuda", HostPool(pin=p.device.type == "cuda"))
+        codes, sexp = p.codes.view(torch.uint8).view(-1), p.sexp.view(-1)
+        p.lease = pool.take(codes.numel() + sexp.numel())
+        weakref.finalize(p, pool.give, p.lease)
+        pairs = list(zip((codes, sexp), _split(p.lease[0], codes.numel(), sexp.numel())))
+        p.codes = p.sexp = None
+        if not pool.pin:
+            for src, dst in pairs:
+                dst.copy_(src)
+            return
+        stream = self._copy_stream(p.device, h2d=False)
+        stream.wait_stream(torch.cuda.current_stream(p.device))  # after the quantizer
+        if p.lease[1] is not None:  # after the last H2D that read this buffer
+            stream.wait_event(p.lease[1])
+        with torch.cuda.stream(stream):
+            for src, dst in pairs:
+                dst.copy_(src, non_blocking=True)
+                src.record_stream(stream)
+            p.lease[1] = torch.cuda.Event()
+            p.lease[1].record(stream)
+
+    def _fetch(self, p: Packed) -> None:
+        """p's codes and exponents back on its device from its host buffer (nothing if they are there)."""
+        if p.codes is not None or p.lease is None:
+            return
+        rows, n = p.shape.numel() // p.shape[-1], p.shape[-1]
+        buf, event = p.lease
+        if p.device.type != "cuda":
+            p.codes, p.sexp = _empty(rows, n, self.fmt.dtype, self.group_size, p.device)
+            for dst, src in zip((p.codes, p.sexp), _split(buf, p.codes.numel(), p.sexp.numel())):
+                dst.view(torch.uint8).view(-1).copy_(src)
+            return
+        stream = self._copy_stream(p.device, h2d=True)
+        stream.wait_event(event)  # the D2H (or the last H2D) is done
+        with torch.cuda.stream(stream):  # allocated on the copy stream: no wait for the compute stream's queue
+            p.codes, p.sexp = _empty(rows, n, self.fmt.dtype, self.group_size, p.device)
+            for dst, src in zip((p.codes, p.sexp), _split(buf, p.codes.numel(), p.sexp.numel())):
+                dst.view(torch.uint8).view(-1).copy_(src, non_blocking=True)
+            p.ready = p.lease[1] = torch.cuda.Event()
+            p.ready.record(stream)
+
+
+def _empty(rows: int, n: int, dtype: torch.dtype, group_size: int, device) -> tuple[Tensor, Tensor]:
+    return (torch.empty(rows, n, dtype=dtype, device=device),
+            torch.empty(rows, n // group_size, dtype=torch.uint8, device=device))
+
+
+def _split(buf: Tensor, n_codes: int, n_sexp: int) -> tuple[Tensor, Tensor]:
+    """The codes' and the exponents' parts of a host buffer."""
+    return buf[:n_codes], buf[n_codes:n_codes + n_sexp]
