@@ -12,6 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks import render_tables as rt  # noqa: E402
+from benchmarks.tables.scaling import ONE_NODE_70B  # noqa: E402
 
 
 def test_every_rendered_table_equals_its_json():
@@ -37,6 +38,16 @@ def test_a_changed_measurement_is_caught(tmp_path):
     assert "| 4 | 17.1 | 40,984 |" in rt.rewrite(text, results) and "| 4 | 17.1 | 40,984 |" not in text
 
 
+def test_each_headline_is_one_row_of_its_full_table():
+    """The README shows one row of a table whose every row is in docs/: the same header, a row the full table has."""
+    headlines = [name for name in rt.TABLES if name.endswith("_headline")]
+    assert sorted(headlines) == ["accuracy_headline", "one_node_70b_headline", "real_shapes_headline",
+                                 "scaling_headline"]
+    for name in headlines:
+        head, full = rt.render(name).splitlines(), rt.render(name.removesuffix("_headline")).splitlines()
+        assert len(head) == 3 and head[:2] == full[:2] and head[2] in full[2:], name
+
+
 def test_a_region_naming_no_table_is_caught(tmp_path, monkeypatch):
     doc = tmp_path / "x.md"
     doc.write_text("<!-- table:no_such_table -->\n| a |\n<!-- /table -->\n")
@@ -53,11 +64,12 @@ def test_a_candidate_settings_scaling_file_is_not_a_presets_row(tmp_path):
     for case in rows["summary"]:
         if case.get("common"):
             case["common"]["tokens_per_s_per_gpu"] = 1.0
+    doc = ROOT / "docs" / "results.md"
     for key, value in (("bind_cores", True), ("zero_set", {"reduce_bucket_size": 500000000})):
         (results / "e2e_scaling_zcandidate.json").write_text(json.dumps({**rows, key: value}))
-        assert rt.stale(results, [ROOT / "README.md"]) == []
+        assert rt.stale(results, [doc]) == []
     (results / "e2e_scaling_zcandidate.json").write_text(json.dumps(rows))
-    assert rt.stale(results, [ROOT / "README.md"]) == ["README.md: scaling"]
+    assert rt.stale(results, [doc]) == ["docs/results.md: scaling", "docs/results.md: e2e_scaling"]
 
 
 def test_each_70b_row_names_the_gpus_it_ran_on_and_the_h100_run_is_shown_beside_the_h200_one():
@@ -68,12 +80,12 @@ def test_each_70b_row_names_the_gpus_it_ran_on_and_the_h100_run_is_shown_beside_
     h200 = [row for row in table.splitlines() if "| 4x H200 (2026-11-28, b33f019) |" in row]
     assert [r.split(" | ")[6] for r in h100] == ["3,371 (843)", "4,558 (1,139)"]
     assert [r.split(" | ")[6] for r in h200] == ["3,561 (890)", "4,688 (1,172)", "6,087 (1,522)"]
-    runs = {name: json.loads((rt.RESULTS / name).read_text()) for name in rt.ONE_NODE_70B}
+    runs = {name: json.loads((rt.RESULTS / name).read_text()) for name in ONE_NODE_70B}
     assert {(r["device"], r["date"], r["command"].split()[-1]) for r in runs.values()} == {
         ("4x NVIDIA H100 80GB HBM3", "2026-11-28T02:05:41+00:00", "/root/out"),
         ("4x NVIDIA H200", "2026-11-28T06:16:26+00:00", "/root/out")}
     readme = (ROOT / "README.md").read_text()
-    heading = next(line for line in readme.splitlines() if line.startswith("## One node: Llama-3.1-70B"))
+    heading = next(line for line in readme.splitlines() if line.startswith("### One node: Llama-3.1-70B"))
     named = {g for g in ("H100", "H200") if g in heading}
     assert named == {g for g in ("H100", "H200") if any(f"x {g}" in row for row in h100 + h200)}, heading
 
@@ -82,7 +94,7 @@ def test_a_70b_memory_breakdown_splits_gpu_and_host():
     """coat.states 'host' keeps the FP8 moments in pinned host memory: the breakdown's GPU parts add up to the
     allocated peak (other_gb >= 0; it read -30.1 with 34.9 GiB of host states counted on the GPU), the states are in
     host_gb: 2.125 B/param over 4 ranks."""
-    for name in rt.ONE_NODE_70B:
+    for name in ONE_NODE_70B:
         run = json.loads((rt.RESULTS / name).read_text())
         (c,) = run["configs"]
         bd = c["breakdown"]
