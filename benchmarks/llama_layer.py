@@ -1,12 +1,7 @@
 """Activation memory and step time of one Llama decoder layer: bf16 / torchao float8 / coat_ds FP8 flow.
 
-    python -m benchmarks.llama_layer --out benchmarks/results/llama_layer.json [--shapes 7b 8b] [--variants ...]
-    python -m benchmarks.llama_layer --account [--variants ...]   # CPU: what each layer keeps, tensor by tensor
-    python -m benchmarks.llama_layer --dry-run --out /tmp/layer.json                 # CPU, tiny: the script only
-
-Each variant runs a stack of 4 identical layers on the same weights and input (docs/benchmarks.md says how
-memory, time and gradient quality are measured).
-"""
+Each variant runs a stack of 4 identical layers on the same weights and input (docs/benchmarks.md has the commands
+and says how memory, time and gradient quality are measured); --dry-run: the script alone, CPU, tiny shapes."""
 from __future__ import annotations
 
 import argparse
@@ -19,7 +14,7 @@ import traceback
 import torch
 from torch import nn
 
-from benchmarks.common import RESULTS, call_ms, check_positive, provenance, write_json
+from benchmarks.common import RESULTS, call_ms, check_positive, parser, provenance, write_json
 from coat_ds.workloads.shapes import ALIASES, SHAPES as MODELS
 
 LAYER = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")   # a layer's shape fields
@@ -210,12 +205,11 @@ def dry_run():
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", help="default: benchmarks/results/llama_layer.json (--account: none)")
+    ap = parser(__doc__, out=(None, "default: benchmarks/results/llama_layer.json (--account: none)"),
+                warmup=(3, "untimed iterations"))
     ap.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=["llama2-7b", "llama3-8b"])
     ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=VARIANTS)
     ap.add_argument("--iters", type=int, default=8, help="timed iterations")
-    ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU: checks the script only")
     ap.add_argument("--account", action="store_true", help="CPU, full shapes: the kept tensors of each variant")
     args = ap.parse_args(argv)

@@ -1,9 +1,6 @@
 """Who holds a GPU's memory at a step's peak: torch's allocator trace (`torch.cuda.memory._record_memory_history`)
-replayed to its highest point, the blocks alive there grouped by the Python line that allocated them.
-
-The planner (coat_ds/plan.py) names what it expects at the peak; this names what is there, so a gap between them
-points at code instead of at a guess. `e2e.py --memory-trace` records one step with it.
-"""
+replayed to its highest point, the blocks alive there grouped by the Python line that allocated them; the planner
+(coat_ds/plan.py) names what it expects at the peak, this what is there. `e2e.py --memory-trace` records one step."""
 from __future__ import annotations
 
 from contextlib import contextmanager

@@ -1,14 +1,9 @@
 """One optimizer step over one flat master tensor (as ZeRO hands it over): CoatAdamW against its peers.
 
-    python -m benchmarks.optimizer_step                   # GPU -> benchmarks/results/optimizer_step.json
-    python -m benchmarks.optimizer_step --device cpu      # CPU op vs DeepSpeedCPUAdam -> optimizer_step_cpu.json
-    python -m benchmarks.optimizer_step --smoke           # tiny sizes on CPU, seconds; prints the JSON
-
-docs/benchmarks.md says which rows and contenders run and what each row reports.
-"""
+docs/benchmarks.md has the commands, which rows and contenders run and what each row reports."""
 from __future__ import annotations
 
-import argparse
+import contextlib
 import gc
 import importlib
 import json
@@ -19,7 +14,7 @@ import traceback
 
 import torch
 
-from benchmarks.common import RESULTS, call_ms, cpu_info, device_name, provenance, write_json
+from benchmarks.common import RESULTS, call_ms, cpu_info, device_name, parser, provenance, write_json
 from coat_ds import kernels as ops
 from coat_ds.formats import E4M3, get_format, n_groups
 
@@ -198,34 +193,29 @@ def bench_size(numel: int, device: str, peers: list[str], warmup: int, runs: int
 
 def host_info() -> dict:
     """What a CPU figure depends on: the CPU model and its SIMD, threads, the compiler, and the load."""
-    info = {"threads": torch.get_num_threads(), "cores": os.cpu_count(), "nproc": len(os.sched_getaffinity(0)),
-            "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
     cpu = cpu_info()
     flags = set(cpu.get("flags", "").split())
-    info["cpu_model"] = cpu.get("model name") or None
-    info["simd"] = [f for f in ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16",
-                                "avx512_fp16", "amx_bf16") if f in flags]
-    try:
+    info = {"threads": torch.get_num_threads(), "cores": os.cpu_count(), "nproc": len(os.sched_getaffinity(0)),
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "cpu_model": cpu.get("model name") or None,
+            "simd": [f for f in ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16",
+                                 "avx512_fp16", "amx_bf16") if f in flags], "cxx": None}
+    with contextlib.suppress(OSError, IndexError):
         info["cxx"] = subprocess.run(["c++", "--version"], capture_output=True, text=True).stdout.splitlines()[0]
-    except (OSError, IndexError):
-        info["cxx"] = None
     try:  # which kernels the CPU op takes on this build: 'avx512' or 'portable'
         from coat_ds import op_builder
 
         info["coat_cpu_kernels"] = op_builder.CPUCoatAdamBuilder().load().simd()
     except Exception as exc:  # noqa: BLE001 - an op without simd() (older prebuilt) is noted, the run goes on
         info["coat_cpu_kernels"] = f"unknown ({type(exc).__name__})"
-    info["loadavg_start"] = list(os.getloadavg())
-    return info
+    return {**info, "loadavg_start": list(os.getloadavg())}
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__, smoke="tiny sizes on CPU in seconds; prints, writes only --out",
+                out=(None, "output JSON path (default: benchmarks/results/optimizer_step[_cpu].json)"))
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--sizes", type=float, nargs="+", help="numels (default: 1e8 1e9 on cuda, 1e7 on cpu)")
     ap.add_argument("--runs", type=int, default=None, help="timed steps per contender")
-    ap.add_argument("--smoke", action="store_true", help="tiny sizes on CPU in seconds; prints, writes only --out")
-    ap.add_argument("--out", help="output JSON path")
     args = ap.parse_args()
     device = "cpu" if args.smoke else args.device
     if device == "cuda":

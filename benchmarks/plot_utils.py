@@ -1,7 +1,5 @@
 """The benchmarks' charts, also drawn later from a JSON alone (a node without matplotlib still writes the JSON):
-
-    python -m benchmarks.plot_utils benchmarks/results/e2e.json benchmarks/results/convergence.json
-"""
+`python -m benchmarks.plot_utils FILE.json ...`."""
 from __future__ import annotations
 
 import json
@@ -26,7 +24,13 @@ def _plt():
     return plt
 
 
-def save(fig, path: Path, dpi: int = 110) -> None:
+def save(fig, path: Path, dpi: int = 110, legend: int | None = None) -> None:
+    """Write the figure; with `legend` (a font size) every panel gets a grid and, where it has labelled lines, a
+    legend."""
+    for ax in fig.axes if legend else []:
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=legend)
     fig.tight_layout()
     fig.savefig(path, dpi=dpi)
     _plt().close(fig)
@@ -117,10 +121,8 @@ def plot_e2e_scaling(res: dict, path: Path) -> None:
         ax.set_xscale("log", base=2)
         ax.set(xlabel="GPUs", ylabel="tokens/s per GPU", title=f"{model}, seq {res['seq_len']}", ylim=(0, None),
                xticks=worlds, xticklabels=worlds)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=6)
     fig.suptitle(f"{res.get('device')}: largest micro-batch (solid), common micro-batch (dashed)", fontsize=10)
-    save(fig, path)
+    save(fig, path, legend=6)
 
 
 def plot_convergence(res: dict, path: Path) -> None:
@@ -144,10 +146,7 @@ def plot_convergence(res: dict, path: Path) -> None:
     ax2.axhline(0, color="black", lw=0.8)
     ax2.axhspan(-0.5, 0.5, color="green", alpha=0.08, label="target: within 0.5%")
     ax2.set(xlabel="step", ylabel="val loss vs BF16 (%)", title="validation loss gap to BF16")
-    for a in (ax, ax2):
-        a.grid(alpha=0.3)
-        a.legend(fontsize=8)
-    save(fig, path)
+    save(fig, path, legend=8)
 
 
 def plot_offload(res: dict, path: Path) -> None:
@@ -203,12 +202,11 @@ def plot_seed_spread(res: dict, path: Path) -> None:
         sec = res[key]
         for i, (name, runs) in enumerate(sec["runs"].items()):
             c = COLORS.get(name, f"C{i + 3}")
-            curves = [e["val"] for e in runs.values() if e["val"]]
+            curves = [dict(e["val"]) for e in runs.values() if e["val"]]
             for v in curves:
-                ax.plot(*zip(*v), lw=0.7, alpha=0.5, color=c)
-            common = sorted(set.intersection(*[{s for s, _ in v} for v in curves])) if curves else []
-            mean = [statistics.mean(dict(v)[s] for v in curves) for s in common]
-            ax.plot(common, mean, lw=2.2, color=c, label=f"{LABELS[name]} (mean of {len(curves)})")
+                ax.plot(*zip(*v.items()), lw=0.7, alpha=0.5, color=c)
+            steps, mean, _ = _seed_mean(curves) if curves else ([], [], [])
+            ax.plot(steps, mean, lw=2.2, color=c, label=f"{LABELS[name]} (mean of {len(curves)})")
             st = sec["summary"][name]
             ax2.scatter([i] * len(st["final"]), st["final"], color=c, s=14)
             if st["final_std"] is not None:
@@ -217,20 +215,16 @@ def plot_seed_spread(res: dict, path: Path) -> None:
         if band:
             ax2.axhspan(*((band["low"], band["high"]) if isinstance(band, dict) else band), color="gray", alpha=0.15,
                         label="BF16's band" if isinstance(band, dict) else "BF16 [min, max] +- 1 std")
-            ax2.legend(fontsize=8)
         rc, names = sec["recipe"], list(sec["runs"])
         ax.set(xlabel="step", ylabel="validation loss",
                title=f"{key}: {rc['model']}, seq {rc['seq_len']} x {rc['micro_batch']}, {rc['data']}"[:100])
         finals = [x for st in sec["summary"].values() for x in st["final"]]
         if finals:
             ax.set_ylim(min(finals) * 0.97, min(finals) * 1.5)
-        ax.legend(fontsize=8)
         ax2.set(xlim=(-0.5, len(names) - 0.5), xticks=range(len(names)),
                 xticklabels=[n.replace("_", "\n", 1) for n in names],
                 ylabel=f"val loss at step {sec['steps_compared']}", title="each seed, mean +- std")
-        for a in (ax, ax2):
-            a.grid(alpha=0.3)
-    save(fig, path)
+    save(fig, path, legend=8)
 
 
 def _curves(runs: list[dict]) -> dict[str, list[dict[int, float]]]:
@@ -292,11 +286,7 @@ def plot_accuracy_scale(res: dict, path: Path) -> None:
     ft = res["recipe"]["finetune"]
     ax3.set(xlabel="step", ylabel="validation loss", title=f"fine-tuning BF16's model on {ft['corpus']} "
             f"({ft['steps']:,} steps)")
-    for a in (ax, ax2, ax3):
-        a.grid(alpha=0.3)
-        if a.get_legend_handles_labels()[0]:
-            a.legend(fontsize=8)
-    save(fig, path)
+    save(fig, path, legend=8)
 
 
 def kind(res: dict) -> str:

@@ -1,17 +1,12 @@
 """Quantization error of Adam's moments: E4M3 / E5M2, with and without range expansion, and torchao's scheme.
 
 The moments come from a real AdamW run on a small MLP (CPU, seconds) or from a saved state (--state, as
-convergence's BF16 run saves it). Prints a table and writes benchmarks/results/quant_error.json.
-
-    python -m benchmarks.quant_error [--state OUT/adam_state_bf16.pt] [--out FILE]
-"""
+convergence's BF16 run saves it); prints a table and writes benchmarks/results/quant_error.json."""
 from __future__ import annotations
-
-import argparse
 
 import torch
 
-from benchmarks.common import RESULTS, provenance, write_json
+from benchmarks.common import RESULTS, parser, provenance, write_json
 from benchmarks.render_tables import markdown
 from coat_ds.formats import relative_error
 
@@ -43,10 +38,8 @@ def adam_moments(steps: int = 200, seed: int = 0) -> tuple[torch.Tensor, torch.T
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = parser(__doc__, out=(str(RESULTS / "quant_error.json"), "the JSON file"), steps=(200, "AdamW steps"))
     ap.add_argument("--state", help="a torch.save'd dict with 'exp_avg' and 'exp_avg_sq' flat tensors")
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--out", default=str(RESULTS / "quant_error.json"))
     args = ap.parse_args(argv)
     if args.state:
         st = torch.load(args.state)
