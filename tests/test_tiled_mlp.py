@@ -19,7 +19,8 @@ class _Mlp:
         self.cfg = ActivationConfig()
         lins = [nn.Linear(HIDDEN, INTER, bias=bias, dtype=DT), nn.Linear(HIDDEN, INTER, bias=bias, dtype=DT),
                 nn.Linear(INTER, HIDDEN, bias=bias, dtype=DT)]
-        self.gu, self.down = WeightGroup(lins[:2], self.cfg.fwd), WeightGroup(lins[2:], self.cfg.fwd)
+        # no FP8 weight cache: the decoder layer's groups at one micro-batch a step
+        self.gu, self.down = (WeightGroup(ws, self.cfg.fwd, cache=False) for ws in (lins[:2], lins[2:]))
         self.norm_w = nn.Parameter(1 + 0.1 * torch.randn(HIDDEN, dtype=DT))
         self.params = [self.norm_w, *self.gu.params(), *self.down.params()]
         # rows of different magnitudes: tiles take different per-tensor scales
@@ -88,6 +89,20 @@ def test_gradients_arrive_once_per_parameter():
     assert list(counts.values()) == [1] * len(m.params)
 
 
+def test_weights_quantized_once_a_pass_and_not_kept(monkeypatch):
+    """Each group's FP8 weights are made once for all tiles of a pass (forward: row-major; backward: both
+    layouts), then dropped: the groups keep no cache."""
+    m = _Mlp()
+    made = []
+    quantize = WeightGroup._quantize
+    monkeypatch.setattr(WeightGroup, "_quantize", lambda g, t, s: made.append((id(g), t)) or quantize(g, t, s))
+    m.run(16)  # 6 tiles
+    gu, down = id(m.gu), id(m.down)
+    assert sorted(made[:2]) == sorted([(gu, False), (down, False)])
+    assert sorted(made[2:]) == sorted([(gu, False), (down, False), (gu, True), (down, True)])
+    assert m.gu.nbytes() == m.down.nbytes() == 0 and not m.gu.cache and not m.down.cache
+
+
 def test_forward_saves_only_its_input():
     m = _Mlp()
     saved = []
@@ -97,7 +112,7 @@ def test_forward_saves_only_its_input():
     params = {p.data_ptr() for p in m.params}
     activations = [t for t in saved if t.data_ptr() not in params]
     assert len(activations) == 1 and activations[0].data_ptr() == h.data_ptr()
-    assert len(saved) == 1 + len(m.params)
+    assert len(saved) == 2  # h and the norm's weight
 
 
 def test_tiles_cover_the_rows_once():

@@ -16,6 +16,9 @@ outputs and gradients equal MlpFn's up to that and to the order in which the GEM
 weight gradients are summed. One tile is MlpFn exactly."""
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 from torch.autograd import Function
 
@@ -39,6 +42,22 @@ def tiles(rows: int, tile_tokens: int) -> list[slice]:
     return [slice(r, min(r + tile_tokens, rows)) for r in range(0, rows, tile_tokens)]
 
 
+@contextlib.contextmanager
+def held_operands(*groups: WeightGroup) -> Iterator[None]:
+    """Each group's FP8 weight operands made once for every tile of a pass, not once a tile; where the
+    cache is off, freed after it (ZeRO-3's partitioned weights are never held: weight_cache)."""
+    caching = [g.cache for g in groups]
+    for g in groups:
+        g.cache = True
+    try:
+        yield
+    finally:
+        for g, was in zip(groups, caching):
+            g.cache = was
+            if not was:
+                g.clear()
+
+
 class TiledMlpFn(Function):
     """MlpFn(h, ...) computed tile by tile of `tile_tokens` rows of h [tokens, H], saving only h."""
 
@@ -47,29 +66,33 @@ class TiledMlpFn(Function):
                 down: WeightGroup, act: str, add_residual: bool, tile_tokens: int,
                 *params: torch.Tensor) -> torch.Tensor:
         out = h.new_empty(h.shape[0], sum(down.out_features))
-        for rows in tiles(h.shape[0], tile_tokens):  # autograd is off in a Function's forward: MlpFn saves nothing
-            out[rows] = MlpFn.apply(h[rows], norm_w, eps, cfg, gu, down, act, add_residual, *params)
-        ctx.save_for_backward(h, norm_w, *params)
+        with held_operands(gu, down):
+            for rows in tiles(h.shape[0], tile_tokens):  # autograd is off in a Function's forward: nothing saved
+                out[rows] = MlpFn.apply(h[rows], norm_w, eps, cfg, gu, down, act, add_residual, *params)
+        ctx.save_for_backward(h, norm_w)  # the weights are read from their groups in backward, as MlpFn does
         ctx.args = (eps, cfg, gu, down, act, add_residual)
         ctx.tile_tokens = tile_tokens
         return out
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
-        h, *weights = ctx.saved_tensors
+        h, norm_w = ctx.saved_tensors
+        _, _, gu, down, *_ = ctx.args
+        weights = [norm_w, *gu.params(), *down.params()]
         dout = dout.contiguous()
         # detached leaves: each tile's gradients come back from autograd.grad, never into a parameter's .grad
         leaves = [w.detach().requires_grad_() for w in weights]
         dh = torch.empty_like(h)
         sums: list[torch.Tensor] = []
-        for rows in tiles(h.shape[0], ctx.tile_tokens):
-            x = h[rows].detach().requires_grad_()
-            with torch.enable_grad():
-                out = MlpFn.apply(x, leaves[0], *ctx.args, *leaves[1:])
-            dx, *grads = torch.autograd.grad(out, [x, *leaves], dout[rows])
-            dh[rows] = dx
-            del out, dx
-            sums = [g.float() for g in grads] if not sums else [s.add_(g) for s, g in zip(sums, grads)]
+        with held_operands(gu, down):
+            for rows in tiles(h.shape[0], ctx.tile_tokens):
+                x = h[rows].detach().requires_grad_()
+                with torch.enable_grad():
+                    out = MlpFn.apply(x, leaves[0], *ctx.args, *leaves[1:])
+                dx, *grads = torch.autograd.grad(out, [x, *leaves], dout[rows])
+                dh[rows] = dx
+                del out, dx
+                sums = [g.float() for g in grads] if not sums else [s.add_(g) for s, g in zip(sums, grads)]
         dnw, *dparams = (s.to(w.dtype) for s, w in zip(sums, weights))
         return dh, dnw, None, None, None, None, None, None, None, *dparams
 
