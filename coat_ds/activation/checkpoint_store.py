@@ -5,10 +5,11 @@ checkpoint starts (torch 2.13: `_CheckpointFrame.save_inputs`; 2.5-2.12: `_NoopS
 and everything the layer saves inside through its own inner hooks. So hooks around the call see the inputs alone:
 here the hidden states (HF passes the mask and the rotary cos/sin, shared by every layer, as keyword arguments,
 which the checkpoint keeps by reference). "gpu" keeps the bf16 tensor (2 B/token/hidden: 256 KB a token over
-Llama-8B's 32 x 4096); "gpu_fp8" keeps it in the FP8 flow's per-group format (kernels.quant.group_quant: E4M3,
-one power-of-two exponent per 1 x group_size, 1 + 1/G B); "host_fp8" copies those to pinned host memory on a
-copy stream as the forward goes (nothing stays on the GPU) and back on another one layer ahead of backward. The
-recompute runs on the dequantized input: gradients move by what E4M3 rounding of the input moves.
+Llama-8B's 32 x 4096); "gpu_fp8" keeps it in the FP8 flow's per-group format (attention_fp8's quantizer,
+attention.quant_heads: E4M3, one power-of-two exponent per 1 x group_size, 1 + 1/G B); "host_fp8" copies those to
+pinned host memory on a copy stream as the forward goes (nothing stays on the GPU) and back on another one layer
+ahead of backward. The recompute runs on the dequantized input: gradients move by what E4M3 rounding of the input
+moves.
 
 Without CUDA the host path is the same with plain buffers and synchronous copies."""
 from __future__ import annotations
@@ -16,14 +17,15 @@ from __future__ import annotations
 import bisect
 import functools
 import weakref
+from contextlib import nullcontext
 from typing import Any, Callable
 
 import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from ..formats import get_format
-from ..kernels import quant
+from ..formats import FP8Format, get_format
+from .attention import dequant_heads, quant_heads
 from .config import CHECKPOINT_STORES, ActivationConfig
 
 # Non-reentrant, so ZeRO-3 re-gathers the layer's parameters in backward and the RNG state is restored for the
@@ -49,17 +51,18 @@ def _store(host: bool, fmt: str, group_size: int) -> "Fp8Store":
 
 
 class Packed:
-    """A layer input in FP8: codes [rows, hidden] and exponents [rows, hidden / G] on the device (`codes`, `sexp`),
-    and for the host store both in one pool buffer (`lease`: the buffer, codes first, and the event of its last
-    copy), given back to the pool when this dies. `prev`: the input packed before this one (weak)."""
+    """A layer input in FP8: codes and exponents on the device (`codes`, `sexp`: quant_heads' 2-D views, `layout`
+    what dequant_heads needs), and for the host store both in one pool buffer (`lease`: the buffer, codes first,
+    and the event of its last copy), given back to the pool when this dies. `prev`: the input packed before this
+    one (weak)."""
 
-    def __init__(self, t: Tensor, prev: Callable[[], "Packed | None"]) -> None:
-        self.shape, self.dtype, self.device = t.shape, t.dtype, t.device
-        self.codes: Tensor | None = None
-        self.sexp: Tensor | None = None
+    def __init__(self, t: Tensor, fmt: FP8Format, group_size: int, prev: Callable[[], "Packed | None"]) -> None:
+        self.shape, self.device, self.prev = t.shape, t.device, prev
+        with torch.no_grad():
+            self.codes, self.sexp, self.layout = quant_heads(t.detach(), fmt, group_size)
+        self.shapes = self.codes.shape, self.sexp.shape
         self.lease: list | None = None  # [host buffer, event of the last copy from or to it]
         self.ready: Any = None  # the H2D's event: the codes are on the device
-        self.prev = prev
 
 
 class HostPool:
@@ -144,9 +147,7 @@ class Fp8Store:
     def pack(self, t: Tensor) -> Packed | Tensor:
         if not self.takes(t):
             return t
-        p = Packed(t, self.last)
-        with torch.no_grad():
-            p.codes, p.sexp = quant.group_quant(t.detach().reshape(-1, t.shape[-1]), self.fmt, self.group_size)
+        p = Packed(t, self.fmt, self.group_size, self.last)
         if self.host:
             self._to_host(p)
         self.last = weakref.ref(p)
@@ -167,64 +168,69 @@ class Fp8Store:
                 t.record_stream(compute)  # allocated on the copy stream
             p.ready = None
         with torch.no_grad():
-            out = quant.group_dequant(p.codes, p.sexp, self.group_size, p.dtype).view(p.shape)
+            out = dequant_heads(p.codes, p.sexp, p.layout)
         if self.host:  # the host copy stays until p dies (a second backward fetches it again)
             p.codes = p.sexp = None
         return out
 
     # ------------------------------------------------------------------ the copies
-    def _copy_stream(self, device: torch.device, h2d: bool) -> torch.cuda.Stream:
-        if device not in self.streams:
-            self.streams[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
-        return self.streams[device][h2d]
-
     def _to_host(self, p: Packed) -> None:
-        """Codes and exponents into a pool buffer; their device memory reused only after the D2H read it."""
-        pool = self.pools.setdefault(p.device.type == "cuda", HostPool(pin=p.device.type == "cuda"))
+        """Codes and exponents into a pool buffer; their device memory reused only after the D2H has read it."""
+        cuda = p.device.type == "cuda"
+        pool = self.pools.setdefault(cuda, HostPool(pin=cuda))
         codes, sexp = p.codes.view(torch.uint8).view(-1), p.sexp.view(-1)
         p.lease = pool.take(codes.numel() + sexp.numel())
         weakref.finalize(p, pool.give, p.lease)
-        pairs = list(zip((codes, sexp), _split(p.lease[0], codes.numel(), sexp.numel())))
         p.codes = p.sexp = None
-        if not pool.pin:
-            for src, dst in pairs:
-                dst.copy_(src)
-            return
-        stream = self._copy_stream(p.device, h2d=False)
-        stream.wait_stream(torch.cuda.current_stream(p.device))  # after the quantizer
-        if p.lease[1] is not None:  # after the last H2D that read this buffer
-            stream.wait_event(p.lease[1])
-        with torch.cuda.stream(stream):
-            for src, dst in pairs:
-                dst.copy_(src, non_blocking=True)
-                src.record_stream(stream)
-            p.lease[1] = torch.cuda.Event()
-            p.lease[1].record(stream)
+        pairs = zip((codes, sexp), _split(p.lease[0], codes.numel(), sexp.numel()))
+        p.lease[1] = self._copy(list(pairs), p.device, h2d=False, after=p.lease[1])  # after the last H2D reading it
 
     def _fetch(self, p: Packed) -> None:
         """p's codes and exponents back on its device from its host buffer (nothing if they are there)."""
         if p.codes is not None or p.lease is None:
             return
-        rows, n = p.shape.numel() // p.shape[-1], p.shape[-1]
-        buf, event = p.lease
-        if p.device.type != "cuda":
-            p.codes, p.sexp = _empty(rows, n, self.fmt.dtype, self.group_size, p.device)
-            for dst, src in zip((p.codes, p.sexp), _split(buf, p.codes.numel(), p.sexp.numel())):
-                dst.view(torch.uint8).view(-1).copy_(src)
-            return
-        stream = self._copy_stream(p.device, h2d=True)
-        stream.wait_event(event)  # the D2H (or the last H2D) is done
-        with torch.cuda.stream(stream):  # allocated on the copy stream: no wait for the compute stream's queue
-            p.codes, p.sexp = _empty(rows, n, self.fmt.dtype, self.group_size, p.device)
-            for dst, src in zip((p.codes, p.sexp), _split(buf, p.codes.numel(), p.sexp.numel())):
-                dst.view(torch.uint8).view(-1).copy_(src, non_blocking=True)
-            p.ready = p.lease[1] = torch.cuda.Event()
-            p.ready.record(stream)
+        with self._stream(p.device, h2d=True):  # allocated on the copy stream: no wait for the compute stream's
+            p.codes, p.sexp = _empty(p, self.fmt.dtype)
+        dsts = (p.codes.view(torch.uint8).view(-1), p.sexp.view(-1))
+        pairs = zip(_split(p.lease[0], dsts[0].numel(), dsts[1].numel()), dsts)
+        p.ready = p.lease[1] = self._copy(list(pairs), p.device, h2d=True, after=p.lease[1])  # after the D2H
+
+    def _copy(self, pairs: list[tuple[Tensor, Tensor]], device: torch.device, h2d: bool, after: Any) -> Any:
+        """dst.copy_(src) for each pair; the event of their end. On CUDA on the direction's copy stream after event
+        `after` (D2H also after the compute stream's work so far: the quantizer), each D2H source's memory reused
+        only after its copy; elsewhere at once (no event)."""
+        if device.type != "cuda":
+            for src, dst in pairs:
+                dst.copy_(src)
+            return None
+        stream = self._copy_stream(device, h2d)
+        if not h2d:
+            stream.wait_stream(torch.cuda.current_stream(device))
+        if after is not None:
+            stream.wait_event(after)
+        with torch.cuda.stream(stream):
+            for src, dst in pairs:
+                dst.copy_(src, non_blocking=True)
+                if not h2d:
+                    src.record_stream(stream)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return event
+
+    def _copy_stream(self, device: torch.device, h2d: bool) -> torch.cuda.Stream:
+        if device not in self.streams:
+            self.streams[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+        return self.streams[device][h2d]
+
+    def _stream(self, device: torch.device, h2d: bool) -> Any:
+        """The copy stream's context on CUDA, else nothing."""
+        return torch.cuda.stream(self._copy_stream(device, h2d)) if device.type == "cuda" else nullcontext()
 
 
-def _empty(rows: int, n: int, dtype: torch.dtype, group_size: int, device) -> tuple[Tensor, Tensor]:
-    return (torch.empty(rows, n, dtype=dtype, device=device),
-            torch.empty(rows, n // group_size, dtype=torch.uint8, device=device))
+def _empty(p: Packed, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Device tensors for p's codes and exponents (the current stream's)."""
+    codes, sexp = p.shapes
+    return torch.empty(codes, dtype=dtype, device=p.device), torch.empty(sexp, dtype=torch.uint8, device=p.device)
 
 
 def _split(buf: Tensor, n_codes: int, n_sexp: int) -> tuple[Tensor, Tensor]:
