@@ -31,6 +31,8 @@ from .deepspeed.memory import (HOST_STATES, ZeroJob, buffers, largest_sub_group,
                                step_transient, zero_job)
 from .deepspeed.presets import INTENTS
 from .formats import Fp8Moment
+from .hf.loss import EXACT_MODEL_TYPES
+from .plan_moe import Experts, MoeError, experts_from_hf
 from .workloads.causal_lm import MODEL_SIZES
 from .workloads.shapes import ALIASES, SHAPES
 
@@ -48,14 +50,15 @@ class PlanError(ValueError):
     """Bad input to the planner: one line naming the flag or key and what is allowed."""
 
 
-# What a family's layer has beyond Llama's: per-head q/k norms (Qwen3, Gemma 3), a norm after attention and
-# after the MLP too (Gemma 3: 4 a layer).
-FAMILIES = {"qwen3": dict(qk_norm=True), "gemma3_text": dict(qk_norm=True, norms=4)}
+# What a family's layer has beyond Llama's: per-head q/k norms (Qwen3, Qwen3-MoE, Gemma 3), a norm after attention
+# and after the MLP too (Gemma 3: 4 a layer).
+FAMILIES = {"qwen3": dict(qk_norm=True), "qwen3_moe": dict(qk_norm=True), "gemma3_text": dict(qk_norm=True, norms=4)}
 
 
 @dataclass(frozen=True)
 class Shape:
-    """A decoder-only transformer's shape (Llama family: gated MLP, RMSNorm, no biases; FAMILIES' extra norms)."""
+    """A decoder-only transformer's shape (Llama family: gated MLP, RMSNorm, no biases; FAMILIES' extra norms; a
+    mixture of experts' sparse MLPs: plan_moe.Experts)."""
     hidden: int
     layers: int
     heads: int
@@ -66,39 +69,73 @@ class Shape:
     tied: bool = False
     norms: int = 2
     qk_norm: bool = False
+    family: str = "llama"          # config.model_type: which loss the engine runs (chunked_loss)
+    experts: Experts | None = None
 
     @property
     def hd(self) -> int:
         return self.head_dim or self.hidden // self.heads
 
+    def _attention_tensors(self) -> list[int]:
+        h, hd = self.hidden, self.hd
+        return [h * hd * self.heads, h * hd * self.kv_heads, h * hd * self.kv_heads, h * hd * self.heads,
+                *[hd] * (2 * self.qk_norm)]
+
+    def _mlp_tensors(self, index: int) -> list[int]:
+        e = self.experts
+        if e is None or index in e.dense_layers:
+            return [self.hidden * self.intermediate] * 3
+        return e.tensors(self.hidden)
+
+    def _layer_tensors(self, index: int) -> list[int]:
+        return [*self._attention_tensors(), *self._mlp_tensors(index), *[self.hidden] * self.norms]
+
+    @property
+    def sparse_layers(self) -> int:
+        """Decoder layers with routed experts."""
+        return 0 if self.experts is None else self.layers - len(self.experts.dense_layers)
+
     @property
     def layer_params(self) -> int:
-        h, hd = self.hidden, self.hd
-        return (h * hd * (2 * self.heads + 2 * self.kv_heads) + 3 * h * self.intermediate + self.norms * h
-                + 2 * hd * self.qk_norm)
+        """The largest decoder layer's parameters (a sparse one's where there are any: what ZeRO-3 gathers)."""
+        return max(sum(self._layer_tensors(i)) for i in (0, *(self.experts.dense_layers if self.experts else ())))
 
     @property
     def params(self) -> int:
-        return self.layers * self.layer_params + self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
+        return sum(self.tensors())
+
+    @property
+    def active_params(self) -> int:
+        """The parameters one token's forward runs through (all of them in a dense model)."""
+        if self.experts is None:
+            return self.params
+        return self.params - self.sparse_layers * (self.experts.params(self.hidden)
+                                                   - self.experts.active_params(self.hidden))
 
     def tensors(self) -> list[int]:
         """Each parameter's values in HF's module order (ZeRO-3 cuts its optimizer sub-groups in this order)."""
-        h, hd = self.hidden, self.hd
-        layer = [h * hd * self.heads, h * hd * self.kv_heads, h * hd * self.kv_heads, h * hd * self.heads,
-                 *[hd] * (2 * self.qk_norm), *[h * self.intermediate] * 3, *[h] * self.norms]
-        return [self.vocab * h, *layer * self.layers, h, *[self.vocab * h] * (not self.tied)]
+        layers = [t for i in range(self.layers) for t in self._layer_tensors(i)]
+        return [self.vocab * self.hidden, *layers, self.hidden, *[self.vocab * self.hidden] * (not self.tied)]
+
+    @property
+    def cached_params(self) -> int:
+        """Decoder-layer parameters the FP8 weight cache holds: all but the routers and experts (quantized per call)."""
+        layers = sum(sum(self._layer_tensors(i)) for i in range(self.layers))
+        return layers - (self.sparse_layers * self.experts.params(self.hidden) if self.experts else 0)
 
     @property
     def largest(self) -> int:
-        """Values of the largest tensor (the embedding or lm_head in every Llama)."""
-        return max(self.vocab * self.hidden, self.hidden * self.intermediate)
+        """Values of the largest tensor (the embedding or lm_head in every Llama; a MoE's gate_up experts)."""
+        return max(self.tensors())
 
 
 def shape_from_hf(cfg: Mapping[str, Any], where: str) -> Shape:
     """Shape of an HF config.json (a multimodal config's text_config)."""
     cfg = cfg.get("text_config") or cfg
-    if any(k in cfg for k in ("num_local_experts", "num_experts", "n_routed_experts")):
-        raise PlanError(f"{where}: a mixture-of-experts model; allowed: dense Llama-family models")
+    try:
+        experts = experts_from_hf(cfg, where)
+    except MoeError as e:
+        raise PlanError(str(e)) from None
     missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
                            "vocab_size") if not isinstance(cfg.get(k), int)]
     if missing:
@@ -106,7 +143,7 @@ def shape_from_hf(cfg: Mapping[str, Any], where: str) -> Shape:
     return Shape(cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"],
                  cfg.get("num_key_value_heads") or cfg["num_attention_heads"], cfg["intermediate_size"],
                  cfg["vocab_size"], cfg.get("head_dim") or 0, bool(cfg.get("tie_word_embeddings", False)),
-                 **FAMILIES.get(cfg.get("model_type"), {}))
+                 family=cfg.get("model_type") or "llama", experts=experts, **FAMILIES.get(cfg.get("model_type"), {}))
 
 
 def resolve_shape(model: str, vocab: int | None = None) -> Shape:
@@ -146,9 +183,10 @@ def _cached_config(model: str) -> Path:
 
 
 # ------------------------------------------------------------------ what the forward keeps and the loss adds
-def layer_bytes(shape: Shape, activation: Any) -> float:
+def layer_bytes(shape: Shape, activation: Any, sparse: bool | None = None) -> float:
     """Bytes per token per hidden unit one decoder layer keeps for backward (docs/activation.md's table):
-    `activation` is coat's ActivationConfig, or None for the stock bf16 layer (SDPA attention)."""
+    `activation` is coat's ActivationConfig, or None for the stock bf16 layer (SDPA attention); `sparse`: a layer
+    with routed experts (plan_moe) in place of the dense MLP (None: where the model has experts)."""
     h, g = shape.hidden, (activation.group_size if activation else 16)
     q_kv = shape.hd * (shape.heads + 2 * shape.kv_heads) / h        # q, k, v widths over hidden
     out = shape.hd * shape.heads / h                                 # attention output width over hidden
@@ -164,6 +202,8 @@ def layer_bytes(shape: Shape, activation: Any) -> float:
         attention = q_kv * (1 + 1 / g)                               # E4M3 q, k, v + scales; output recomputed
     else:      # bf16 q, k, v and output, fp32 log-sum-exp per head; FP8 linears add o_proj's FP8 input
         attention = 2 * q_kv + 2 * out + 4 * shape.heads / h + (out if linear else 0)
+    if shape.experts is not None and sparse is not False:
+        mlp = shape.experts.saved_bytes(h, activation)
     return norms + attention + mlp
 
 
@@ -220,8 +260,10 @@ def activation_bytes(job: Job, tokens: int) -> float:
     """What the forward keeps for backward on one GPU: every layer's activations, or under activation checkpointing
     every layer's bf16 input plus one layer's activations while backward recomputes it; and the final norm's."""
     s = job.shape
-    per_layer = layer_bytes(s, job.activation)
-    layers = s.layers * CHECKPOINT_INPUT + per_layer if job.checkpoint else s.layers * per_layer
+    kinds = [(n, layer_bytes(s, job.activation, sparse)) for n, sparse in
+             ((s.layers - s.sparse_layers, False), (s.sparse_layers, True)) if n]
+    layers = (s.layers * CHECKPOINT_INPUT + max(b for _, b in kinds) if job.checkpoint
+              else sum(n * b for n, b in kinds))
     return tokens * s.hidden * (layers + FINAL_NORM)
 
 
@@ -236,7 +278,7 @@ def phases(job: Job, micro_batch: int) -> dict[str, dict[str, float]]:
     """Per phase of a step, what is allocated on one GPU, by part (bytes)."""
     s, t = job.shape, micro_batch * job.seq
     st = states_of(job)
-    cache = 2.0 * s.layers * s.layer_params if job.weight_cache else 0.0
+    cache = 2.0 * s.cached_params if job.weight_cache else 0.0
     states = dict(parameters=st["weights"] + cache, master=st["master"], optimizer=st["optimizer"])
     acts = activation_bytes(job, t)
     loss = loss_bytes(t, s, job.chunk)
@@ -350,8 +392,15 @@ def job_from_config(cfg: Mapping[str, Any], shape: Shape, seq: int, world: int, 
                             states_place(cfg)), coat_step=coat_step)
     if states_place(cfg) == HOST_STATES:
         _check_host_states(zero)
-    return Job(shape, seq, zero, act, loss_chunk(cfg) if chunk == "config" else chunk,
+    chunk = loss_chunk(cfg) if chunk == "config" else chunk
+    return Job(shape, seq, zero, act, chunk if chunk_runs(shape) else None,
                cache and zero.stage != 3, bool(act and act.checkpoint) if checkpoint is None else checkpoint)
+
+
+def chunk_runs(shape: Shape) -> bool:
+    """Whether the engine computes the chunked loss for this family (coat_ds/hf/loss.py; the others run HF's stock
+    loss, full fp32 logits, whatever coat.loss says: Qwen3-MoE and Mixtral today)."""
+    return shape.family in EXACT_MODEL_TYPES
 
 
 def bf16_baseline(cfg: Mapping[str, Any]) -> dict:
@@ -540,12 +589,17 @@ def report(model: str, cfg: dict, source: str, seq: int, micro_batch: str = "max
             "BF16 + " + ("DeepSpeedCPUAdam" if base.zero.offload else "FusedAdam"): base}
     z = job.zero
     where = " + Offload" if z.offload else " + states on the host" if z.host_states else ""
-    title = (f"{model}: {shape.params / 1e9:.2f}B parameters, vocabulary {shape.vocab:,}, seq {seq}; "
+    e = shape.experts
+    active = f" ({shape.active_params / 1e9:.2f}B active a token: {e.num} experts, {e.top_k} a token)" if e else ""
+    title = (f"{model}: {shape.params / 1e9:.2f}B parameters{active}, vocabulary {shape.vocab:,}, seq {seq}; "
              f"ZeRO-{z.stage}{where} on {world} GPU(s) ({nodes} node(s) x {gpus_per_node}); GiB per GPU at the "
              "peak of a step")
     out = [render(title, columns(jobs, micro_batch, memory), memory, gpus_per_node)]
     if job.checkpoint:
         out.append(RECOMPUTE_NOTE)
+    if (loss_chunk(cfg) if chunk == "config" else chunk) and not chunk_runs(shape):
+        out.append(f"loss: HF's stock loss (full fp32 logits): coat_ds has no chunked loss for model_type "
+                   f"{shape.family!r} (coat_ds/hf/loss.py)")
     if presets:
         what = f"{model} at seq {seq} on {world} GPU(s) of {memory / GIB:.1f} GiB"
         out.append(render_fits(preset_fits(shape, seq, world, memory), what, gpus_per_node))
