@@ -4,6 +4,7 @@ synchronous copies: the same logic); the GPU's memory saving is the gpu-marked t
 from __future__ import annotations
 
 import gc
+import warnings
 import weakref
 from dataclasses import replace
 
@@ -215,10 +216,20 @@ def test_a_checkpoint_that_hides_its_input_from_the_hooks_is_refused(monkeypatch
 
 
 def test_gpu_store_is_torch_checkpoint_itself():
-    """The default keeps today's function (the identity swap.py recognizes as coat's)."""
+    """The default keeps today's function (the identity swap.py recognizes as coat's); every store's function is
+    coat's (`owned`), HF's own switch's is not."""
     layer = _model({"checkpoint": True}).model.layers[0]
     assert layer._gradient_checkpointing_func is type(layer).CHECKPOINT is checkpoint_store.CHECKPOINT
     assert ActivationConfig().checkpoint_store == "gpu"
+    for store in FP8_STORES:
+        fn = _model({"checkpoint": True, "checkpoint_store": store}).model.layers[0]._gradient_checkpointing_func
+        assert isinstance(fn, checkpoint_store.Fp8Store) and fn.name == store and checkpoint_store.owned(fn)
+    hf = _model(None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # gradient_checkpointing_enable: a deprecated alias on 5.2x
+        hf.gradient_checkpointing_enable()
+    assert not checkpoint_store.owned(hf.model.layers[0]._gradient_checkpointing_func)
+    assert checkpoint_store.owned(checkpoint_store.CHECKPOINT)
 
 
 @pytest.mark.parametrize("act,message", [

@@ -45,6 +45,12 @@ def function(cfg: ActivationConfig) -> Callable[..., Any]:
     return _store(cfg.checkpoint_store == HOST_FP8, cfg.fwd_format, cfg.group_size)
 
 
+def owned(fn: Any) -> bool:
+    """Whether `fn` is one of the checkpoint functions `function` gives: coat's, which a stock layer given back by
+    revert must not inherit (HF's own gradient_checkpointing_enable() function is not)."""
+    return fn is CHECKPOINT or isinstance(fn, Fp8Store)
+
+
 @functools.lru_cache(maxsize=None)
 def _store(host: bool, fmt: str, group_size: int) -> "Fp8Store":
     return Fp8Store(host, fmt, group_size)
