@@ -144,10 +144,11 @@ def test_each_layer_keeps_fp8_codes_and_exponents_of_its_input_alone(store, monk
 def test_the_packed_input_holds_no_reference_to_the_tensor(store):
     """The device copy is released as the forward goes on (CUDA-free proxy: the packed object keeps no reference,
     so the input dies with its last user); unpack gives the dequantized values back in the input's shape and dtype.
-    Small tensors (below MIN_NUMEL) and integer ones pass through as they are."""
+    Small tensors (below MIN_NUMEL), masks and tensors backward does not differentiate through (rotary cos/sin)
+    pass through as they are."""
     s = _store(store)
-    x = torch.randn(4, 32, 128).bfloat16()
-    expected = R.group_dequant(*R.group_quant(x.reshape(-1, 128), E4M3, 16), 16).bfloat16().view(x.shape)
+    x = torch.randn(4, 32, 128).bfloat16().requires_grad_()
+    expected = R.group_dequant(*R.group_quant(x.detach().reshape(-1, 128), E4M3, 16), 16).bfloat16().view(x.shape)
     alive = weakref.ref(x)
     p = s.pack(x)
     del x
@@ -155,20 +156,21 @@ def test_the_packed_input_holds_no_reference_to_the_tensor(store):
     assert alive() is None
     out = s.unpack(p)
     assert out.dtype == torch.bfloat16 and torch.equal(out, expected)
-    small, mask = torch.randn(2, 16).bfloat16(), torch.ones(64, 64, dtype=torch.bool)
-    assert s.pack(small) is small and s.pack(mask) is mask and s.unpack(small) is small
+    small = torch.randn(2, 16).bfloat16().requires_grad_()
+    mask, cos = torch.ones(64, 64, dtype=torch.bool), torch.randn(4, 32, 128).bfloat16()
+    assert all(s.pack(t) is t and s.unpack(t) is t for t in (small, mask, cos))
 
 
 def test_unpacking_a_layer_fetches_the_one_packed_before_it():
     """Backward meets the inputs in the reverse order of the forward: unpacking one starts the copy back of its
     predecessor (here synchronous), and only that one."""
     s = _store("host_fp8")
-    xs = [torch.randn(64, 128).bfloat16() for _ in range(3)]
+    xs = [torch.randn(64, 128).bfloat16().requires_grad_() for _ in range(3)]
     a, b, c = (s.pack(x) for x in xs)
     assert a.codes is None and b.codes is None and c.codes is None
     s.unpack(c)
     assert b.codes is not None and a.codes is None and c.codes is None  # c's own device copy freed after use
-    assert torch.equal(s.unpack(b).float(), R.group_dequant(*R.group_quant(xs[1], E4M3, 16), 16))
+    assert torch.equal(s.unpack(b).float(), R.group_dequant(*R.group_quant(xs[1].detach(), E4M3, 16), 16))
     assert a.codes is not None
 
 
@@ -184,7 +186,7 @@ def test_steps_reuse_the_host_buffers():
     assert pool.nbytes == sum(e[0] for e in pool.free) and len(held) >= SHAPE["num_hidden_layers"]
     _step(model)
     assert {id(e[2]) for e in pool.free} == held
-    p = s.pack(torch.randn(BATCH * SEQ, SHAPE["hidden_size"]).bfloat16())
+    p = s.pack(torch.randn(BATCH * SEQ, SHAPE["hidden_size"]).bfloat16().requires_grad_())
     assert {id(e[2]) for e in pool.free} < held
     del p
     assert {id(e[2]) for e in pool.free} == held

@@ -140,10 +140,11 @@ class Fp8Store:
         return out
 
     def takes(self, t: Any) -> bool:
-        """Whether the store keeps `t` in FP8: a floating tensor of at least MIN_NUMEL whose last dimension (the
-        hidden one) divides into groups; anything else is kept as it is."""
-        return (isinstance(t, Tensor) and t.is_floating_point() and t.dim() >= 2 and t.numel() >= MIN_NUMEL
-                and t.shape[-1] % self.group_size == 0)
+        """Whether the store keeps `t` in FP8: a floating tensor that backward differentiates through (the hidden
+        states; a mask or the rotary cos/sin handed over positionally never is), of at least MIN_NUMEL, whose last
+        dimension (the hidden one) divides into groups; anything else is kept as it is."""
+        return (isinstance(t, Tensor) and t.is_floating_point() and t.requires_grad and t.dim() >= 2
+                and t.numel() >= MIN_NUMEL and t.shape[-1] % self.group_size == 0)
 
     def host_bytes(self) -> int:
         """Host memory the store holds: every pool buffer, leased or free."""
