@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import mmap
 import weakref
 from contextlib import nullcontext
 from typing import Any, Callable
@@ -90,7 +91,7 @@ class HostPool:
         if self.free:
             self._drop(self.free.pop(0))
         size = _rounded(nbytes)
-        buf = torch.empty(size, dtype=torch.uint8)
+        buf = _page_aligned(size)
         if self.pin:
             rc = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), size, 0)
             if int(rc) != 0:
@@ -113,8 +114,17 @@ class HostPool:
 
 
 def _rounded(n: int) -> int:
-    step = max(1 << max(n.bit_length() - 4, 0), 512)
+    """n rounded up to a sixteenth of its power of two, and to whole pages."""
+    step = max(1 << max(n.bit_length() - 4, 0), mmap.PAGESIZE)
     return -(-n // step) * step
+
+
+def _page_aligned(size: int) -> Tensor:
+    """A host buffer of `size` bytes (whole pages) on pages of its own: two registered buffers never share one
+    (a small allocation may come from the heap, beside another)."""
+    raw = torch.empty(size + mmap.PAGESIZE, dtype=torch.uint8)
+    start = -raw.data_ptr() % mmap.PAGESIZE
+    return raw[start:start + size]
 
 
 class Fp8Store:
