@@ -140,3 +140,22 @@ def test_tiles_cover_the_rows_once():
 def test_bad_tile_tokens_is_one_line(bad):
     with pytest.raises(ValueError, match=r"^activation.tile_tokens=.* must be a positive multiple of 16"):
         check_tile_tokens(bad)
+
+
+@pytest.mark.gpu
+def test_tiled_peak_memory_on_gpu():
+    """At Llama-8B's width, 64k tokens in tiles of 8k: the forward + backward's peak above its inputs is under half
+    the untiled one's (estimated ~3 GiB against ~10: the untiled flow holds [tokens, 2I] bf16 transients and 35 KB
+    a token of FP8 saves; the tiled one a tile's transients, h, dh and the fp32 weight-gradient sums)."""
+    m = _Mlp(shape=(4096, 14336, 65536), device="cuda")
+    peaks = {}
+    for tile in (None, 8192):
+        m.run(tile)  # warm: kernels built, FP8 GEMMs chosen
+        for p in m.params:
+            p.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        m.run(tile)
+        peaks[tile] = torch.cuda.max_memory_allocated() - base
+    assert peaks[8192] < 0.5 * peaks[None], {k: v / 2 ** 30 for k, v in peaks.items()}
