@@ -184,7 +184,7 @@ def test_steps_reuse_the_host_buffers():
     _step(model)
     pool = s.pools[False]
     held = {id(e[2]) for e in pool.free}
-    assert pool.nbytes == sum(e[0] for e in pool.free) and len(held) >= SHAPE["num_hidden_layers"]
+    assert s.host_bytes() == pool.nbytes == sum(e[0] for e in pool.free) and len(held) >= SHAPE["num_hidden_layers"]
     _step(model)
     assert {id(e[2]) for e in pool.free} == held
     p = s.pack(torch.randn(BATCH * SEQ, SHAPE["hidden_size"]).bfloat16().requires_grad_())
@@ -195,7 +195,11 @@ def test_steps_reuse_the_host_buffers():
 
 def test_the_pool_takes_other_lengths_without_growing():
     """A longer sequence than the buffers fit drops a free one for each new one: never more buffers than live
-    inputs; a shorter one reuses a larger buffer."""
+    inputs; a shorter one reuses a larger buffer. A buffer is at most 1/16 over its request past 16 pages (the
+    host's cost stays within issue 61's 1.1x of the FP8 checkpoints)."""
+    pool = checkpoint_store.HostPool(pin=False)
+    for n in (16 * mmap.PAGESIZE + 1, 10**6, 3 * 10**6 + 7):
+        assert n <= pool.take(n)[0].numel() <= n * 17 / 16
     pool = checkpoint_store.HostPool(pin=False)
     leases = [pool.take(1000) for _ in range(3)]
     for lease in leases:
