@@ -115,7 +115,7 @@ class HostPool:
 
 def _rounded(n: int) -> int:
     """n rounded up to a sixteenth of its power of two, and to whole pages."""
-    step = max(1 << max(n.bit_length() - 4, 0), mmap.PAGESIZE)
+    step = max(1 << max(n.bit_length() - 5, 0), mmap.PAGESIZE)
     return -(-n // step) * step
 
 
