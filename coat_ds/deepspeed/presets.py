@@ -30,7 +30,8 @@ LAYOUTS = {  # preset prefix -> the measured config it starts from
 # per ZeRO-3 sub-group of 1e8 values a rank (coat.states 'host'; three sub-groups' states on the device at once), and
 # each decoder layer recomputed in backward (activation.checkpoint): what fits Llama-3.1-70B at seq 4096 on four
 # 80 GB GPUs (without it micro-batch 1 ran out of memory at 76.9 GiB, docs/deepspeed.md); buckets of 2e8 values, so
-# that a 70B backward reduces (and steps) ~350 of them, as a 13B one does at 5e7 (each costs host work)
+# that a 70B backward reduces (and steps) ~350 of them, as a 13B one does at 5e7 (each costs host work). It is the
+# mixture-of-experts preset too (Qwen3-30B-A3B on one 80 GB GPU; coat sets the sparse blocks' ZeRO-3 leaves itself)
 LAYOUT_OVER = {"zero3_offload": {"zero_optimization": {"sub_group_size": 100000000, "reduce_bucket_size": 200000000},
                                  "coat": {"states": "host", "activation": {"checkpoint": True}}}}
 INTENTS = {  # what each intent lays over the "coat" section (master_weights None: EXACT_MASTER of the layout)
