@@ -51,10 +51,10 @@ def expert_codes(w: Tensor, fmt: FP8Format) -> tuple[Tensor, Tensor]:
     """(FP8 codes [E, N, K], fp32 power-of-two scale per expert [E]) of 3D expert weights. Multiplying by a power
     of two is exact in w's dtype, so the codes equal a cast of w / scale computed in fp32."""
     w = w.detach()
-    amax = torch.maximum(w.amax(dim=(1, 2)), w.amin(dim=(1, 2)).neg())   # no |w| copy (0.8 GB a layer at 30B)
-    scale = torch.ldexp(torch.ones(w.shape[0], device=w.device), pow2_exponent(amax, fmt))
-    scaled = w * (1.0 / scale).to(w.dtype)[:, None, None]
-    return scaled.clamp_(-fmt.max, fmt.max).to(fmt.dtype), scale   # formats.cast_to_fp8, in place
+    lo, hi = w.reshape(w.shape[0], -1).aminmax(dim=1)   # one pass, no |w| copy (0.8 GB a layer at 30B)
+    scale = torch.ldexp(torch.ones(w.shape[0], device=w.device), pow2_exponent(torch.maximum(hi, lo.neg()), fmt))
+    # no clamp: a power-of-two scale from the amax puts every |w| / scale within the format's max (pow2_exponent)
+    return (w * (1.0 / scale).to(w.dtype)[:, None, None]).to(fmt.dtype), scale
 
 
 def _dequant(codes: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:

@@ -140,6 +140,7 @@ class HostStates:
                         for _ in range(WINDOWS)]
         self.holder: list[int | None] = [None] * WINDOWS  # sub-group whose block a window holds
         self.free: list[Any] = [None] * WINDOWS  # event: the window's last copy back is done
+        self.released = list(range(-WINDOWS, 0))  # when each window's last copy back was issued (a counter)
         self.open: dict[int, int] = {}  # sub-group -> window, in order of use (oldest first)
         self.ready: dict[int, Any] = {}  # sub-group -> event: its block is in its window
         self.written: dict[int, Any] = {}  # sub-group -> event: its block is back on the host
@@ -227,7 +228,7 @@ class HostStates:
             if not evict:
                 return
             self._write_back(next(iter(self.open)))  # the least recently used
-        w = self.holder.index(None)
+        w = self._free_window()
         self.holder[w], self.open[i] = i, w
         b = self.blocks[i]
         pairs = list(zip(b.pieces(self.host, b.offsets), b.pieces(self.windows[w])))
@@ -244,8 +245,15 @@ class HostStates:
             self.ready[i] = torch.cuda.Event()
             self.ready[i].record(self.h2d)
 
+    def _free_window(self) -> int:
+        """The free window whose copy back was issued first: a copy in waits for the window's copy back, and the
+        one issued last is likely still running (taking it put every copy in behind a copy back: measured on
+        Qwen3-30B-A3B, the two directions overlapped 0.01 s of 3.9 s of copies)."""
+        return min((w for w, h in enumerate(self.holder) if h is None), key=self.released.__getitem__)
+
     def _write_back(self, i: int) -> None:
         w = self.open.pop(i)
+        self.released[w] = max(self.released) + 1
         b = self.blocks[i]
         pairs = list(zip(b.pieces(self.windows[w]), b.pieces(self.host, b.offsets)))
         self.holder[w] = None
