@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
-TABLES: dict[str, Callable[[Path], Iterator[list]]] = {}
+Table = Callable[[Path], Iterator[list]]
+TABLES: dict[str, Table] = {}
 
 
 class NotYet(Exception):
@@ -21,7 +22,7 @@ class NotYet(Exception):
         super().__init__(f"not measured yet: `python -m benchmarks.{command}` (docs/benchmarks.md, \"{section}\")")
 
 
-def table(fn):
+def table(fn: Table) -> Table:
     TABLES[fn.__name__] = fn
     return fn
 
