@@ -68,9 +68,10 @@ def _refuse_wrapped(model: nn.Module, what: str) -> None:
 def _serves(have: Any, want: Any) -> bool:
     """Whether layers built with ActivationConfig `have` serve a request for `want`: equal, but for a
     cache_weights decision that one of them leaves to gradient accumulation ("when_accumulating") and for
-    checkpoint, which apply() switches on the built layers."""
+    the recompute's settings (checkpoint, its store, the MLP's tiles), which apply() sets on the built layers."""
     from ..activation.config import CACHE_WHEN_ACCUMULATING as when
-    have = replace(have, checkpoint=want.checkpoint)
+    have = replace(have, checkpoint=want.checkpoint, checkpoint_store=want.checkpoint_store,
+                   tile_tokens=want.tile_tokens)
     if when in (have.cache_weights, want.cache_weights):
         have = replace(have, cache_weights=want.cache_weights)
     return have == want
@@ -96,7 +97,8 @@ def _move_attached_state(src: nn.Module, dst: nn.Module) -> None:
     """Give `dst` what the model attached to `src`: train/eval flag, gradient checkpointing, hooks."""
     dst.training = src.training
     # HF's checkpointing moves; where coat.activation.checkpoint set it (either side), the FP8 layer keeps its own
-    if not any(m.__dict__.get(_CHECKPOINT_ATTRS[1]) is _decoder_layer().CHECKPOINT for m in (src, dst)):
+    from ..activation.checkpoint_store import owned
+    if not any(owned(m.__dict__.get(_CHECKPOINT_ATTRS[1])) for m in (src, dst)):
         for attr in _CHECKPOINT_ATTRS:
             if attr in src.__dict__:
                 setattr(dst, attr, src.__dict__[attr])
