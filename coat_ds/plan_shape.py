@@ -37,7 +37,7 @@ class Shape:
     tied: bool = False
     norms: int = 2
     qk_norm: bool = False
-    family: str = "llama"          # config.model_type: which loss the engine runs (chunked_loss)
+    family: str = "llama"          # config.model_type: whether the engine runs the chunked loss (plan.chunk_runs)
     experts: Experts | None = None
 
     @property
