@@ -18,6 +18,9 @@ MODELS = {
     **{f"tiny-{family}": dict(model_type=family, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
                               num_key_value_heads=2, head_dim=64, intermediate_size=512, vocab_size=512)
        for family in ("qwen3", "gemma3_text")},                  # the other families' smoke shapes
+    "tiny-qwen3_moe": dict(model_type="qwen3_moe", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=16, intermediate_size=128, moe_intermediate_size=32,
+                           num_experts=8, num_experts_per_tok=2, vocab_size=512),   # moe_one_gpu's smoke shape
     "tiny-gqa": dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=1,
                      intermediate_size=512, vocab_size=512),    # the smoke's stand-in for Llama-3.1-70B (8:1 GQA)
     "llama-125m": dict(train_lib.MODEL_SIZES["125m"], vocab_size=32000),

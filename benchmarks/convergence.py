@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.accuracy import verdicts
 from benchmarks.common import RESULTS, ROOT, add_worker_args, provenance, read_json, worker_cmd
 from benchmarks.configs import CONFIGS, check_args, ds_config
 from benchmarks import harness
@@ -23,7 +24,6 @@ from benchmarks.worker import Worker as EngineWorker, base_optimizer
 from coat_ds.workloads import causal_lm as train_lib, data as data_lib
 from coat_ds.workloads.causal_lm import FAMILIES
 
-TARGET_GAP = 0.005   # final validation loss within 0.5% of BF16
 DEFAULT_CONFIGS = "bf16,coat_opt,coat_full,coat_full_bf16sr,coat_full_bf16rn"   # the runs of convergence.json
 SMOKE_CONFIGS = "bf16,coat_full"   # a smoke's processes unless --configs names others (seed_spread's too)
 RECIPE = ("model_size", "family", "data", "data_bytes", "vocab_size", "seq_len", "micro_batch", "steps", "lr",
@@ -234,10 +234,6 @@ def last_common_step(curves) -> int | None:
     return max(set.intersection(*steps), default=None) if steps else None
 
 
-def rel_gap(x: float | None, base: float | None) -> float | None:
-    return (x - base) / base if x is not None and base else None
-
-
 def fmt(v, spec: str = ".4f") -> str:
     return "-" if v is None else format(v, spec)
 
@@ -248,9 +244,6 @@ def headline(args: argparse.Namespace, runs: dict[str, dict], tokens, t0: float)
     loss = {n: dict(r.get("val", [])).get(common) for n, r in runs.items()}
     bf16, full, opt, sr, rn = map(loss.get, ("bf16", "coat_full", "coat_opt", "coat_full_bf16sr", "coat_full_bf16rn"))
 
-    def within_target(x: float | None) -> bool | None:
-        return None if rel_gap(x, bf16) is None else abs(rel_gap(x, bf16)) <= TARGET_GAP
-
     def tail(n: str) -> float | None:   # the mean train loss of the last 5 records (50 steps)
         last = [v for _, v in (runs.get(n) or {}).get("train", [])[-5:]]
         return sum(last) / len(last) if last else None
@@ -260,12 +253,12 @@ def headline(args: argparse.Namespace, runs: dict[str, dict], tokens, t0: float)
         "params": next((r.get("params") for r in runs.values() if r.get("params")), None),
         "seed": args.seed, "parallel": args.parallel, "steps": common or 0, "steps_requested": args.steps,
         "bf16_val_loss": bf16, "coat_val_loss": full, "coat_opt_val_loss": opt,
-        "val_loss_gap_rel": rel_gap(full, bf16), "val_loss_gap_rel_optimizer_only": rel_gap(opt, bf16),
-        "coat_bf16sr_val_loss": sr, "val_loss_gap_rel_bf16sr": rel_gap(sr, bf16),
-        "coat_bf16rn_val_loss": rn, "val_loss_gap_rel_bf16rn": rel_gap(rn, bf16),
-        "within_target_bf16sr": within_target(sr),
+        "val_loss_gap_rel": verdicts.gap(full, bf16), "val_loss_gap_rel_optimizer_only": verdicts.gap(opt, bf16),
+        "coat_bf16sr_val_loss": sr, "val_loss_gap_rel_bf16sr": verdicts.gap(sr, bf16),
+        "coat_bf16rn_val_loss": rn, "val_loss_gap_rel_bf16rn": verdicts.gap(rn, bf16),
+        "within_target_bf16sr": verdicts.close(sr, bf16),
         "bf16_train_loss_last50": tail("bf16"), "coat_train_loss_last50": tail("coat_full"),
-        "target_gap_rel": TARGET_GAP, "within_target": within_target(full),
+        "target_gap_rel": verdicts.GAP_REL, "within_target": verdicts.close(full, bf16),
         "adam_state": (runs.get("bf16") or {}).get("adam_state"),
         "runs": runs, "wall_s": time.time() - t0, "smoke": args.smoke,
     }
@@ -316,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"final val loss: bf16 {fmt(res['bf16_val_loss'])}, coat optimizer-only {fmt(res['coat_opt_val_loss'])}, "
           f"coat full {fmt(res['coat_val_loss'])} (bf16 master: SR {fmt(res['coat_bf16sr_val_loss'])}, "
           f"RN {fmt(res['coat_bf16rn_val_loss'])}); gap {fmt(res['val_loss_gap_rel'], '+.3%')}, bf16 SR "
-          f"{fmt(res['val_loss_gap_rel_bf16sr'], '+.3%')} (target within {TARGET_GAP:.1%})  ->  {path}", flush=True)
+          f"{fmt(res['val_loss_gap_rel_bf16sr'], '+.3%')} (target within {verdicts.GAP_REL:.1%})  ->  {path}",
+          flush=True)
     return 0 if all(r.get("status") == "ok" for r in runs.values()) else 1
 
 

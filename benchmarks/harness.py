@@ -206,12 +206,13 @@ def merge_files(paths: list[str], setting: Callable[[dict], dict], ours: dict, w
     return docs
 
 
-def calls_of(docs: list[dict], key: str = "calls") -> list[dict]:
+def calls_of(docs: list[dict]) -> list[dict]:
     """The calls that measured these files' rows, each once (the committed file and a machine's copy of it share
-    their first calls)."""
+    their first calls); a file written before the harness has its head as its one call."""
     out: list[dict] = []
     for doc in docs:
-        out += [c for c in doc.get(key, []) if c not in out]
+        own = doc.get("calls") or ([{k: doc.get(k) for k in CALL_FIELDS}] if doc.get("date") else [])
+        out += [c for c in own if c not in out]
     return out
 
 
@@ -228,11 +229,15 @@ def head(calls: list[dict]) -> dict:
 
 
 def write_results(res: dict, out: Path, name: str, plot=None) -> Path:
-    """`name`.json and `name`.png, drawn by `plot` (default plot_utils.plot_`name`); the JSON names the PNG once
-    it exists. A node without matplotlib writes the JSON alone: `python -m benchmarks.plot_utils` draws it later."""
+    """`name`.json and `name`.png, drawn by `plot` (default plot_utils.plot_`name`, where there is one); the JSON
+    names the PNG once it exists. A node without matplotlib writes the JSON alone: `python -m benchmarks.plot_utils`
+    draws it later."""
     path = write_json(out / f"{name}.json", res)
+    plot = plot or getattr(plot_utils, f"plot_{name}", None)
+    if plot is None:
+        return path
     try:
-        (plot or getattr(plot_utils, f"plot_{name}"))(res, out / f"{name}.png")
+        plot(res, out / f"{name}.png")
         res["png"] = str(out / f"{name}.png")
     except ImportError as e:
         print(f"warning: no plot ({e}); draw it later with python -m benchmarks.plot_utils {path}", file=sys.stderr)

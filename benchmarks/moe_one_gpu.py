@@ -1,153 +1,208 @@
 """Qwen3-30B-A3B full-parameter training on ONE GPU capped at an 80 GB card's memory (issue 60): tokens/s and peak GiB
 of coat_ds's FP8 layers (experts in grouped FP8 GEMMs) against the stock HF layers, both with CoatAdamW, FP8 moments
 in pinned host memory, the bf16 master and gradient release (ds_configs/zero3_offload_largest_model.json, whose
-"coat.activation" the stock rows switch off). One worker process per (configuration, micro-batch); a configuration's
-micro-batches rise until the first that does not fit. Rows are merged into the results file by (config, micro_batch),
-so a sweep can be split over several calls.
+"coat.activation" the stock rows switch off). A case over benchmarks/harness.py: one worker process per
+(configuration, micro-batch), a configuration's micro-batches rising until the first that does not fit; rows merge
+into moe_one_gpu.json by (config, micro_batch, seq, grad_accum), so a sweep can be split over several calls.
 
     python -m benchmarks.moe_one_gpu --configs coat,stock --micro-batches 1,2,4 --seq 4096 --cap-gib 79
+    python -m benchmarks.moe_one_gpu --smoke --breakdown --grad-accum 2 --out /tmp/moe    # CPU, tiny Qwen3-MoE
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
+import statistics
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
-from benchmarks.common import GIB, RESULTS, ROOT, proc_bytes, provenance, read_json, write_json
+from benchmarks import harness
+from benchmarks.common import (GIB, RESULTS, ROOT, add_worker_args, call_ms, check_positive, names_of, proc_bytes,
+                               read_json, worker_cmd, write_json)
+from benchmarks.configs import MODELS
 from coat_ds.workloads import causal_lm as train_lib
 from coat_ds.workloads.shapes import SHAPES
 
-MODEL = "qwen3-30b-a3b"
+NAME, MODEL, SMOKE_MODEL = "moe_one_gpu", "qwen3-30b-a3b", "tiny-qwen3_moe"
 PRESET = "ds_configs/zero3_offload_largest_model.json"
 CONFIGS = {"coat": "coat_ds FP8 layers (experts: grouped FP8 GEMMs) + CoatAdamW, host FP8 states, bf16 master, "
                    "release, recompute (the preset as written)",
            "stock": "stock HF layers (transformers' grouped_mm experts) + CoatAdamW, host FP8 states, bf16 master, "
                     "release (the preset with coat.activation enabled: false)"}
-TAG = "RESULT "
+PHASES = ("forward", "backward", "step")
+SETTING = ("model", "shape", "preset", "cap_gib")   # what rows of one file share; a file of another is refused
+ACCUMULATING = {"gradients": "per_parameter", "states": "device"}   # what coat allows with --grad-accum > 1
+WORKER_FLAGS = ("model", "seq", "steps", "cap_gib", "layers", "grad_accum", "breakdown")
 
 
-def ds_config(name: str, micro_batch: int) -> dict:
+def ds_config(name: str, micro_batch: int, grad_accum: int = 1) -> dict:
+    """The preset at this micro-batch and accumulation. Accumulating, gradients are kept per parameter and the FP8
+    states on the device: release steps each bucket as backward reduces it, and host states step with release, so
+    coat refuses both with more than one micro-batch a step."""
     cfg = json.loads((ROOT / PRESET).read_text())
-    cfg.update(train_micro_batch_size_per_gpu=micro_batch, gradient_accumulation_steps=1)
+    cfg.update(train_micro_batch_size_per_gpu=micro_batch, gradient_accumulation_steps=grad_accum)
+    if grad_accum > 1:
+        cfg["coat"].update(ACCUMULATING)
     if name == "stock":
         cfg["coat"]["activation"] = {"enabled": False}
     return cfg
 
 
-def worker(args: argparse.Namespace) -> dict:
-    """One configuration at one micro-batch: build partitioned in bf16 on the GPU, `--steps` timed steps after one
-    warm-up step."""
-    train_lib.default_allocator()
+def shape(args: argparse.Namespace) -> dict:
+    """The model's HF config fields as the file records them: --layers deep where given."""
+    return dict(MODELS[args.model], **({"num_hidden_layers": args.layers} if args.layers else {}))
+
+
+def identity(row: dict) -> tuple:
+    """A row's key in the file (rows from before --grad-accum ran one micro-batch a step)."""
+    return row["config"], row["micro_batch"], row["seq"], row.get("grad_accum", 1)
+
+
+# --- The worker: one configuration at one micro-batch ----------------------------------------------------------------
+def train_step(engine, micro: list, device: str, split: bool) -> tuple[float, dict[str, float]]:
+    """One optimizer step over `micro`'s micro-batches -> its last loss and, where `split`, the seconds of its
+    forwards, backwards and engine.step calls, each timed alone (CUDA event pairs on the GPU, perf_counter on the
+    CPU: common.call_ms)."""
+    secs, out = dict.fromkeys(PHASES, 0.0), {}
+    for x, y in micro:
+        for phase, fn in zip(PHASES, (lambda: out.update(loss=train_lib.lm_loss(engine, x, y)),
+                                      lambda: engine.backward(out["loss"]), engine.step)):
+            if split:
+                secs[phase] += call_ms(fn, device) / 1e3
+            else:
+                fn()
+    return out["loss"].item(), secs
+
+
+def worker(args: argparse.Namespace) -> int:
+    """Build partitioned (bf16 on the GPU, capped at --cap-gib; fp32 on the CPU), one warm-up step, then `--steps`
+    timed ones on the same --grad-accum micro-batches; the row written to --result."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     train_lib.set_single_process_env()
-    total = torch.cuda.get_device_properties(0).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * GIB / total))
-    cfg = ds_config(args.config, args.micro_batch)
-    shape = dict(SHAPES[MODEL], max_position_embeddings=max(args.seq, 4096),
-                 **({"num_hidden_layers": args.layers} if args.layers else {}))
+    if device == "cuda":
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * GIB / total))
+    cfg, built = ds_config(args.config, args.micro_batch, args.grad_accum), shape(args)
     with train_lib.built_partitioned(cfg):
-        model = train_lib.from_shape(shape, seed=0, device="cuda", dtype=torch.bfloat16)
+        model = train_lib.from_shape(dict(built, max_position_embeddings=max(args.seq, 4096)), seed=0, device=device,
+                                     dtype=torch.bfloat16 if device == "cuda" else torch.float32)
     engine = train_lib.initialize(model, cfg)
     gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, shape["vocab_size"], (args.micro_batch, args.seq + 1), generator=gen)
-    x, y = tokens[:, :-1], tokens[:, 1:]
+    tokens = [torch.randint(0, built["vocab_size"], (args.micro_batch, args.seq + 1), generator=gen).to(device)
+              for _ in range(args.grad_accum)]
+    micro = [(t[:, :-1], t[:, 1:]) for t in tokens]
+    sync = torch.cuda.synchronize if device == "cuda" else lambda: None
+    train_step(engine, micro, device, False)
+    sync()
+    t0 = time.perf_counter()
+    steps = [train_step(engine, micro, device, args.breakdown) for _ in range(args.steps)]
+    sync()
+    elapsed, n_params = time.perf_counter() - t0, sum(p.ds_numel for p in model.parameters())
+    peak = (lambda f: f() / GIB) if device == "cuda" else (lambda f: None)
+    write_json(args.result, {
+        "config": args.config, "micro_batch": args.micro_batch, "seq": args.seq, "grad_accum": args.grad_accum,
+        "fits": True, "tokens_per_s": args.micro_batch * args.grad_accum * args.seq * args.steps / elapsed,
+        "step_time_s": elapsed / args.steps, "peak_alloc_gib": peak(torch.cuda.max_memory_allocated),
+        "peak_reserved_gib": peak(torch.cuda.max_memory_reserved), "host_peak_rss_gib": proc_bytes("VmHWM") / GIB,
+        "host_bytes_per_param": proc_bytes("VmHWM") / n_params, "params": n_params,
+        "layers": built["num_hidden_layers"], **{k: cfg["coat"][k] for k in ACCUMULATING},
+        "losses": [loss for loss, _ in steps],
+        **({f"{k}_s": statistics.mean(s[k] for _, s in steps) for k in PHASES} if args.breakdown else {})})
+    return 0
 
-    def step() -> float:
-        loss = train_lib.lm_loss(engine, x, y)
-        engine.backward(loss)
-        engine.step()
-        return loss.item()
 
-    step()
-    torch.cuda.synchronize()
-    t0, losses = time.perf_counter(), [step() for _ in range(args.steps)]
-    torch.cuda.synchronize()
-    elapsed = time.perf_counter() - t0
-    n_params = sum(p.ds_numel for p in model.parameters())
-    return {"config": args.config, "micro_batch": args.micro_batch, "seq": args.seq, "fits": True,
-            "tokens_per_s": args.micro_batch * args.seq * args.steps / elapsed, "step_time_s": elapsed / args.steps,
-            "peak_alloc_gib": torch.cuda.max_memory_allocated() / GIB,
-            "peak_reserved_gib": torch.cuda.max_memory_reserved() / GIB, "host_peak_rss_gib": proc_bytes("VmHWM") / GIB,
-            "host_bytes_per_param": proc_bytes("VmHWM") / n_params, "params": n_params,
-            "layers": shape["num_hidden_layers"], "losses": losses}
-
-
+# --- The case: its jobs and its file ---------------------------------------------------------------------------------
 def run_one(args: argparse.Namespace, name: str, micro_batch: int) -> dict:
     """A worker process's row; one that fails says how (out of memory: fits false)."""
-    cmd = [sys.executable, "-m", "benchmarks.moe_one_gpu", "--worker", "--config", name, "--micro-batch",
-           str(micro_batch), "--seq", str(args.seq), "--steps", str(args.steps), "--cap-gib", str(args.cap_gib),
-           *(["--layers", str(args.layers)] if args.layers else [])]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                              [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])})
-    rows = [json.loads(line[len(TAG):]) for line in proc.stdout.splitlines() if line.startswith(TAG)]
-    if rows:
-        return rows[-1]
-    text = proc.stdout + proc.stderr
-    oom = "out of memory" in text.lower() or "OutOfMemoryError" in text
-    tail = [line for line in text.splitlines() if line.strip()][-3:]
-    return {"config": name, "micro_batch": micro_batch, "seq": args.seq, "fits": False, "oom": oom,
-            "returncode": proc.returncode, "error": " | ".join(tail)[-800:]}
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "row.json"
+        cmd = worker_cmd(f"benchmarks.{NAME}", args, WORKER_FLAGS, config=name, micro_batch=micro_batch,
+                         result=result)
+        code, tail = harness.run_worker(cmd, args.timeout)
+        row = read_json(result)
+    if row:
+        return row
+    oom = "out of memory" in tail.lower() or "OutOfMemoryError" in tail
+    lines = [line for line in tail.splitlines() if line.strip()][-3:]
+    return {"config": name, "micro_batch": micro_batch, "seq": args.seq, "grad_accum": args.grad_accum, "fits": False,
+            "oom": oom, "returncode": code, "error": " | ".join(lines)[-800:]}
+
+
+def results(args: argparse.Namespace, rows: list[dict], call: dict) -> dict:
+    """The file with this call's rows merged into --out's by identity; exits in one line where that file's rows
+    follow another setting (model, shape, preset, cap)."""
+    ours = {"model": args.model, "shape": shape(args), "preset": PRESET, "cap_gib": args.cap_gib}
+    old = read_json(args.out / f"{NAME}.json") or {}
+    if old:
+        harness.same_setting(str(args.out / f"{NAME}.json"), {k: old.get(k) for k in SETTING}, ours)
+    calls = [*harness.calls_of([old]), call]
+    merged = harness.merged(identity, old.get("rows", []), rows)
+    return {**old, **harness.head(calls), **ours, "configs": CONFIGS, "rows": list(merged.values())}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", default="coat,stock", help=f"comma-separated, of {list(CONFIGS)}")
-    p.add_argument("--micro-batches", default="1,2,4", help="rising; a configuration stops at its first that fails")
-    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--micro-batches", help="rising; a configuration stops at its first that fails (default 1,2,4; "
+                                           "--smoke 1,2)")
+    p.add_argument("--seq", type=int, help="default 4096 (--smoke 32)")
     p.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
+    p.add_argument("--grad-accum", type=int, default=1,
+                   help="DeepSpeed's gradient_accumulation_steps: micro-batches a step (tokens/s counts them all); "
+                        f"above 1 the preset runs with {ACCUMULATING} (coat refuses release and host states there)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="time each step's forward, backward and engine.step apart (forward_s, backward_s, step_s)")
     p.add_argument("--cap-gib", type=float, default=79.0,
                    help="torch.cuda.set_per_process_memory_fraction's cap: an 80 GB card's usable memory")
-    p.add_argument("--layers", type=int, default=None, help="a shallower stand-in (smoke runs); default: all 48")
+    p.add_argument("--layers", type=int, default=None,
+                   help=f"a shallower stand-in; default: all {SHAPES[MODEL]['num_hidden_layers']}")
     p.add_argument("--timeout", type=float, default=1500.0, help="seconds per worker")
-    p.add_argument("--out", default=str(RESULTS / "moe_one_gpu.json"))
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--smoke", action="store_true", help=f"CPU: {SMOKE_MODEL} (benchmarks/configs.py), seq 32")
+    p.add_argument("--out", type=Path, help=f"where {NAME}.json goes (default benchmarks/results; --smoke "
+                                            f"runs/{NAME}_smoke)")
+    add_worker_args(p)
+    p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--config", help=argparse.SUPPRESS)
     p.add_argument("--micro-batch", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    args.config_names = [c.strip() for c in args.configs.split(",") if c.strip()]
-    bad = [c for c in args.config_names if c not in CONFIGS]
-    if bad or not args.config_names:
-        p.error(f"--configs {args.configs!r}: {bad or 'none'} unknown; allowed: {list(CONFIGS)}")
+    args.config_names = names_of(p, "configs", args.configs, CONFIGS)
+    args.model = args.model or (SMOKE_MODEL if args.smoke else MODEL)
+    args.seq = (32 if args.smoke else 4096) if args.seq is None else args.seq
+    args.micro_batches = args.micro_batches or ("1,2" if args.smoke else "1,2,4")
     try:
         args.batches = sorted({int(b) for b in args.micro_batches.split(",")})
     except ValueError:
-        p.error(f"--micro-batches {args.micro_batches!r}: allowed: comma-separated whole numbers >= 1")
-    for key in ("seq", "steps"):
-        if getattr(args, key) < 1:
-            p.error(f"--{key} {getattr(args, key)}: allowed: a whole number >= 1")
-    if not args.batches or args.batches[0] < 1 or args.cap_gib <= 0:
-        p.error("--micro-batches must be >= 1 and --cap-gib > 0")
+        args.batches = []
+    if not args.batches or args.batches[0] < 1:
+        p.error(f"--micro-batches={args.micro_batches!r} is invalid; allowed: comma-separated integers >= 1")
+    check_positive(p, args, ("seq", "steps", "grad_accum", "layers"))
+    if args.cap_gib <= 0:
+        p.error(f"--cap-gib={args.cap_gib} is invalid; allowed: a number > 0")
+    args.out = args.out or (ROOT / "runs" / f"{NAME}_smoke" if args.smoke else RESULTS)
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
-        print(TAG + json.dumps(worker(args)), flush=True)
-        return 0
-    if not torch.cuda.is_available():
-        print("moe_one_gpu: needs a CUDA GPU (allowed here: none)", file=sys.stderr)
+        return harness.worker_exit(lambda: worker(args))
+    if not args.smoke and not torch.cuda.is_available():
+        print(f"{NAME}: needs a CUDA GPU; allowed here: --smoke (CPU)", file=sys.stderr)
         return 2
-    rows = []
+    call, rows = harness.this_call(), []
     for name in args.config_names:
         for b in args.batches:
-            row = run_one(args, name, b)
-            print(json.dumps(row), flush=True)
-            rows.append(row)
-            if not row["fits"]:
+            rows.append(run_one(args, name, b))
+            print(json.dumps(rows[-1]), flush=True)
+            if not rows[-1]["fits"]:
                 break
-    old = read_json(args.out, {}) or {}
-    keep = [r for r in old.get("rows", []) if (r["config"], r["micro_batch"], r["seq"]) not in
-            {(r2["config"], r2["micro_batch"], r2["seq"]) for r2 in rows}]
-    write_json(args.out, {**provenance(), "model": MODEL, "shape": SHAPES[MODEL], "preset": PRESET,
-                          "cap_gib": args.cap_gib, "configs": CONFIGS, "rows": keep + rows})
-    print(f"wrote {args.out}")
-    return 0
+    path = harness.write_results(results(args, rows, call), args.out, NAME)
+    print(f"-> {path}", flush=True)
+    return 0 if rows[0]["fits"] else 1
 
 
 if __name__ == "__main__":

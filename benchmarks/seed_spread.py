@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -16,7 +15,8 @@ from benchmarks import convergence, harness
 from benchmarks.accuracy import verdicts
 from benchmarks.common import RESULTS, read_json
 from benchmarks.configs import CONFIGS, check_args
-from benchmarks.convergence import SMOKE_CONFIGS, fmt, last_common_step, rel_gap
+from benchmarks.accuracy.verdicts import gap, inside, mean_std
+from benchmarks.convergence import SMOKE_CONFIGS, fmt, last_common_step
 from benchmarks.render_tables import markdown
 
 DEFAULT_CONFIGS = "bf16,coat_opt,coat_full,coat_full_bf16sr"
@@ -89,11 +89,6 @@ def entry(run: dict, call: int) -> dict:
 
 
 # --- Statistics -------------------------------------------------------------------------------------------------------
-def mean_std(xs: list[float]) -> tuple[float | None, float | None]:
-    """Mean and sample standard deviation (n - 1); None where there are too few values."""
-    return (statistics.mean(xs) if xs else None), (statistics.stdev(xs) if len(xs) > 1 else None)
-
-
 def config_stats(runs: dict[str, dict], step: int | None) -> dict:
     """One configuration's seeds at `step`: each seed's final and best (lowest so far) loss, mean, std, min, max."""
     seeds = sorted((s for s, e in runs.items() if dict(e["val"] or []).get(step) is not None), key=int)
@@ -114,13 +109,11 @@ def summarize(section: dict) -> None:
     band = verdicts.band(base["final"]) if base["final"] else None
     for st in stats.values():
         mean = st["final_mean"]
-        st["gap_rel_mean"] = rel_gap(mean, base["final_mean"])
-        st["gap_rel_mean_best"] = rel_gap(st["best_mean"], base["best_mean"])
-        st["within_bf16_spread"] = st["outside_bf16_spread_rel"] = None
-        if band is not None and mean is not None:
-            inside = st["within_bf16_spread"] = band["low"] <= mean <= band["high"]
-            st["outside_bf16_spread_rel"] = 0.0 if inside else min(abs(mean - band[k]) for k in ("low", "high")) / \
-                base["final_mean"]
+        st["gap_rel_mean"] = gap(mean, base["final_mean"])
+        st["gap_rel_mean_best"] = gap(st["best_mean"], base["best_mean"])
+        st["within_bf16_spread"] = inside(band, mean)
+        st["outside_bf16_spread_rel"] = None if st["within_bf16_spread"] is None else 0.0 if st[
+            "within_bf16_spread"] else min(abs(mean - band[k]) for k in ("low", "high")) / base["final_mean"]
     section.update(steps_compared=step, bf16_band=band, summary=stats)
 
 

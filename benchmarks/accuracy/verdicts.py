@@ -20,18 +20,22 @@ import math
 import statistics
 
 BAND_STDS, BAND_REL = 2.0, 0.005      # BF16's mean +- the wider of 2 std and 0.5% of the mean
-FINETUNE_REL = 0.005                  # fine-tuning: within 0.5% of BF16's, before the first step and at the end
+GAP_REL = 0.005                       # one run against BF16's (fine-tuning, convergence): within 0.5% of it
 TARGETS = {"band": f"BF16's seed mean +- max({BAND_STDS:g} std, {BAND_REL:.1%} of the mean)",
            "spike": "every seed's largest rise of the validation loss over its running minimum <= BF16's band "
                     "half-width (BF16's seeds judged too)",
-           "finetune": f"validation loss before the first step and at the end within {FINETUNE_REL:.1%} of BF16's"}
+           "finetune": f"validation loss before the first step and at the end within {GAP_REL:.1%} of BF16's"}
+
+
+def mean_std(xs: list[float]) -> tuple[float | None, float | None]:
+    """Mean and sample standard deviation (n - 1); None where there are too few values."""
+    return (statistics.mean(xs) if xs else None), (statistics.stdev(xs) if len(xs) > 1 else None)
 
 
 def band(finals: list[float]) -> dict:
-    """BF16's band from its seeds' final validation losses: mean, sample std (n - 1; None for one seed), the
-    half-width and which rule set it."""
-    mean = statistics.mean(finals)
-    std = statistics.stdev(finals) if len(finals) > 1 else None
+    """BF16's band from its seeds' final validation losses: mean, sample std (None for one seed), the half-width
+    and which rule set it."""
+    mean, std = mean_std(finals)
     by_std = BAND_STDS * std if std is not None else 0.0
     half = max(by_std, BAND_REL * mean)
     return {"seeds": len(finals), "mean": mean, "std": std, "half_width": half, "low": mean - half, "high": mean + half,
@@ -50,8 +54,20 @@ def val_rise(val: list[list]) -> dict:
     return worst
 
 
+def inside(b: dict | None, x: float | None) -> bool | None:
+    """Whether `x` lies in band `b` (None where either is unknown)."""
+    return None if b is None or x is None else b["low"] <= x <= b["high"]
+
+
 def gap(x: float | None, base: float | None) -> float | None:
+    """(x - base) / base, None where either is unknown."""
     return None if x is None or not base else (x - base) / base
+
+
+def close(x: float | None, base: float | None) -> bool | None:
+    """Whether `x` is within GAP_REL of `base` (None where either is unknown)."""
+    g = gap(x, base)
+    return None if g is None else abs(g) <= GAP_REL
 
 
 def pretrain(finals: dict[str, dict[int, float]], rises: dict[str, dict[int, float]]) -> dict:
@@ -67,19 +83,18 @@ def pretrain(finals: dict[str, dict[int, float]], rises: dict[str, dict[int, flo
     for name, by_seed in finals.items():
         if not by_seed:
             continue
-        mean = statistics.mean(by_seed.values())
         seeds = sorted(by_seed)
+        mean, std = mean_std([by_seed[s] for s in seeds])
         rise = [(rises.get(name) or {}).get(s) for s in seeds]
-        row = {"seeds": seeds, "finals": [by_seed[s] for s in seeds], "final_mean": mean,
-               "final_std": statistics.stdev(by_seed.values()) if len(by_seed) > 1 else None,
+        row = {"seeds": seeds, "finals": [by_seed[s] for s in seeds], "final_mean": mean, "final_std": std,
                "gap_rel": gap(mean, b and b["mean"]), "rises": rise,
                "largest_rise": max((r for r in rise if r is not None), default=None)}
         if b is not None:
             row["seeds_spike_ok"] = [None if r is None else r <= allowed for r in rise]
             row["spike_ok"] = None if None in row["seeds_spike_ok"] else all(row["seeds_spike_ok"])
         if name != "bf16" and b is not None:
-            row["within_band"] = b["low"] <= mean <= b["high"]
-            row["seeds_within_band"] = [b["low"] <= by_seed[s] <= b["high"] for s in seeds]
+            row["within_band"] = inside(b, mean)
+            row["seeds_within_band"] = [inside(b, by_seed[s]) for s in seeds]
             row["meets_targets"] = row["within_band"] and row["spike_ok"] is not False
         out["configs"][name] = row
     return out
@@ -87,16 +102,13 @@ def pretrain(finals: dict[str, dict[int, float]], rises: dict[str, dict[int, flo
 
 def finetune(before: dict[str, float], end: dict[str, float]) -> dict:
     """Per configuration: the validation loss before the first step and at the end, each one's gap to BF16's and
-    whether both lie within FINETUNE_REL."""
+    whether both lie within GAP_REL."""
     out = {}
     for name in dict.fromkeys([*before, *end]):
         row = {"before": before.get(name), "end": end.get(name),
-               "gap_before_rel": gap(before.get(name), before.get("bf16")),
-               "gap_end_rel": gap(end.get(name), end.get("bf16"))}
+               **{f"gap_{k}_rel": gap(v.get(name), v.get("bf16")) for k, v in (("before", before), ("end", end))}}
         if name != "bf16":
-            row["before_ok"] = None if row["gap_before_rel"] is None else abs(row["gap_before_rel"]) <= FINETUNE_REL
-            row["end_ok"] = None if row["gap_end_rel"] is None else abs(row["gap_end_rel"]) <= FINETUNE_REL
-            row["meets_targets"] = None if None in (row["before_ok"], row["end_ok"]) else \
-                row["before_ok"] and row["end_ok"]
+            ok = [close(v.get(name), v.get("bf16")) for v in (before, end)]
+            row.update(before_ok=ok[0], end_ok=ok[1], meets_targets=None if None in ok else all(ok))
         out[name] = row
     return dict(sorted(out.items(), key=lambda kv: kv[0] != "bf16"))

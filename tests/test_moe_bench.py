@@ -1,0 +1,60 @@
+"""benchmarks/moe_one_gpu.py as a case over the harness: its CPU smoke on a tiny Qwen3-MoE through real worker
+processes (the step breakdown, gradient accumulation, the preset as written), rows merged into one file by identity,
+the committed results file still read and merged into, a file of another setting refused."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from harness import ROOT, child_env
+
+sys.path.insert(0, str(ROOT))
+from benchmarks import harness as H, moe_one_gpu as M  # noqa: E402
+
+
+def smoke(*argv: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.moe_one_gpu", "--smoke", *argv], cwd=ROOT,
+                          env=child_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+
+
+@pytest.mark.slow   # three worker processes: ~1 min of CPU
+def test_smoke_breakdown_accumulation_and_a_second_call_merged(tmp_path):
+    smoke("--configs", "coat,stock", "--micro-batches", "1", "--grad-accum", "2", "--breakdown", "--steps", "2",
+          "--out", str(tmp_path))
+    doc = json.loads((tmp_path / "moe_one_gpu.json").read_text())
+    assert doc["model"] == M.SMOKE_MODEL and doc["shape"]["model_type"] == "qwen3_moe" and len(doc["calls"]) == 1
+    for row, name in zip(doc["rows"], ("coat", "stock")):
+        assert (row["config"], row["micro_batch"], row["seq"], row["grad_accum"], row["fits"]) == (name, 1, 32, 2, True)
+        # tokens/s counts both micro-batches of a step; the three phases, each timed alone, make up the step
+        assert row["tokens_per_s"] == pytest.approx(1 * 2 * 32 / row["step_time_s"])
+        phases = sum(row[f"{k}_s"] for k in M.PHASES)
+        assert min(row[f"{k}_s"] for k in M.PHASES) > 0 and 0.5 * row["step_time_s"] < phases <= row["step_time_s"]
+        assert (row["gradients"], row["states"]) == ("per_parameter", "device") and len(row["losses"]) == 2
+    smoke("--configs", "coat", "--micro-batches", "1", "--steps", "1", "--out", str(tmp_path))   # the preset as is
+    doc = json.loads((tmp_path / "moe_one_gpu.json").read_text())
+    assert [M.identity(r) for r in doc["rows"]] == [("coat", 1, 32, 2), ("stock", 1, 32, 2), ("coat", 1, 32, 1)]
+    assert (doc["rows"][2]["gradients"], doc["rows"][2]["states"]) == ("release", "host")
+    assert "forward_s" not in doc["rows"][2] and len(doc["calls"]) == 2
+
+
+def test_the_committed_file_is_read_and_a_new_row_merges_into_it(tmp_path):
+    """results/moe_one_gpu.json (written before the harness: no calls) takes a later call's row by identity, keeps
+    its own rows, keys and note, and counts its call; a call of another shape is refused in one line."""
+    committed = json.loads((M.RESULTS / "moe_one_gpu.json").read_text())
+    args = M.parse_args([])
+    assert args.out == M.RESULTS and (args.model, args.seq, args.batches) == (M.MODEL, 4096, [1, 2, 4])
+    new = dict(committed["rows"][1], tokens_per_s=1.0, date="new")              # coat, micro-batch 2, again
+    extra = dict(committed["rows"][0], micro_batch=4)
+    doc = M.results(args, [new, extra], {"date": "D", "device": "H"})
+    assert [M.identity(r) for r in doc["rows"]] == [("coat", 1, 4096, 1), ("coat", 2, 4096, 1), ("coat", 4, 4096, 1)]
+    assert doc["rows"][0] == committed["rows"][0] and doc["rows"][1]["tokens_per_s"] == 1.0
+    assert doc["note"] == committed["note"] and doc["calls"][0]["date"] == committed["date"]
+    assert (doc["date"], doc["device"], len(doc["calls"])) == ("D", "H", 2)
+    assert {k: doc[k] for k in M.SETTING} == {k: committed[k] for k in M.SETTING}
+    with pytest.raises(SystemExit, match=r"its rows followed another setting \(shape differ"):
+        M.results(M.parse_args(["--layers", "2"]), [], {})
+    assert H.calls_of([committed, committed]) == [{k: committed[k] for k in H.CALL_FIELDS}]
