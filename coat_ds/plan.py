@@ -59,8 +59,11 @@ def layer_bytes(shape: Shape, activation: Any, sparse: bool | None = None) -> fl
     qk = shape.hd * (shape.heads + shape.kv_heads) / h * shape.qk_norm  # per-head q/k norm inputs over hidden
     if full:   # FP8 norm inputs with 1/g exponents + fp32 rstd; gate/up FP8 with 1/g exponents
         norms, mlp = shape.norms * (1 + 1 / g + 4 / h) + qk * (1 + 1 / g + 4 / shape.hd), 2 * i * (1 + 1 / g)
-    else:      # the stock RMSNorm keeps its fp32 input and bf16 output; the linears their input (FP8: 1 B)
-        norms, mlp = 2 * (6 + (1 if linear else 2)) + (shape.norms - 2 + qk) * 8, (7 if linear else 8) * i
+    else:      # the stock RMSNorm keeps its fp32 input and its normed output (bf16; fp32 where the family multiplies
+        # by its weight in fp32, Gemma 3); a norm before q/k/v or gate/up also the linear's input (FP8: 1 B); the
+        # others (q/k norms before RoPE, Gemma's post-norms before the residual add) nothing more
+        kept = 8 if shape.fp32_norms else 6
+        norms, mlp = 2 * (kept + (1 if linear else 2)) + (shape.norms - 2 + qk) * kept, (7 if linear else 8) * i
     if activation is not None and activation.enabled and activation.attention_fp8:
         attention = q_kv * (1 + 1 / g)                               # E4M3 q, k, v + scales; output recomputed
     else:      # bf16 q, k, v and output, fp32 log-sum-exp per head; FP8 linears add o_proj's FP8 input

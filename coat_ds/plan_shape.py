@@ -19,8 +19,9 @@ class PlanError(ValueError):
 
 
 # What a family's layer has beyond Llama's: per-head q/k norms (Qwen3, Qwen3-MoE, Gemma 3), a norm after attention
-# and after the MLP too (Gemma 3: 4 a layer).
-FAMILIES = {"qwen3": dict(qk_norm=True), "qwen3_moe": dict(qk_norm=True), "gemma3_text": dict(qk_norm=True, norms=4)}
+# and after the MLP too (Gemma 3: 4 a layer), RMSNorms that multiply by (1 + w) in fp32 (Gemma 3).
+FAMILIES = {"qwen3": dict(qk_norm=True), "qwen3_moe": dict(qk_norm=True),
+            "gemma3_text": dict(qk_norm=True, norms=4, fp32_norms=True)}
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class Shape:
     tied: bool = False
     norms: int = 2
     qk_norm: bool = False
+    fp32_norms: bool = False       # the stock RMSNorm keeps its normed output in fp32 (Gemma 3)
     family: str = "llama"          # config.model_type: whether the engine runs the chunked loss (plan.chunk_runs)
     experts: Experts | None = None
 

@@ -457,17 +457,18 @@ def _saved_per_layer(model: torch.nn.Module, tokens: int) -> list[float]:
             for i in range(len(layers))]
 
 
-@pytest.mark.parametrize("model_type,act", [("qwen3_moe", {"attention_fp8": True}),
-                                            ("mixtral", {"attention_fp8": True}), ("mixtral", None)])
-def test_a_sparse_layer_keeps_what_the_planner_counts(model_type, act):
-    """A bf16 mixture-of-experts layer on the CPU saves for backward what layer_bytes counts, within 1%: coat's FP8
-    layer (FP8 norm inputs, q, k, v; the router's bf16 input and its probabilities; the experts' FP8 input once and
-    FP8 gate/up per routed copy) and the stock one (transformers' grouped_mm experts: every routed copy's bf16
-    activations); the CPU's attention keeps what the GPU's does (FP8 q, k, v; SDPA's q, k, v, output, log-sum-exp)."""
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "llama", "qwen3", "gemma3_text"])
+@pytest.mark.parametrize("act", [{"attention_fp8": True}, {"attention_fp8": True, "mode": "linear"}, None])
+def test_a_layer_keeps_what_the_planner_counts(model_type, act):
+    """A bf16 decoder layer on the CPU saves for backward what layer_bytes counts, within 1%: coat's FP8 layer (FP8
+    norm inputs, q, k, v; a mixture of experts' router bf16 input and probabilities, the experts' FP8 input once and
+    FP8 gate/up per routed copy), its linear mode (stock norms) and the stock layer (a stock RMSNorm's fp32 input and
+    normed output, Gemma 3's in fp32; transformers' grouped_mm experts: every routed copy's bf16 activations); the
+    CPU's attention keeps what the GPU's does (FP8 q, k, v; SDPA's q, k, v, output, log-sum-exp)."""
     import coat_ds
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    hf = dict(SMALL_MOE, **MOE_FAMILIES[model_type])
+    hf = dict(SMALL_MOE, **MOE_FAMILIES.get(model_type, dict(intermediate_size=512)))
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **hf)).to(torch.bfloat16).train()
     cfg = None if act is None else ActivationConfig(**act)
