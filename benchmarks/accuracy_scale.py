@@ -3,14 +3,8 @@
 lowest_memory and largest_model (3 seeds for BF16 and lowest_memory); then BF16's final model fine-tuned on perldoc
 with each, validated before its first step and at the end.
 
-    python -m benchmarks.accuracy_scale --plan-only                          # the schedule, predicted minutes
-    python -m benchmarks.accuracy_scale --deadline 540 --partial-ok --merge OLD.json --out DIR      # 4 GPUs
-    python -m benchmarks.accuracy_scale --smoke --out /tmp/acc               # CPU: 2 ranks, tiny model, small corpora
-
-One main job at a time on all --num-gpus GPUs (--side-by-side: several at once on disjoint GPUs of --host-gpus),
-each run in its own directory under --run-root; a run the deadline stops checkpoints and continues from there in a
-later call on the same machine (--merge). docs/benchmarks.md, "Accuracy at scale", has the device commands and what
-each run takes.
+A case over benchmarks/harness.py: a run the deadline stops checkpoints and continues in a later call on the same
+machine (--merge). docs/benchmarks.md, "Accuracy at scale", has the commands and what each run takes.
 """
 from __future__ import annotations
 
@@ -37,7 +31,6 @@ KILL_MARGIN_S = 10.0    # and killed this long before it, whatever it is doing
 MIN_PARTIAL_S = 120.0   # --partial-ok starts a run that will not end only where it gets this long before the signal
 OUTLIERS_S = (90.0, 20.0)   # the outlier measure's predicted seconds (4 GPUs, smoke): load the export, 8 forwards
 EXPORT, MARK = "export_bf16", "coat_export.json"   # BF16's model the fine-tuning starts from, and what made it
-DONE = harness.ENDED   # a run that ended: kept, not run again (a diverged run is a result)
 
 
 @dataclass(frozen=True)
@@ -68,29 +61,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seeds", default="0,1,2", help=f"comma-separated: each for {', '.join(R.MULTI_SEED)}, the first "
                                                     f"for the other presets (the fine-tuning and BF16's export: seed "
                                                     f"{R.EXPORT_SEED})")
-    p.add_argument("--phase", default="all", choices=PHASES,
-                   help="all: BF16's first seed (exported), the outlier measure and the fine-tuning first, then the "
-                        "other pretraining runs")
+    p.add_argument("--phase", default="all", choices=PHASES, help="all: BF16's export, the outliers and the "
+                                                                  "fine-tuning first, then the other pretraining runs")
     p.add_argument("--num-gpus", type=int, help=f"GPUs of the main job, from {list(R.GPU_COUNTS)} (default 4; "
                                                 f"--smoke 2 CPU ranks)")
-    p.add_argument("--deadline", type=float, default=math.inf,
-                   help="seconds from start: a run is started only if its predicted time fits; one still going "
-                        f"{STOP_MARGIN_S:g} s before is stopped (it checkpoints) and continued by a later call")
-    p.add_argument("--partial-ok", action="store_true",
-                   help="start a run that will not end before the deadline too (it stops there and continues in the "
-                        "next call on this machine): for every call of a session but its last")
-    p.add_argument("--side-by-side", action="store_true",
-                   help="runs at once on disjoint GPUs of --host-gpus: the fine-tunings one GPU each (their batch is "
-                        "the same in samples; at 4 samples a step one GPU is about as fast as four), pretraining runs "
-                        "--num-gpus each (2 at once on 4 GPUs at --num-gpus 2)")
+    p.add_argument("--deadline", type=float, default=math.inf, help="seconds from start: a run starts where its "
+                   f"predicted time fits; one still going {STOP_MARGIN_S:g} s before checkpoints, a later call goes on")
+    p.add_argument("--partial-ok", action="store_true", help="start a run that will not end before the deadline too "
+                                                             "(every call of a session but its last)")
+    p.add_argument("--side-by-side", action="store_true", help="runs at once on disjoint GPUs of --host-gpus: "
+                                                               "fine-tunings one GPU each, pretraining --num-gpus each")
     p.add_argument("--host-gpus", type=int, help="GPUs of the host that --side-by-side shares (default: --num-gpus)")
     p.add_argument("--tokens-per-s", help="pretraining's assumed tokens/s on 4 GPUs, before a run has measured its "
                                           "own: one number, or config=N,... (default: benchmarks/accuracy/recipe.py)")
-    p.add_argument("--merge", nargs="+", default=[], metavar="FILE",
-                   help="earlier results files (later ones win; missing ones are skipped): finished runs are kept, "
-                        "partial ones continue from their checkpoints when their run directory is still there")
+    p.add_argument("--merge", nargs="+", default=[], metavar="FILE", help="earlier results files (missing ones "
+                   "skipped): ended runs kept, partial ones continued from their checkpoints where they are")
     p.add_argument("--plan-only", action="store_true", help="print the schedule and its predicted minutes")
-    p.add_argument("--smoke", action="store_true", help="tiny model, a few dozen steps, the small corpora, CPU ranks")
+    p.add_argument("--smoke", action="store_true", help=f"tiny model, {R.SMOKE_PRETRAIN.steps} + "
+                                                        f"{R.SMOKE_FINETUNE.steps} steps, the small corpora, CPU ranks")
     p.add_argument("--data-root", type=Path, default=ROOT / ".data" / "corpora",
                    help="the corpora's folders (python -m data.prepare_corpus [--from-carry] writes them)")
     p.add_argument("--run-root", type=Path, help="the runs' directories (default runs/accuracy_scale[_smoke])")
@@ -122,10 +110,8 @@ def rates_flag(p: argparse.ArgumentParser, value: str | None) -> dict[str, float
     if value is None:
         return {}
     try:
-        if "=" not in value:
-            return {n: float(value) for n in R.CONFIGS}
-        pairs = dict(kv.split("=", 1) for kv in value.split(","))
-        out = {k.strip(): float(v) for k, v in pairs.items()}
+        out = ({n: float(value) for n in R.CONFIGS} if "=" not in value else
+               {k.strip(): float(v) for k, v in (kv.split("=", 1) for kv in value.split(","))})
     except ValueError:
         out = {}
     if not out or any(k not in R.CONFIGS or not v > 0 for k, v in out.items()):
@@ -182,15 +168,16 @@ def todo(args: argparse.Namespace, res: dict, job: Job) -> Todo | None:
         have = res.get("outliers")
         return None if have and (current is None or have.get("export_id") == current) else Todo(job, why="measure")
     stale = job.phase == "finetune" and entry and current and entry.get("export_id") != current
-    if entry and entry["status"] in DONE and not stale and not rerun_for_export(args, res, job):
+    status = (entry or {}).get("status")
+    if status in harness.ENDED and not stale and not rerun_for_export(args, res, job):
         return None
     steps = args.recipes[job.phase].steps
     ckpt = runs.checkpoint_step(run_dir) if not stale else None
     if ckpt is not None and ckpt < steps:
         return Todo(job, ckpt, steps - ckpt, f"continue from step {ckpt}")
-    why = ("again: made from another export" if stale else "again: the fine-tuning needs its export" if entry and
-           entry["status"] in DONE else f"restart (its run directory is gone; {entry['steps_done']} steps logged)"
-           if entry and entry["status"] == "partial" else "again (failed)" if entry else "from scratch")
+    why = ("again: made from another export" if stale else "again: the fine-tuning needs its export"
+           if status in harness.ENDED else f"restart (its run directory is gone; {entry['steps_done']} steps logged)"
+           if status == "partial" else "again (failed)" if entry else "from scratch")
     return Todo(job, None, steps, why)
 
 
@@ -198,7 +185,8 @@ def rerun_for_export(args: argparse.Namespace, res: dict, job: Job) -> bool:
     """BF16's exported pretraining must run again: the fine-tuning has runs to do and this machine has no export."""
     if job != SOURCE or args.phase == "pretrain" or export_id(args):
         return False
-    return any((res["runs"].get(f.key) or {}).get("status") not in DONE for f in jobs(args) if f.phase == "finetune")
+    return any((res["runs"].get(f.key) or {}).get("status") not in harness.ENDED
+               for f in jobs(args) if f.phase == "finetune")
 
 
 def measured_rate(res: dict, phase: str, config: str, gpus: int) -> float | None:
@@ -259,12 +247,9 @@ def side_gpus(args: argparse.Namespace, phase: str) -> int:
     return 1 if phase == "finetune" else args.num_gpus
 
 
-def slots(args: argparse.Namespace, phase: str) -> int:
-    """How many jobs of `phase` run at once: one, but with --side-by-side as many as the host's GPUs hold (the
-    outlier measure always alone)."""
-    if not args.side_by_side or phase == "outliers":
-        return 1
-    return args.host_gpus // side_gpus(args, phase)
+def beside(args: argparse.Namespace, phase: str) -> bool:
+    """Whether jobs of `phase` share the host's GPUs (--side-by-side; the outlier measure always alone)."""
+    return args.side_by_side and phase != "outliers"
 
 
 def devices(args: argparse.Namespace, phase: str, slot: int) -> str:
@@ -273,9 +258,9 @@ def devices(args: argparse.Namespace, phase: str, slot: int) -> str:
 
 
 def groups(args: argparse.Namespace, plan: list[Todo]) -> list[list[Todo]]:
-    """The plan as this call runs it (harness.pack): one job at a time, but with --side-by-side consecutive jobs of
-    one phase as many at once as the host's GPUs hold (the outlier measure always alone)."""
-    joins = lambda group, t: slots(args, t.job.phase) > 1 and t.job.phase == group[0].job.phase  # noqa: E731
+    """The plan as this call runs it (harness.pack): one job at a time, but side by side consecutive jobs of one
+    phase as many at once as the host's GPUs hold."""
+    joins = lambda group, t: beside(args, t.job.phase) and t.job.phase == group[0].job.phase  # noqa: E731
     return harness.pack(plan, args.host_gpus, lambda t: side_gpus(args, t.job.phase), joins, in_order=True)
 
 
@@ -290,9 +275,8 @@ def schedule_text(args: argparse.Namespace, res: dict, plan: list[Todo]) -> str:
                 tps, source = rate(args, res, t.job.phase, t.job.config)
                 what = f", {t.steps_left:,} steps at {tps:,.0f} tokens/s ({source})"
             per = side_gpus(args, t.job.phase)
-            per_text = "one GPU" if per == 1 else f"{per} GPUs"
-            beside = f", {per_text}, beside {len(group) - 1} more" if len(group) > 1 else ""
-            lines.append(f"  {t.job.key}: {t.why}{what}{beside}: ~{t.est_s / 60:.1f} min (ends ~{total / 60:.1f} min)")
+            more = f", {'one GPU' if per == 1 else f'{per} GPUs'}, beside {len(group) - 1} more" if group[1:] else ""
+            lines.append(f"  {t.job.key}: {t.why}{what}{more}: ~{t.est_s / 60:.1f} min (ends ~{total / 60:.1f} min)")
     gpus = args.host_gpus if args.side_by_side else args.num_gpus
     head = f"{len(plan)} jobs on {gpus} {'CPU ranks' if args.smoke else 'GPUs'}, ~{total / 60:.1f} min in all"
     return "\n".join([head, *lines] if plan else ["nothing left to run"])
@@ -347,7 +331,7 @@ def run_job(args: argparse.Namespace, res: dict, t: Todo, stop: harness.Deadline
         entry["export_id"] = export_id(args)
     if source and entry["status"] == "done":
         (export_dir / MARK).write_text(json.dumps({"source": job.key, "written": now()}))
-    if entry["status"] in DONE:
+    if entry["status"] in harness.ENDED:
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)   # the curves are in log.jsonl; the disk is not
     res["runs"][job.key] = entry
     print(f"   {job.key}: {entry['status']} at step {entry['steps_done']}/{r.steps} in {seg['wall_s']:.0f} s"
@@ -463,9 +447,9 @@ def main(argv: list[str] | None = None) -> int:
             print(*(f"== {t.job.key}: skipped ({why})" for t in group), sep="\n", flush=True)
             continue
         call["ran"] += [t.job.key for t in group]
-        phase, beside = group[0].job.phase, len(group) - 1
-        harness.side_by_side(lambda i, t: run_job(args, res, t, stop, call, tokens, devices(args, phase, i) if slots(
-            args, phase) > 1 else None, beside), group)
+        phase = group[0].job.phase
+        harness.side_by_side(lambda i, t: run_job(args, res, t, stop, call, tokens, devices(args, phase, i) if beside(
+            args, phase) else None, len(group) - 1), group)
         call["wall_s"] = time.time() - t0
         harness.write_results(result(args, res, calls, tokens), args.out, NAME)   # what it has, after each job
     call["wall_s"] = time.time() - t0

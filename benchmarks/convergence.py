@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.accuracy import verdicts
-from benchmarks.common import RESULTS, ROOT, add_worker_args, provenance, read_json, worker_cmd
+from benchmarks.common import ROOT, parser, provenance, read_json, worker_cmd
 from benchmarks.configs import CONFIGS, check_args, ds_config
 from benchmarks import harness
 from benchmarks.harness import run_worker, write_results
@@ -174,30 +174,24 @@ def launch(args: argparse.Namespace, name: str, out: Path, tag: str, timeout: fl
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = parser(__doc__, "out", "seed", seq_len=512, steps=(2000, "training steps"), worker=True,
+               time_budget=(3600.0, "seconds before the runs are killed"),
+               smoke="tiny model, few steps, small corpus, bf16 and coat_full unless --configs (CPU is fine)")
     p.add_argument("--configs", help=f"comma-separated, from {list(CONFIGS)} (default {DEFAULT_CONFIGS})")
     p.add_argument("--model-size", default="125m", help="a size from coat_ds.workloads.causal_lm's MODEL_SIZES")
     p.add_argument("--family", default="llama", choices=FAMILIES, help="the model family of that size")
     p.add_argument("--data", help="as examples/train.py --data (default: the standard-library corpus)")
     p.add_argument("--data-bytes", type=int, help="a --data text folder: use files up to this many bytes in all")
     p.add_argument("--vocab-size", type=int, default=8192)
-    p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--micro-batch", type=int, default=16)
-    p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--warmup-steps", type=int, default=100)
     p.add_argument("--log-every", type=int, default=10, help="read the train loss back every N steps")
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--eval-batches", type=int, default=16)
-    p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--state-sample", type=int, default=2_000_000,
                    help="Adam-state values saved from the BF16 run (0: none)")
     p.add_argument("--parallel", action="store_true", help="run the configurations at the same time")
-    p.add_argument("--time-budget", type=float, default=3600.0, help="seconds before the runs are killed")
-    p.add_argument("--smoke", action="store_true",
-                   help="tiny model, few steps, small corpus, bf16 and coat_full unless --configs (CPU is fine)")
-    p.add_argument("--out", default=str(RESULTS))
-    add_worker_args(p)
     p.add_argument("--config", help=argparse.SUPPRESS)
     p.add_argument("--dump-state", help=argparse.SUPPRESS)
     p.add_argument("--deadline", type=float, default=0.0, help=argparse.SUPPRESS)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from benchmarks import convergence, harness
 from benchmarks.accuracy import verdicts
-from benchmarks.common import RESULTS, read_json
+from benchmarks.common import parser, read_json
 from benchmarks.configs import CONFIGS, check_args
 from benchmarks.accuracy.verdicts import gap, inside, mean_std
 from benchmarks.convergence import SMOKE_CONFIGS, fmt, last_common_step
@@ -27,21 +27,19 @@ STOP_MARGIN_S, KILL_MARGIN_S = 30.0, 8.0   # before the budget ends: workers sto
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, argparse.Namespace, list[str], list[int]]:
     """This script's options, the worker recipe (convergence.py's defaults, adjusted), the configs, the seeds."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = parser(__doc__, "out", time_budget=(3600.0, "seconds for the whole command"),
+               steps=(None, "default: convergence.py's 2000 (the smoke's 4)"),
+               smoke="tiny model, few steps, 2 configs x 2 seeds (CPU is fine)")
     p.add_argument("--configs", help=f"comma-separated, from {list(CONFIGS)} (default {DEFAULT_CONFIGS}; "
                                      f"with --long {LONG_CONFIGS})")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated integers")
     p.add_argument("--max-parallel", type=int, default=4, help="workers at once on the one device")
-    p.add_argument("--time-budget", type=float, default=3600.0, help="seconds for the whole command")
-    p.add_argument("--steps", type=int, help="default: convergence.py's 2000 (the smoke's 4)")
     p.add_argument("--long", action="store_true", help="seq 1024 x micro-batch 8 on --data: the long_data section")
     p.add_argument("--family", default="llama", choices=convergence.FAMILIES,
                    help="the 125M model's family; another than llama runs in its own section, named after it")
     p.add_argument("--data", help="with --long (default: the transformers package's source folder)")
     p.add_argument("--data-bytes", type=int, help=f"a --data folder's files up to this many bytes "
                                                   f"(--long default {LONG_DATA_BYTES:,})")
-    p.add_argument("--smoke", action="store_true", help="tiny model, few steps, 2 configs x 2 seeds (CPU is fine)")
-    p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args(argv)
     args.configs = args.configs or (LONG_CONFIGS if args.long else SMOKE_CONFIGS if args.smoke else DEFAULT_CONFIGS)
     names = check_args(p, args, ("max_parallel", "steps"))
@@ -111,9 +109,9 @@ def summarize(section: dict) -> None:
         mean = st["final_mean"]
         st["gap_rel_mean"] = gap(mean, base["final_mean"])
         st["gap_rel_mean_best"] = gap(st["best_mean"], base["best_mean"])
-        st["within_bf16_spread"] = inside(band, mean)
-        st["outside_bf16_spread_rel"] = None if st["within_bf16_spread"] is None else 0.0 if st[
-            "within_bf16_spread"] else min(abs(mean - band[k]) for k in ("low", "high")) / base["final_mean"]
+        within = st["within_bf16_spread"] = inside(band, mean)
+        st["outside_bf16_spread_rel"] = None if within is None else 0.0 if within else \
+            min(abs(mean - band[k]) for k in ("low", "high")) / base["final_mean"]
     section.update(steps_compared=step, bf16_band=band, summary=stats)
 
 

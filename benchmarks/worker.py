@@ -160,9 +160,10 @@ class Worker:
         if self.on_cuda:
             torch.cuda.synchronize()
 
-    def reduce_max(self, vals: list[float]) -> list[float]:
+    def reduce(self, vals: list[float], op: str = "MAX") -> list[float]:
+        """`vals` reduced over the ranks by `op` (MAX: the slowest rank's time, the largest peak; SUM: the job's)."""
         t = torch.tensor(vals, dtype=torch.float64, device=self.device)
-        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX)
+        self.dist.all_reduce(t, op=getattr(self.dist.ReduceOp, op))
         return t.tolist()
 
     def one_step(self, x, y):
@@ -264,7 +265,7 @@ class Worker:
             loss = self.one_step(x, y)
         self.sync()
         dt = time.perf_counter() - t0
-        peak_alloc, peak_res, dt = self.reduce_max([accel.max_memory_allocated(), accel.max_memory_reserved(), dt])
+        peak_alloc, peak_res, dt = self.reduce([accel.max_memory_allocated(), accel.max_memory_reserved(), dt])
         rec = {"kind": "rung", "micro_batch": b, "peak_alloc_gb": peak_alloc / GIB, "peak_reserved_gb": peak_res / GIB,
                "step_time_s": dt / args.steps, "tokens_per_s": b * args.seq_len * self.world * args.steps / dt,
                "loss": float(loss.detach().float()), "fits": bool(peak_res <= self.limit)}
@@ -282,20 +283,15 @@ class Worker:
             self.sync()
             marks.append(time.perf_counter())
             act()
-        fwd, bwd, step = self.reduce_max([b - a for a, b in zip(marks, marks[1:])])
+        fwd, bwd, step = self.reduce([b - a for a, b in zip(marks, marks[1:])])
         return {"phase_s": {"forward": fwd, "backward": bwd, "step": step}}
 
     def host_memory(self) -> dict:
         """Host memory of the whole job: every rank's resident set (pinned buffers included) and peak, summed, and
         the node's used memory (MemTotal - MemAvailable) in GiB."""
-        rss, hwm = (float(sum(self.reduce_sum([proc_bytes(k)]))) / GIB for k in ("VmRSS", "VmHWM"))
+        rss, hwm = (v / GIB for v in self.reduce([proc_bytes("VmRSS"), proc_bytes("VmHWM")], "SUM"))
         used = proc_bytes("MemTotal", "/proc/meminfo") - proc_bytes("MemAvailable", "/proc/meminfo")
         return {"host_rss_gb": rss, "host_peak_rss_gb": hwm, "node_used_gb": used / GIB}
-
-    def reduce_sum(self, vals: list[float]) -> list[float]:
-        t = torch.tensor(vals, dtype=torch.float64, device=self.device)
-        self.dist.all_reduce(t)
-        return t.tolist()
 
     def climb(self) -> tuple[int | None, int | None]:
         """The ladder of micro-batch sizes -> (largest that fit, smallest that did not)."""

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.common import check_positive
+
 
 def decoder_layers(model) -> list:
     """The HF causal LM's decoder layers (model.model.layers: Llama, Mistral, Qwen, Gemma)."""
@@ -86,9 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--out", required=True, help="the JSON to write")
     args = p.parse_args(argv)
-    for key in ("batches", "micro_batch", "seq_len"):
-        if getattr(args, key) < 1:
-            p.error(f"--{key.replace('_', '-')}={getattr(args, key)} is invalid; allowed: an integer >= 1")
+    check_positive(p, args, ("batches", "micro_batch", "seq_len"))
     res = of_export(args.model, args.data, args.batches, args.micro_batch, args.seq_len)
     Path(args.out).write_text(json.dumps(res, indent=1))
     print(f"max |x| / RMS at the decoder layers' inputs: up to {res['max_ratio']:.1f} (layer "
