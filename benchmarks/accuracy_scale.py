@@ -247,7 +247,7 @@ def side_gpus(args: argparse.Namespace, phase: str) -> int:
     return 1 if phase == "finetune" else args.num_gpus
 
 
-def beside(args: argparse.Namespace, phase: str) -> bool:
+def shares_gpus(args: argparse.Namespace, phase: str) -> bool:
     """Whether jobs of `phase` share the host's GPUs (--side-by-side; the outlier measure always alone)."""
     return args.side_by_side and phase != "outliers"
 
@@ -260,7 +260,7 @@ def devices(args: argparse.Namespace, phase: str, slot: int) -> str:
 def groups(args: argparse.Namespace, plan: list[Todo]) -> list[list[Todo]]:
     """The plan as this call runs it (harness.pack): one job at a time, but side by side consecutive jobs of one
     phase as many at once as the host's GPUs hold."""
-    joins = lambda group, t: beside(args, t.job.phase) and t.job.phase == group[0].job.phase  # noqa: E731
+    joins = lambda group, t: shares_gpus(args, t.job.phase) and t.job.phase == group[0].job.phase  # noqa: E731
     return harness.pack(plan, args.host_gpus, lambda t: side_gpus(args, t.job.phase), joins, in_order=True)
 
 
@@ -448,8 +448,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         call["ran"] += [t.job.key for t in group]
         phase = group[0].job.phase
-        harness.side_by_side(lambda i, t: run_job(args, res, t, stop, call, tokens, devices(args, phase, i) if beside(
-            args, phase) else None, len(group) - 1), group)
+        where = (lambda i: devices(args, phase, i)) if shares_gpus(args, phase) else (lambda i: None)
+        harness.side_by_side(lambda i, t: run_job(args, res, t, stop, call, tokens, where(i), len(group) - 1), group)
         call["wall_s"] = time.time() - t0
         harness.write_results(result(args, res, calls, tokens), args.out, NAME)   # what it has, after each job
     call["wall_s"] = time.time() - t0

@@ -8,12 +8,14 @@ measured (device, versions, command, commit, date) once. docs/benchmarks.md, "A 
 uses it."""
 from __future__ import annotations
 
+import json
 import math
 import os
 import selectors
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -161,6 +163,30 @@ def run_worker(cmd: list[str], timeout: float, echo: Callable[[str], bool] = lam
     return (124 if r["killed"] else r["exit_code"]), r["tail"]
 
 
+# --- One GPU, one job after another: a value rising until the first job that does not fit -----------------------------
+def worker_row(cmd_of: Callable[[Path], list[str]], timeout: float, **identity) -> dict:
+    """The row a worker writes to the file its command names (`cmd_of(path)`); where it wrote none, a row of
+    `identity` that says how it failed: fits false, `oom` (out of memory), its exit code, its output's last lines."""
+    with tempfile.TemporaryDirectory() as tmp:
+        code, tail = run_worker(cmd_of(Path(tmp) / "row.json"), timeout)
+        row = read_json(Path(tmp) / "row.json")
+    lines = [line for line in tail.splitlines() if line.strip()][-3:]
+    return row or {**identity, "fits": False, "oom": "out of memory" in tail.lower() or "OutOfMemoryError" in tail,
+                   "returncode": code, "error": " | ".join(lines)[-800:]}
+
+
+def ladder(run: Callable[[str, int], dict], names: list[str], values: list[int]) -> list[dict]:
+    """run(name, value) for each name over the rising `values`, up to its first row that does not fit -> the rows."""
+    rows: list[dict] = []
+    for name in names:
+        for value in values:
+            rows.append(run(name, value))
+            print(json.dumps(rows[-1]), flush=True)
+            if not rows[-1]["fits"]:
+                break
+    return rows
+
+
 # --- The results file -------------------------------------------------------------------------------------------------
 def further(new: dict, old: dict) -> bool:
     """Whether `new` replaces `old`, two rows of one job: one that ended beats one that did not, a partial one a
@@ -214,6 +240,17 @@ def calls_of(docs: list[dict]) -> list[dict]:
         own = doc.get("calls") or ([{k: doc.get(k) for k in CALL_FIELDS}] if doc.get("date") else [])
         out += [c for c in own if c not in out]
     return out
+
+
+def into_file(path: Path, rows: list[dict], key: Callable[[dict], object], ours: dict, call: dict,
+              setting: Iterable[str]) -> dict:
+    """The results file at `path` with `rows` merged in by `key` and `call` counted, its other keys kept, `ours`
+    (this call's facts) on top; exits in one line where the file's `setting` keys differ from ours."""
+    old = read_json(path) or {}
+    if old:
+        same_setting(str(path), {k: old.get(k) for k in setting}, {k: ours.get(k) for k in setting})
+    rows = list(merged(key, old.get("rows", []), rows).values())
+    return {**old, **head([*calls_of([old]), call]), **ours, "rows": rows}
 
 
 def this_call(**extra) -> dict:

@@ -14,7 +14,6 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import torch
 
 from benchmarks import harness
 from benchmarks.common import (GIB, RESULTS, ROOT, add_worker_args, call_ms, check_positive, names_of, proc_bytes,
-                               read_json, worker_cmd, write_json)
+                               worker_cmd, write_json)
 from benchmarks.configs import MODELS
 from coat_ds.workloads import causal_lm as train_lib
 from coat_ds.workloads.shapes import SHAPES
@@ -118,30 +117,16 @@ def worker(args: argparse.Namespace) -> int:
 # --- The case: its jobs and its file ---------------------------------------------------------------------------------
 def run_one(args: argparse.Namespace, name: str, micro_batch: int) -> dict:
     """A worker process's row; one that fails says how (out of memory: fits false)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        result = Path(tmp) / "row.json"
-        cmd = worker_cmd(f"benchmarks.{NAME}", args, WORKER_FLAGS, config=name, micro_batch=micro_batch,
-                         result=result)
-        code, tail = harness.run_worker(cmd, args.timeout)
-        row = read_json(result)
-    if row:
-        return row
-    oom = "out of memory" in tail.lower() or "OutOfMemoryError" in tail
-    lines = [line for line in tail.splitlines() if line.strip()][-3:]
-    return {"config": name, "micro_batch": micro_batch, "seq": args.seq, "grad_accum": args.grad_accum, "fits": False,
-            "oom": oom, "returncode": code, "error": " | ".join(lines)[-800:]}
+    return harness.worker_row(lambda result: worker_cmd(f"benchmarks.{NAME}", args, WORKER_FLAGS, config=name,
+                                                        micro_batch=micro_batch, result=result), args.timeout,
+                              config=name, micro_batch=micro_batch, seq=args.seq, grad_accum=args.grad_accum)
 
 
 def results(args: argparse.Namespace, rows: list[dict], call: dict) -> dict:
-    """The file with this call's rows merged into --out's by identity; exits in one line where that file's rows
-    follow another setting (model, shape, preset, cap)."""
-    ours = {"model": args.model, "shape": shape(args), "preset": PRESET, "cap_gib": args.cap_gib}
-    old = read_json(args.out / f"{NAME}.json") or {}
-    if old:
-        harness.same_setting(str(args.out / f"{NAME}.json"), {k: old.get(k) for k in SETTING}, ours)
-    calls = [*harness.calls_of([old]), call]
-    merged = harness.merged(identity, old.get("rows", []), rows)
-    return {**old, **harness.head(calls), **ours, "configs": CONFIGS, "rows": list(merged.values())}
+    """--out's file with this call's rows merged in by identity; exits in one line where its rows follow another
+    setting (model, shape, preset, cap)."""
+    ours = {"model": args.model, "shape": shape(args), "preset": PRESET, "cap_gib": args.cap_gib, "configs": CONFIGS}
+    return harness.into_file(args.out / f"{NAME}.json", rows, identity, ours, call, SETTING)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -193,13 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.smoke and not torch.cuda.is_available():
         print(f"{NAME}: needs a CUDA GPU; allowed here: --smoke (CPU)", file=sys.stderr)
         return 2
-    call, rows = harness.this_call(), []
-    for name in args.config_names:
-        for b in args.batches:
-            rows.append(run_one(args, name, b))
-            print(json.dumps(rows[-1]), flush=True)
-            if not rows[-1]["fits"]:
-                break
+    call = harness.this_call()
+    rows = harness.ladder(lambda name, b: run_one(args, name, b), args.config_names, args.batches)
     path = harness.write_results(results(args, rows, call), args.out, NAME)
     print(f"-> {path}", flush=True)
     return 0 if rows[0]["fits"] else 1

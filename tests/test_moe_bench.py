@@ -58,3 +58,20 @@ def test_the_committed_file_is_read_and_a_new_row_merges_into_it(tmp_path):
     with pytest.raises(SystemExit, match=r"its rows followed another setting \(shape differ"):
         M.results(M.parse_args(["--layers", "2"]), [], {})
     assert H.calls_of([committed, committed]) == [{k: committed[k] for k in H.CALL_FIELDS}]
+
+
+def test_a_worker_without_a_row_says_how_it_failed_and_the_ladder_stops_there():
+    """harness.worker_row and harness.ladder, the one-GPU case's job loop: a worker that wrote no row gives one that
+    says why (out of memory read from its output, its exit code, its last lines); a name's values stop at its first
+    row that does not fit, the next name starts again."""
+    fail = [sys.executable, "-c", "import sys; print('step'); print('torch.OutOfMemoryError: CUDA out of memory');"
+                                  "sys.exit(3)"]
+    row = H.worker_row(lambda path: fail, 60, config="coat", micro_batch=4)
+    assert (row["config"], row["micro_batch"], row["fits"], row["oom"], row["returncode"]) == ("coat", 4, False,
+                                                                                                True, 3)
+    assert row["error"] == "step | torch.OutOfMemoryError: CUDA out of memory"
+    write = [sys.executable, "-c", "import json, sys; open(sys.argv[1], 'w').write(json.dumps({'fits': True}))"]
+    assert H.worker_row(lambda path: [*write, str(path)], 60, config="coat") == {"fits": True}
+    rows = H.ladder(lambda name, b: {"name": name, "b": b, "fits": name == "stock" or b < 2}, ["coat", "stock"],
+                    [1, 2, 4])
+    assert [(r["name"], r["b"]) for r in rows] == [("coat", 1), ("coat", 2), ("stock", 1), ("stock", 2), ("stock", 4)]
