@@ -231,15 +231,17 @@ def predict(args: argparse.Namespace, res: dict, t: Todo) -> float:
             + evals * r.eval_windows * r.seq_len / (R.EVAL_SPEEDUP * tps) + saves * speed.save_s)
 
 
+def planned(args: argparse.Namespace, res: dict, these: list[Job]) -> list[Todo]:
+    """`these` jobs as this call would run them now (todo's), each with its predicted seconds."""
+    out = [t for t in (todo(args, res, job) for job in these) if t]
+    for t in out:
+        t.est_s = predict(args, res, t)
+    return out
+
+
 def schedule(args: argparse.Namespace, res: dict) -> list[Todo]:
     """What to run, in jobs()'s order but runs that continue from a checkpoint first: it lives on this machine only."""
-    out = []
-    for job in jobs(args):
-        t = todo(args, res, job)
-        if t is not None:
-            t.est_s = predict(args, res, t)
-            out.append(t)
-    return sorted(out, key=lambda t: t.resume_from is None)
+    return sorted(planned(args, res, jobs(args)), key=lambda t: t.resume_from is None)
 
 
 def side_gpus(args: argparse.Namespace, phase: str) -> int:
@@ -379,37 +381,28 @@ def final_val(entry: dict, steps: int) -> float | None:
 def judge(args: argparse.Namespace, res: dict) -> dict:
     """The targets' verdicts from the runs that ended (benchmarks/accuracy/verdicts.py); each pretraining run's
     largest validation-loss rise is written into its entry."""
-    pre, ft = args.recipes["pretrain"], args.recipes["finetune"]
-    finals: dict[str, dict[int, float]] = {}
-    spikes: dict[str, dict[int, float]] = {}
-    ft_runs = {e["config"]: e for e in res["runs"].values() if e["phase"] == "finetune" and e["status"] == "done"}
-    for e in res["runs"].values():
-        if e["phase"] != "pretrain" or e["status"] != "done":
-            continue
+    done = [e for e in res["runs"].values() if e["status"] == "done"]
+    finals: dict[str, dict[int, float]] = {n: {} for n in R.CONFIGS}   # in the recipe's order; none yet: skipped
+    spikes: dict[str, dict[int, float]] = {n: {} for n in R.CONFIGS}
+    for e in (e for e in done if e["phase"] == "pretrain"):
         e["spike"] = verdicts.val_rise(e["val"])   # the largest rise of its validation loss (issue 57)
-        finals.setdefault(e["config"], {})[e["seed"]] = final_val(e, pre.steps)
-        spikes.setdefault(e["config"], {})[e["seed"]] = e["spike"]["rise"]
-    same = (ft_runs.get(R.BASELINE) or {}).get("export_id")
+        finals[e["config"]][e["seed"]] = final_val(e, args.recipes["pretrain"].steps)
+        spikes[e["config"]][e["seed"]] = e["spike"]["rise"]
+    ft_runs = {e["config"]: e for e in done if e["phase"] == "finetune"}
+    same = (ft_runs.get(R.BASELINE) or {}).get("export_id")   # fine-tunings of BF16's export only
     ft_runs = {n: e for n, e in ft_runs.items() if e.get("export_id") == same}
-    order = {n: i for i, n in enumerate(R.CONFIGS)}
-    finals = dict(sorted(finals.items(), key=lambda kv: order[kv[0]]))
-    return {"pretrain": verdicts.pretrain(finals, spikes),
-            "finetune": verdicts.finetune({n: final_val(e, 0) for n, e in ft_runs.items()},
-                                          {n: final_val(e, ft.steps) for n, e in ft_runs.items()})}
+    return {"pretrain": verdicts.pretrain(finals, spikes), "finetune": verdicts.finetune(
+        *({n: final_val(e, step) for n, e in ft_runs.items()} for step in (0, args.recipes["finetune"].steps)))}
 
 
 def result(args: argparse.Namespace, res: dict, calls: list[dict], tokens: dict) -> dict:
-    order = {f"{j.key}": i for i, j in enumerate(jobs_every(args))}
+    """The file: its runs in the order of --phase all over every configuration, their verdicts."""
+    every = jobs(argparse.Namespace(**{**vars(args), "configs": list(R.CONFIGS), "phase": "all"}))
+    order = {j.key: i for i, j in enumerate(every)}
     runs_sorted = dict(sorted(res["runs"].items(), key=lambda kv: order.get(kv[0], len(order))))
     return {"what": " ".join(__doc__.split("\n\n")[0].split()), **harness.head(calls),
             "recipe": recipe_facts(args), "train_tokens": tokens, "targets": verdicts.TARGETS,
             "verdicts": judge(args, res), "outliers": res.get("outliers"), "runs": runs_sorted}
-
-
-def jobs_every(args: argparse.Namespace) -> list[Job]:
-    """Every job of the issue in the order of --phase all (the file lists its runs so)."""
-    every = argparse.Namespace(**{**vars(args), "configs": list(R.CONFIGS), "phase": "all"})
-    return jobs(every)
 
 
 def why_not(args: argparse.Namespace, group: list[Todo], stop: harness.Deadline) -> str | None:
@@ -438,9 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     calls = [*res["calls"], call]
     stop = harness.Deadline(args.deadline, STOP_MARGIN_S, KILL_MARGIN_S, start=t0)
     for group in groups(args, plan):
-        group = [t for t in (todo(args, res, t.job) for t in group) if t]   # what the runs before changed
-        for t in group:
-            t.est_s = predict(args, res, t)
+        group = planned(args, res, [t.job for t in group])   # what the runs before changed
         why = why_not(args, group, stop) if group else "done already"
         if why:
             call["skipped"] += [{"job": t.job.key, "why": why} for t in group]
