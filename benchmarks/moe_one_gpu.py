@@ -4,9 +4,7 @@ in pinned host memory, the bf16 master and gradient release (ds_configs/zero3_of
 "coat.activation" the stock rows switch off). A case over benchmarks/harness.py: one worker process per
 (configuration, micro-batch), a configuration's micro-batches rising until the first that does not fit; rows merge
 into moe_one_gpu.json by (config, micro_batch, seq, grad_accum), so a sweep can be split over several calls.
-
-    python -m benchmarks.moe_one_gpu --configs coat,stock --micro-batches 1,2,4 --seq 4096 --cap-gib 79
-    python -m benchmarks.moe_one_gpu --smoke --breakdown --grad-accum 2 --out /tmp/moe    # CPU, tiny Qwen3-MoE
+docs/benchmarks.md, "Qwen3-30B-A3B on one GPU", has the commands.
 """
 from __future__ import annotations
 
