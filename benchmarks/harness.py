@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, TypeVar
 
+import torch
+
 from benchmarks import plot_utils
 from benchmarks.common import provenance, read_json, worker_env, write_json
 from coat_ds.launch.teardown import torn_down
@@ -173,6 +175,22 @@ def worker_row(cmd_of: Callable[[Path], list[str]], timeout: float, **identity) 
     lines = [line for line in tail.splitlines() if line.strip()][-3:]
     return row or {**identity, "fits": False, "oom": "out of memory" in tail.lower() or "OutOfMemoryError" in tail,
                    "returncode": code, "error": " | ".join(lines)[-800:]}
+
+
+def one_gpu_case(args, name: str, worker: Callable[[object], int], run: Callable[[str, int], dict],
+                 names: list[str], values: list[int], results: Callable[[list[dict], dict], dict]) -> int:
+    """A one-GPU case's main: its `worker` in a worker process; else, on a GPU or with --smoke, the ladder of its
+    jobs (`run`, `names`, `values`) and its file (`results(rows, call)`) -> the exit code (1: the first job did not
+    fit)."""
+    if args.worker:
+        return worker_exit(lambda: worker(args))
+    if not args.smoke and not torch.cuda.is_available():
+        print(f"{name}: needs a CUDA GPU; allowed here: --smoke (CPU)", file=sys.stderr)
+        return 2
+    call = this_call()
+    rows = ladder(run, names, values)
+    print(f"-> {write_results(results(rows, call), args.out, name)}", flush=True)
+    return 0 if rows[0]["fits"] else 1
 
 
 def ladder(run: Callable[[str, int], dict], names: list[str], values: list[int]) -> list[dict]:

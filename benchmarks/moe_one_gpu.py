@@ -171,16 +171,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.worker:
-        return harness.worker_exit(lambda: worker(args))
-    if not args.smoke and not torch.cuda.is_available():
-        print(f"{NAME}: needs a CUDA GPU; allowed here: --smoke (CPU)", file=sys.stderr)
-        return 2
-    call = harness.this_call()
-    rows = harness.ladder(lambda name, b: run_one(args, name, b), args.config_names, args.batches)
-    path = harness.write_results(results(args, rows, call), args.out, NAME)
-    print(f"-> {path}", flush=True)
-    return 0 if rows[0]["fits"] else 1
+    return harness.one_gpu_case(args, NAME, worker, lambda name, b: run_one(args, name, b), args.config_names,
+                                args.batches, lambda rows, call: results(args, rows, call))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from harness import ROOT, child_env
 
@@ -75,3 +76,9 @@ def test_a_worker_without_a_row_says_how_it_failed_and_the_ladder_stops_there():
     rows = H.ladder(lambda name, b: {"name": name, "b": b, "fits": name == "stock" or b < 2}, ["coat", "stock"],
                     [1, 2, 4])
     assert [(r["name"], r["b"]) for r in rows] == [("coat", 1), ("coat", 2), ("stock", 1), ("stock", 2), ("stock", 4)]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU this would be the real run")
+def test_a_real_run_needs_a_gpu(capsys):
+    assert M.main(["--configs", "coat"]) == 2
+    assert capsys.readouterr().err.strip() == "moe_one_gpu: needs a CUDA GPU; allowed here: --smoke (CPU)"
