@@ -8,6 +8,7 @@ measured (device, versions, command, commit, date) once. docs/benchmarks.md, "A 
 uses it."""
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -25,7 +26,8 @@ from typing import Callable, Iterable, TypeVar
 import torch
 
 from benchmarks import plot_utils
-from benchmarks.common import provenance, read_json, worker_env, write_json
+from benchmarks.common import (RESULTS, ROOT, add_worker_args, check_positive, provenance, read_json, worker_env,
+                               write_json)
 from coat_ds.launch.teardown import torn_down
 
 J = TypeVar("J")
@@ -175,6 +177,41 @@ def worker_row(cmd_of: Callable[[Path], list[str]], timeout: float, **identity) 
     lines = [line for line in tail.splitlines() if line.strip()][-3:]
     return row or {**identity, "fits": False, "oom": "out of memory" in tail.lower() or "OutOfMemoryError" in tail,
                    "returncode": code, "error": " | ".join(lines)[-800:]}
+
+
+def one_gpu_options(p: argparse.ArgumentParser, name: str, rising: str, help_rising: str, depth: int) -> None:
+    """The options of a one-GPU case: `rising` (comma-separated, each configuration's jobs up to the first that does
+    not fit), the allocator's cap, a stand-in's depth, a worker's seconds, --smoke, --out, a worker's hidden ones."""
+    p.add_argument(f"--{rising}", help=f"rising; a configuration stops at its first that fails ({help_rising})")
+    p.add_argument("--cap-gib", type=float, default=79.0,
+                   help="torch.cuda.set_per_process_memory_fraction's cap: an 80 GB card's usable memory")
+    p.add_argument("--layers", type=int, help=f"a shallower stand-in of the model's width (default: all {depth})")
+    p.add_argument("--timeout", type=float, default=1500.0, help="seconds per worker")
+    p.add_argument("--smoke", action="store_true", help="CPU, the family's tiny model (benchmarks/configs.py)")
+    p.add_argument("--out", type=Path, help=f"where {name}.json goes (default benchmarks/results; --smoke "
+                                            f"runs/{name}_smoke)")
+    add_worker_args(p)
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--config", help=argparse.SUPPRESS)
+
+
+def one_gpu_checked(p: argparse.ArgumentParser, args: argparse.Namespace, name: str, rising: str, default: str,
+                    models: tuple[str, str]) -> list[int]:
+    """one_gpu_options' values checked (p.error in one line), the model and --out by --smoke (`models`: the real
+    one and the smoke's) -> `rising`'s values, sorted, `default` where not given."""
+    text = getattr(args, rising.replace("-", "_")) or default
+    try:
+        values = sorted({int(v) for v in text.split(",")})
+    except ValueError:
+        values = []
+    if not values or values[0] < 1:
+        p.error(f"--{rising}={text!r} is invalid; allowed: comma-separated integers >= 1")
+    check_positive(p, args, ("layers",))
+    if args.cap_gib <= 0:
+        p.error(f"--cap-gib={args.cap_gib} is invalid; allowed: a number > 0")
+    args.model = args.model or models[args.smoke]
+    args.out = args.out or (ROOT / "runs" / f"{name}_smoke" if args.smoke else RESULTS)
+    return values
 
 
 def one_gpu_case(args, name: str, worker: Callable[[object], int], run: Callable[[str, int], dict],

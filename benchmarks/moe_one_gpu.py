@@ -13,13 +13,11 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
 from benchmarks import harness
-from benchmarks.common import (GIB, RESULTS, ROOT, add_worker_args, call_ms, check_positive, names_of, proc_bytes,
-                               worker_cmd, write_json)
+from benchmarks.common import GIB, ROOT, call_ms, check_positive, names_of, proc_bytes, worker_cmd, write_json
 from benchmarks.configs import MODELS
 from coat_ds.workloads import causal_lm as train_lib
 from coat_ds.workloads.shapes import SHAPES
@@ -130,8 +128,6 @@ def results(args: argparse.Namespace, rows: list[dict], call: dict) -> dict:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", default="coat,stock", help=f"comma-separated, of {list(CONFIGS)}")
-    p.add_argument("--micro-batches", help="rising; a configuration stops at its first that fails (default 1,2,4; "
-                                           "--smoke 1,2)")
     p.add_argument("--seq", type=int, help="default 4096 (--smoke 32)")
     p.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
     p.add_argument("--grad-accum", type=int, default=1,
@@ -139,33 +135,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         f"above 1 the preset runs with {ACCUMULATING} (coat refuses release and host states there)")
     p.add_argument("--breakdown", action="store_true",
                    help="time each step's forward, backward and engine.step apart (forward_s, backward_s, step_s)")
-    p.add_argument("--cap-gib", type=float, default=79.0,
-                   help="torch.cuda.set_per_process_memory_fraction's cap: an 80 GB card's usable memory")
-    p.add_argument("--layers", type=int, default=None,
-                   help=f"a shallower stand-in; default: all {SHAPES[MODEL]['num_hidden_layers']}")
-    p.add_argument("--timeout", type=float, default=1500.0, help="seconds per worker")
-    p.add_argument("--smoke", action="store_true", help=f"CPU: {SMOKE_MODEL} (benchmarks/configs.py), seq 32")
-    p.add_argument("--out", type=Path, help=f"where {NAME}.json goes (default benchmarks/results; --smoke "
-                                            f"runs/{NAME}_smoke)")
-    add_worker_args(p)
-    p.add_argument("--model", help=argparse.SUPPRESS)
-    p.add_argument("--config", help=argparse.SUPPRESS)
+    harness.one_gpu_options(p, NAME, "micro-batches", "default 1,2,4; --smoke 1,2", SHAPES[MODEL]["num_hidden_layers"])
     p.add_argument("--micro-batch", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.config_names = names_of(p, "configs", args.configs, CONFIGS)
-    args.model = args.model or (SMOKE_MODEL if args.smoke else MODEL)
+    args.batches = harness.one_gpu_checked(p, args, NAME, "micro-batches", "1,2" if args.smoke else "1,2,4",
+                                           (MODEL, SMOKE_MODEL))
     args.seq = (32 if args.smoke else 4096) if args.seq is None else args.seq
-    args.micro_batches = args.micro_batches or ("1,2" if args.smoke else "1,2,4")
-    try:
-        args.batches = sorted({int(b) for b in args.micro_batches.split(",")})
-    except ValueError:
-        args.batches = []
-    if not args.batches or args.batches[0] < 1:
-        p.error(f"--micro-batches={args.micro_batches!r} is invalid; allowed: comma-separated integers >= 1")
-    check_positive(p, args, ("seq", "steps", "grad_accum", "layers"))
-    if args.cap_gib <= 0:
-        p.error(f"--cap-gib={args.cap_gib} is invalid; allowed: a number > 0")
-    args.out = args.out or (ROOT / "runs" / f"{NAME}_smoke" if args.smoke else RESULTS)
+    check_positive(p, args, ("seq", "steps", "grad_accum"))
     return args
 
 

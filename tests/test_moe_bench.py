@@ -14,6 +14,7 @@ from harness import ROOT, child_env
 
 sys.path.insert(0, str(ROOT))
 from benchmarks import harness as H, moe_one_gpu as M  # noqa: E402
+from benchmarks.common import RESULTS  # noqa: E402
 
 
 def smoke(*argv: str) -> None:
@@ -45,9 +46,9 @@ def test_smoke_breakdown_accumulation_and_a_second_call_merged(tmp_path):
 def test_the_committed_file_is_read_and_a_new_row_merges_into_it(tmp_path):
     """results/moe_one_gpu.json (written before the harness: no calls) takes a later call's row by identity, keeps
     its own rows, keys and note, and counts its call; a call of another shape is refused in one line."""
-    committed = json.loads((M.RESULTS / "moe_one_gpu.json").read_text())
+    committed = json.loads((RESULTS / "moe_one_gpu.json").read_text())
     args = M.parse_args([])
-    assert args.out == M.RESULTS and (args.model, args.seq, args.batches) == (M.MODEL, 4096, [1, 2, 4])
+    assert args.out == RESULTS and (args.model, args.seq, args.batches) == (M.MODEL, 4096, [1, 2, 4])
     new = dict(committed["rows"][1], tokens_per_s=1.0, date="new")              # coat, micro-batch 2, again
     extra = dict(committed["rows"][0], micro_batch=4)
     doc = M.results(args, [new, extra], {"date": "D", "device": "H"})
