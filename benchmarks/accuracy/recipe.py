@@ -61,11 +61,12 @@ PRETRAIN = Recipe(corpus="kernel", model_size="350m", seq_len=2048, global_batch
 # 220K validation split).
 FINETUNE = Recipe(corpus="perldoc", model_size=None, seq_len=2048, global_batch=4, steps=1000, lr=1e-4,
                   warmup_steps=50, eval_every=100, eval_batches=24, save_every=0)
-# --smoke: the same phases on CPU ranks with the tiny model, the small corpora, a few dozen steps
-SMOKE_PRETRAIN = Recipe(corpus="manpages", model_size="tiny", seq_len=64, global_batch=4, steps=40, lr=3e-3,
-                        warmup_steps=4, eval_every=10, eval_batches=2, save_every=20)
-SMOKE_FINETUNE = Recipe(corpus="perldoc", model_size=None, seq_len=64, global_batch=4, steps=20, lr=1e-3,
-                        warmup_steps=2, eval_every=10, eval_batches=2, save_every=0)
+# --smoke: the same phases on CPU ranks with the tiny model, the small corpora, a few steps (its runs' start-up
+# dominates: fewer steps check the same paths)
+SMOKE_PRETRAIN = Recipe(corpus="manpages", model_size="tiny", seq_len=64, global_batch=4, steps=20, lr=3e-3,
+                        warmup_steps=4, eval_every=5, eval_batches=2, save_every=10)
+SMOKE_FINETUNE = Recipe(corpus="perldoc", model_size=None, seq_len=64, global_batch=4, steps=10, lr=1e-3,
+                        warmup_steps=2, eval_every=5, eval_batches=2, save_every=0)
 GPU_COUNTS = (1, 2, 4)   # those that divide both global batches
 
 # Outliers of BF16's final model: its decoder layers' inputs on 8 micro-batches of 4 validation windows of the
