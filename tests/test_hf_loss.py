@@ -59,6 +59,22 @@ def test_training_loss_and_gradients_equal_the_stock_ones(model_type, dtype):
         assert_same(ours[name], ref[name], dtype)
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_moe_router_aux_loss_is_added_as_stock_adds_it(model_type):
+    """With output_router_logits, HF adds router_aux_loss_coef x aux_loss to the loss it computes; the chunked loss
+    adds the same term (a coefficient large enough that leaving it out fails)."""
+    model = tiny(model_type, num_local_experts=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                 output_router_logits=True, router_aux_loss_coef=0.5)
+    ids, labels = batch()
+    ref_out, ref = loss_and_grads(model, input_ids=ids, labels=labels)
+    hf_loss.apply(model, {"chunk_tokens": 5})
+    out, ours = loss_and_grads(model, input_ids=ids, labels=labels)
+    assert ref_out.aux_loss is not None and ref_out.aux_loss.item() > 0.1
+    assert_same(out.loss.detach(), ref_out.loss.detach(), torch.float32)
+    for name in ref:
+        assert_same(ours[name], ref[name], torch.float32)
+
+
 @pytest.mark.parametrize("extra", [dict(num_items_in_batch=torch.tensor(7)), dict(num_items_in_batch=31),
                                    dict(shift_labels="given"), dict(ignore_index=5)])
 def test_hf_trainer_loss_kwargs(extra):

@@ -480,23 +480,22 @@ def test_a_layer_keeps_what_the_planner_counts(model_type, act):
 
 def test_qwen3_30b_a3b_names_the_preset_and_micro_batch_for_one_80_gb_gpu(capsys):
     """Qwen3-30B-A3B at seq 4096 on one H100: 30.53B parameters, 3.35B a token; the optimizer, master and gradients
-    are of all of them, so only the preset with the FP8 states on the host fits, checkpointed, at micro-batch 1
-    (moe_one_gpu.json ran 2 under a 79 GiB cap: the planner's reserve and 95% rule are not met there, 75.3 GiB
-    allocated + 2.4 reserved). Its HF stock loss (full fp32 logits: no chunked loss for qwen3_moe) is 7 GiB a
-    micro-batch of it."""
+    are of all of them, so of the presets whose host need is that of the FP8 states alone only
+    zero3_offload_largest_model fits: micro-batch 1 without recompute, 8 with it. The chunked loss (the router's
+    aux loss added as HF adds it) keeps 0.8 GiB of logits where HF's stock loss kept 7 GiB a micro-batch."""
     shape = P.resolve_shape("qwen3-30b-a3b")
     assert (shape.params, shape.active_params) == (30_532_122_624, 3_353_032_704)
     assert shape.experts.active_params(shape.hidden) == 8 * 3 * 2048 * 768 + 128 * 2048
     job = P.job_from_config(P.read_config("zero3_offload_largest_model")[0], shape, 4096, 1)
-    assert job.chunk is None and job.checkpoint
-    assert P.plan(job, 1).parts["logits/loss"] == 12 * 151_936 * 4096
+    assert job.chunk is not None and job.checkpoint
+    assert P.plan(job, 1).parts["logits/loss"] < 12 * 151_936 * 4096 / 8   # the stock loss's fp32 logits: 7 GiB
     fits = P.preset_fits(shape, 4096, 1, H100)
-    assert fits[0].name == "zero3_offload_largest_model" and (fits[0].micro_batch, fits[0].checkpointed) == (0, 1)
+    assert fits[0].name == "zero3_offload_largest_model" and (fits[0].micro_batch, fits[0].checkpointed) == (1, 8)
     assert fits[0].host == 2.125 * shape.params
     assert P.main(["--model", "qwen3-30b-a3b", "--seq", "4096", "--config", "zero3_offload_largest_model"]) == 0
     out = capsys.readouterr().out
     assert "30.53B parameters (3.35B active a token: 128 experts, 8 a token)" in out
-    assert "\n  zero3_offload_largest_model         none / 1 " in out
+    assert "\n  zero3_offload_largest_model            1 / 8 " in out
 
 
 @pytest.mark.parametrize("model_type,key", [("gpt_oss", "attention sinks"), ("qwen2_moe", "shared expert"),

@@ -21,9 +21,10 @@ from ..activation.loss import IGNORE_INDEX, LossConfig, linear_cross_entropy
 
 # Model types whose ForCausalLM forward applies lm_head and then the stock loss, with nothing in between but
 # Gemma 3's optional logit soft-capping, where `refusal` keeps the stock loss (Gemma 3's sqrt(hidden) scaling
-# is of the input embeddings, not the logits). Each one is checked against the stock loss in
-# tests/test_hf_loss.py.
-EXACT_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+# is of the input embeddings, not the logits), and the MoE families' router load-balancing loss, which HF adds
+# (router_aux_loss_coef x aux_loss) only to a loss it computed itself: `after` adds it. Each one is checked
+# against the stock loss in tests/test_hf_loss.py.
+EXACT_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "mixtral")
 ATTR = "_coat_chunked_loss"   # a plain attribute on the model: not in state_dict or config.json
 
 
@@ -69,7 +70,11 @@ class _ChunkedLoss:
             return None
         self.ran = False
         fields = {k: v for k, v in output.items() if k != "logits"}
-        fields["loss"] = output["logits"]   # what lm_head's call returned (after any hooks of its own)
+        loss = output["logits"]   # what lm_head's call returned (after any hooks of its own)
+        aux = output.get("aux_loss")
+        if aux is not None:   # output_router_logits: the term HF adds to the loss it computes
+            loss = loss + model.router_aux_loss_coef * aux.to(loss.device)
+        fields["loss"] = loss
         return type(output)(**fields)
 
 
