@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from benchmarks.tables import RESULTS, TABLES, NotYet, markdown, num  # noqa: F401  (num: the scripts' cells)
-from benchmarks.tables import accuracy, e2e, kernels, scaling  # noqa: F401  (each registers its tables)
+from benchmarks.tables import accuracy, e2e, kernels, one_gpu, scaling  # noqa: F401  (each registers its tables)
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

@@ -1,0 +1,47 @@
+"""Models past one GPU's reach on ONE capped GPU (benchmarks/moe_one_gpu.py, long_context.py): a mixture of experts
+full-parameter, and long sequences."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from benchmarks.tables import NotYet, gpu, load, num, table
+
+
+def _doc(res: Path, name: str, section: str) -> dict:
+    if not (res / f"{name}.json").exists():
+        raise NotYet(name, section)
+    return load(res, f"{name}.json")
+
+
+def _where(doc: dict) -> str:
+    return f"{gpu(doc['device'])} capped at {num(doc['cap_gib'], 0)} GiB"
+
+
+@table
+def moe_one_gpu(res: Path):
+    """docs/results.md: Qwen3-30B-A3B at seq 4096, full-parameter, on one GPU capped at an 80 GB card's memory."""
+    yield ["GPU", "layers", "micro-batch", "tokens/s", "step s (forward / backward / step)", "GiB allocated / reserved",
+           "host B/param"]
+    doc = _doc(res, "moe_one_gpu", "MoE on one GPU")
+    for r in sorted(doc["rows"], key=lambda r: (r["config"], r["micro_batch"])):
+        if r["config"] != "coat" or not r["fits"]:
+            continue
+        split = (f" ({num(r['forward_s'], 2)} / {num(r['backward_s'], 2)} / {num(r['step_s'], 2)})"
+                 if "forward_s" in r else "")
+        yield [_where(doc), r["layers"], r["micro_batch"], num(r["tokens_per_s"], 0),
+               num(r["step_time_s"], 2) + split, f"{num(r['peak_alloc_gib'])} / {num(r['peak_reserved_gib'])}",
+               num(r["host_bytes_per_param"], 2)]
+
+
+@table
+def long_context(res: Path):
+    """docs/results.md: Llama-3.1-8B's width at one micro-batch of a long sequence on one GPU capped at 79 GiB."""
+    yield ["GPU", "configuration", "layers", "tokens", "tokens/s", "GiB allocated (peak / resident)",
+           "GPU KB a token", "host GiB"]
+    doc = _doc(res, "long_context", "Long context on one GPU")
+    for r in sorted(doc["rows"], key=lambda r: (-r["layers"], r["config"], r["seq"])):
+        if not r["fits"]:
+            continue
+        yield [_where(doc), r["config"], r["layers"], f"{r['seq']:,}", num(r["tokens_per_s"], 0),
+               f"{num(r['peak_alloc_gib'])} / {num(r['resident_gib'])}", num(r["gpu_bytes_per_token"] / 1024, 0),
+               num(r["host_peak_rss_gib"])]

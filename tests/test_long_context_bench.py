@@ -1,0 +1,40 @@
+"""benchmarks/long_context.py: its CPU smoke through real worker processes (the checkpoint stores and MLP tiles as
+the configurations set them), and its flags refused in one line before any model."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from harness import ROOT, child_env
+
+sys.path.insert(0, str(ROOT))
+from benchmarks import long_context as L  # noqa: E402
+
+
+@pytest.mark.slow   # two worker processes
+def test_smoke_rows_and_the_first_loss_equal_over_stores(tmp_path):
+    """The first step's loss is the forward's, which no checkpoint store changes (they keep the input for the
+    recompute) and one MLP tile equals untiled: equal bit for bit across configurations."""
+    argv = ["--smoke", "--configs", "gpu,host_fp8_tiled", "--seqs", "64", "--out", str(tmp_path)]
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.long_context", *argv], cwd=ROOT, env=child_env(),
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    doc = json.loads((tmp_path / "long_context.json").read_text())
+    assert [L.identity(r) for r in doc["rows"]] == [("gpu", 1, 64), ("host_fp8_tiled", 1, 64)]
+    assert all(r["fits"] and r["tokens_per_s"] > 0 and r["host_peak_rss_gib"] > 0 for r in doc["rows"])
+    assert doc["rows"][0]["losses"][0] == doc["rows"][1]["losses"][0]
+    assert doc["preset"] == L.PRESET and len(doc["calls"]) == 1
+
+
+def test_configs_set_what_they_say_and_bad_flags_fail_in_one_line(capsys):
+    act = L.ds_config("host_fp8_tiled")["coat"]["activation"]
+    assert (act["checkpoint"], act["checkpoint_store"], act["tile_tokens"]) == (True, "host_fp8", L.TILE)
+    assert "checkpoint_store" not in L.ds_config("gpu")["coat"]["activation"]
+    for argv, key in ((["--configs", "gpu,fp4"], "--configs"), (["--seqs", "1k"], "--seqs"),
+                      (["--steps", "-1"], "--steps")):
+        with pytest.raises(SystemExit):
+            L.parse_args(argv)
+        assert key in capsys.readouterr().err.splitlines()[-1]
