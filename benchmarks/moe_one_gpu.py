@@ -19,6 +19,7 @@ import torch
 from benchmarks import harness
 from benchmarks.common import GIB, ROOT, call_ms, check_positive, names_of, proc_bytes, worker_cmd, write_json
 from benchmarks.configs import MODELS
+from coat_ds.hf import loss as hf_loss
 from coat_ds.workloads import causal_lm as train_lib
 from coat_ds.workloads.shapes import SHAPES
 
@@ -105,6 +106,7 @@ def worker(args: argparse.Namespace) -> int:
         "peak_reserved_gib": peak(torch.cuda.max_memory_reserved), "host_peak_rss_gib": proc_bytes("VmHWM") / GIB,
         "host_bytes_per_param": proc_bytes("VmHWM") / n_params, "params": n_params,
         "layers": built["num_hidden_layers"], **{k: cfg["coat"][k] for k in ACCUMULATING},
+        "loss": "chunked" if hf_loss.is_applied(model) else "stock",
         "losses": [loss for loss, _ in steps],
         **({f"{k}_s": statistics.mean(s[k] for _, s in steps) for k in PHASES} if args.breakdown else {})})
     return 0

@@ -56,13 +56,13 @@ def measured_rows() -> list[dict]:
 
 def moe_rows() -> list[dict]:
     """moe_one_gpu.json's rows (Qwen3-30B-A3B on one capped GPU), with the config each ran (the benchmark's own
-    ds_config). Measured with HF's stock loss: qwen3_moe had no chunked loss in coat_ds/hf/loss.py."""
+    ds_config) and the loss each ran (rows before qwen3_moe's chunked loss: HF's stock loss)."""
     from benchmarks import moe_one_gpu as bench
 
     doc = json.loads((RESULTS / "moe_one_gpu.json").read_text())
     return [dict(file="moe_one_gpu.json", config=r["config"], shape=doc["shape"], seq=r["seq"], world=1,
                  ds_config=bench.ds_config(r["config"], r["micro_batch"]), mb=r["micro_batch"],
-                 peak=r["peak_alloc_gib"], date=doc["date"], chunked=False, params=r["params"])
+                 peak=r["peak_alloc_gib"], date=doc["date"], chunked=r.get("loss") == "chunked", params=r["params"])
             for r in doc["rows"] if r["fits"]]
 
 
