@@ -1,4 +1,6 @@
 """TiledMlpFn: MlpFn over row tiles, saving only its input; its gradients arrive once per backward."""
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -159,3 +161,51 @@ def test_tiled_peak_memory_on_gpu():
         m.run(tile)
         peaks[tile] = torch.cuda.max_memory_allocated() - base
     assert peaks[8192] < 0.5 * peaks[None], {k: v / 2 ** 30 for k, v in peaks.items()}
+
+
+def _graph_names(fn) -> set[str]:
+    """The names of every node of an autograd graph below fn."""
+    seen, todo = set(), [fn]
+    while todo:
+        f = todo.pop()
+        if f is None or f in seen:
+            continue
+        seen.add(f)
+        todo += [g for g, _ in f.next_functions]
+    return {type(f).__name__ for f in seen}
+
+
+def test_decoder_layer_tiles_its_mlp_by_the_config():
+    """activation.tile_tokens reaches the decoder layer: its MLP is a TiledMlpFn, and the layer's output and every
+    gradient equal the untiled layer's within rounding."""
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    from coat_ds.hf import CoatDecoderLayer
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=128, intermediate_size=352, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=32)
+    cfg._attn_implementation = "sdpa"
+    hf = LlamaDecoderLayer(cfg, 0).to(DT)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.05) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+    x, dy = torch.randn(2, 40, 128, dtype=DT), torch.randn(2, 40, 128, dtype=DT)  # 80 rows: 32, 32, 16
+    pos = torch.arange(40)[None].expand(2, 40)
+    pe = LlamaRotaryEmbedding(cfg)(x, pos)
+
+    def run(tile_tokens):
+        layer = CoatDecoderLayer(copy.deepcopy(hf), {"tile_tokens": tile_tokens})
+        xi = x.clone().requires_grad_()
+        y = layer(xi, attention_mask=None, position_ids=pos, position_embeddings=pe)
+        y.backward(dy)
+        return _graph_names(y.grad_fn), [y.detach(), xi.grad, *(p.grad for p in layer.parameters())]
+
+    tiled_graph, got = run(32)
+    graph, ref = run(None)
+    assert "TiledMlpFnBackward" in tiled_graph and "MlpFnBackward" not in tiled_graph
+    assert "MlpFnBackward" in graph and "TiledMlpFnBackward" not in graph
+    for i, (g, r) in enumerate(zip(got, ref)):
+        _assert_rounding_close(g, r, f"tensor {i}")

@@ -19,7 +19,8 @@ from ..activation.attention import Fp8AttentionFn
 from ..activation.config import ActivationConfig
 from ..activation.experts import ExpertsFn
 from ..kernels import quant
-from ..activation.functions import LinearFn, MlpFn, NormLinearFn, RmsNormFn, RopeFn
+from ..activation.functions import LinearFn, NormLinearFn, RmsNormFn, RopeFn
+from ..activation.tiled import mlp
 from ..activation.weight_cache import WeightGroup
 from .contract import pop_cache
 from .coverage import is_sparse, missing_parts
@@ -258,8 +259,8 @@ class CoatDecoderLayer(_Base):
             out = self._experts(self._norm(ln2, h))
             out = out + h if add_residual else out
         elif full:
-            out = MlpFn.apply(h, self._norm_weight(ln2), _eps(ln2), cfg, self._gu, self._down, self._act,
-                              add_residual, *self._gu.params(), *self._down.params())
+            out = mlp(h, self._norm_weight(ln2), _eps(ln2), cfg, self._gu, self._down, self._act, add_residual,
+                      cfg.tile_tokens)
         else:
             gate_up = LinearFn.apply(ln2(h), None, cfg, self._gu, True, *self._gu.params())
             gate, up = gate_up.split(self._gu.out_features, dim=-1)
