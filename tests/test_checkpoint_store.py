@@ -289,6 +289,9 @@ def test_host_store_frees_the_gpu_of_every_layer_input():
         torch.cuda.reset_peak_memory_stats()
         loss = model(input_ids=x, labels=x).loss
         torch.cuda.synchronize()
+        # a copy's source is given back when the allocator sees its stream's event (record_stream), which it checks
+        # at its next allocation or here: without this the codes just copied out still count as allocated
+        torch.cuda.empty_cache()
         after_forward = torch.cuda.memory_allocated()
         loss.backward()
         torch.cuda.synchronize()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.tables import NotYet, gpu, load, num, table
+from benchmarks.tables import NotYet, gpu, headline, load, num, table
 
 
 def _doc(res: Path, name: str, section: str) -> dict:
@@ -22,7 +22,7 @@ def moe_one_gpu(res: Path):
     """docs/results.md: Qwen3-30B-A3B at seq 4096, full-parameter, on one GPU capped at an 80 GB card's memory."""
     yield ["GPU", "layers", "micro-batch", "tokens/s", "step s (forward / backward / step)", "GiB allocated / reserved",
            "host B/param"]
-    doc = _doc(res, "moe_one_gpu", "MoE on one GPU")
+    doc = _doc(res, "moe_one_gpu", "Qwen3-30B-A3B on one GPU")
     for r in sorted(doc["rows"], key=lambda r: (r["config"], r["micro_batch"])):
         if r["config"] != "coat" or not r["fits"]:
             continue
@@ -45,3 +45,7 @@ def long_context(res: Path):
         yield [_where(doc), r["config"], r["layers"], f"{r['seq']:,}", num(r["tokens_per_s"], 0),
                f"{num(r['peak_alloc_gib'])} / {num(r['resident_gib'])}", num(r["gpu_bytes_per_token"] / 1024, 0),
                num(r["host_peak_rss_gib"])]
+
+
+headline("moe_one_gpu", "H200", 48, 8)
+headline("long_context", "H200", "host_fp8_tiled", 32)
