@@ -247,10 +247,8 @@ def test_gpu_store_is_torch_checkpoint_itself():
     ({"checkpoint_store": "host_fp8"},
      "coat.activation.checkpoint_store='host_fp8' stores the input of a recomputed layer: it needs "
      "activation.checkpoint=true"),
-    ({"tile_tokens": 0}, "coat.activation.tile_tokens=0 is invalid; allowed: null (untiled) or an integer >= 1"),
-    ({"tile_tokens": True}, "coat.activation.tile_tokens=True is invalid; allowed: null (untiled) or an integer >= 1"),
-    ({"tile_tokens": "4096"},
-     "coat.activation.tile_tokens='4096' is invalid; allowed: null (untiled) or an integer >= 1"),
+    *[({"tile_tokens": bad}, f"coat.activation.tile_tokens={bad!r} is invalid; allowed: null (the MLP untiled) or a "
+                               "positive multiple of 16") for bad in (0, True, "4096", 24)],
 ])
 def test_bad_values_are_one_line_naming_the_key(act, message):
     with pytest.raises(ValueError) as exc:

@@ -7,6 +7,17 @@ from typing import Any, Mapping
 from ..formats import FP8Format, get_format
 from ..keys import check_choice, unknown_key
 
+TILE_MULTIPLE = 16  # FP8 GEMMs (torch._scaled_mm) and the tile kernels take row counts that are multiples of 16
+
+
+def check_tile_tokens(tile_tokens: object) -> None:
+    """A one-line ValueError unless tile_tokens is a positive multiple of TILE_MULTIPLE."""
+    if isinstance(tile_tokens, bool) or not isinstance(tile_tokens, int) or tile_tokens <= 0 \
+            or tile_tokens % TILE_MULTIPLE:
+        raise ValueError(f"activation.tile_tokens={tile_tokens!r} is invalid; allowed: null (the MLP untiled) or a "
+                         f"positive multiple of {TILE_MULTIPLE}")
+
+
 MODES = ("linear", "full")
 CHECKPOINT_STORES = ("gpu", "gpu_fp8", "host_fp8")
 ACT_GROUP_SIZES = (16, 32, 64, 128)
@@ -68,9 +79,8 @@ class ActivationConfig:
         if self.checkpoint_store != CHECKPOINT_STORES[0] and not self.checkpoint:
             raise ValueError(f"activation.checkpoint_store={self.checkpoint_store!r} stores the input of a recomputed "
                              "layer: it needs activation.checkpoint=true")
-        if self.tile_tokens is not None and (type(self.tile_tokens) is not int or self.tile_tokens < 1):
-            raise ValueError(f"activation.tile_tokens={self.tile_tokens!r} is invalid; allowed: null (untiled) or "
-                             "an integer >= 1")
+        if self.tile_tokens is not None:
+            check_tile_tokens(self.tile_tokens)
 
     @property
     def cache_enabled(self) -> bool:

@@ -23,20 +23,9 @@ from typing import Iterator
 import torch
 from torch.autograd import Function
 
-from .config import ActivationConfig
+from .config import ActivationConfig, check_tile_tokens
 from .functions import MlpFn
 from .weight_cache import WeightGroup
-
-TILE_MULTIPLE = 16  # FP8 GEMMs (torch._scaled_mm) and the tile kernels take row counts that are multiples of 16
-
-
-def check_tile_tokens(tile_tokens: object) -> None:
-    """A one-line ValueError unless tile_tokens is a positive multiple of TILE_MULTIPLE."""
-    if isinstance(tile_tokens, bool) or not isinstance(tile_tokens, int) or tile_tokens <= 0 \
-            or tile_tokens % TILE_MULTIPLE:
-        raise ValueError(f"activation.tile_tokens={tile_tokens!r} must be a positive multiple of {TILE_MULTIPLE} "
-                         "(or null: the MLP untiled)")
-
 
 def tiles(rows: int, tile_tokens: int) -> list[slice]:
     """The row slices of [rows, ...] in tiles of tile_tokens (the last one shorter where it does not divide)."""
