@@ -33,6 +33,8 @@ from .deepspeed.memory import (HOST_STATES, ZeroJob, buffers, largest_sub_group,
 from .deepspeed.presets import INTENTS
 from .formats import Fp8Moment
 from .hf.loss import EXACT_MODEL_TYPES
+from .plan_long import (CHECKPOINT_INPUT, TILED_MLP_INPUT, checkpoint_gpu, checkpoint_host, largest,  # noqa: F401
+                        tile_bytes, tiled, where_note)  # CHECKPOINT_INPUT: the API
 from .plan_shape import PlanError, Shape, resolve_shape, shape_from_hf  # noqa: F401 (shape_from_hf: the API)
 
 GIB = 2 ** 30
@@ -57,8 +59,11 @@ def layer_bytes(shape: Shape, activation: Any, sparse: bool | None = None) -> fl
     full = activation is not None and activation.enabled and activation.mode == "full"
     linear = activation is not None and activation.enabled and activation.mode == "linear"
     qk = shape.hd * (shape.heads + shape.kv_heads) / h * shape.qk_norm  # per-head q/k norm inputs over hidden
-    if full:   # FP8 norm inputs with 1/g exponents + fp32 rstd; gate/up FP8 with 1/g exponents
-        norms, mlp = shape.norms * (1 + 1 / g + 4 / h) + qk * (1 + 1 / g + 4 / shape.hd), 2 * i * (1 + 1 / g)
+    if full:   # FP8 norm inputs with 1/g exponents + fp32 rstd; gate/up FP8 with 1/g exponents; tiled: the MLP's
+        # bf16 input alone (TiledMlpFn: its norm and FP8 operands are recomputed)
+        tile = tiled(activation) and (shape.experts is None or sparse is False)   # routed experts run untiled
+        norms = (shape.norms - tile) * (1 + 1 / g + 4 / h) + qk * (1 + 1 / g + 4 / shape.hd)
+        mlp = TILED_MLP_INPUT if tile else 2 * i * (1 + 1 / g)
     else:      # the stock RMSNorm keeps its fp32 input and its normed output (bf16; fp32 where the family multiplies
         # by its weight in fp32, Gemma 3); a norm before q/k/v or gate/up also the linear's input (FP8: 1 B); the
         # others (q/k norms before RoPE, Gemma's post-norms before the residual add) nothing more
@@ -119,18 +124,17 @@ class Plan:
         return self.peak + self.reserve <= USABLE * memory
 
 
-CHECKPOINT_INPUT = 2.0   # B/token/hidden a checkpointed layer keeps: its bf16 input (what torch's checkpoint saves)
-
-
 def activation_bytes(job: Job, tokens: int) -> float:
     """What the forward keeps for backward on one GPU: every layer's activations, or under activation checkpointing
-    every layer's bf16 input plus one layer's activations while backward recomputes it; and the final norm's."""
+    every layer's kept input (plan_long.checkpoint_gpu: by checkpoint_store) plus one layer's activations while
+    backward recomputes it, and one MLP tile's (plan_long.tile_bytes); and the final norm's."""
     s = job.shape
     kinds = [(n, layer_bytes(s, job.activation, sparse)) for n, sparse in
              ((s.layers - s.sparse_layers, False), (s.sparse_layers, True)) if n]
-    layers = (s.layers * CHECKPOINT_INPUT + max(b for _, b in kinds) if job.checkpoint
-              else sum(n * b for n, b in kinds))
-    return tokens * s.hidden * (layers + FINAL_NORM)
+    if not job.checkpoint:
+        return tokens * s.hidden * (sum(n * b for n, b in kinds) + FINAL_NORM)
+    layers = checkpoint_gpu(s.layers, job.activation) + max(b for _, b in kinds)
+    return tokens * s.hidden * (layers + FINAL_NORM) + tile_bytes(s.intermediate, job.activation, tokens)
 
 
 def states_of(job: Job) -> dict[str, float]:
@@ -167,7 +171,8 @@ def plan(job: Job, micro_batch: int) -> Plan:
     """What one GPU holds at its peak with `micro_batch` samples of job.seq tokens."""
     by_phase = phases(job, micro_batch)
     phase = max(by_phase, key=lambda p: sum(by_phase[p].values()))
-    host = states_of(job)["host"]
+    host = states_of(job)["host"] + micro_batch * job.seq * job.shape.hidden * checkpoint_host(  # "host_fp8"'s
+        job.shape.layers * job.checkpoint, job.activation)
     return Plan(micro_batch, by_phase[phase], sum(by_phase[phase].values()), phase, host, resume_of(job, host))
 
 
@@ -180,15 +185,12 @@ def resume_of(job: Job, host: float) -> float:
 
 def max_micro_batch(job: Job, memory: float, cap: int = 1 << 16) -> int:
     """The largest micro-batch that fits a GPU of `memory` bytes (0: not even 1); the peak grows with it."""
-    if not plan(job, 1).fits(memory):
-        return 0
-    lo, hi = 1, 2
-    while hi <= cap and plan(job, hi).fits(memory):
-        lo, hi = hi, hi * 2
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if plan(job, mid).fits(memory) else (lo, mid)
-    return lo
+    return largest(lambda mb: plan(job, mb).fits(memory), cap)
+
+
+def longest_seq(job: Job, memory: float) -> int:
+    """The longest sequence that fits a GPU of `memory` bytes at micro-batch 1 (0: none)."""
+    return largest(lambda seq: plan(replace(job, seq=seq), 1).fits(memory))
 
 
 def fewest_gpus(cfg: Mapping[str, Any], model: str, seq: int, memory: float, most: int = 64) -> int | None:
@@ -350,9 +352,9 @@ def render(title: str, cols: list[tuple[str, Plan, int]], memory: float, gpus_pe
     return "\n".join(lines)
 
 
-RECOMPUTE_NOTE = ("activation checkpointing: each decoder layer keeps its bf16 input (2 B/token/hidden) and backward "
-                  "runs its forward again, one layer at a time (its activations counted once): about a third more "
-                  "layer compute a step")
+RECOMPUTE_NOTE = ("activation checkpointing: each decoder layer keeps only its input (where: the next line) and "
+                  "backward runs its forward again, one layer at a time (its activations counted once): about a third "
+                  "more layer compute a step")
 
 
 # ------------------------------------------------------------------ which preset fits
@@ -416,6 +418,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoint", choices=sorted(CHECKPOINT_FLAG), default="config",
                    help="activation checkpointing of the decoder layers: as the config's coat.activation.checkpoint "
                         "says, or on (HF's gradient_checkpointing=True, which no DeepSpeed config says) or off")
+    p.add_argument("--longest", action="store_true", help="print the longest sequence that fits at micro-batch 1")
     args = p.parse_args(argv)
     for key in ("seq", "gpus_per_node", "nodes"):
         if getattr(args, key) < 1:
@@ -443,9 +446,9 @@ CHECKPOINT_FLAG = {"config": None, "on": True, "off": False}   # --checkpoint
 
 def report(model: str, cfg: dict, source: str, seq: int, micro_batch: str = "max", *, gpus_per_node: int = 1,
            nodes: int = 1, memory: float = GPUS["h100"] * GIB, loss: str = "config", vocab: int | None = None,
-           checkpoint: str = "config", presets: bool = True) -> str:
+           checkpoint: str = "config", presets: bool = True, longest: bool = False) -> str:
     """The planner's table for DeepSpeed config `cfg` (read from `source`) beside BF16 + FusedAdam (DeepSpeedCPUAdam
-    where coat's states are on the host), and (`presets`) which shipped presets fit the same job."""
+    where coat's states are on the host), (`presets`) which presets fit the job, (`longest`) its longest sequence."""
     shape = resolve_shape(model, vocab)
     world = gpus_per_node * nodes
     chunk = {"config": "config", "chunked": DEFAULT_CHUNK_TOKENS, "stock": None}[loss]
@@ -462,7 +465,10 @@ def report(model: str, cfg: dict, source: str, seq: int, micro_batch: str = "max
              "peak of a step")
     out = [render(title, columns(jobs, micro_batch, memory), memory, gpus_per_node)]
     if job.checkpoint:
-        out.append(RECOMPUTE_NOTE)
+        out += [RECOMPUTE_NOTE, where_note(shape.layers, job.activation, shape.hidden)]
+    if longest:
+        out.append(f"longest sequence at micro-batch 1 on {world} GPU(s) of {memory / GIB:.1f} GiB: "
+                   f"{longest_seq(job, memory):,} tokens")
     if (loss_chunk(cfg) if chunk == "config" else chunk) and not chunk_runs(shape):
         out.append(f"loss: HF's stock loss (full fp32 logits): coat_ds has no chunked loss for model_type "
                    f"{shape.family!r} (coat_ds/hf/loss.py)")
@@ -477,7 +483,7 @@ def build(args: argparse.Namespace) -> str:
     cfg, source = read_config(args.config)
     return report(args.model, overridden(cfg, args), source, args.seq, args.micro_batch,
                   gpus_per_node=args.gpus_per_node, nodes=args.nodes, memory=gpu_memory(args.gpu_memory),
-                  loss=args.loss, vocab=args.vocab_size, checkpoint=args.checkpoint)
+                  loss=args.loss, vocab=args.vocab_size, checkpoint=args.checkpoint, longest=args.longest)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -458,13 +458,14 @@ def _saved_per_layer(model: torch.nn.Module, tokens: int) -> list[float]:
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "llama", "qwen3", "gemma3_text"])
-@pytest.mark.parametrize("act", [{"attention_fp8": True}, {"attention_fp8": True, "mode": "linear"}, None])
+@pytest.mark.parametrize("act", [{"attention_fp8": True}, {"attention_fp8": True, "mode": "linear"}, None,
+                                 {"attention_fp8": True, "tile_tokens": 48}])
 def test_a_layer_keeps_what_the_planner_counts(model_type, act):
     """A bf16 decoder layer on the CPU saves for backward what layer_bytes counts, within 1%: coat's FP8 layer (FP8
     norm inputs, q, k, v; a mixture of experts' router bf16 input and probabilities, the experts' FP8 input once and
     FP8 gate/up per routed copy), its linear mode (stock norms) and the stock layer (a stock RMSNorm's fp32 input and
-    normed output, Gemma 3's in fp32; transformers' grouped_mm experts: every routed copy's bf16 activations); the
-    CPU's attention keeps what the GPU's does (FP8 q, k, v; SDPA's q, k, v, output, log-sum-exp)."""
+    normed output, Gemma 3's in fp32; transformers' grouped_mm experts: every routed copy's bf16 activations), the
+    MLP over tiles (TiledMlpFn: its bf16 input alone; routed experts untiled); the CPU's attention keeps what the GPU's does (FP8 q, k, v; SDPA's q, k, v, output, log-sum-exp)."""
     import coat_ds
     from transformers import AutoConfig, AutoModelForCausalLM
 
