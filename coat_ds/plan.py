@@ -14,7 +14,7 @@ against every end-to-end row in benchmarks/results/ (tests/test_plan.py).
 
 Plain arithmetic on the JSON config and the model's shape: nothing is built, no GPU is needed. DeepSpeed's
 part (ZeRO partitioning, buckets, its step) is coat_ds/deepspeed/memory.py, the model's shape coat_ds/plan_shape.py,
-a mixture of experts' routed experts and router coat_ds/plan_moe.py.
+a mixture of experts' routed experts and router coat_ds/plan_moe.py, checkpoint stores and tiles coat_ds/plan_long.py.
 """
 from __future__ import annotations
 
