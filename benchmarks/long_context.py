@@ -15,15 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 
 from benchmarks import harness
-from benchmarks.common import (GIB, RESULTS, ROOT, add_worker_args, check_positive, names_of, proc_bytes, read_json,
-                               worker_cmd, write_json)
+from benchmarks.common import GIB, ROOT, names_of, proc_bytes, worker_cmd, write_json
 from benchmarks.configs import MODELS
 from coat_ds.workloads import causal_lm as train_lib
 
@@ -99,76 +96,39 @@ def worker(args: argparse.Namespace) -> int:
 
 def run_one(args: argparse.Namespace, name: str, seq: int) -> dict:
     """A worker process's row; one that fails says how (out of memory: fits false)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        result = Path(tmp) / "row.json"
-        cmd = worker_cmd(f"benchmarks.{NAME}", args, WORKER_FLAGS, config=name, seq=seq, result=result)
-        code, tail = harness.run_worker(cmd, args.timeout)
-        row = read_json(result)
-    if row:
-        return row
-    lines = [line for line in tail.splitlines() if line.strip()][-3:]
-    return {"config": name, "layers": args.layers or MODELS[args.model]["num_hidden_layers"], "seq": seq,
-            "fits": False, "oom": "out of memory" in tail.lower(), "returncode": code,
-            "error": " | ".join(lines)[-800:]}
+    return harness.worker_row(lambda result: worker_cmd(f"benchmarks.{NAME}", args, WORKER_FLAGS, config=name,
+                                                        seq=seq, result=result),
+                              args.timeout, config=name, seq=seq,
+                              layers=args.layers or MODELS[args.model]["num_hidden_layers"])
+
+
+def results(args: argparse.Namespace, rows: list[dict], call: dict) -> dict:
+    """This call's rows merged into --out's file by identity (a file of another model, preset or cap refused)."""
+    ours = {"model": args.model, "shape": MODELS[args.model], "preset": PRESET, "cap_gib": args.cap_gib,
+            "configs": {k: v[0] for k, v in CONFIGS.items()}}
+    return harness.into_file(args.out / f"{NAME}.json", rows, identity, ours, call, SETTING)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", default="gpu,host_fp8_tiled", help=f"comma-separated, of {list(CONFIGS)}")
-    p.add_argument("--seqs", help="rising; a configuration stops at its first that fails (default 32768,131072; "
-                                  "--smoke 64,128)")
     p.add_argument("--steps", type=int, default=1, help="timed steps after the first (0: memory only)")
-    p.add_argument("--cap-gib", type=float, default=79.0,
-                   help="torch.cuda.set_per_process_memory_fraction's cap: an 80 GB card's usable memory")
-    p.add_argument("--layers", type=int, default=None, help="a shallower stand-in of the model's width")
-    p.add_argument("--timeout", type=float, default=1500.0, help="seconds per worker")
-    p.add_argument("--smoke", action="store_true", help=f"CPU: {SMOKE_MODEL} (benchmarks/configs.py)")
-    p.add_argument("--out", type=Path, help=f"where {NAME}.json goes (default benchmarks/results; --smoke "
-                                            f"runs/{NAME}_smoke)")
-    add_worker_args(p)
-    p.add_argument("--model", help=argparse.SUPPRESS)
-    p.add_argument("--config", help=argparse.SUPPRESS)
+    harness.one_gpu_options(p, NAME, "seqs", "default 32768,131072; --smoke 64,128",
+                            MODELS[MODEL]["num_hidden_layers"])
     p.add_argument("--seq", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.config_names = names_of(p, "configs", args.configs, CONFIGS)
-    args.model = args.model or (SMOKE_MODEL if args.smoke else MODEL)
-    try:
-        args.seq_list = sorted({int(s) for s in (args.seqs or ("64,128" if args.smoke else "32768,131072")).split(",")})
-    except ValueError:
-        args.seq_list = []
-    if not args.seq_list or args.seq_list[0] < 1:
-        p.error(f"--seqs={args.seqs!r} is invalid; allowed: comma-separated integers >= 1")
-    check_positive(p, args, ("layers",))
-    if args.steps < 0 or args.cap_gib <= 0:
-        p.error(f"--steps={args.steps} / --cap-gib={args.cap_gib} is invalid; allowed: steps >= 0, cap > 0")
-    args.out = args.out or (ROOT / "runs" / f"{NAME}_smoke" if args.smoke else RESULTS)
+    if args.steps < 0:
+        p.error(f"--steps={args.steps} is invalid; allowed: an integer >= 0")
+    args.seq_list = harness.one_gpu_checked(p, args, NAME, "seqs", "64,128" if args.smoke else "32768,131072",
+                                            (MODEL, SMOKE_MODEL))
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.worker:
-        return harness.worker_exit(lambda: worker(args))
-    if not args.smoke and not torch.cuda.is_available():
-        print(f"{NAME}: needs a CUDA GPU; allowed here: --smoke (CPU)", file=sys.stderr)
-        return 2
-    call, rows = harness.this_call(), []
-    for name in args.config_names:
-        for seq in args.seq_list:
-            rows.append(run_one(args, name, seq))
-            print(json.dumps(rows[-1]), flush=True)
-            if not rows[-1]["fits"]:
-                break
-    ours = {"model": args.model, "shape": MODELS[args.model], "preset": PRESET, "cap_gib": args.cap_gib}
-    old = read_json(args.out / f"{NAME}.json") or {}
-    if old:
-        harness.same_setting(str(args.out / f"{NAME}.json"), {k: old.get(k) for k in SETTING},
-                             {k: ours[k] for k in SETTING})
-    merged = harness.merged(identity, old.get("rows", []), rows)
-    doc = {**old, **harness.head([*harness.calls_of([old]), call]), **ours,
-           "configs": {k: v[0] for k, v in CONFIGS.items()}, "rows": list(merged.values())}
-    print(f"-> {harness.write_results(doc, args.out, NAME)}", flush=True)
-    return 0 if rows[0]["fits"] else 1
+    return harness.one_gpu_case(args, NAME, worker, lambda name, seq: run_one(args, name, seq), args.config_names,
+                                args.seq_list, lambda rows, call: results(args, rows, call))
 
 
 if __name__ == "__main__":

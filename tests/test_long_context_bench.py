@@ -38,3 +38,19 @@ def test_configs_set_what_they_say_and_bad_flags_fail_in_one_line(capsys):
         with pytest.raises(SystemExit):
             L.parse_args(argv)
         assert key in capsys.readouterr().err.splitlines()[-1]
+
+
+def test_the_committed_file_takes_a_new_row_by_identity():
+    """results/long_context.json: a later call's row replaces its identity's and a new identity is added, the other
+    rows, the note and the calls kept; a file of another cap is refused in one line."""
+    from benchmarks.common import RESULTS
+    committed = json.loads((RESULTS / "long_context.json").read_text())
+    args = L.parse_args([])
+    again = dict(committed["rows"][0], tokens_per_s=1.0)
+    new = dict(committed["rows"][0], seq=262144)
+    doc = L.results(args, [again, new], {"date": "D", "device": "H"})
+    assert [L.identity(r) for r in doc["rows"]] == [L.identity(r) for r in committed["rows"]] + [L.identity(new)]
+    assert doc["rows"][0]["tokens_per_s"] == 1.0 and doc["rows"][1] == committed["rows"][1]
+    assert doc["note"] == committed["note"] and len(doc["calls"]) == len(committed["calls"]) + 1
+    with pytest.raises(SystemExit):
+        L.results(L.parse_args(["--cap-gib", "139"]), [], {})
