@@ -21,6 +21,7 @@ from ..activation.experts import ExpertsFn
 from ..kernels import quant
 from ..activation.functions import LinearFn, NormLinearFn, RmsNormFn, RopeFn
 from ..activation.tiled import mlp
+from ..activation.tiled_attention import tiled_call
 from ..activation.weight_cache import WeightGroup
 from .contract import pop_cache
 from .coverage import is_sparse, missing_parts
@@ -219,6 +220,7 @@ class CoatDecoderLayer(_Base):
         dropout = 0.0 if not self.training else attn.attention_dropout
         call = self._attention_call(dropout, **kwargs)
         if self._fp8_attention(q, attn.config._attn_implementation, cache, dropout):
+            call = tiled_call(call, attn, attention_mask, q, cfg.tile_tokens, kwargs)   # backward over query tiles
             return Fp8AttentionFn.apply(q, k, v, attention_mask, residual, call, cfg, self._o, *self._o.params())
         out = call(q, k, v, attention_mask)
         o = out.reshape(-1, out.shape[-2] * out.shape[-1])

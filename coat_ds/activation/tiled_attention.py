@@ -1,0 +1,176 @@
+"""Fp8AttentionFn's backward over query tiles (`activation.tile_tokens` with `attention_fp8`).
+
+Untiled, the backward holds sequence-long bf16 q, k, v, the recomputed output o, the stock call's saved tensors,
+o_proj's FP8 operands, do and dq/dk/dv at once (with the backend's own scratch: FlashAttention's fp32 dq
+accumulator, its GQA-expanded dk/dv). Tiled, k and v are dequantized once (the small GQA tensors) and each tile of
+`tile_tokens` queries [s0, s1) runs alone: its q dequantized from the saved codes, its attention recomputed under
+autograd against the keys it sees, o_proj's backward for its rows, its vector-Jacobian product. dq is written into
+one tensor in q's layout; dk, dv and o_proj's weight gradient are summed in fp32 over the tiles and returned once (so
+ZeRO's gradient hooks fire once a parameter, as for TiledMlpFn).
+
+Which keys a tile sees: with the model's mask (a [b | 1, h | 1, S | 1, keys] tensor: padding, sliding windows,
+eager's causal mask) its rows s0..s1 and every key, through the stock call; without a mask under the stock SDPA
+function (causal by `is_causal`) keys 0..s1 with the causal diagonal aligned bottom-right
+(`torch.nn.attention.bias.causal_lower_right`, what SDPA's FlashAttention kernel runs natively); without a mask
+elsewhere (eager, or a non-causal module) every key. Only the stock sdpa and eager functions are tiled: another
+function (Ulysses' all-to-all wrapper, flash) keeps the untiled backward.
+
+Scales: o_proj's output gradient dh takes one E5M2 scale over the whole sequence, as untiled (one row-maxima pass
+over dh), so do is the untiled do row for row; the recomputed o takes a per-tile E4M3 scale (a global one would need
+every tile's o first: one more attention forward). Scales are powers of two and a tile's is at most the whole
+tensor's, so o's codes are the untiled ones except where the whole tensor's scale made them subnormal (here finer).
+The weight gradient's tiles are summed in fp32 and rounded once. So gradients equal the untiled ones up to the order
+of those sums (tests/test_tiled_attention.py states the measured bound)."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+from ..kernels import quant
+from .attention import _ROW, AttentionCall, dequant_heads
+from .functions import quant_operand
+from .gemm import fp8_mm
+from .tiled import held_operands, tiles
+
+
+class TiledCall:
+    """The decoder layer's attention call (call(q, k, v, mask) -> [b, s, h, d]), and how a query tile of it runs."""
+
+    def __init__(self, call: AttentionCall, causal: bool, scaling: float, gqa: bool) -> None:
+        self.call, self.causal, self.scaling, self.gqa = call, causal, scaling, gqa
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        return self.call(q, k, v, mask)
+
+    def keys(self, s1: int, mask: torch.Tensor | None, seq: int) -> int:
+        """How many keys (0..n) the queries before s1 can see: s1 where the call is causal without a mask."""
+        return s1 if mask is None and self.causal else seq
+
+    def tile(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+             s0: int, s1: int) -> torch.Tensor:
+        """The call's output rows s0..s1 ([b, s1 - s0, h, d]) from those queries and keys 0..keys(s1)."""
+        if mask is not None:
+            return self.call(q, k, v, mask[..., s0:s1, :] if mask.shape[-2] > 1 else mask)
+        if not self.causal:
+            return self.call(q, k, v, None)
+        # what the stock sdpa function runs without a mask (is_causal, enable_gqa), the diagonal at the bottom right
+        bias = causal_lower_right(s1 - s0, s1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=self.scaling, enable_gqa=self.gqa)
+        return out.transpose(1, 2).contiguous()
+
+
+def _stock_function(impl: str | None) -> bool:
+    """Whether the layer's attention function is transformers' own eager or sdpa one (not a wrapper: Ulysses)."""
+    if impl in (None, "eager"):
+        return True
+    if impl != "sdpa":
+        return False
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    if hasattr(ALL_ATTENTION_FUNCTIONS, "get_interface"):
+        return ALL_ATTENTION_FUNCTIONS.get_interface(impl, None) is sdpa_attention_forward
+    return ALL_ATTENTION_FUNCTIONS[impl] is sdpa_attention_forward  # pragma: no cover - older transformers
+
+
+def tiled_call(call: AttentionCall, attn: Any, mask: Any, q: torch.Tensor, tile_tokens: int | None,
+               kwargs: dict) -> AttentionCall:
+    """`call` as a TiledCall where attention's backward runs over query tiles: tile_tokens set, the sequence longer
+    than a tile, the stock eager or sdpa function; a mask that cannot be sliced by query rows is one line."""
+    seq = q.shape[2]
+    if tile_tokens is None or seq <= tile_tokens or quant.tracing(q):
+        return call
+    impl = attn.config._attn_implementation
+    if not _stock_function(impl):
+        return call
+    if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[-2] in (1, seq)):
+        raise ValueError(f"activation.tile_tokens: attention's mask ({type(mask).__name__} of shape "
+                         f"{tuple(getattr(mask, 'shape', ()))}) cannot be tiled by query rows; allowed: none or a "
+                         f"4-D tensor [batch, heads, {seq} or 1, keys]")
+    causal = impl == "sdpa" and bool(kwargs.get("is_causal", getattr(attn, "is_causal", True)))
+    return TiledCall(call, causal, attn.scaling, getattr(attn, "num_key_value_groups", 1) > 1)
+
+
+def dequant_rows(codes: torch.Tensor, sexp: torch.Tensor, layout: tuple, s0: int, s1: int) -> torch.Tensor:
+    """`dequant_heads(codes, sexp, layout)[:, :, s0:s1]` of a [b, h, s, d] tensor, dequantizing only those rows
+    (bit for bit the same values: each group carries its own exponent), in the same memory order."""
+    shape, order, dtype = layout
+    assert order[-1] == len(shape) - 1, "quant_heads keeps head_dim innermost"
+    dim = order.index(2)    # the sequence's place in memory order
+    group = codes.shape[1] // sexp.shape[1]
+    c = codes.view(shape).narrow(dim, s0, s1 - s0).contiguous()
+    e = sexp.view(*shape[:-1], shape[-1] // group).narrow(dim, s0, s1 - s0).contiguous()
+    rows = math.gcd(c.numel(), _ROW)
+    out = quant.group_dequant(c.view(-1, rows), e.view(-1, rows // group), group, dtype)
+    inverse = sorted(range(len(order)), key=order.__getitem__)
+    return out.view(c.shape).permute(inverse)
+
+
+def _like(layout: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An empty tensor with the shape and strides of the one `quant_heads` saw."""
+    shape, order, _ = layout
+    inverse = sorted(range(len(order)), key=order.__getitem__)
+    return torch.empty(shape, dtype=dtype, device=device).permute(inverse)
+
+
+def head_groups(heads: int, kv_heads: int) -> list[tuple[slice, slice]]:
+    """(query heads, kv heads) of each call a tile makes: under GQA one per kv head with its query heads (heads are
+    independent: the same values), since a backend's GQA backward expands dk, dv to every query head over all the
+    tile's keys (FlashAttention's dk/dv_expanded: sequence-long at the last tile); without GQA one call."""
+    if kv_heads == heads:
+        return [(slice(0, heads), slice(0, kv_heads))]
+    r = heads // kv_heads
+    return [(slice(g * r, (g + 1) * r), slice(g, g + 1)) for g in range(kv_heads)]
+
+
+def backward(ctx: Any, dh: torch.Tensor) -> tuple:
+    """Fp8AttentionFn.backward over query tiles of ctx.cfg.tile_tokens (ctx.call a TiledCall); the same gradients."""
+    qc, qe, kc, ke, vc, ve, mask = ctx.saved_tensors
+    cfg, group, tc = ctx.cfg, ctx.group, ctx.call
+    ql, kl, vl = ctx.layouts
+    k, v = dequant_heads(kc, ke, kl), dequant_heads(vc, ve, vl)
+    del kc, ke, vc, ve
+    b, nh, nkv, seq, hd = k.shape[0], ql[0][ql[1].index(1)], k.shape[1], k.shape[2], k.shape[3]
+    dh = dh.contiguous()
+    ds = quant.tensor_scale(quant.row_amax(dh), cfg.bwd)    # the whole dh's scale, as linear_backward takes it
+    rows_of = dh.view(b, seq, dh.shape[-1])
+    dq = _like(ql, k.dtype, k.device)
+    dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (k, v))
+    dw = None
+    with held_operands(group):
+        wt, ws = group.operand(transposed=True)
+        for r in tiles(seq, cfg.tile_tokens):
+            s0, s1 = r.start, r.stop
+            n = tc.keys(s1, mask, seq)
+            q_t = dequant_rows(qc, qe, ql, s0, s1)
+            leaves, outs = [], []
+            for qh, kh in head_groups(nh, nkv):   # one call per kv head under GQA (see head_groups)
+                group_leaves = [q_t[:, qh].detach().requires_grad_(), k[:, kh, :n].detach().requires_grad_(),
+                                v[:, kh, :n].detach().requires_grad_()]
+                m = mask[:, qh] if mask is not None and mask.shape[1] > 1 else mask
+                with torch.enable_grad():
+                    outs.append(tc.tile(*group_leaves, m, s0, s1))
+                leaves.append(group_leaves)
+            del q_t
+            out = outs[0].detach() if len(outs) == 1 else torch.cat([o.detach() for o in outs], dim=2)
+            _, ot, o_s = quant_operand(out.reshape(-1, nh * hd), cfg.fwd, rowmajor=False, transposed=True)
+            d8, d8t = quant.quant_tensor(rows_of[:, s0:s1].reshape(-1, dh.shape[-1]), ds, cfg.bwd, True, True)
+            part = fp8_mm(d8t, ds, ot, o_s, torch.float32)
+            dw = part if dw is None else dw.add_(part)
+            do = fp8_mm(d8, ds, wt, ws, dh.dtype)
+            del ot, d8, d8t, part, out
+            grads = torch.autograd.grad(outs, [t for g in leaves for t in g],
+                                        do.view(b, s1 - s0, nh, hd).split([o.shape[2] for o in outs], dim=2))
+            del outs, do, leaves
+            for (qh, kh), (gq, gk, gv) in zip(head_groups(nh, nkv), zip(*[iter(grads)] * 3)):
+                dq[:, qh, s0:s1] = gq
+                dk[:, kh, :n] += gk
+                dv[:, kh, :n] += gv
+            del grads, gq, gk, gv
+    w = group.weights[0]
+    db = dh.sum(dim=0).to(w.dtype) if group.has_bias else None
+    pgrads = group.split_grad(dw.to(w.dtype), db)
+    return dq, dk.to(k.dtype), dv.to(v.dtype), None, (dh if ctx.has_res else None), None, None, None, *pgrads
