@@ -34,7 +34,7 @@ from .deepspeed.presets import INTENTS
 from .formats import Fp8Moment
 from .hf.loss import EXACT_MODEL_TYPES
 from .plan_long import (CHECKPOINT_INPUT, TILED_MLP_INPUT, checkpoint_gpu, checkpoint_host, largest,  # noqa: F401
-                        tile_bytes, tiled, where_note)  # CHECKPOINT_INPUT: the API
+                        recomputed_layer, tile_bytes, tiled, where_note)  # CHECKPOINT_INPUT: the API
 from .plan_shape import PlanError, Shape, resolve_shape, shape_from_hf  # noqa: F401 (shape_from_hf: the API)
 
 GIB = 2 ** 30
@@ -127,13 +127,14 @@ class Plan:
 def activation_bytes(job: Job, tokens: int) -> float:
     """What the forward keeps for backward on one GPU: every layer's activations, or under activation checkpointing
     every layer's kept input (plan_long.checkpoint_gpu: by checkpoint_store) plus one layer's activations while
-    backward recomputes it, and one MLP tile's (plan_long.tile_bytes); and the final norm's."""
+    backward recomputes it (less what attention's query tiles save: plan_long.recomputed_layer), and one MLP tile's
+    (plan_long.tile_bytes); and the final norm's."""
     s = job.shape
     kinds = [(n, layer_bytes(s, job.activation, sparse)) for n, sparse in
              ((s.layers - s.sparse_layers, False), (s.sparse_layers, True)) if n]
     if not job.checkpoint:
         return tokens * s.hidden * (sum(n * b for n, b in kinds) + FINAL_NORM)
-    layers = checkpoint_gpu(s.layers, job.activation) + max(b for _, b in kinds)
+    layers = checkpoint_gpu(s.layers, job.activation) + recomputed_layer(s, job.activation, max(b for _, b in kinds))
     return tokens * s.hidden * (layers + FINAL_NORM) + tile_bytes(s.intermediate, job.activation, tokens)
 
 

@@ -4,8 +4,9 @@ bytes, and the command line's one-line refusals."""
 import json
 import subprocess
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
@@ -23,6 +24,8 @@ GIB = 2 ** 30
 ZERO_STEP_LANDED = "2026-11-23T19:32:39"
 # coat.gradients "per_parameter" became the default (issue 34): rows measured before it kept DeepSpeed's buffer
 PER_PARAMETER_GRADS_LANDED = "2026-11-26T07:17:37"
+# attention's backward over query tiles with tile_tokens (0265ecd, issue 61): rows before it ran it untiled
+TILED_ATTENTION_LANDED = "2026-12-02T14:52:28"
 
 
 def _docs(path: Path) -> list[dict]:
@@ -78,14 +81,23 @@ def long_context_rows() -> list[dict]:
             for r in doc["rows"] if r["fits"]]
 
 
+@dataclass(frozen=True)
+class _UntiledAttention(ActivationConfig):
+    """A row's activation config, measured before attention's backward ran over query tiles."""
+    tiles_attention: ClassVar[bool] = False
+
+
 def job_of(row: dict) -> P.Job:
     shape = P.shape_from_hf(row["shape"], row["file"])
     chunk = P.loss_chunk(row["ds_config"]) if row["chunked"] else None   # rows before the chunked loss: stock
     cfg = row["ds_config"]
     if "coat" in cfg and row["date"] < PER_PARAMETER_GRADS_LANDED:
         cfg = {**cfg, "coat": {"gradients": "partition_buffer", **cfg["coat"]}}
-    return P.job_from_config(cfg, shape, row["seq"], row["world"], chunk=chunk,
-                             coat_step=row["date"] >= ZERO_STEP_LANDED)
+    job = P.job_from_config(cfg, shape, row["seq"], row["world"], chunk=chunk,
+                            coat_step=row["date"] >= ZERO_STEP_LANDED)
+    if job.activation is not None and row["date"] < TILED_ATTENTION_LANDED:
+        job = replace(job, activation=_UntiledAttention(**job.activation.to_dict()))
+    return job
 
 
 # Rows the planner misses, with the band its planned / measured peak stays in (docs/plan.md says why): the test fails
@@ -137,6 +149,38 @@ def test_the_checkpoint_stores_keep_their_inputs_where_they_say():
         act = ActivationConfig(checkpoint=True, checkpoint_store=store)
         assert (L.checkpoint_gpu(32, act), L.checkpoint_host(32, act)) == (gpu, host), store
     assert L.checkpoint_gpu(32, None) == 64.0 and L.checkpoint_host(32, None) == 0.0   # HF's checkpoint: stock
+
+
+def test_tiled_attention_is_planned_down_to_the_loss_backward():
+    """Llama-3.1-8B, host_fp8 and tiles of 16384 with attention_fp8: attention's backward holds 18.03 B/token/hidden
+    untiled (bf16 q, k, v 3, o 2, do 2, dq/dk/dv 3, FlashAttention's fp32 dq 4 and GQA-expanded dk, dv 4, lse) and
+    6.625 tiled (k, v 1, their fp32 sums 2, dq 2, dk, dv 1, one kv head's call's scratch 0.625): 11.4 less, more than
+    the recomputed layer's 4.66, so the peak is the loss backward's (every layer's checkpoint on the GPU 3.06, the final
+    norm 8, the loss's fp32 gradients 8): 78.1 KB a token where the untiled attention's plan is 97.1."""
+    from coat_ds import plan_long as L
+
+    cfg = P.read_config("zero2_largest_model")[0]
+    cfg["coat"]["activation"].update(checkpoint=True, checkpoint_store="host_fp8", tile_tokens=16384)
+    shape = P.resolve_shape("llama3.1-8b")
+    job = P.job_from_config(cfg, shape, 1 << 20, 1)
+    untiled = replace(job, activation=_UntiledAttention(**job.activation.to_dict()))
+    assert L.attention_backward(shape, job.activation) == pytest.approx((18.03, 6.625), abs=0.005)
+    assert L.tiles_attention(job.activation) and not L.tiles_attention(untiled.activation)
+    assert not L.tiles_attention(replace(job.activation, attention_fp8=False))
+    assert L.recomputed_layer(shape, job.activation, 4.66) == 0.0
+    assert L.recomputed_layer(shape, untiled.activation, 4.66) == 4.66
+
+    def per_token(j, seq):   # activations and the loss at the peak, a token (the slope below drops fixed bytes)
+        p = P.plan(replace(j, seq=seq), 1)
+        return (p.parts["activations"] + p.parts["logits/loss"]) / seq
+
+    slope = {name: (per_token(j, 1 << 22) * (1 << 22) - per_token(j, 1 << 21) * (1 << 21)) / (1 << 21) / 1e3
+             for name, j in (("tiled", job), ("untiled", untiled))}
+    assert slope["tiled"] == pytest.approx((3 + 1 / 16 + 16) * 4096 / 1e3, rel=1e-3), slope
+    assert slope["untiled"] == pytest.approx((3 + 1 / 16 + P.layer_bytes(shape, job.activation) + 16) * 4096 / 1e3,
+                                             rel=1e-3), slope
+    memory = P.GPUS["h100"] * GIB
+    assert P.longest_seq(untiled, memory) < 400_000 < 490_000 < P.longest_seq(job, memory)
 
 
 def test_longest_is_the_last_sequence_that_fits(capsys):
