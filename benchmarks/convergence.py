@@ -1,7 +1,6 @@
 """Convergence: a ~125M Llama pretrained from scratch with BF16 + AdamW, coat_ds optimizer-only and coat_ds full
-(with an fp32 master, and with a bf16 master written by stochastic rounding or, as an ablation, to nearest).
-One process per run, all from the same weights on the same batches; docs/benchmarks.md has the commands and what
-convergence.json holds.
+(fp32 master; bf16 master by stochastic rounding or, an ablation, to nearest), a process per run, all from the same
+weights on the same batches (docs/benchmarks.md: the commands, convergence.json's fields).
 """
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
-"""The one job runner of the benchmarks. A case (a runner script: e2e_scaling, accuracy_scale, seed_spread,
-hf_trainer_speed, offload) names its jobs: their identity, GPUs, predicted seconds and command. The harness packs
-them side by side on disjoint GPU slots, honours a deadline (a job starts only where its prediction fits, is told to
-stop before the deadline and killed at it), runs each in a process group of its own (a job told to stop saves what it
-has: its curve, its checkpoint, from which a later call resumes it), merges rows into the case's results file by
-identity (a file measured with another setting is refused in one line), and records where, when and how each call
-measured (device, versions, command, commit, date) once. docs/benchmarks.md, "A new benchmark", says how a case
-uses it."""
+"""The one job runner of the benchmarks: a case names its jobs (identity, GPUs, predicted seconds, command); the
+harness packs them on disjoint GPU slots under a deadline (a job told to stop saves what a later call resumes from),
+merges rows into the case's file by identity (refusing a file of another setting) and records each call once.
+docs/benchmarks.md, "A new benchmark", says how a case uses it."""
 from __future__ import annotations
 
 import argparse
@@ -168,11 +164,12 @@ def run_worker(cmd: list[str], timeout: float, echo: Callable[[str], bool] = lam
 
 
 # --- One GPU, one job after another: a value rising until the first job that does not fit -----------------------------
-def worker_row(cmd_of: Callable[[Path], list[str]], timeout: float, **identity) -> dict:
+def worker_row(cmd_of: Callable[[Path], list[str]], timeout: float, echo: Callable[[str], bool] = lambda line: False,
+               **identity) -> dict:
     """The row a worker writes to the file its command names (`cmd_of(path)`); where it wrote none, a row of
     `identity` that says how it failed: fits false, `oom` (out of memory), its exit code, its output's last lines."""
     with tempfile.TemporaryDirectory() as tmp:
-        code, tail = run_worker(cmd_of(Path(tmp) / "row.json"), timeout)
+        code, tail = run_worker(cmd_of(Path(tmp) / "row.json"), timeout, echo)
         row = read_json(Path(tmp) / "row.json")
     lines = [line for line in tail.splitlines() if line.strip()][-3:]
     return row or {**identity, "fits": False, "oom": "out of memory" in tail.lower() or "OutOfMemoryError" in tail,
@@ -299,13 +296,14 @@ def calls_of(docs: list[dict]) -> list[dict]:
 
 def into_file(path: Path, rows: list[dict], key: Callable[[dict], object], ours: dict, call: dict,
               setting: Iterable[str]) -> dict:
-    """The results file at `path` with `rows` merged in by `key` and `call` counted, its other keys kept, `ours`
-    (this call's facts) on top; exits in one line where the file's `setting` keys differ from ours."""
+    """The results file at `path` with `rows` merged in by `key` and `call` counted once (a call may write after each
+    row), its other keys kept, `ours` (this call's facts) on top; exits in one line where the file's `setting` keys
+    differ from ours."""
     old = read_json(path) or {}
     if old:
         same_setting(str(path), {k: old.get(k) for k in setting}, {k: ours.get(k) for k in setting})
     rows = list(merged(key, old.get("rows", []), rows).values())
-    return {**old, **head([*calls_of([old]), call]), **ours, "rows": rows}
+    return {**old, **head(calls_of([old, {"calls": [call]}])), **ours, "rows": rows}
 
 
 def this_call(**extra) -> dict:

@@ -19,7 +19,7 @@ from benchmarks.common import (GIB, T0, check_positive, device_name, names_of, p
                                worker_cmd)
 from benchmarks.configs import MODELS as SHAPES, build_model, ds_config
 from benchmarks.worker import StorageCounter, Worker, _tensors, base_optimizer
-from benchmarks.render_tables import markdown, num
+from benchmarks.render_tables import render
 from coat_ds.workloads.causal_lm import param_groups
 
 CONFIGS = {"bf16": "BF16 + DeepSpeedCPUAdam", "coat_full": "coat_ds full (fp32 master)",
@@ -245,23 +245,13 @@ def one_row(args: argparse.Namespace, model: str, config: str, avail: int) -> di
     if row.get("gpu_oom") and mb > 1 and args.deadline.fits(est):
         row = launch(args, model, config, mb // 2, args.deadline.left())
     # pinned: as the worker's DeepSpeed config said, or as predicted where no engine was built
-    return {**row, **plan, "pinned": args.pin_memory if "ds_config" in row else p["pinned"]}
+    return {**row, **plan, "label": CONFIGS[config], "pinned": args.pin_memory if "ds_config" in row else p["pinned"]}
 
 
 def _row_order(row: dict) -> tuple[int, int]:
     """MODELS x CONFIGS order; a model outside MODELS (the smoke's tiny) last."""
     m = row["model"]
     return MODELS.index(m) if m in MODELS else len(MODELS), list(CONFIGS).index(row["config"])
-
-
-def table(rows: list[dict]) -> str:
-    return markdown(["model", "config", "pinned", "fits", "micro-batch", "optimizer B/param", "host B/param",
-                     "RSS GiB", "peak RSS GiB", "GPU GiB", "tokens/s", "why not"],
-                    [[r["model"], r["config"], r["pinned"], r["fits"], r.get("micro_batch") or "-",
-                      num(r.get("host_optimizer_bytes_per_param"), 2),
-                      num((r.get("host_accounting") or {}).get("host_total_bytes_per_param"), 2),
-                      num(r.get("host_rss_gb"), 2), num(r.get("host_rss_peak_gb"), 2), num(r.get("gpu_peak_gb"), 2),
-                      num(r.get("tokens_per_s"), 0), r.get("why_not") or ""] for r in rows])
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -283,9 +273,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def meta(args: argparse.Namespace, avail: int) -> dict:
-    """How this call measured (harness.this_call: no CUDA context in the parent)."""
+    """What this call measured with, beside its call (harness.this_call)."""
     return {"what": "ZeRO-2 + offload_optimizer cpu, 1 rank: host memory per parameter, GPU peak, tokens/s",
-            **harness.this_call(), "host_available_gb": avail / GIB, "pin_memory": args.pin_memory,
+            "host_available_gb": avail / GIB, "pin_memory": args.pin_memory,
             "pin_backend": os.environ.get("DS_PIN_MEMORY_BACKEND", "torch"), "seq_len": args.seq_len,
             "wall_s": args.deadline.seconds - args.deadline.left(), "smoke": args.smoke}
 
@@ -300,9 +290,12 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     args.deadline, avail, rows = harness.Deadline(args.time_budget), proc_bytes("MemAvailable", "/proc/meminfo"), []
-    old = read_json(out / "offload.json", {})
-    if old.get("rows"):   # its rows stay where this call does not measure them again: at the same sequence length
-        harness.same_setting(str(out / "offload.json"), {"seq_len": old.get("seq_len")}, {"seq_len": args.seq_len})
+    call, path = harness.this_call(), out / "offload.json"
+    # the rows so far replace the file's rows of the same (model, config), at the same sequence length only: checked
+    # before the first row runs too
+    into = lambda: harness.into_file(path, rows, lambda r: (r["model"], r["config"]), meta(args, avail), call,  # noqa: E731
+                                     ("seq_len",))
+    into()
     for model in args.models:
         for config in args.configs:
             row = one_row(args, model, config, avail)
@@ -310,14 +303,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"== {model} / {config}: skipped, time budget spent", flush=True)
                 continue
             rows.append(row)
-            # the rows so far replace old's rows of the same (model, config); this invocation joins old's
-            merged = harness.merged(lambda r: (r["model"], r["config"]), old.get("rows", []), rows).values()
-            run = meta(args, avail)
-            res = {**run, "rows": sorted(merged, key=_row_order), "invocations": old.get("invocations", []) + [run]}
+            res = into()
+            res["rows"].sort(key=_row_order)
             harness.write_results(res, out, "offload")
     if not rows:
         return 1
-    print(table(res["rows"]) + f"\n-> {out / 'offload.json'}")
+    print(render("offload", out) + f"-> {path}")
     return 0 if all(r["fits"] or "predicted" in (r.get("why_not") or "") for r in rows) else 1
 
 

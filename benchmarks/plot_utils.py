@@ -45,6 +45,16 @@ def bars(ax, values: list, texts: list[str], colors, xticklabels, fontsize: int 
     ax.margins(y=0.15)
 
 
+def stack(ax, i: int, parts: list[tuple[str, float]]) -> float:
+    """One bar at `i` stacked from (label, value) parts in colours C0, C1, ..., each label once in the legend -> its
+    top."""
+    bottom, seen = 0.0, ax.get_legend_handles_labels()[1]
+    for j, (label, v) in enumerate(parts):
+        ax.bar(i, v, bottom=bottom, color=f"C{j}", label=None if label in seen else label, width=0.6)
+        bottom += v
+    return bottom
+
+
 def plot_e2e(res: dict, path: Path) -> None:
     """Memory breakdown at the equal micro-batch, the largest micro-batch, and tokens/s there."""
     rows = res["configs"]
@@ -52,11 +62,8 @@ def plot_e2e(res: dict, path: Path) -> None:
     fig, axes = _plt().subplots(1, 3, figsize=(15, 4.8))
     ax, tops = axes[0], [1e-9]
     for i, r in enumerate(rows):
-        bd, bottom = r.get("breakdown") or {}, 0.0
-        for j, (key, name) in enumerate(PARTS):
-            v = max(bd.get(key) or 0.0, 0.0)
-            ax.bar(i, v, bottom=bottom, color=f"C{j}", label=name if i == 0 else None, width=0.6)
-            bottom += v
+        bd = r.get("breakdown") or {}
+        bottom = stack(ax, i, [(name, max(bd.get(key) or 0.0, 0.0)) for key, name in PARTS])
         peak = (r.get("equal_batch") or {}).get("peak_alloc_gb")
         if peak:
             ax.text(i, max(bottom, peak), f"{peak:.1f} GiB", ha="center", va="bottom", fontsize=9)
@@ -156,24 +163,20 @@ def plot_offload(res: dict, path: Path) -> None:
     for ax, model in zip(axes[0], models):
         rows = [r for r in res["rows"] if r["model"] == model]
         for i, r in enumerate(rows):
-            acc, bottom = (r.get("host_accounting") or {}).get("categories"), 0.0
+            acc = (r.get("host_accounting") or {}).get("categories")
             if acc is None:   # not run: the predicted steady bytes per parameter, hatched
                 v = ((r.get("prediction") or {}).get("per_param") or {}).get("steady_bytes") or 0.0
                 ax.bar(i, v, color="none", edgecolor="gray", hatch="//", width=0.6)
                 ax.text(i, v, f"not run\n{r.get('why_not', '')[:28]}", ha="center", va="bottom", fontsize=7)
                 continue
-            for j, c in enumerate(OFFLOAD_PARTS):
-                ax.bar(i, acc[c]["per_param"], bottom=bottom, color=f"C{j}", width=0.6, label=c)
-                bottom += acc[c]["per_param"]
+            bottom = stack(ax, i, [(c, acc[c]["per_param"]) for c in OFFLOAD_PARTS])
             ax.text(i, bottom, f"RSS {r['host_rss_gb']:.1f} GiB\npeak {r['host_rss_peak_gb']:.1f}\n"
                     f"{'pinned' if r.get('pinned') else 'unpinned'}, {r['tokens_per_s']:,.0f} tok/s",
                     ha="center", va="bottom", fontsize=7)
         ax.set(xticks=range(len(rows)), xticklabels=[r["config"] for r in rows], ylabel="host bytes / parameter",
                title=f"{model}: ZeRO-2 Offload host memory")
         ax.set_ylim(0, ax.get_ylim()[1] * 1.25)   # room for the labels above the tallest bar
-        handles, labels = ax.get_legend_handles_labels()
-        per_part = dict(zip(labels, handles))   # one entry per category, in the order drawn
-        ax.legend(per_part.values(), per_part.keys(), fontsize=7, loc="upper right")
+        ax.legend(fontsize=7, loc="upper right")
     save(fig, path)
 
 

@@ -1,7 +1,6 @@
-"""Seed spread: is coat's validation loss inside BF16's own seed-to-seed spread (BF16's band: the one definition of
-benchmarks/accuracy/verdicts.py)? One convergence worker per (configuration, seed), up to --max-parallel at once on
-one device, on convergence's default recipe. Calls merge into one seed_spread.json; docs/benchmarks.md has the
-commands, what the sections run and how the statistics compare.
+"""Seed spread: is coat's validation loss inside BF16's band (benchmarks/accuracy/verdicts.py)? One convergence
+worker per (configuration, seed), up to --max-parallel at once on one device; calls merge into one seed_spread.json
+(docs/benchmarks.md: the commands, the sections, the statistics).
 """
 from __future__ import annotations
 

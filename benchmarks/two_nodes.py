@@ -1,7 +1,6 @@
-"""Two "nodes" of N GPUs through a hostfile, checkpointed, then the same job resumed on one node of 2N (issue 44):
-the main job run as docs/train.md "Two nodes, then one" tells a user to, and whether its losses go on where they
-stopped. Both "nodes" run on this machine, one launcher each; the two-node run is both the job resumed and the
-uninterrupted run the resumed one must follow (docs/benchmarks.md has the commands and the file's fields)."""
+"""Two "nodes" of N GPUs through a hostfile, checkpointed, then the job resumed on one node of 2N (issue 44), as
+docs/train.md "Two nodes, then one" tells a user to: do its losses go on where they stopped? Both "nodes" run here,
+a launcher each; the two-node run is also the uninterrupted run the resumed one must follow (docs/benchmarks.md)."""
 from __future__ import annotations
 
 import argparse
@@ -36,23 +35,16 @@ def launch(cmds: list[list[str]], logs: list[Path], timeout: float) -> tuple[lis
     return [124 if r["killed"] else r["exit_code"] for r in ends], time.time() - t0
 
 
-def records(run: Path) -> list[dict]:
-    return read_log(run / "log.jsonl")
-
-
 def loss_of(record: dict) -> float:
     """A train record's loss or an eval record's validation loss."""
     return record.get("loss", record.get("val_loss"))
-
-
-def untimed(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if k not in TIMINGS} for r in rows]
 
 
 def compare(before: list[dict], after: list[dict]) -> dict:
     """The resumed steps against the two-node run's same steps: equal bit for bit, else the largest differences."""
     pairs = [(a, b) for a in before for b in after if a["kind"] == b["kind"] and a["step"] == b["step"]]
     diffs = [abs(loss_of(a) - loss_of(b)) / abs(loss_of(a)) for a, b in pairs]
+    untimed = lambda rows: [{k: v for k, v in r.items() if k not in TIMINGS} for r in rows]  # noqa: E731
     return {"steps": [b["step"] for _, b in pairs], "bit_equal": untimed(before) == untimed(after),
             "lr_equal": all(a.get("lr") == b.get("lr") for a, b in pairs),
             "max_rel_loss_diff": max(diffs, default=None), "pairs": len(pairs)}
@@ -95,7 +87,7 @@ def two_nodes(args: argparse.Namespace, run: Path) -> dict:
     codes, wall = launch(nodes, logs, args.timeout)
     ckpt = run / "checkpoints" / f"step{args.save_at:07d}"
     out = {"hostfile": hostfile.read_text(), "commands": {"node1": " ".join(nodes[0]), "node0": " ".join(nodes[1])},
-           "exit_codes": dict(zip(("node1", "node0"), codes)), "wall_s": wall, "records": records(run),
+           "exit_codes": dict(zip(("node1", "node0"), codes)), "wall_s": wall, "records": read_log(run / "log.jsonl"),
            "nnodes_2_seen": all(f"nnodes=2, num_local_procs={n}" in log.read_text() for log in logs),
            "checkpoint_files": sorted(f.name for f in ckpt.glob("*")) if ckpt.is_dir() else [],
            "checkpoint_gb": sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file()) / GIB}
@@ -110,7 +102,7 @@ def resumed(args: argparse.Namespace, run: Path, two: list[dict]) -> dict:
     cmd = [launcher(), "--num_gpus", str(n), f"--master_port={free_port()}", *job(args, run),
            "--resume-from", f"step{args.save_at:07d}"]
     (code,), wall = launch([cmd], [run / "resume.log"], args.timeout)
-    log = records(run)   # the resumed job keeps log.jsonl's lines up to its checkpoint and appends its own
+    log = read_log(run / "log.jsonl")   # the resumed job keeps the lines up to its checkpoint and appends its own
     after = [r for r in log if r["step"] > args.save_at]
     text = (run / "resume.log").read_text()
     out = {"command": " ".join(cmd), "exit_code": code, "wall_s": wall, "records": after,

@@ -1,7 +1,6 @@
-"""The worker every engine-building benchmark runs in its own process (a DeepSpeed engine never gives its memory
-back): one configuration's engine, a ladder of micro-batch sizes on it, and the memory breakdown from the real
-tensors. e2e.py starts it; convergence, hf_trainer_speed and offload subclass it (docs/benchmarks.md: the search and
-the breakdown)."""
+"""The engine worker, a process per configuration (a DeepSpeed engine never gives its memory back): its engine, a
+ladder of micro-batch sizes on it, the memory breakdown from the real tensors. e2e.py starts it; convergence,
+hf_trainer_speed and offload subclass it (docs/benchmarks.md: the search and the breakdown)."""
 from __future__ import annotations
 
 import argparse

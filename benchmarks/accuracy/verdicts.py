@@ -1,18 +1,13 @@
-"""Issue 46's targets as arithmetic, on the runs' curves.
+"""Issue 46's targets as arithmetic on the runs' curves; BF16's band is defined here only.
 
-Pretraining: a coat preset's final validation loss (the mean of its seeds) lies within BF16's band, BF16's 3-seed
-mean +- max(2 std, 0.5% of the mean): the wider of "within 2 std" and "within 0.5%"; and no run of it has a loss
-spike. Fine-tuning from BF16's model: the validation loss before the first step, and at the end, within 0.5% of
-BF16's.
+Pretraining: a preset's seed-mean final validation loss lies within BF16's band, its 3-seed mean +- max(2 std, 0.5% of
+the mean), and no run of it spikes. Fine-tuning from BF16's model: the validation loss before the first step and at
+the end within 0.5% of BF16's.
 
-A spike (issue 57): the largest rise of a run's validation loss over its running minimum (the lowest value at any
-earlier evaluation), against BF16's band half-width: a setback larger than the spread BF16's own seeds end in is a
-spike. Every run is judged by it, BF16's seeds too (one of them can fail it; its row then says so), and a
-configuration passes where each of its seeds does. The validation loss is measured on the same fixed windows at
-evaluation, so two evaluations differ by the model alone, not by the sample (the train loss's batch-to-batch noise,
-~0.1 a step at 350M, set a floor of ~0.1 under the earlier train-loss measure, which read 0 for every run, BF16's
-included, and compared against BF16's largest, which BF16's own seeds could not exceed). It sees what lasts to an
-evaluation (every 5% of the run); each step's train loss is in the run's log.jsonl.
+A spike (issue 57): a run's largest rise of the validation loss over its running minimum above BF16's band half-width,
+a setback larger than the spread BF16's own seeds end in; every run is judged, BF16's seeds too. The validation
+windows are fixed, so two evaluations differ by the model alone (the earlier train-loss measure's batch noise, ~0.1 a
+step at 350M, read 0 for every run).
 """
 from __future__ import annotations
 

@@ -40,7 +40,10 @@ def headline(name: str, *first: object) -> None:
     TABLES[f"{name}_headline"] = pick
 
 
-def load(results: Path, name: str):
+def load(results: Path, name: str, section: str | None = None):
+    """results/`name`; with `section` (of docs/benchmarks.md), NotYet where no device call has written it yet."""
+    if section and not (results / name).is_file():
+        raise NotYet(name.removesuffix(".json"), section)
     return json.loads((results / name).read_text())
 
 

@@ -42,7 +42,7 @@ def seed_spread_families(res: Path):
 
 def _accuracy(res: Path, *keys: str):
     """accuracy_scale.json, or its part under keys; NotYet before a device call has written that."""
-    doc = load(res, "accuracy_scale.json") if (res / "accuracy_scale.json").is_file() else None
+    doc = load(res, "accuracy_scale.json", "Accuracy at scale")
     for key in keys:
         doc = (doc or {}).get(key)
     if not doc:

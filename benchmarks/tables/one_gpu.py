@@ -4,13 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.tables import NotYet, gpu, headline, load, num, table
-
-
-def _doc(res: Path, name: str, section: str) -> dict:
-    if not (res / f"{name}.json").exists():
-        raise NotYet(name, section)
-    return load(res, f"{name}.json")
+from benchmarks.tables import gpu, headline, load, num, table
 
 
 def _where(doc: dict) -> str:
@@ -22,7 +16,7 @@ def moe_one_gpu(res: Path):
     """docs/results.md: Qwen3-30B-A3B at seq 4096, full-parameter, on one GPU capped at an 80 GB card's memory."""
     yield ["GPU", "layers", "micro-batch", "tokens/s", "step s (forward / backward / step)", "GiB allocated / reserved",
            "host B/param"]
-    doc = _doc(res, "moe_one_gpu", "Qwen3-30B-A3B on one GPU")
+    doc = load(res, "moe_one_gpu.json", "Qwen3-30B-A3B on one GPU")
     for r in sorted(doc["rows"], key=lambda r: (r["config"], r["micro_batch"])):
         if r["config"] != "coat" or not r["fits"]:
             continue
@@ -38,7 +32,7 @@ def long_context(res: Path):
     """docs/results.md: Llama-3.1-8B's width at one micro-batch of a long sequence on one GPU capped at 79 GiB."""
     yield ["GPU", "configuration", "layers", "tokens", "tokens/s", "GiB allocated (peak / resident)",
            "GPU KB a token", "host GiB"]
-    doc = _doc(res, "long_context", "Long context on one GPU")
+    doc = load(res, "long_context.json", "Long context on one GPU")
     for r in sorted(doc["rows"], key=lambda r: (-r["layers"], r["config"], r["seq"])):
         if not r["fits"]:
             continue
