@@ -106,21 +106,24 @@ def reference(x, index, weights, block, cfg=CFG):
 
 def test_forward_equals_reference_every_element():
     block, x, index, weights = _experts()
-    out = ExpertsFn.apply(x, index, weights, CFG, "silu", block.experts, block.experts.gate_up_proj,
+    out = ExpertsFn.apply(x, index, weights, CFG, "silu", block.experts, False, block.experts.gate_up_proj,
                           block.experts.down_proj)
     torch.testing.assert_close(out, reference(x, index, weights, block), rtol=1e-5, atol=1e-6)  # NaN fails
     stock = block.experts(x, index, weights)
     assert 1e-3 < rel_error(out, stock) < 0.12   # FP8 really ran, and stays near the stock experts
 
 
-@pytest.mark.parametrize("model_type,bwd", [("qwen3_moe", "e5m2"), ("mixtral", "e5m2"), ("qwen3_moe", "e4m3")])
-def test_gradients_equal_reference_every_element(model_type, bwd):
+@pytest.mark.parametrize("model_type,bwd,keep", [("qwen3_moe", "e5m2", False), ("mixtral", "e5m2", False),
+                                                ("qwen3_moe", "e4m3", False), ("qwen3_moe", "e5m2", True),
+                                                ("qwen3_moe", "e4m3", True)])
+def test_gradients_equal_reference_every_element(model_type, bwd, keep):
     """d x, d routing weights, d gate_up_proj, d down_proj: the reference's, element by element (gradients in
-    E5M2, the default, and in E4M3, which the FP8 grouped kernel takes on Hopper)."""
+    E5M2, the default, and in E4M3, which the FP8 grouped kernel takes on Hopper), with the weights' codes kept
+    from forward (a recomputed layer) or quantized again in backward."""
     cfg = ActivationConfig(bwd_format=bwd)
     block, x, index, weights = _experts(1, model_type)
     params = [x.requires_grad_(), weights.requires_grad_(), block.experts.gate_up_proj, block.experts.down_proj]
-    out = ExpertsFn.apply(x, index, weights, cfg, "silu", block.experts, *params[2:])
+    out = ExpertsFn.apply(x, index, weights, cfg, "silu", block.experts, keep, *params[2:])
     dout = torch.randn_like(out)
     got = torch.autograd.grad(out, params, dout)
     want = torch.autograd.grad(reference(x, index, weights, block, cfg), params, dout)
@@ -134,7 +137,7 @@ def test_gradients_equal_reference_every_element(model_type, bwd):
 def test_nan_input_never_passes():
     block, x, index, weights = _experts()
     x[3, 5] = float("nan")
-    out = ExpertsFn.apply(x, index, weights, CFG, "silu", block.experts, block.experts.gate_up_proj,
+    out = ExpertsFn.apply(x, index, weights, CFG, "silu", block.experts, False, block.experts.gate_up_proj,
                           block.experts.down_proj)
     assert not torch.isfinite(out).all()
 
@@ -223,9 +226,15 @@ def test_aligned_groups_pad_each_group_and_keep_every_product():
 
 
 @pytest.mark.gpu
-def test_gpu_grouped_fp8_matches_the_cpu_reference():
-    """The CUDA path (torch._scaled_grouped_mm forward on Hopper, torch._grouped_mm on dequantized operands in
-    backward) against the CPU reference path on the same bf16 inputs, every element, NaN never passing."""
+@pytest.mark.parametrize("scaled", [True, False])
+def test_gpu_grouped_fp8_matches_the_cpu_reference(scaled):
+    """The CUDA paths (torch._scaled_grouped_mm's FP8 grouped GEMM on Hopper, or torch._grouped_mm on dequantized
+    operands; bf16 work tensors) against the CPU reference path (fp32 work tensors) on the same bf16 inputs, every
+    element, NaN never passing. The two differ by more than rounding: a bf16 rounding that moves a value across an
+    FP8 rounding boundary of a later quantization (the act's E4M3 groups, the gradient's E5M2 tensor) moves it by
+    one FP8 step (1/8 or 1/4 of it). Measured on an H200 (benchmarks/logs/moe_grouped_gpu_2026-12-02.log): every
+    element within 4% of the tensor's max and 1.8% in norm on both paths; FP8 itself is 6-8% from the stock bf16
+    experts in norm. Bounds: twice that, and half of FP8's own distance from stock."""
     from coat_ds.activation import experts as X
     torch.manual_seed(0)
     n_exp, top_k, hid, inter, tokens = 8, 2, 256, 128, 512
@@ -235,18 +244,25 @@ def test_gpu_grouped_fp8_matches_the_cpu_reference():
     x = torch.randn(tokens, hid, dtype=torch.bfloat16)
     _, weights, index = block.gate(x)
     results = {}
-    for device in ("cpu", "cuda"):
-        blk = copy.deepcopy(block).to(device)
-        xd, wd = x.to(device).requires_grad_(), weights.detach().to(device).requires_grad_()
+    for device in ("cpu", "cuda", "stock"):
+        X._SCALED_FAILED[:] = [] if scaled else ["the test's dequantized path"]
+        dev = "cpu" if device == "stock" else device
+        blk = copy.deepcopy(block).to(dev)
+        xd, wd = x.to(dev).requires_grad_(), weights.detach().to(dev).requires_grad_()
         params = [xd, wd, blk.experts.gate_up_proj, blk.experts.down_proj]
-        out = ExpertsFn.apply(xd, index.to(device), wd, CFG, "silu", blk.experts, *params[2:])
+        out = (blk.experts(xd, index, wd) if device == "stock" else
+               ExpertsFn.apply(xd, index.to(dev), wd, CFG, "silu", blk.experts, False, *params[2:]))
         grads = torch.autograd.grad(out, params, torch.ones_like(out))
         results[device] = [t.float().cpu() for t in (out, *grads)]
-    if torch.cuda.get_device_capability() in X.SCALED_GROUPED_CAPABILITIES and hasattr(torch, "_scaled_grouped_mm"):
+    if scaled and torch.cuda.get_device_capability() in X.SCALED_GROUPED_CAPABILITIES \
+            and hasattr(torch, "_scaled_grouped_mm"):
         assert not X._SCALED_FAILED, X._SCALED_FAILED   # the FP8 grouped GEMM really ran
-    for name, got, want in zip(("out", "x", "weights", "gate_up_proj", "down_proj"), results["cuda"], results["cpu"]):
+    X._SCALED_FAILED.clear()
+    for name, got, want, stock in zip(("out", "x", "weights", "gate_up_proj", "down_proj"), results["cuda"],
+                                      results["cpu"], results["stock"]):
         assert torch.isfinite(got).all(), name
-        torch.testing.assert_close(got, want, rtol=0.03, atol=0.01 * want.abs().max().item(), msg=name)
+        torch.testing.assert_close(got, want, rtol=0, atol=0.08 * want.abs().max().item(), msg=name)
+        assert rel_error(got, want) < min(0.036, 0.5 * rel_error(stock, want)), name
 
 
 def test_moe_benchmark_refuses_bad_flags_before_any_model(capsys):
@@ -322,3 +338,20 @@ def test_mode_linear_and_recompute(model_type):
         grads.append([p.grad for p in model.parameters()])
     for a, b in zip(*grads):
         assert torch.equal(a, b)
+
+
+def test_recomputed_layers_keep_the_weights_codes_only_from_recompute_to_backward():
+    """With coat.activation.checkpoint the experts' FP8 weight codes are saved for backward, but the first forward
+    keeps nothing of a recomputed layer (only its input): no saved tensor of the codes' shape outlives it. Without
+    checkpointing nothing keeps them (backward quantizes again)."""
+    x = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    for checkpoint in (False, True):
+        model = coat_ds.inject(build("qwen3_moe"), {"checkpoint": checkpoint}).train()
+        experts = model.model.layers[0].mlp.experts
+        weight_shapes = {tuple(experts.gate_up_proj.shape), tuple(experts.down_proj.shape)}
+        kept = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+            loss = model(input_ids=x, labels=x).loss
+        assert not [t for t in kept if t.dtype == torch.float8_e4m3fn and tuple(t.shape) in weight_shapes]
+        loss.backward()
+        assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in experts.parameters())

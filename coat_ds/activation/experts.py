@@ -4,8 +4,10 @@
 ExpertsFn computes what HF's experts (eager / batched_mm / grouped_mm) compute from the stock router's top-k
 indices and weights (routing itself stays bf16/fp32, outside), with COAT's FP8 flow:
   input     E4M3 per tensor (one power-of-two scale); backward keeps its FP8 codes [T, H], not the k gathered copies
-  weights   E4M3 per expert (one power-of-two scale each), quantized in forward and again in backward, never
-            kept (a layer's experts are 0.4 GB even in FP8 at Qwen3-30B-A3B)
+  weights   E4M3 per expert (one power-of-two scale each), quantized in forward and kept for backward only where
+            the layer is recomputed (keep_codes: gradient checkpointing, where the first forward keeps nothing and
+            the codes live from a layer's recompute to its backward, 0.6 GB at Qwen3-30B-A3B); else quantized
+            again in backward (kept, 48 layers' codes would be 29 GB)
   gate/up   its output saved in FP8 per 1 x G group (as MlpFn); act(gate) * up rebuilt from it as the down
             GEMM's E4M3 per-tensor operand
   gradients d[gate | up] in bwd_format (E5M2) per tensor; the output gradient stays bf16 in the down projection's
@@ -79,28 +81,41 @@ def grouped_mm(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
 GROUP_ALIGN = 16   # rows: torch._grouped_mm's contracted (dynamic) dimension per group, a multiple of 16 bytes
 
 
-def aligned_groups(a: Tensor, b: Tensor, offs: Tensor, align: int = GROUP_ALIGN) -> tuple[Tensor, Tensor, Tensor]:
-    """(a', b', offs') with every row group of a [S, M] and b [S, N] padded by zero rows to a multiple of `align`
-    rows (zero rows add nothing to a[g]^T b[g]); sizes fixed by S and G alone, so no device-to-host sync."""
+def padded_rows(offs: Tensor, rows: int, align: int = GROUP_ALIGN) -> tuple[Tensor, Tensor, Tensor]:
+    """(src, pad, ends) of `rows` rows grouped by `offs`, each group padded by zero rows to a multiple of `align`
+    rows: for each padded row the row it copies (src; a pad row any row, zeroed after), the pad rows (pad) and the
+    padded groups' int32 ends. Sizes fixed by rows and G alone, so no device-to-host sync."""
     counts = torch.diff(offs, prepend=offs.new_zeros(1))
-    starts = offs - counts
     padded = (counts + align - 1) // align * align
     pad_ends = torch.cumsum(padded, 0)
-    total = -(-a.shape[0] // align) * align + align * offs.numel()      # >= pad_ends[-1], a multiple of align
+    total = -(-rows // align) * align + align * offs.numel()           # >= pad_ends[-1], a multiple of align
     pad_ends[-1] = total                                               # the last group takes the spare zero rows
-    rows = torch.arange(a.shape[0], device=a.device)
-    group = torch.searchsorted(offs, rows, right=True)
-    dest = rows - starts[group] + (pad_ends - padded)[group]
-    out_a, out_b = a.new_zeros(total, a.shape[1]), b.new_zeros(total, b.shape[1])
-    out_a[dest], out_b[dest] = a, b
-    return out_a, out_b, pad_ends.to(torch.int32)
+    r = torch.arange(rows, device=offs.device)
+    group = torch.searchsorted(offs, r, right=True)
+    dest = r - (offs - counts)[group] + (pad_ends - padded)[group]
+    src = torch.zeros(total, dtype=torch.long, device=offs.device).index_put_((dest,), r)
+    keep = torch.zeros(total, dtype=torch.bool, device=offs.device).index_fill_(0, dest, True)
+    return src, torch.nonzero_static(~keep, size=total - rows).flatten(), pad_ends.to(torch.int32)
+
+
+def aligned_groups(a: Tensor, b: Tensor, offs: Tensor, align: int = GROUP_ALIGN) -> tuple[Tensor, Tensor, Tensor]:
+    """(a', b', offs') with every row group of a [S, M] and b [S, N] padded by zero rows to a multiple of `align`
+    rows (zero rows add nothing to a[g]^T b[g]): gathers (a scatter into zeros took 0.7 s of a 5.8 s step at
+    Qwen3-30B-A3B)."""
+    src, pad, ends = padded_rows(offs, a.shape[0], align)
+    return a.index_select(0, src).index_fill_(0, pad, 0), b.index_select(0, src).index_fill_(0, pad, 0), ends
+
+
+WGRAD_COPIES = True   # torch._grouped_mm's weight-gradient operands as K-contiguous copies (else the transposed views)
 
 
 def grouped_mm_t(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
     """a[g]^T b[g] for the row groups of a [S, M] and b [S, N] -> [G, M, N] (the weight gradients)."""
     if a.is_cuda and hasattr(torch, "_grouped_mm"):
         a, b, offs = aligned_groups(a, b, offs)
-        return torch._grouped_mm(a.t().contiguous(), b.t().contiguous().t(), offs=offs)
+        if WGRAD_COPIES:
+            return torch._grouped_mm(a.t().contiguous(), b.t().contiguous().t(), offs=offs)
+        return torch._grouped_mm(a.t(), b, offs=offs)
     ends = offs.tolist()
     starts = [0] + ends[:-1]
     out = a.new_zeros(len(ends), a.shape[1], b.shape[1], dtype=torch.float32)
@@ -174,38 +189,46 @@ def _unsort_sum(rows: Tensor, order: Tensor, k: int) -> Tensor:
 class ExpertsFn(Function):
     """out [T, H] = sum over each token's k experts e of w * down_e(act(gate_e x) * up_e x), FP8 as the module
     docstring says. x [T, H]; top_k_index, top_k_weights [T, k] from the router; experts: the HF experts module
-    (its gate_up_proj, down_proj read in forward and backward, also passed as inputs for their gradients)."""
+    (its gate_up_proj, down_proj read in forward and backward, also passed as inputs for their gradients);
+    keep_codes: save the weights' FP8 codes for backward (module docstring)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor, cfg: ActivationConfig, act: str,
-                experts: torch.nn.Module, gate_up: Tensor, down: Tensor) -> Tensor:
+                experts: torch.nn.Module, keep_codes: bool, gate_up: Tensor, down: Tensor) -> Tensor:
         fwd, g, k = cfg.fwd, cfg.group_size, top_k_index.shape[1]
         order, offs = route(top_k_index, gate_up.shape[0])
         xq, xs = _per_tensor(x, fwd)
-        gu = fp8_grouped_linear(_rows(xq, order // k), xs, *expert_codes(gate_up, fwd), offs, x.dtype)
+        gu_codes, down_codes = expert_codes(gate_up, fwd), expert_codes(down, fwd)
+        gu = fp8_grouped_linear(_rows(xq, order // k), xs, *gu_codes, offs, x.dtype)
         q, s, amax = quant.silu_mul_quant(gu, fwd, g, act)
         del gu
         a_s = quant.tensor_scale(amax, fwd)
         a = quant.silu_mul_rebuild(q, s, a_s, fwd, g, act=act)[0]
-        y = fp8_grouped_linear(a, a_s, *expert_codes(down, fwd), offs, x.dtype)
+        y = fp8_grouped_linear(a, a_s, *down_codes, offs, x.dtype)
         w = top_k_weights.reshape(-1)[order]
         out = _unsort_sum(y * w.to(y.dtype)[:, None], order, k).to(x.dtype)
-        ctx.save_for_backward(xq, xs, q, s, a_s, order, offs, w)
+        codes = (*gu_codes, *down_codes) if keep_codes else ()
+        ctx.save_for_backward(xq, xs, q, s, a_s, order, offs, w, *codes)
         ctx.cfg, ctx.act, ctx.k, ctx.experts = cfg, act, k, experts
         ctx.dtypes = x.dtype, top_k_weights.dtype
         return out
 
     @staticmethod
     def backward(ctx, dout: Tensor):
-        xq, xs, q, s, a_s, order, offs, w = ctx.saved_tensors
+        xq, xs, q, s, a_s, order, offs, w, *codes = ctx.saved_tensors
         cfg, k, (dtype, w_dtype) = ctx.cfg, ctx.k, ctx.dtypes
         fwd, bwd, g = cfg.fwd, cfg.bwd, cfg.group_size
         gate_up, down = ctx.experts.gate_up_proj, ctx.experts.down_proj
+        if not codes:
+            codes = (*expert_codes(gate_up, fwd), *expert_codes(down, fwd))
+        gu_q, gu_s, down_q, down_s = codes
+        del codes
         dt = _work_dtype(xq, dtype)
         tok = order // k
         dy = dout.to(dt)[tok]                         # [S, H]: each pair's output gradient, bf16 (module docstring)
         a = _dequant(quant.silu_mul_rebuild(q, s, a_s, fwd, g, act=ctx.act)[0], a_s, dt)
-        gd = grouped_mm(dy, _dequant(*expert_codes(down, fwd), dt), offs)   # dy @ down_e: [S, I]
+        gd = grouped_mm(dy, _dequant(down_q, down_s, dt), offs)           # dy @ down_e: [S, I]
+        del down_q
         dw = (a.float() * gd.float()).sum(dim=1)                         # d routing weight of each pair
         ddown = grouped_mm_t(dy, a * w.to(dt)[:, None], offs)            # [E, H, I]; w on the narrower operand
         del dy, a
@@ -213,12 +236,21 @@ class ExpertsFn(Function):
         del gd
         dgs = quant.tensor_scale(amax, bwd)
         dgq = quant.quant_tensor(dgu, dgs, bwd)[0]
-        wq, ws = expert_codes(gate_up, fwd)   # dgu @ gate_up_e: an FP8 grouped GEMM where bwd_format is E4M3
-        dx_pairs = fp8_grouped_linear(dgq, dgs, wq.transpose(1, 2).contiguous(), ws, offs, dtype)   # [S, H]
-        del wq
+        dx_pairs = _input_grad(dgq, dgs, gu_q, gu_s, offs, dtype)         # dgu @ gate_up_e: [S, H]
+        del gu_q
         dgate_up = grouped_mm_t(_dequant(dgq, dgs, dt), _dequant(_rows(xq, tok), xs, dt), offs)   # [E, 2I, H]
         dx = _unsort_sum(dx_pairs, order, k).to(dtype)
         dweights = torch.empty_like(dw)
         dweights[order] = dw
-        return (dx, None, dweights.view(-1, k).to(w_dtype), None, None, None, dgate_up.to(gate_up.dtype),
+        return (dx, None, dweights.view(-1, k).to(w_dtype), None, None, None, None, dgate_up.to(gate_up.dtype),
                 ddown.to(down.dtype))
+
+
+def _input_grad(dgq: Tensor, dgs: Tensor, wq: Tensor, ws: Tensor, offs: Tensor, dtype: torch.dtype) -> Tensor:
+    """(dgq dgs)_g (wq[g] ws[g]): the FP8 grouped kernel where both are E4M3 (bwd_format "e4m3"; it takes the
+    weight transposed, a copy), else one grouped GEMM on the dequantized operands as they lie (no transpose)."""
+    wt = wq.transpose(1, 2)
+    if _scaled_ok(dgq, wt, dtype):
+        return fp8_grouped_linear(dgq, dgs, wt.contiguous(), ws, offs, dtype)
+    dt = _work_dtype(dgq, dtype)
+    return grouped_mm(_dequant(dgq, dgs, dt), _dequant(wq, ws, dt), offs).to(dtype)

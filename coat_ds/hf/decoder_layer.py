@@ -232,7 +232,9 @@ class CoatDecoderLayer(_Base):
         router_logits capture, fire as in stock), then the experts' grouped FP8 GEMMs."""
         _, weights, index = self.mlp.gate(x)
         e = self.mlp.experts
-        return ExpertsFn.apply(x, index, weights, self.coat_config, self._act, e, e.gate_up_proj, e.down_proj)
+        keep_codes = self.gradient_checkpointing and self.training   # recomputed: codes live recompute -> backward
+        return ExpertsFn.apply(x, index, weights, self.coat_config, self._act, e, keep_codes, e.gate_up_proj,
+                               e.down_proj)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.LongTensor | None = None, use_cache: bool | None = False,
