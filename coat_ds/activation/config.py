@@ -45,7 +45,8 @@ class ActivationConfig:
     (2 B/token/hidden), "gpu_fp8" in the FP8 flow's per-group format on the GPU (1 + 1/group_size), "host_fp8" the
     same in pinned host memory, streamed back one layer ahead of backward (nothing on the GPU); the recompute runs
     on the dequantized input. `tile_tokens`: the MLP runs over sequence tiles of this many tokens in forward and
-    recompute; None: untiled."""
+    recompute (activation/tiled.py), and with attention_fp8 attention's backward over query tiles of this many tokens
+    where a sequence is longer (activation/tiled_attention.py); None: untiled."""
 
     enabled: bool = True
     mode: str = "full"

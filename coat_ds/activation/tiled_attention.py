@@ -59,6 +59,12 @@ class TiledCall:
             return self.call(q, k, v, None)
         # what the stock sdpa function runs without a mask (is_causal, enable_gqa), the diagonal at the bottom right
         bias = causal_lower_right(s1 - s0, s1)
+        if q.is_cuda and s1 - s0 != s1 and not torch.backends.cuda.can_use_flash_attention(
+                torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, False, self.gqa)):
+            # SDPA would materialize the [tile, keys] mask and run its math kernel on it
+            raise RuntimeError(f"activation.tile_tokens: a causal query tile needs SDPA's FlashAttention kernel "
+                               f"(bf16/fp16, head_dim <= 256), not available for q {tuple(q.shape)} {q.dtype}; "
+                               f"allowed: tile_tokens null")
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=self.scaling, enable_gqa=self.gqa)
         return out.transpose(1, 2).contiguous()
 
