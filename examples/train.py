@@ -33,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))          # coat_
 from coat_ds.workloads import data as data_lib  # noqa: E402
 from coat_ds.workloads.causal_lm import (MODEL_SIZES, build_model, default_allocator, initialize,  # noqa: E402
                                        lm_loss, model_size_names, set_single_process_env)
-from coat_ds.workloads.cli import Parser, check_ds_config, check_model, fail, read_ds_config, refuse  # noqa: E402
+from coat_ds.workloads.cli import (Parser, check_ds_config, check_model, check_sp_size, fail,  # noqa: E402
+                                   read_ds_config, refuse)
 from coat_ds.workloads.learning_rate import warn_pretraining_rate  # noqa: E402
 
 # ------------------------------------------------------------------------------------------------------------
@@ -43,7 +44,7 @@ DEFAULTS = dict(
     deepspeed="ds_configs/zero2_coat.json",
     model=None, model_size="small", data=None, data_dtype="uint16", vocab_size=data_lib.DEFAULT_VOCAB,
     seq_len=256, steps=200, eval_every=50, eval_batches=8, save_dir="runs/train", save_every=100, keep_last=2,
-    seed=1234, micro_batch=None, grad_accum=None, lr=None, warmup_steps=None, peer_timeout=30.0,
+    seed=1234, micro_batch=None, grad_accum=None, lr=None, warmup_steps=None, peer_timeout=30.0, sp_size=1,
 )
 
 
@@ -59,6 +60,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data-dtype", choices=list(data_lib.TOKEN_DTYPES), help="token dtype of a raw .bin file")
     p.add_argument("--vocab-size", type=int, help="vocabulary of the BPE trained on text data (no --model)")
     p.add_argument("--seq-len", type=int, help="tokens per sample")
+    p.add_argument("--sp-size", type=int, metavar="N",
+                   help="Ulysses sequence parallelism: each sample's tokens split over N ranks (DeepSpeed's ALST "
+                        "attention; N divides the ranks, the attention heads and --seq-len; docs/activation.md)")
     p.add_argument("--steps", type=int, help="optimizer steps in total (a resumed run counts from 0 too)")
     p.add_argument("--eval-every", type=int, help="validate every N steps (0: only at the end)")
     p.add_argument("--eval-batches", type=int, help="validation micro-batches per rank")
@@ -83,7 +87,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)  # from the launcher
     p.set_defaults(**DEFAULTS)
     args = p.parse_args(argv)
-    for key in ("steps", "seq_len", "eval_batches", "keep_last"):
+    for key in ("steps", "seq_len", "eval_batches", "keep_last", "sp_size"):
         if getattr(args, key) < 1:
             p.error(f"--{key.replace('_', '-')}={getattr(args, key)} is invalid; allowed: an integer >= 1")
     for key in ("eval_every", "save_every"):
@@ -232,8 +236,9 @@ def print_summary(s: dict) -> None:
         f"config     {s['config']}  (ZeRO-{s['zero_stage']}, {s['precision']}, optimizer {s['optimizer']}, "
         f"FP8 decoder layers {s['fp8_layers']})",
         f"data       {s['data']}",
-        f"batch      {s['micro_batch']} x {s['grad_accum']} accum x {s['world_size']} ranks x {s['seq_len']} "
-        f"tokens = {s['tokens_per_step']} tokens/step",
+        f"batch      {s['micro_batch']} x {s['grad_accum']} accum x {s['world_size'] // s['sp_size']} "
+        + ("ranks" if s["sp_size"] == 1 else f"sequence-parallel groups of {s['sp_size']} ranks")
+        + f" x {s['seq_len']} tokens = {s['tokens_per_step']} tokens/step",
         f"steps      {s['steps_done']}/{s['steps']} in {s['wall_s']:.0f} s" + ("  (interrupted)" if s["interrupted"]
                                                                               else ""),
         f"loss       train {f(s['first_loss'])} -> {f(s['last_loss'])}   val {f(s['last_val_loss'])} "
@@ -280,10 +285,16 @@ class Run:
     micro_bs: int
     grad_accum: int
     save_dir: Path
+    mpu: Any = None   # --sp-size: DeepSpeed's sequence-parallel groups (coat_ds.deepspeed.sequence_parallel)
+
+    @property
+    def data_parallel(self) -> int:
+        """Ranks that train on other samples: the world over --sp-size (the ranks of an SP group share samples)."""
+        return self.world // self.args.sp_size
 
     @property
     def tokens_per_step(self) -> int:
-        return self.micro_bs * self.grad_accum * self.world * self.args.seq_len
+        return self.micro_bs * self.grad_accum * self.data_parallel * self.args.seq_len
 
     @property
     def ckpt_dir(self) -> Path:
@@ -296,7 +307,15 @@ class Run:
     @property
     def data_key(self) -> list:
         """What fixes the data order; a resumed run warns when it differs."""
-        return [self.args.seed, self.args.seq_len, self.micro_bs, self.grad_accum, self.world]
+        return [self.args.seed, self.args.seq_len, self.micro_bs, self.grad_accum, self.data_parallel]
+
+    def loss(self, x, y):
+        """The mean loss of samples x -> y: lm_loss, or with --sp-size the SP group's over its ranks' shards."""
+        if self.mpu is None:
+            return lm_loss(self.engine, x, y)
+        from coat_ds.deepspeed.sequence_parallel import lm_loss as sp_loss
+
+        return sp_loss(self.engine, self.mpu, x, y)
 
     def log(self, record: dict) -> None:
         with open(self.log_path, "a") as fh:
@@ -346,7 +365,7 @@ def evaluate(run: Run, step: int) -> float:
     engine = run.engine
     engine.eval()
     with torch.no_grad():
-        losses = [lm_loss(engine, x, y).detach() for x, y in run.batches.val_batches(run.args.eval_batches)]
+        losses = [run.loss(x, y).detach() for x, y in run.batches.val_batches(run.args.eval_batches)]
     engine.train()
     v = torch.stack(losses).mean().reshape(1).float().to(engine.device)
     dist.all_reduce(v)
@@ -371,7 +390,7 @@ def train_step(run: Run, step: int, stop: dict) -> tuple[float, bool, float]:
     loss_sum = 0.0
     for micro in range(run.grad_accum):
         x, y = run.batches.train_batch(step, micro)
-        loss = lm_loss(run.engine, x, y)
+        loss = run.loss(x, y)
         run.engine.backward(loss)
         run.engine.step()
         loss_sum += loss.detach().float()
@@ -439,6 +458,7 @@ def run_info(run: Run, ds_config: dict, n_params: int, tokens, **rest) -> dict:
                 optimizer=ds_config.get("optimizer", {}).get("type", "client"),
                 fp8_layers=fp8_layers(run.engine.module),
                 data=tokens.source, micro_batch=run.micro_bs, grad_accum=run.grad_accum, world_size=run.world,
+                sp_size=args.sp_size,
                 seq_len=args.seq_len, tokens_per_step=run.tokens_per_step, steps=args.steps, **rest)
 
 
@@ -464,11 +484,31 @@ def print_plan(args: argparse.Namespace, ds_config: dict) -> None:
                                           "for another)"), flush=True)
 
 
+def attention_heads(args: argparse.Namespace) -> tuple[int, int]:
+    """(query heads, key/value heads) of the model the job will train, from its config alone."""
+    if args.model:
+        from transformers import AutoConfig
+
+        try:
+            cfg = AutoConfig.from_pretrained(args.model).get_text_config()
+        except (OSError, ValueError) as e:
+            refuse(f"--model {args.model}: cannot load its config ({str(e).strip().splitlines()[0]})")
+        heads = cfg.num_attention_heads
+        return heads, getattr(cfg, "num_key_value_heads", None) or heads
+    from coat_ds.workloads.shapes import SHAPES
+
+    shape = MODEL_SIZES[args.model_size] if args.model_size in MODEL_SIZES else SHAPES[args.model_size]
+    heads = shape["num_attention_heads"]
+    return heads, shape.get("num_key_value_heads", heads)
+
+
 def main(argv: list[str] | None = None) -> int:
     default_allocator()
     args = parse_args(argv)
     ds_config = load_ds_config(args)
     check_model(args.model)   # a --model path that is not a folder, said as such (not as a hub id HF cannot parse)
+    if args.sp_size > 1:      # before any model memory: one line naming --sp-size and the sizes allowed
+        check_sp_size(args.sp_size, *attention_heads(args), args.seq_len)
     if args.plan:
         print_plan(args, ds_config)
         return 0
@@ -501,10 +541,11 @@ def run_job(args: argparse.Namespace, ds_config: dict, tokens, model, tag: str |
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     save_dir = Path(args.save_dir)
     rank, world = dist.get_rank(), dist.get_world_size()
-    engine = initialize(model, ds_config)
+    engine, mpu = make_engine(args, model, ds_config)
     micro_bs, grad_accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
-    batches = data_lib.Batches(tokens, args.seq_len, micro_bs, grad_accum, rank, world, args.seed)
-    run = Run(args, engine, batches, rank, world, micro_bs, grad_accum, save_dir)
+    sp = args.sp_size   # the ranks of an SP group (consecutive) train on the same samples
+    batches = data_lib.Batches(tokens, args.seq_len, micro_bs, grad_accum, rank // sp, world // sp, args.seed)
+    run = Run(args, engine, batches, rank, world, micro_bs, grad_accum, save_dir, mpu)
     plot_path = save_dir / "loss.png"
 
     start = resume(run, tag)
@@ -532,6 +573,23 @@ def run_job(args: argparse.Namespace, ds_config: dict, tokens, model, tag: str |
     if args.export and not interrupted:
         export(engine, tokens, Path(args.export), rank)
     return 128 + (stop["signal"] or signal.SIGTERM) if interrupted else 0
+
+
+def make_engine(args: argparse.Namespace, model, ds_config: dict):
+    """(engine, mpu): deepspeed.initialize after `import coat_ds`; with --sp-size, DeepSpeed's Ulysses attention
+    registered for the model first and its sequence-parallel groups (the mpu) given to the engine."""
+    if args.sp_size == 1:
+        return initialize(model, ds_config), None
+    import deepspeed
+    from coat_ds.deepspeed import sequence_parallel as sp
+    from coat_ds.workloads.causal_lm import param_groups
+
+    why = sp.attention_refusal(model, args.seq_len)
+    if why is not None:
+        refuse(why)
+    mpu = sp.register(model, args.sp_size, ds_config["train_micro_batch_size_per_gpu"], args.seq_len)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model), config=ds_config, mpu=mpu)
+    return engine, mpu
 
 
 def export(engine, tokens, out: Path, rank: int) -> None:

@@ -207,7 +207,9 @@ class CoatDecoderLayer(_Base):
         kwargs = {**kwargs, **self.attention_kwargs}
 
         def call(q, k, v, mask):
-            return fn(attn, q, k, v, mask, dropout=dropout, scaling=attn.scaling, **kwargs)[0]
+            out = fn(attn, q, k, v, mask, dropout=dropout, scaling=attn.scaling, **kwargs)[0]
+            # a wrapper may return the heads flattened, [b, s, h x d] (DeepSpeed's Ulysses): a view as [b, s, h, d]
+            return out if out.dim() == 4 else out.unflatten(-1, (-1, q.shape[-1]))
         return call
 
     def _attention(self, qkv: torch.Tensor, residual: torch.Tensor | None, input_shape, position_embeddings,
@@ -255,7 +257,10 @@ class CoatDecoderLayer(_Base):
         else:
             qkv = LinearFn.apply(ln1(x), None, cfg, self._qkv, True, *self._qkv.params())
         residual = None if norms.attn_out else x
-        h = self._attention(qkv, residual, input_shape, position_embeddings, attention_mask, cache, **kwargs)
+        # position_ids reach the attention function as in the stock layer (its attention's kwargs): Ulysses gathers
+        # them to order the whole sequence (coat_ds.deepspeed.sequence_parallel), flash's varlen path reads them
+        h = self._attention(qkv, residual, input_shape, position_embeddings, attention_mask, cache,
+                            position_ids=position_ids, **kwargs)
         if norms.attn_out:
             h = x + self._norm(norms.attn_out, h)
         add_residual = not norms.mlp_out

@@ -101,3 +101,15 @@ def check_ds_config(cfg: dict, hf_auto: bool = False) -> dict:
     except ValueError as e:
         refuse(str(e))
     return cfg
+
+
+def check_sp_size(sp_size: int, heads: int, kv_heads: int, seq_len: int, world: int | None = None) -> None:
+    """--sp-size (Ulysses sequence parallelism), before any model memory: refuse() in one line naming the key and
+    the sizes allowed where it does not divide the world size (the launcher's WORLD_SIZE unless given), the
+    model's attention heads (its key/value heads: divides or is a multiple of them) or --seq-len."""
+    from coat_ds.deepspeed.sequence_parallel import refusal
+
+    world = world if world is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    why = refusal(sp_size, world, heads, kv_heads, seq_len)
+    if why is not None:
+        refuse(why)
