@@ -168,14 +168,16 @@ def backward(ctx: Any, dh: torch.Tensor) -> tuple:
             dw = part if dw is None else dw.add_(part)
             do = fp8_mm(d8, ds, wt, ws, dh.dtype)
             del ot, d8, d8t, part, out
-            grads = torch.autograd.grad(outs, [t for g in leaves for t in g],
-                                        do.view(b, s1 - s0, nh, hd).split([o.shape[2] for o in outs], dim=2))
-            del outs, do, leaves
-            for (qh, kh), (gq, gk, gv) in zip(head_groups(nh, nkv), zip(*[iter(grads)] * 3)):
+            dos = do.view(b, s1 - s0, nh, hd).split([o.shape[2] for o in outs], dim=2)
+            del do
+            for (qh, kh), o, d, group_leaves in zip(head_groups(nh, nkv), outs, dos, leaves):
+                # one call's vjp at a time: its dk, dv over all keys summed before the next call's exist
+                gq, gk, gv = torch.autograd.grad(o, group_leaves, d)
                 dq[:, qh, s0:s1] = gq
                 dk[:, kh, :n] += gk
                 dv[:, kh, :n] += gv
-            del grads, gq, gk, gv
+                del gq, gk, gv
+            del outs, dos, leaves, o, d, group_leaves
     w = group.weights[0]
     db = dh.sum(dim=0).to(w.dtype) if group.has_bias else None
     pgrads = group.split_grad(dw.to(w.dtype), db)
