@@ -264,25 +264,22 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
 
 def run_all(specs: list[str], args: argparse.Namespace, out: Path, deadline: harness.Deadline) -> list[dict]:
     """One worker per run, in order, skipping those the time budget no longer leaves room for -> their rows."""
-    rows, result = [], out / "hf_trainer_run.json"
+    rows = []
     for spec in specs:
         run = parse_run(spec)
         if not deadline.fits(NEEDS_S.get(run["model"], 45)):
             rows.append({**run, "error": f"skipped: time budget ({args.time_budget:.0f} s) spent"})
             continue
         print(f"== {spec}", flush=True)
-        result.unlink(missing_ok=True)
-        cmd = worker_cmd("benchmarks.hf_trainer_speed", args, ("seq_len", "warmup", "steps", "mem_fraction"),
-                         run=spec, result=result, scratch=out / "trainer_out")
-        rc, tail = harness.run_worker(cmd, deadline.left())
-        r = (read_json(result) if rc == 0 else None) or {**run, "error": f"worker exit {rc}: {tail[-3000:]}"}
+        r = harness.worker_row(lambda result: worker_cmd(
+            "benchmarks.hf_trainer_speed", args, ("seq_len", "warmup", "steps", "mem_fraction"), run=spec,
+            result=result, scratch=out / "trainer_out"), deadline.left(), echo=lambda line: args.verbose, **run)
         rows.append(r)
-        if args.verbose or "error" in r:
-            print(tail, flush=True)
+        if "error" in r:
+            print(f"   failed: {r['error']}", flush=True)
         if "tokens_per_s" in r:
             print(f"   {r['tokens_per_s']:,.0f} tok/s (median), {r['tokens_per_s_mean']:,.0f} (mean), peak "
                   f"{r['peak_alloc_gb'] or 0:.2f} GiB, {r['wall_s']:.0f} s", flush=True)
-    result.unlink(missing_ok=True)
     return rows
 
 
