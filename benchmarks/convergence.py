@@ -14,11 +14,10 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import harness
 from benchmarks.accuracy import verdicts
 from benchmarks.common import ROOT, parser, provenance, read_json, worker_cmd
 from benchmarks.configs import CONFIGS, check_args, ds_config
-from benchmarks import harness
-from benchmarks.harness import run_worker, write_results
 from benchmarks.worker import Worker as EngineWorker, base_optimizer
 from coat_ds.workloads import causal_lm as train_lib, data as data_lib
 from coat_ds.workloads.causal_lm import FAMILIES
@@ -162,7 +161,7 @@ def launch(args: argparse.Namespace, name: str, out: Path, tag: str, timeout: fl
     if name == "bf16" and args.state_sample:
         cmd += ["--dump-state", str(out / "adam_state_bf16.pt"), "--state-sample", str(args.state_sample)]
     print(f"== {name}: {' '.join(cmd)}", flush=True)
-    rc, tail = run_worker(cmd, timeout, echo=lambda line: line.startswith("[") or "rror" in line)
+    rc, tail = harness.run_worker(cmd, timeout, echo=lambda line: line.startswith("[") or "rror" in line)
     # what the worker last saved, with its exit code and, when that is not 0, the end of its output
     run = read_json(result) or no_run(name, f"failed (exit {rc})")
     if rc != 0 and run["status"] in ("running", "ok"):
@@ -298,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
                        harness.Deadline(args.time_budget, stop_s=20, kill_s=-40, start=t0))
     runs = {n: done.get((n, args.seed)) or no_run(n, "not started: time budget") for n in names}
     res = headline(args, runs, tokens, t0)
-    path = write_results(res, out, "convergence")
+    path = harness.write_results(res, out, "convergence")
     print(f"final val loss: bf16 {fmt(res['bf16_val_loss'])}, coat optimizer-only {fmt(res['coat_opt_val_loss'])}, "
           f"coat full {fmt(res['coat_val_loss'])} (bf16 master: SR {fmt(res['coat_bf16sr_val_loss'])}, "
           f"RN {fmt(res['coat_bf16rn_val_loss'])}); gap {fmt(res['val_loss_gap_rel'], '+.3%')}, bf16 SR "

@@ -118,9 +118,8 @@ def history(results: Path = RESULTS) -> dict:
                 pts.append((c["params"] / world / 1e9, c["setup_s"]))
                 tps = max(r["tokens_per_s"] for r in c["rungs"]) / world
                 speed["bf16" if c["name"] == "bf16" else "coat"].append(tps * c["params"] / 1e9)
-    n, sx, sy = len(pts), sum(x for x, _ in pts), sum(y for _, y in pts)
-    slope = (n * sum(x * y for x, y in pts) - sx * sy) / (n * sum(x * x for x, _ in pts) - sx * sx)
-    return {"setup": ((sy - slope * sx) / n, slope), "speed": {k: statistics.median(v) for k, v in speed.items()}}
+    slope, intercept = statistics.linear_regression(*zip(*pts))
+    return {"setup": (intercept, slope), "speed": {k: statistics.median(v) for k, v in speed.items()}}
 
 
 def estimate(r: Run, hist: dict, args: argparse.Namespace) -> float:
@@ -304,8 +303,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--plan-only", action="store_true", help="print the schedule and its predicted wall time")
     args = p.parse_args(argv)
     check_positive(p, args, ("num_gpus", "common_batch", "max_batch", "steps"))
-    choices = [1 << i for i in range(args.num_gpus.bit_length()) if 1 << i <= args.num_gpus]
-    allowed = [str(c) for c in choices]
+    allowed = [str(1 << i) for i in range(args.num_gpus.bit_length())]   # the powers of two up to --num-gpus
     args.gpus = [int(g) for g in names_of(p, "gpus", args.gpus or ",".join(allowed), allowed)]
     args.stages = [int(s) for s in names_of(p, "stages", args.stages, ("2", "3"))]
     args.configs = names_of(p, "configs", args.configs, PRESETS)

@@ -14,7 +14,6 @@ from benchmarks import convergence, harness
 from benchmarks.accuracy import verdicts
 from benchmarks.common import parser, read_json
 from benchmarks.configs import CONFIGS, check_args
-from benchmarks.accuracy.verdicts import gap, inside, mean_std
 from benchmarks.convergence import SMOKE_CONFIGS, fmt, last_common_step
 from benchmarks.render_tables import markdown
 
@@ -91,7 +90,7 @@ def config_stats(runs: dict[str, dict], step: int | None) -> dict:
     seeds = sorted((s for s, e in runs.items() if dict(e["val"] or []).get(step) is not None), key=int)
     final = [dict(runs[s]["val"])[step] for s in seeds]
     best = [min(v for st, v in runs[s]["val"] if st <= step) for s in seeds]
-    (fm, fs), (bm, bs) = mean_std(final), mean_std(best)
+    (fm, fs), (bm, bs) = verdicts.mean_std(final), verdicts.mean_std(best)
     return {"seeds": [int(s) for s in seeds], "final": final, "best": best, "final_mean": fm, "final_std": fs,
             "best_mean": bm, "best_std": bs, "final_min": min(final, default=None),
             "final_max": max(final, default=None), "statuses": [runs[s]["status"] for s in seeds]}
@@ -106,9 +105,9 @@ def summarize(section: dict) -> None:
     band = verdicts.band(base["final"]) if base["final"] else None
     for st in stats.values():
         mean = st["final_mean"]
-        st["gap_rel_mean"] = gap(mean, base["final_mean"])
-        st["gap_rel_mean_best"] = gap(st["best_mean"], base["best_mean"])
-        within = st["within_bf16_spread"] = inside(band, mean)
+        st["gap_rel_mean"] = verdicts.gap(mean, base["final_mean"])
+        st["gap_rel_mean_best"] = verdicts.gap(st["best_mean"], base["best_mean"])
+        within = st["within_bf16_spread"] = verdicts.inside(band, mean)
         st["outside_bf16_spread_rel"] = None if within is None else 0.0 if within else \
             min(abs(mean - band[k]) for k in ("low", "high")) / base["final_mean"]
     section.update(steps_compared=step, bf16_band=band, summary=stats)
