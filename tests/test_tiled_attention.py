@@ -98,12 +98,12 @@ def test_tiled_equals_untiled(impl, masked, tile_tokens):
 
 
 def test_bias_and_strides():
-    """o_proj with a bias (its gradient: dh summed over every row, as untiled); dq in q's own layout."""
+    """o_proj with a bias (its gradient: dh summed over every row, as untiled); dq, dk, dv in q's, k's, v's layouts."""
     a = _Attn("sdpa", False, bias=True)
     ref, got = a.run(None), a.run(32)
     for g, r, name in zip(got, ref, NAMES):
         _close(g, r, name, exact=name in EXACT)
-    assert got[1].stride() == a.q.stride()
+    assert got[1].stride() == a.q.stride() and got[2].stride() == a.k.stride() and got[3].stride() == a.v.stride()
 
 
 def test_a_lost_tile_is_caught():

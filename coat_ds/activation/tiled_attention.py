@@ -144,7 +144,7 @@ def backward(ctx: Any, dh: torch.Tensor) -> tuple:
     ds = quant.tensor_scale(quant.row_amax(dh), cfg.bwd)    # the whole dh's scale, as linear_backward takes it
     rows_of = dh.view(b, seq, dh.shape[-1])
     dq = _like(ql, k.dtype, k.device)
-    dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (k, v))
+    dk, dv = (_like(layout, torch.float32, k.device).zero_() for layout in (kl, vl))   # k's and v's layouts
     dw = None
     with held_operands(group):
         wt, ws = group.operand(transposed=True)
