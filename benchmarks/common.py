@@ -106,9 +106,8 @@ def command() -> str:
 
 
 def provenance(extra: tuple[str, ...] = (), parent: bool = False) -> dict:
-    """The fields every results file carries: device, versions (with the `extra` distributions), command, date,
-    commit. A `parent` (a process that starts workers) never initialises CUDA: a CUDA context would take memory on a
-    GPU where a worker measures."""
+    """Every results file's device, versions (with `extra`), command, date and commit; a `parent` (which starts
+    workers) never initialises CUDA, whose context would take memory on a GPU where a worker measures."""
     return {"device": device_name(parent=parent), "versions": versions(*extra, parent=parent), "command": command(),
             "date": now(), "commit": git_commit()}
 
@@ -228,10 +227,9 @@ def launcher() -> str:
 
 def worker_cmd(module: str, args: argparse.Namespace, names: tuple[str, ...], num_gpus: int = 1,
                devices: str | None = None, cores: str | None = None, **given) -> list[str]:
-    """The command that runs benchmarks.`module` as a worker (python -m, or the deepspeed launcher for several
-    GPUs: on `devices`, CUDA ids, where given) with args' options `names` and the `given` ones. `cores` (a core
-    list, "0-15,32-47"): the ranks bound to those cores, split evenly, as DeepSpeed's `--bind_cores_to_rank` does
-    (one rank: the numactl command it would run)."""
+    """The command that runs benchmarks.`module` as a worker (python -m, or the deepspeed launcher for several GPUs,
+    on CUDA ids `devices` where given) with args' options `names` and the `given` ones; `cores` ("0-15,32-47") bound
+    split evenly over the ranks, as DeepSpeed's `--bind_cores_to_rank` does (one rank: its numactl command)."""
     run = argparse.Namespace(**{**vars(args), **given})
     opts = ["--worker", *flags(run, *names, *given)]
     if num_gpus > 1:

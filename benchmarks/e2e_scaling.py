@@ -1,8 +1,7 @@
 """Scaling over the GPUs of one host (issues 44, 47): per-GPU tokens/s and peak of coat's presets against BF16 +
 FusedAdam, Llama-3.1-8B and Llama-2-13B at seq 4096 on 1, 2, 4 (8) GPUs, ZeRO-2 and ZeRO-3.
 
-Every (model, GPUs, ZeRO stage, preset) is one e2e.py worker, side by side on disjoint GPUs in waves ordered by
-importance; docs/benchmarks.md, "Scaling", has the commands."""
+Each (model, GPUs, ZeRO stage, preset) is an e2e.py worker, side by side in waves by importance (docs/benchmarks.md)."""
 from __future__ import annotations
 
 import argparse

@@ -35,9 +35,8 @@ POLL_S = 0.2
 # --- The deadline -----------------------------------------------------------------------------------------------------
 @dataclass
 class Deadline:
-    """`seconds` from `start` (now by default; common.T0: the process's start, its imports counted) by which a call
-    is done. A job is told to stop `stop_s` before it (it saves what it has) and killed `kill_s` before it (negative:
-    after)."""
+    """A call's end, `seconds` from `start` (default now; common.T0 counts the imports): a job is told to stop `stop_s`
+    before it (it saves what it has) and killed `kill_s` before it (negative: after)."""
     seconds: float = math.inf
     stop_s: float = 0.0
     kill_s: float = 0.0
@@ -89,9 +88,8 @@ def devices(sizes: Iterable[int]) -> list[str]:
 
 
 def side_by_side(run: Callable[[int, J], object], jobs: list[J], at_once: int | None = None) -> list:
-    """run(i, job) for the i-th job, all at once (a wave on its slots) or `at_once` at a time (jobs sharing one
-    device: the next starts as one ends), each in a thread of its own that waits on its process -> their results,
-    in the jobs' order."""
+    """run(i, job) for each job, all at once (a wave on its slots) or `at_once` at a time (jobs sharing one device),
+    each in a thread that waits on its process -> their results, in the jobs' order."""
     if len(jobs) == 1:
         return [run(0, jobs[0])]
     with ThreadPoolExecutor(at_once or len(jobs)) as pool:
@@ -213,9 +211,8 @@ def one_gpu_checked(p: argparse.ArgumentParser, args: argparse.Namespace, name: 
 
 def one_gpu_case(args, name: str, worker: Callable[[object], int], run: Callable[[str, int], dict],
                  names: list[str], values: list[int], results: Callable[[list[dict], dict], dict]) -> int:
-    """A one-GPU case's main: its `worker` in a worker process; else, on a GPU or with --smoke, the ladder of its
-    jobs (`run`, `names`, `values`) and its file (`results(rows, call)`) -> the exit code (1: the first job did not
-    fit)."""
+    """A one-GPU case's main: its `worker` in a worker process, else (a GPU or --smoke) the ladder of its jobs and
+    its file (`results(rows, call)`) -> the exit code (1: the first job did not fit)."""
     if args.worker:
         return worker_exit(lambda: worker(args))
     if not args.smoke and not torch.cuda.is_available():
@@ -296,9 +293,8 @@ def calls_of(docs: list[dict]) -> list[dict]:
 
 def into_file(path: Path, rows: list[dict], key: Callable[[dict], object], ours: dict, call: dict,
               setting: Iterable[str]) -> dict:
-    """The results file at `path` with `rows` merged in by `key` and `call` counted once (a call may write after each
-    row), its other keys kept, `ours` (this call's facts) on top; exits in one line where the file's `setting` keys
-    differ from ours."""
+    """The file at `path` with `rows` merged in by `key`, `call` counted once (it may write after each row) and `ours`
+    on top; exits in one line where the file's `setting` keys differ from ours."""
     old = read_json(path) or {}
     if old:
         same_setting(str(path), {k: old.get(k) for k in setting}, {k: ours.get(k) for k in setting})
@@ -319,9 +315,8 @@ def head(calls: list[dict]) -> dict:
 
 
 def write_results(res: dict, out: Path, name: str, plot=None) -> Path:
-    """`name`.json and `name`.png, drawn by `plot` (default plot_utils.plot_`name`, where there is one); the JSON
-    names the PNG once it exists. A node without matplotlib writes the JSON alone: `python -m benchmarks.plot_utils`
-    draws it later."""
+    """`name`.json and its PNG by `plot` (default plot_utils.plot_`name`, where there is one); a node without
+    matplotlib writes the JSON alone (`python -m benchmarks.plot_utils` draws it later)."""
     path = write_json(out / f"{name}.json", res)
     plot = plot or getattr(plot_utils, f"plot_{name}", None)
     if plot is None:

@@ -1,8 +1,8 @@
 """HF Trainer against a plain deepspeed.initialize loop on the same DeepSpeed config: tokens/s, memory, and
 where the Trainer's extra time goes.
 
-A run is path:preset:model:micro_batch:tuning[:profile], each in its own process; docs/benchmarks.md has the
-commands and what a run measures, docs/deepspeed.md ("HF Trainer speed") what each tuning changes."""
+A run (path:preset:model:micro_batch:tuning[:profile]) is a process of its own; docs/benchmarks.md has the commands,
+docs/deepspeed.md ("HF Trainer speed") what each tuning changes."""
 from __future__ import annotations
 
 import argparse

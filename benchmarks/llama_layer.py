@@ -1,7 +1,7 @@
 """Activation memory and step time of one Llama decoder layer: bf16 / torchao float8 / coat_ds FP8 flow.
 
-Each variant runs a stack of 4 identical layers on the same weights and input (docs/benchmarks.md has the commands
-and says how memory, time and gradient quality are measured); --dry-run: the script alone, CPU, tiny shapes."""
+Each variant runs a stack of 4 identical layers on the same weights and input (docs/benchmarks.md: how each figure
+is measured); --dry-run: the script alone, CPU, tiny shapes."""
 from __future__ import annotations
 
 import argparse

@@ -1,8 +1,7 @@
 """ZeRO-2 + ZeRO-Offload (optimizer on the host): host memory per parameter, GPU peak, tokens/s; one process per row.
 
-A row predicted not to fit the host (`predict_host`) is skipped instead of taking the node down. Rows merge into
---out's offload.json as they finish (to add rows to the committed one, copy it into --out first); docs/benchmarks.md
-has the commands and what a row reports, docs/notes_offload.md where every host byte goes."""
+A row predicted not to fit the host (`predict_host`) is skipped instead of taking the node down; rows merge into
+--out's offload.json as they finish (docs/benchmarks.md; docs/notes_offload.md: where every host byte goes)."""
 from __future__ import annotations
 
 import argparse
@@ -134,9 +133,8 @@ def host_accounting(engine, n_params: int) -> dict:
 
 
 class OffloadWorker(Worker):
-    """e2e's worker with e2e's configuration under ZeRO-2, the optimizer offloaded to the host; records RSS at each
-    stage of its life. The BF16 row keeps "type": "AdamW", which DeepSpeed runs as DeepSpeedCPUAdam under Offload
-    (on CPU too: no torch_adam)."""
+    """e2e's worker and configuration under ZeRO-2 with the optimizer on the host, its RSS at each stage recorded;
+    BF16's "type": "AdamW" runs as DeepSpeedCPUAdam under Offload (on CPU too: no torch_adam)."""
 
     def setup_engine(self):
         args = self.args

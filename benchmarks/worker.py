@@ -103,9 +103,8 @@ class Worker:
         self.gen = torch.Generator(device="cpu").manual_seed(args.seed + self.rank)
 
     def model(self, dtype=None, cfg: dict | None = None):
-        """The randomly initialised model of --model on this device (bf16 on CUDA); sets vocab and n_params. Under a
-        ZeRO-3 config `cfg` it is partitioned as it is built (zero.Init): no rank holds the whole model, so one
-        larger than a GPU (70B: 141 GB in bf16) can be built."""
+        """--model randomly initialised on this device (bf16 on CUDA), setting vocab and n_params; under a ZeRO-3
+        `cfg` partitioned as it is built (zero.Init), so a model larger than a GPU (70B: 141 GB in bf16) builds."""
         dtype = dtype or (torch.bfloat16 if self.on_cuda else torch.float32)
         with train_lib.built_partitioned(cfg):
             net = build_model(self.args.model, self.device, dtype, self.args.seed, getattr(self.args, "layers", None))

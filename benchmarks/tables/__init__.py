@@ -1,8 +1,6 @@
-"""The measured tables, one module per benchmark family (e2e, scaling, kernels, accuracy), and what they share: the
-registry that `benchmarks.render_tables` renders and splices from, the JSON reader and the cells every family prints.
-
-A table is a function of the results folder, decorated with @table, that yields its header, then its rows.
-"""
+"""The measured tables, one module per benchmark family, and what they share: the registry `benchmarks.render_tables`
+renders from, the JSON reader, the cells. A table is a function of the results folder, decorated with @table, that
+yields its header, then its rows."""
 from __future__ import annotations
 
 import json
