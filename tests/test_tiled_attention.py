@@ -162,9 +162,9 @@ SHAPE = dict(vocab_size=256, hidden_size=128, intermediate_size=344, num_hidden_
              num_key_value_heads=2, max_position_embeddings=256)
 
 
-def _model(impl: str, act: dict) -> torch.nn.Module:
+def _model(impl: str, act: dict, kind: str = "llama", **hf) -> torch.nn.Module:
     torch.manual_seed(0)
-    config = AutoConfig.for_model("llama", **SHAPE)
+    config = AutoConfig.for_model(kind, **{**SHAPE, **hf})
     config._attn_implementation = impl
     model = AutoModelForCausalLM.from_config(config).to(DT).train()
     return coat_ds.inject(model, act)
@@ -180,21 +180,24 @@ def _step(model, seq: int, padded: bool):
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("impl,padded,extra", [
-    ("sdpa", False, {}), ("sdpa", True, {}), ("eager", False, {}),
-    ("sdpa", False, {"checkpoint": True, "checkpoint_store": "host_fp8"})])
-def test_whole_model_tiled_like_untiled(impl, padded, extra, monkeypatch):
-    """A tiny Llama through coat_ds.inject with attention_fp8 and tiles of 32 over 88 tokens (32, 32, 24), against
+@pytest.mark.parametrize("impl,padded,extra,kind,hf", [
+    ("sdpa", False, {}, "llama", {}), ("sdpa", True, {}, "llama", {}), ("eager", False, {}, "llama", {}),
+    ("sdpa", False, {"checkpoint": True, "checkpoint_store": "host_fp8"}, "llama", {}),
+    ("sdpa", False, {}, "mistral", {"sliding_window": 24}),   # the window in the model's mask: its rows sliced
+    ("sdpa", False, {}, "qwen3", {"head_dim": 32})])           # per-head q/k norms
+def test_whole_model_tiled_like_untiled(impl, padded, extra, kind, hf, monkeypatch):
+    """A tiny model through coat_ds.inject with attention_fp8 and tiles of 32 over 88 tokens (32, 32, 24), against
     the same model whose attention backward is untiled (the MLP tiled in both: its forward takes per-tile scales):
-    the loss bit for bit, every gradient within _model_close's bound; the tiled backward ran once per layer."""
+    the loss bit for bit, every gradient within _model_close's bound (measured <= 0.10); the tiled backward ran once
+    per layer."""
     act = {"attention_fp8": True, "tile_tokens": 32, **extra}
     calls = []
     tiled_backward = T.backward
     monkeypatch.setattr(T, "backward", lambda ctx, dh: calls.append(1) or tiled_backward(ctx, dh))
-    got = _step(_model(impl, act), 88, padded)
+    got = _step(_model(impl, act, kind, **hf), 88, padded)
     assert len(calls) == SHAPE["num_hidden_layers"]
     monkeypatch.setattr(decoder_layer, "tiled_call", lambda call, *args: call)
-    ref = _step(_model(impl, act), 88, padded)
+    ref = _step(_model(impl, act, kind, **hf), 88, padded)
     assert len(calls) == SHAPE["num_hidden_layers"]
     assert torch.equal(got[0], ref[0]), (got[0], ref[0])
     assert got[1].keys() == ref[1].keys()
