@@ -117,6 +117,33 @@ def test_main_job_refuses_a_bad_sp_size_in_one_line(monkeypatch, world, argv, wh
     assert _refusal(monkeypatch, world, *argv) == f"error: {why}"
 
 
+def test_refusals_name_the_key_and_what_is_allowed():
+    """coat_ds.deepspeed.sequence_parallel's checks, in process: the kv heads (divided by N, or dividing it: DeepSpeed
+    repeats them), an attention implementation Ulysses does not wrap, a sliding window sdpa would lose."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from coat_ds.deepspeed.sequence_parallel import attention_refusal, refusal
+
+    assert refusal(4, 8, 8, 2, 64) is None and refusal(8, 8, 8, 2, 64) is None   # 2 kv heads repeated 4x over 8
+    assert refusal(4, 8, 12, 3, 64) == ("--sp-size=4 neither divides nor is a multiple of the model's 3 key/value "
+                                        "heads; allowed: [1]")
+
+    def model(family: str, impl: str, **kw):
+        cfg = AutoConfig.for_model(family, vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=2, **kw)
+        return AutoModelForCausalLM.from_config(cfg, attn_implementation=impl)
+
+    assert attention_refusal(model("llama", "sdpa"), 64) is None
+    assert attention_refusal(model("llama", "eager"), 64) == (
+        "--sp-size needs an attention implementation Ulysses wraps; this model's is 'eager'; allowed: ['sdpa', "
+        "'flash_attention_2', 'flash_attention_3', 'flex_attention'] (attn_implementation)")
+    mistral = model("mistral", "sdpa", sliding_window=16)
+    assert attention_refusal(mistral, 16) is None
+    assert attention_refusal(mistral, 64) == (
+        "--sp-size with sdpa attention drops the mask that holds this model's sliding window (16 < --seq-len=64); "
+        "allowed: attn_implementation 'flash_attention_2' or 'flash_attention_3', or --seq-len <= 16")
+
+
 def _train(tmp, launch: list[str], *extra: str) -> list[dict]:
     run = tmp / "run"
     cmd = [*launch, "examples/train.py", "--deepspeed", "ds_configs/zero2_coat.json", "--save-dir", str(run),
