@@ -31,10 +31,11 @@ from typing import Any
 
 import torch
 
+from ..activation.loss import IGNORE_INDEX
+
 KEY = "--sp-size"
 # The implementations Ulysses wraps for HF (DeepSpeed refuses eager: it materialises a full-sequence 4D mask)
 WRAPPED = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
-IGNORE_INDEX = -100
 
 
 def allowed_sizes(world: int, heads: int, kv_heads: int, seq_len: int) -> list[int]:
