@@ -72,6 +72,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--side-by-side", action="store_true", help="runs at once on disjoint GPUs of --host-gpus: "
                                                                "fine-tunings one GPU each, pretraining --num-gpus each")
     p.add_argument("--host-gpus", type=int, help="GPUs of the host that --side-by-side shares (default: --num-gpus)")
+    p.add_argument("--jobs-per-gpu", type=int, default=1, help="side-by-side runs sharing each GPU (a small model "
+                                                               "alone leaves the GPU idle between its kernels)")
+    p.add_argument("--recipe", default="dense", choices=("dense", "moe"), help="moe: pretraining only, the moe-90m "
+                   "Qwen3-MoE of recipe.py's MOE_PRETRAIN, into accuracy_moe.json, with its router's balance")
     p.add_argument("--tokens-per-s", help="pretraining's assumed tokens/s on 4 GPUs, before a run has measured its "
                                           "own: one number, or config=N,... (default: benchmarks/accuracy/recipe.py)")
     p.add_argument("--merge", nargs="+", default=[], metavar="FILE", help="earlier results files (missing ones "
@@ -93,15 +97,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.num_gpus not in R.GPU_COUNTS:
         p.error(f"--num-gpus={args.num_gpus} is invalid; allowed: one of {list(R.GPU_COUNTS)} (they divide the "
                 f"batches of {R.PRETRAIN.global_batch} and {R.FINETUNE.global_batch} samples)")
+    if args.jobs_per_gpu < 1:
+        p.error(f"--jobs-per-gpu={args.jobs_per_gpu} is invalid; allowed: an integer >= 1")
     args.host_gpus = args.host_gpus or args.num_gpus
     if args.host_gpus % args.num_gpus:
         p.error(f"--host-gpus={args.host_gpus} is invalid; allowed: a multiple of --num-gpus ({args.num_gpus})")
     args.rates = rates_flag(p, args.tokens_per_s)
-    args.run_root = args.run_root or ROOT / "runs" / ("accuracy_scale_smoke" if args.smoke else "accuracy_scale")
+    args.name = "accuracy_moe" if args.recipe == "moe" else NAME
+    args.run_root = args.run_root or ROOT / "runs" / (args.name + ("_smoke" if args.smoke else ""))
     args.recipes = {"pretrain": R.SMOKE_PRETRAIN if args.smoke else R.PRETRAIN,
                     "finetune": R.SMOKE_FINETUNE if args.smoke else R.FINETUNE}
     args.speeds = {"pretrain": R.SMOKE_SPEED if args.smoke else R.PRETRAIN_SPEED,
                    "finetune": R.SMOKE_SPEED if args.smoke else R.FINETUNE_SPEED}
+    if args.recipe == "moe":   # pretraining alone: no export, outliers or fine-tuning
+        args.phase = "pretrain"
+        args.recipes["pretrain"] = R.SMOKE_MOE_PRETRAIN if args.smoke else R.MOE_PRETRAIN
+        args.speeds["pretrain"] = R.SMOKE_SPEED if args.smoke else R.MOE_SPEED
     return args
 
 
@@ -256,14 +267,16 @@ def shares_gpus(args: argparse.Namespace, phase: str) -> bool:
 
 def devices(args: argparse.Namespace, phase: str, slot: int) -> str:
     """The CUDA ids of a side-by-side job's slot."""
-    return harness.devices([side_gpus(args, phase)] * (slot + 1))[slot]
+    n = slot // args.jobs_per_gpu   # the slot's share of GPUs: --jobs-per-gpu slots take the same ones
+    return harness.devices([side_gpus(args, phase)] * (n + 1))[n]
 
 
 def groups(args: argparse.Namespace, plan: list[Todo]) -> list[list[Todo]]:
     """The plan as this call runs it (harness.pack): one job at a time, but side by side consecutive jobs of one
     phase as many at once as the host's GPUs hold."""
     joins = lambda group, t: shares_gpus(args, t.job.phase) and t.job.phase == group[0].job.phase  # noqa: E731
-    return harness.pack(plan, args.host_gpus, lambda t: side_gpus(args, t.job.phase), joins, in_order=True)
+    return harness.pack(plan, args.host_gpus * args.jobs_per_gpu, lambda t: side_gpus(args, t.job.phase), joins,
+                        in_order=True)
 
 
 def schedule_text(args: argparse.Namespace, res: dict, plan: list[Todo]) -> str:
@@ -391,8 +404,11 @@ def judge(args: argparse.Namespace, res: dict) -> dict:
     ft_runs = {e["config"]: e for e in done if e["phase"] == "finetune"}
     same = (ft_runs.get(R.BASELINE) or {}).get("export_id")   # fine-tunings of BF16's export only
     ft_runs = {n: e for n, e in ft_runs.items() if e.get("export_id") == same}
-    return {"pretrain": verdicts.pretrain(finals, spikes), "finetune": verdicts.finetune(
-        *({n: final_val(e, step) for n, e in ft_runs.items()} for step in (0, args.recipes["finetune"].steps)))}
+    routers = {n: {e["seed"]: e["router"] for e in done if e["config"] == n and "router" in e} for n in R.CONFIGS}
+    ft = verdicts.finetune(*({n: final_val(e, step) for n, e in ft_runs.items()}
+                             for step in (0, args.recipes["finetune"].steps)))
+    router = verdicts.router(routers)   # a mixture of experts' (--recipe moe)
+    return {"pretrain": verdicts.pretrain(finals, spikes), **({"router": router} if router else {}), "finetune": ft}
 
 
 def result(args: argparse.Namespace, res: dict, calls: list[dict], tokens: dict) -> dict:
@@ -442,10 +458,11 @@ def main(argv: list[str] | None = None) -> int:
         where = (lambda i: devices(args, phase, i)) if shares_gpus(args, phase) else (lambda i: None)
         harness.side_by_side(lambda i, t: run_job(args, res, t, stop, call, tokens, where(i), len(group) - 1), group)
         call["wall_s"] = time.time() - t0
-        harness.write_results(result(args, res, calls, tokens), args.out, NAME)   # what it has, after each job
+        harness.write_results(result(args, res, calls, tokens), args.out, args.name)   # what it has, after each job
     call["wall_s"] = time.time() - t0
-    path = harness.write_results(result(args, res, calls, tokens), args.out, NAME)
-    print(render(NAME, args.out), render(f"{NAME}_finetune", args.out), f"-> {path}", sep="\n", flush=True)
+    path = harness.write_results(result(args, res, calls, tokens), args.out, args.name)
+    tables = [args.name] if args.recipe == "moe" else [NAME, f"{NAME}_finetune"]
+    print(*(render(t, args.out) for t in tables), f"-> {path}", sep="\n", flush=True)
     return 0
 
 

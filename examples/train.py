@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))          # coat_
 
 from coat_ds.workloads import data as data_lib  # noqa: E402
 from coat_ds.workloads.causal_lm import (MODEL_SIZES, build_model, default_allocator, initialize,  # noqa: E402
-                                       lm_loss, model_size_names, set_single_process_env)
+                                       lm_loss, model_size_names, moe_eval, set_single_process_env)
 from coat_ds.workloads.cli import (Parser, check_ds_config, check_model, check_sp_size, fail,  # noqa: E402
                                    read_ds_config, refuse)
 from coat_ds.workloads.learning_rate import warn_pretraining_rate  # noqa: E402
@@ -363,15 +363,32 @@ def evaluate(run: Run, step: int) -> float:
     import deepspeed.comm as dist
 
     engine = run.engine
+    moe = getattr(engine.module.config, "num_experts", None) is not None   # a mixture of experts: its router too
     engine.eval()
+    losses, aux, counts = [], [], []
     with torch.no_grad():
-        losses = [run.loss(x, y).detach() for x, y in run.batches.val_batches(run.args.eval_batches)]
+        for x, y in run.batches.val_batches(run.args.eval_batches):
+            if moe:
+                loss, a, c = moe_eval(engine, x, y)
+                aux.append(a.detach().float())
+                counts.append(c)
+            else:
+                loss = run.loss(x, y)
+            losses.append(loss.detach())
     engine.train()
     v = torch.stack(losses).mean().reshape(1).float().to(engine.device)
     dist.all_reduce(v)
     val = v.item() / run.world
+    router = {}
+    if moe:   # the router's balance over these windows: its aux loss, each expert's share of the routed tokens x E
+        a, c = torch.stack(aux).mean().reshape(1).to(engine.device), torch.stack(counts).sum(0).float()
+        dist.all_reduce(a)
+        dist.all_reduce(c)
+        share = c / c.sum(dim=1, keepdim=True) * c.shape[1]   # 1.0 each where balanced
+        router = {"aux_loss": a.item() / run.world, "share_max": share.max(dim=1).values.mean().item(),
+                  "share_min": share.min(dim=1).values.mean().item()}
     if run.rank == 0:
-        run.log({"kind": "eval", "step": step, "val_loss": val})
+        run.log({"kind": "eval", "step": step, "val_loss": val, **router})
         engine.monitor.write_events([("Eval/val_loss", val, step * run.tokens_per_step)])
     return val
 

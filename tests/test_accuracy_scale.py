@@ -139,7 +139,9 @@ def test_the_plan_puts_bf16_first_then_outliers_and_fine_tuning_and_meets_the_is
                                        (["--tokens-per-s", "fp8=3"], "--tokens-per-s='fp8=3' is invalid"),
                                        (["--configs", "bf16,coat"], "--configs: ['coat'] is invalid"),
                                        (["--num-gpus", "2", "--host-gpus", "3"],
-                                        "--host-gpus=3 is invalid; allowed: a multiple of --num-gpus (2)")])
+                                        "--host-gpus=3 is invalid; allowed: a multiple of --num-gpus (2)"),
+                                       (["--jobs-per-gpu", "0"], "--jobs-per-gpu=0 is invalid; allowed: an integer"),
+                                       (["--recipe", "sparse"], "argument --recipe: invalid choice: 'sparse'")])
 def test_bad_flags_fail_in_one_line(argv, msg, capsys):
     with pytest.raises(SystemExit):
         S.parse_args(argv)
@@ -165,6 +167,54 @@ def test_side_by_side_pairs_pretraining_runs_on_disjoint_gpus_and_fine_tunings_o
     out = capsys.readouterr().out
     assert "8 jobs on 4 GPUs" in out
     assert "pretrain_exact_s0: from scratch, 3,100 steps at 175,000 tokens/s (assumed), 2 GPUs, beside 1 more" in out
+
+
+def test_the_moe_recipe_pretrains_only_its_eight_runs_sharing_one_gpu(capsys):
+    """--recipe moe: pretraining alone (no export, outliers or fine-tuning), moe-90m on the kernel corpus, into
+    accuracy_moe.json; --jobs-per-gpu 8 on one GPU: the eight runs (BF16 and lowest_memory x 3 seeds, exact and
+    largest_model x 1) in one wave, every one on GPU 0."""
+    argv = ["--recipe", "moe", "--num-gpus", "1", "--side-by-side", "--jobs-per-gpu", "8", "--run-root", "/nonexistent"]
+    args = S.parse_args(argv)
+    assert (args.phase, args.name, args.recipes["pretrain"]) == ("pretrain", "accuracy_moe", R.MOE_PRETRAIN)
+    assert R.MOE_PRETRAIN.model_size == "moe-90m" and R.MOE_PRETRAIN.corpus == "kernel"
+    groups = [[t.job.key for t in g] for g in S.groups(args, S.schedule(args, {"runs": {}, "outliers": None}))]
+    assert len(groups) == 1 and len(groups[0]) == 8 and all(k.startswith("pretrain_") for k in groups[0])
+    assert {S.devices(args, "pretrain", i) for i in range(8)} == {"0"}
+    assert S.main([*argv, "--plan-only"]) == 0
+    assert "8 jobs on 1 GPUs" in capsys.readouterr().out
+
+
+def test_the_router_verdict_takes_bf16s_band_of_aux_losses():
+    """verdicts.router: a preset's router is no worse than BF16's where its mean aux loss is at most the top of BF16's
+    band (the loss band's rule: mean + max(2 std, 0.5%)); none without a router measured."""
+    r = lambda aux: {"aux_loss": aux, "share_max": 1.5, "share_min": 0.5}   # noqa: E731
+    bf16 = {0: r(2.00), 1: r(2.02), 2: r(2.04)}   # mean 2.02, std 0.02: top 2.06
+    got = V.router({"bf16": bf16, "exact": {0: r(2.05)}, "lowest_memory": {0: r(2.03), 1: r(2.10)}, "x": {}})
+    assert got["exact"]["no_worse_than_bf16"] and not got["lowest_memory"]["no_worse_than_bf16"]
+    assert got["lowest_memory"]["aux_loss"] == [2.03, 2.10] and "x" not in got
+    assert V.router({"bf16": {}}) is None
+
+
+def test_moe_eval_is_the_language_model_loss_without_the_routers_term():
+    """causal_lm.moe_eval on a tiny Qwen3-MoE: its loss + coefficient x aux equals HF's returned loss, which is the
+    plain next-token loss plus that term; every token is routed to its k experts in every layer."""
+    from coat_ds.workloads.causal_lm import MODEL_SIZES, from_shape, moe_eval
+    model = from_shape(dict(MODEL_SIZES["moe-tiny"], vocab_size=128), seed=0).eval()
+
+    class Engine(torch.nn.Module):   # what moe_eval reads of DeepSpeed's engine: module, device, a call
+        def __init__(self):
+            super().__init__()
+            self.module, self.device = model, torch.device("cpu")
+
+        def forward(self, **kwargs):
+            return self.module(**kwargs)
+    x = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    y = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        lm, aux, counts = moe_eval(Engine(), x, y)
+        plain = torch.nn.functional.cross_entropy(model(input_ids=x).logits.flatten(0, 1).float(), y.flatten())
+    torch.testing.assert_close(lm, plain, rtol=1e-5, atol=1e-6)
+    assert aux > 0 and counts.shape == (2, 8) and (counts.sum(1) == 2 * 16 * 2).all()
 
 
 def entry(phase: str, config: str, seed: int, status: str, steps: int, **extra) -> dict:

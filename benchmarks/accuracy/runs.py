@@ -97,7 +97,11 @@ def read_run(run_dir: Path, recipe: Recipe, train_tokens: int | None) -> dict:
             "finished": done == recipe.steps and any(r["step"] == recipe.steps for r in val),
             "train": [[r["step"], r["step"] * recipe.tokens_per_step, round(r["loss"], 5), float(f"{r['lr']:.5g}")]
                       for r in train],
-            "val": [[r["step"], r["step"] * recipe.tokens_per_step, round(r["val_loss"], 5)] for r in val]}
+            "val": [[r["step"], r["step"] * recipe.tokens_per_step, round(r["val_loss"], 5)] for r in val],
+            **({"router": {k: val[-1][k] for k in ROUTER}} if val and ROUTER[0] in val[-1] else {})}
+
+
+ROUTER = ("aux_loss", "share_max", "share_min")   # a mixture of experts' last validation: its router's balance
 
 
 def failure(run_dir: Path, lines: int = 30) -> str:

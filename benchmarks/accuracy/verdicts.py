@@ -107,3 +107,21 @@ def finetune(before: dict[str, float], end: dict[str, float]) -> dict:
             row.update(before_ok=ok[0], end_ok=ok[1], meets_targets=None if None in ok else all(ok))
         out[name] = row
     return dict(sorted(out.items(), key=lambda kv: kv[0] != "bf16"))
+
+
+def router(by_config: dict[str, dict[int, dict]]) -> dict | None:
+    """A mixture of experts' router balance at the last validation (issue 60), per configuration: its seeds' aux loss
+    and each expert's largest and smallest share of the routed tokens (x experts: 1.0 where balanced); no worse than
+    BF16's where its mean aux loss is at most the top of BF16's band of aux losses (`band`, as for the loss). None:
+    no run measured a router."""
+    if not any(by_config.values()):
+        return None
+    base = [r["aux_loss"] for r in (by_config.get("bf16") or {}).values()]
+    top = band(base)["high"] if base else None
+    out = {}
+    for name, by_seed in by_config.items():
+        if by_seed:
+            rows = [by_seed[s] for s in sorted(by_seed)]
+            out[name] = {k: [r[k] for r in rows] for k in rows[0]}
+            out[name]["no_worse_than_bf16"] = None if top is None else statistics.mean(out[name]["aux_loss"]) <= top
+    return out

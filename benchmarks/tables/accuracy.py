@@ -129,3 +129,22 @@ def accuracy_scale_outliers(res: Path):
     yield ["decoder layer", "max abs of its input", "RMS", "max abs / RMS"]
     for r in _accuracy(res, "outliers", "layers"):
         yield [r["layer"], num(r["max_abs"], 2), num(r["rms"], 3), num(r["ratio"], 1)]
+
+
+@table
+def accuracy_moe(res: Path):
+    """docs/results.md: issue 60's mixture-of-experts pretraining (accuracy_scale.py --recipe moe): each
+    configuration's final validation loss against BF16's band, and its router's balance at the last validation."""
+    yield ["configuration", "seeds: final val loss", "gap to BF16's mean", "BF16's band", "inside",
+           "router aux loss, per seed", "largest / smallest expert share x experts", "router no worse than BF16's"]
+    doc = load(res, "accuracy_moe.json", "Accuracy at scale")
+    v, router = doc["verdicts"]["pretrain"], doc["verdicts"].get("router") or {}
+    b = v["bf16_band"]
+    band = "-" if b is None else f"{b['low']:.4f} - {b['high']:.4f} ({b['set_by']}, {b['seeds']} seeds)"
+    for name in _bf16_first(v["configs"]):
+        c, r = v["configs"][name], router.get(name) or {}
+        yield [name, ", ".join(f"{s}: {x:.4f}" for s, x in zip(c["seeds"], c["finals"])), _pct(c["gap_rel"]),
+               band if name == "bf16" else "", _yes(c.get("within_band")) if name != "bf16" else "-",
+               ", ".join(f"{x:.4f}" for x in r.get("aux_loss", [])) or "-",
+               ", ".join(f"{a:.2f} / {b:.2f}" for a, b in zip(r.get("share_max", []), r.get("share_min", []))) or "-",
+               "-" if name == "bf16" else _yes(r.get("no_worse_than_bf16"))]

@@ -11,6 +11,7 @@ import os
 import socket
 from typing import Any
 
+_ROUTER = dict(norm_topk_prob=True, output_router_logits=True, router_aux_loss_coef=0.001)
 MODEL_SIZES = {  # Llama shapes; parameter counts are for the default 8192-token vocabulary
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
                  intermediate_size=192),                                                      # ~1.2M
@@ -22,6 +23,14 @@ MODEL_SIZES = {  # Llama shapes; parameter counts are for the default 8192-token
                  intermediate_size=2816),                                                     # ~325M
     "1b": dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=16, num_key_value_heads=4,
                intermediate_size=5632),                                                       # ~1.0B
+    # mixtures of experts (issue 60's accuracy runs): Qwen3-MoE, every layer sparse, top-k renormalized, trained with
+    # HF's router load-balancing term (output_router_logits, coefficient 0.001 as Qwen3-30B-A3B's config)
+    "moe-tiny": dict(model_type="qwen3_moe", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16, moe_intermediate_size=32, num_experts=8,
+                     num_experts_per_tok=2, **_ROUTER),                                      # ~1.1M, 0.6M active
+    "moe-90m": dict(model_type="qwen3_moe", hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
+                    num_key_value_heads=4, head_dim=64, moe_intermediate_size=384, num_experts=16,
+                    num_experts_per_tok=4, **_ROUTER),                                       # ~90M, 34M active
 }
 
 
@@ -240,6 +249,19 @@ def lm_loss(engine, x, y):
     given `y` as already-shifted labels. A "coat" section computes it without the full logits (coat.loss)."""
     y = y.to(engine.device).contiguous()   # HF's stock loss views shift_labels flat (evaluation takes that path)
     return engine(input_ids=x.to(engine.device), labels=y, shift_labels=y).loss
+
+
+def moe_eval(engine, x, y) -> tuple[Any, Any, Any]:
+    """(next-token loss, router aux loss, tokens routed to each expert [layers, experts]) of a mixture of experts'
+    forward: HF adds router_aux_loss_coef x aux_loss to the loss it returns; the language-model loss is without it."""
+    import torch
+
+    y = y.to(engine.device).contiguous()
+    out = engine(input_ids=x.to(engine.device), labels=y, shift_labels=y, output_router_logits=True)
+    cfg = getattr(engine, "module", engine).config   # a DeepSpeed engine, or the model itself
+    counts = torch.stack([torch.bincount(logits.topk(cfg.num_experts_per_tok, dim=-1).indices.flatten(),
+                                         minlength=cfg.num_experts) for logits in out.router_logits])
+    return out.loss - cfg.router_aux_loss_coef * out.aux_loss, out.aux_loss, counts
 
 
 def set_single_process_env() -> None:
