@@ -137,7 +137,9 @@ def accuracy_moe(res: Path):
     configuration's final validation loss against BF16's band, and its router's balance at the last validation."""
     yield ["configuration", "seeds: final val loss", "gap to BF16's mean", "BF16's band", "inside",
            "router aux loss, per seed", "largest / smallest expert share x experts", "router no worse than BF16's"]
-    doc = load(res, "accuracy_moe.json", "Accuracy at scale")
+    if not (res / "accuracy_moe.json").is_file():
+        raise NotYet("accuracy_scale --recipe moe", "Accuracy at scale")
+    doc = load(res, "accuracy_moe.json")
     v, router = doc["verdicts"]["pretrain"], doc["verdicts"].get("router") or {}
     b = v["bf16_band"]
     band = "-" if b is None else f"{b['low']:.4f} - {b['high']:.4f} ({b['set_by']}, {b['seeds']} seeds)"
