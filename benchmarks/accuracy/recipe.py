@@ -68,12 +68,12 @@ SMOKE_PRETRAIN = Recipe(corpus="manpages", model_size="tiny", seq_len=64, global
 SMOKE_FINETUNE = Recipe(corpus="perldoc", model_size=None, seq_len=64, global_batch=4, steps=10, lr=1e-3,
                         warmup_steps=2, eval_every=5, eval_batches=2, save_every=0)
 # --recipe moe (issue 60): the moe-90m Qwen3-MoE (16 experts, top 4: 90M parameters, 34M active; causal_lm.MODEL_SIZES)
-# pretrained on the kernel corpus, 16 x 1024 = 16,384 tokens a step, 400 steps = 6.6M tokens: what one ~10-minute
+# pretrained on the kernel corpus, 16 x 1024 = 16,384 tokens a step, 300 steps = 4.9M tokens: what one ~10-minute
 # device call holds for eight runs side by side on one GPU (the issue's ~400M model on 200M tokens would take hours of
-# it). lr 1e-3 for the small width after a 40-step warm-up; validation every 50 steps on 64 windows (65K tokens), with
+# it). lr 1e-3 for the small width after a 30-step warm-up; validation every 50 steps on 64 windows (65K tokens), with
 # the router's aux loss and each expert's share of the routed tokens.
-MOE_PRETRAIN = Recipe(corpus="kernel", model_size="moe-90m", seq_len=1024, global_batch=16, steps=400, lr=1e-3,
-                      warmup_steps=40, eval_every=50, eval_batches=4, save_every=0)
+MOE_PRETRAIN = Recipe(corpus="kernel", model_size="moe-90m", seq_len=1024, global_batch=16, steps=300, lr=1e-3,
+                      warmup_steps=30, eval_every=50, eval_batches=4, save_every=0)
 SMOKE_MOE_PRETRAIN = Recipe(corpus="manpages", model_size="moe-tiny", seq_len=64, global_batch=4, steps=10, lr=3e-3,
                             warmup_steps=2, eval_every=5, eval_batches=2, save_every=0)
 GPU_COUNTS = (1, 2, 4)   # those that divide both global batches
