@@ -299,9 +299,9 @@ def schedule_text(args: argparse.Namespace, res: dict, plan: list[Todo]) -> str:
 
 # --- Running ----------------------------------------------------------------------------------------------------------
 def check_data(args: argparse.Namespace) -> dict[str, int]:
-    """Each corpus's train tokens; exits with one line where a corpus folder is missing."""
+    """Each corpus's train tokens (the phases this call runs); exits with one line where a corpus folder is missing."""
     out = {}
-    for r in args.recipes.values():
+    for r in [args.recipes["pretrain"]] if args.phase == "pretrain" else args.recipes.values():
         meta = read_json(args.data_root / r.corpus / "meta.json")
         if meta is None:
             sys.exit(f"error: --data-root {args.data_root}: no {r.corpus}/meta.json; allowed: a folder that "
