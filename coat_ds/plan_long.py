@@ -85,7 +85,9 @@ def recomputed_layer(shape: Any, activation: Any, kept: float) -> float:
     keeps (plan.layer_bytes). The count (with the loss backward's fp32 gradients beside it) was held to the
     long-context rows of the untiled attention backward, whose working set is where that peak is; tiling cuts it by
     attention_backward's difference, down to nothing above the loss backward's own peak (the final norm's fp32 saves
-    and the chunked loss's fp32 gradient of the hidden states, which tiling does not touch)."""
+    and the chunked loss's fp32 gradient of the hidden states, which tiling does not touch). A sequence of one tile
+    runs untiled: the cut is then overcounted by at most kept x tile_tokens x hidden bytes (0.3 GiB at 8B and 16,384),
+    which no long-context plan is near."""
     if not tiles_attention(activation):
         return kept
     untiled, tiled = attention_backward(shape, activation)
