@@ -28,7 +28,7 @@ import sys
 import pytest
 import torch
 
-from harness import DS_SCRIPTS, ROOT, TRAIN_SMALL, child_env, launch_json, ranks_launcher, unsupported
+from harness import DS_SCRIPTS, ROOT, TRAIN_SMALL, child_env, free_port, launch_json, ranks_launcher, unsupported
 
 TASKS = ["llama:zero2:dp", "llama:release", "llama:host", "qwen3:zero2"]
 LOSS_TOL, NORM_TOL = 3e-3, 1e-3
@@ -176,7 +176,11 @@ def test_hf_trainer_with_parallelism_config_trains_as_one_rank(tmp_path):
         pytest.skip("CPU-accelerator runs (gloo)")
     job = str(DS_SCRIPTS / "ulysses_hf_job.py")
     sp = launch_json([*ranks_launcher(2), job, "--out", str(tmp_path / "sp.json"), "--sp", "2"], tmp_path / "sp.json")
-    one = launch_json([*ranks_launcher(1), job, "--out", str(tmp_path / "one.json")], tmp_path / "one.json")
+    # one rank as a world of one without LOCAL_SIZE, so without DeepSpeed's CPU shm all-reduce, whose set-up
+    # (deepspeed/comm/torch.py, shm_comm_op.initialize) once crashed a 1-rank run here with a segmentation fault
+    env = child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    env.pop("LOCAL_SIZE", None)
+    one = launch_json([sys.executable, job, "--out", str(tmp_path / "one.json")], tmp_path / "one.json", env)
     print(f"HF Trainer, sp_size 2 vs 1 rank: {['%.1e' % d for d in _rel(one['losses'], sp['losses'])]}")
     assert (sp["attention"], sp["fp8"]) == ("uattn_wrapper", 2)
     assert (one["attention"], one["fp8"]) == ("sdpa_attention_forward", 2)
