@@ -156,7 +156,8 @@ def jobs(args: argparse.Namespace) -> list[Job]:
     """The selected jobs in order: with --phase all, BF16's exported seed, the outlier measure and the fine-tuning
     come first, then the other pretraining runs seed by seed (a short session covers every config)."""
     first = args.seeds[0]
-    pre = [Job("pretrain", c, s) for s in args.seeds for c in args.configs if c in R.MULTI_SEED or s == first]
+    multi = R.CONFIGS if args.recipe == "moe" else R.MULTI_SEED   # the MoE runs are small: every one over the seeds
+    pre = [Job("pretrain", c, s) for s in args.seeds for c in args.configs if c in multi or s == first]
     after = [Job("outliers", R.BASELINE, R.EXPORT_SEED)] + [Job("finetune", c, R.EXPORT_SEED) for c in args.configs]
     if args.phase == "pretrain":
         return pre

@@ -169,19 +169,20 @@ def test_side_by_side_pairs_pretraining_runs_on_disjoint_gpus_and_fine_tunings_o
     assert "pretrain_exact_s0: from scratch, 3,100 steps at 175,000 tokens/s (assumed), 2 GPUs, beside 1 more" in out
 
 
-def test_the_moe_recipe_pretrains_only_its_eight_runs_sharing_one_gpu(capsys):
+def test_the_moe_recipe_pretrains_only_its_twelve_runs_sharing_one_gpu(capsys):
     """--recipe moe: pretraining alone (no export, outliers or fine-tuning), moe-90m on the kernel corpus, into
-    accuracy_moe.json; --jobs-per-gpu 8 on one GPU: the eight runs (BF16 and lowest_memory x 3 seeds, exact and
-    largest_model x 1) in one wave, every one on GPU 0."""
+    accuracy_moe.json, every configuration over every seed; --jobs-per-gpu 8 on one GPU: the twelve runs in waves of
+    eight, every one on GPU 0."""
     argv = ["--recipe", "moe", "--num-gpus", "1", "--side-by-side", "--jobs-per-gpu", "8", "--run-root", "/nonexistent"]
     args = S.parse_args(argv)
     assert (args.phase, args.name, args.recipes["pretrain"]) == ("pretrain", "accuracy_moe", R.MOE_PRETRAIN)
     assert R.MOE_PRETRAIN.model_size == "moe-90m" and R.MOE_PRETRAIN.corpus == "kernel"
     groups = [[t.job.key for t in g] for g in S.groups(args, S.schedule(args, {"runs": {}, "outliers": None}))]
-    assert len(groups) == 1 and len(groups[0]) == 8 and all(k.startswith("pretrain_") for k in groups[0])
+    assert [len(g) for g in groups] == [8, 4] and all(k.startswith("pretrain_") for g in groups for k in g)
+    assert {f"pretrain_{c}_s{s}" for c in R.CONFIGS for s in (0, 1, 2)} == {k for g in groups for k in g}
     assert {S.devices(args, "pretrain", i) for i in range(8)} == {"0"}
     assert S.main([*argv, "--plan-only"]) == 0
-    assert "8 jobs on 1 GPUs" in capsys.readouterr().out
+    assert "12 jobs on 1 GPUs" in capsys.readouterr().out
 
 
 def test_the_router_verdict_takes_bf16s_band_of_aux_losses():
