@@ -9,6 +9,8 @@ every one bf16 with CoatAdamW, clipping at 1.0, the FP8 layers (mode full) and c
   zero2    ZeRO-2, activation.attention_fp8: the Ulysses call inside Fp8AttentionFn, run again in its backward
   release  ZeRO-2, coat.gradients "release", the stock attention call in the FP8 layer
   host     ZeRO-3, coat.gradients "release", coat.states "host" (FP8 moments in host blocks)
+  long     ZeRO-2, attention_fp8, each layer recomputed (checkpoint_store "host_fp8"), tile_tokens 16 (one GPU's
+           32-token samples tiled, SP's 16-token shards not)
 Each task runs twice, on the same samples: first without SP, both ranks on the whole samples (the same batch on
 both, so the averaged gradient is one rank's and the run is one GPU's), then, with Ulysses registered once for the
 process after every run without SP, over both ranks, each on its half of every sample's tokens
@@ -49,6 +51,9 @@ def config(kind: str, micro: int = MICRO) -> dict:
     if kind in ("release", "host"):
         cfg["coat"]["gradients"] = "release"
         cfg["zero_optimization"]["reduce_bucket_size"] = 4000   # several buckets: release steps during backward
+    if kind == "long":   # the long-context settings: each layer recomputed from its FP8 input on the host, tiles
+        cfg["coat"]["activation"].update(attention_fp8=True, checkpoint=True, checkpoint_store="host_fp8",
+                                         tile_tokens=16)
     if kind == "host":
         cfg["coat"]["states"] = "host"
         cfg["zero_optimization"].update(sub_group_size=20000, stage3_param_persistence_threshold=0)
