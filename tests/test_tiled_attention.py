@@ -139,23 +139,24 @@ def test_masks_that_cannot_be_tiled_are_one_line():
     for bad in (torch.zeros(S, S), torch.zeros(B, 1, 8, S)):
         with pytest.raises(ValueError, match=r"^activation.tile_tokens: attention's mask .* cannot be tiled by query "
                                              r"rows; allowed: none or a 4-D tensor \[batch, heads, 80 or 1, keys\]$"):
-            T.tiled_call(call, a.attn, bad, q, 32, {})
-    assert T.tiled_call(call, a.attn, None, q, None, {}) is call           # tile_tokens unset: today's call
-    assert T.tiled_call(call, a.attn, None, q, 80, {}) is call             # one tile: today's backward
-    tc = T.tiled_call(call, a.attn, None, q, 32, {})
+            T.tiled_call(call, a.attn, bad, q, 32, {}, True)
+    assert T.tiled_call(call, a.attn, None, q, None, {}, True) is call           # tile_tokens unset: today's call
+    assert T.tiled_call(call, a.attn, None, q, 80, {}, True) is call             # one tile: today's backward
+    tc = T.tiled_call(call, a.attn, None, q, 32, {}, True)
     assert isinstance(tc, T.TiledCall) and tc.causal and tc.gqa
-    assert not T.tiled_call(call, a.attn, None, q, 32, {"is_causal": False}).causal
+    assert not T.tiled_call(call, a.attn, None, q, 32, {"is_causal": False}, True).causal
 
 
 def test_only_the_stock_functions_are_tiled(monkeypatch):
     """A function in place of transformers' sdpa (Ulysses' all-to-all wrapper) keeps the untiled backward."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from coat_ds.hf.decoder_layer import _stock_function as stock
     a = _Attn("sdpa", False)
     call = a.call
-    assert T._stock_function("sdpa") and T._stock_function("eager") and not T._stock_function("flash_attention_2")
+    assert stock("sdpa") and stock("eager") and not stock("flash_attention_2")
     monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "sdpa", lambda *args, **kw: None)
-    assert not T._stock_function("sdpa")
-    assert T.tiled_call(call, a.attn, None, a.q, 32, {}) is call
+    assert not stock("sdpa")
+    assert T.tiled_call(call, a.attn, None, a.q, 32, {}, stock("sdpa")) is call
 
 
 # ---------------------------------------------------------------- a whole model

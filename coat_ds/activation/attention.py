@@ -119,9 +119,9 @@ class Fp8AttentionFn(Function):
 
     @staticmethod
     def backward(ctx, dh: torch.Tensor):
-        from .tiled_attention import TiledCall, backward as tiled_backward
-        if isinstance(ctx.call, TiledCall) and not quant.tracing(dh):  # activation.tile_tokens: over query tiles
-            return tiled_backward(ctx, dh)
+        tiled = getattr(ctx.call, "backward", None)   # activation.tile_tokens: a TiledCall's backward over query tiles
+        if tiled is not None and not quant.tracing(dh):
+            return tiled(ctx, dh)
         qc, qe, kc, ke, vc, ve, mask = ctx.saved_tensors
         cfg = ctx.cfg
         inputs = [dequant_heads(c, e, layout) for c, e, layout in zip((qc, kc, vc), (qe, ke, ve), ctx.layouts)]

@@ -46,6 +46,12 @@ class TiledCall:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         return self.call(q, k, v, mask)
 
+    @staticmethod
+    def backward(ctx: Any, dh: torch.Tensor) -> tuple:
+        """Fp8AttentionFn's backward over query tiles (attention.py calls a call's own backward where it has one:
+        this module imports attention.py, not the other way round)."""
+        return backward(ctx, dh)
+
     def keys(self, s1: int, mask: torch.Tensor | None, seq: int) -> int:
         """How many keys (0..n) the queries before s1 can see: s1 where the call is causal without a mask."""
         return s1 if mask is None and self.causal else seq
@@ -69,29 +75,15 @@ class TiledCall:
         return out.transpose(1, 2).contiguous()
 
 
-def _stock_function(impl: str | None) -> bool:
-    """Whether the layer's attention function is transformers' own eager or sdpa one (not a wrapper: Ulysses)."""
-    if impl in (None, "eager"):
-        return True
-    if impl != "sdpa":
-        return False
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-    if hasattr(ALL_ATTENTION_FUNCTIONS, "get_interface"):
-        return ALL_ATTENTION_FUNCTIONS.get_interface(impl, None) is sdpa_attention_forward
-    return ALL_ATTENTION_FUNCTIONS[impl] is sdpa_attention_forward  # pragma: no cover - older transformers
-
-
 def tiled_call(call: AttentionCall, attn: Any, mask: Any, q: torch.Tensor, tile_tokens: int | None,
-               kwargs: dict) -> AttentionCall:
+               kwargs: dict, stock: bool) -> AttentionCall:
     """`call` as a TiledCall where attention's backward runs over query tiles: tile_tokens set, the sequence longer
-    than a tile, the stock eager or sdpa function; a mask that cannot be sliced by query rows is one line."""
+    than a tile, `stock` (the layer's function is transformers' own eager or sdpa one, not a wrapper such as
+    Ulysses'); a mask that cannot be sliced by query rows is one line."""
     seq = q.shape[2]
-    if tile_tokens is None or seq <= tile_tokens or quant.tracing(q):
+    if tile_tokens is None or seq <= tile_tokens or quant.tracing(q) or not stock:
         return call
     impl = attn.config._attn_implementation
-    if not _stock_function(impl):
-        return call
     if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[-2] in (1, seq)):
         raise ValueError(f"activation.tile_tokens: attention's mask ({type(mask).__name__} of shape "
                          f"{tuple(getattr(mask, 'shape', ()))}) cannot be tiled by query rows; allowed: none or a "

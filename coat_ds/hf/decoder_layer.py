@@ -50,6 +50,19 @@ def _qk_norms(attn: nn.Module) -> tuple[nn.Module, nn.Module] | None:
     return None if norms == (None, None) else norms
 
 
+def _stock_function(impl: str | None) -> bool:
+    """Whether the layer's attention function is transformers' own eager or sdpa one (not a wrapper: Ulysses)."""
+    if impl in (None, "eager"):
+        return True
+    if impl != "sdpa":
+        return False
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    if hasattr(ALL_ATTENTION_FUNCTIONS, "get_interface"):
+        return ALL_ATTENTION_FUNCTIONS.get_interface(impl, None) is sdpa_attention_forward
+    return ALL_ATTENTION_FUNCTIONS[impl] is sdpa_attention_forward  # pragma: no cover - older transformers
+
+
 def gated_act(mlp: nn.Module) -> str | None:
     """The FP8 flow's name for the stock MLP's (or its experts') activation (None: it has no FP8 non-linear for it)."""
     owner = mlp.experts if is_sparse(mlp) else mlp
@@ -222,7 +235,8 @@ class CoatDecoderLayer(_Base):
         dropout = 0.0 if not self.training else attn.attention_dropout
         call = self._attention_call(dropout, **kwargs)
         if self._fp8_attention(q, attn.config._attn_implementation, cache, dropout):
-            call = tiled_call(call, attn, attention_mask, q, cfg.tile_tokens, kwargs)   # backward over query tiles
+            call = tiled_call(call, attn, attention_mask, q, cfg.tile_tokens, kwargs,   # backward over query tiles
+                              _stock_function(attn.config._attn_implementation))
             return Fp8AttentionFn.apply(q, k, v, attention_mask, residual, call, cfg, self._o, *self._o.params())
         out = call(q, k, v, attention_mask)
         o = out.reshape(-1, out.shape[-2] * out.shape[-1])
