@@ -27,10 +27,10 @@ MODEL_SIZES = {  # Llama shapes; parameter counts are for the default 8192-token
     # HF's router load-balancing term (output_router_logits, coefficient 0.001 as Qwen3-30B-A3B's config)
     "moe-tiny": dict(model_type="qwen3_moe", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, head_dim=16, moe_intermediate_size=32, num_experts=8,
-                     num_experts_per_tok=2, **_ROUTER),                                      # ~1.1M, 0.6M active
+                     num_experts_per_tok=2, **_ROUTER),                                      # ~1.2M, 1.1M active
     "moe-90m": dict(model_type="qwen3_moe", hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
                     num_key_value_heads=4, head_dim=64, moe_intermediate_size=384, num_experts=16,
-                    num_experts_per_tok=4, **_ROUTER),                                       # ~90M, 34M active
+                    num_experts_per_tok=4, **_ROUTER),                                       # 90.3M, 33.6M active
 }
 
 
