@@ -14,7 +14,7 @@ against every end-to-end row in benchmarks/results/ (tests/test_plan.py).
 
 Plain arithmetic on the JSON config and the model's shape: nothing is built, no GPU is needed. DeepSpeed's
 part (ZeRO partitioning, buckets, its step) is coat_ds/deepspeed/memory.py, the model's shape coat_ds/plan_shape.py,
-a mixture of experts' routed experts and router coat_ds/plan_moe.py, checkpoint stores and tiles coat_ds/plan_long.py.
+a mixture of experts' experts and router coat_ds/plan_moe.py, checkpoint stores, tiles and Ulysses coat_ds/plan_long.py.
 """
 from __future__ import annotations
 
@@ -33,8 +33,9 @@ from .deepspeed.memory import (HOST_STATES, ZeroJob, buffers, largest_sub_group,
 from .deepspeed.presets import INTENTS
 from .formats import Fp8Moment
 from .hf.loss import EXACT_MODEL_TYPES
-from .plan_long import (CHECKPOINT_INPUT, TILED_MLP_INPUT, checkpoint_gpu, checkpoint_host, largest,  # noqa: F401
-                        recomputed_layer, tile_bytes, tiled, where_note)  # CHECKPOINT_INPUT: the API
+from .plan_long import (CHECKPOINT_INPUT, RECOMPUTE_NOTE, TILED_MLP_INPUT, check_sp, checkpoint_gpu,  # noqa: F401
+                        checkpoint_host, largest, longest_line, recomputed_layer, shard_tokens, sp_title, tile_bytes,
+                        tiled, ulysses_kept, where_note)  # CHECKPOINT_INPUT: the API
 from .plan_shape import PlanError, Shape, resolve_shape, shape_from_hf  # noqa: F401 (shape_from_hf: the API)
 
 GIB = 2 ** 30
@@ -44,6 +45,7 @@ USABLE = 0.95   # of GPU memory for what the allocator reserves (benchmarks/e2e.
 # of freed activations) in benchmarks/results/e2e*.json; a fit needs peak + this reserve <= USABLE x memory
 RESERVE_FIXED, RESERVE_ACT = 2 * 2 ** 30, 0.10
 FINAL_NORM = 8.0   # B/token/hidden: the stock final RMSNorm's fp32 input and bf16 output, lm_head's input
+CHECKPOINT_FLAG = {"config": None, "on": True, "off": False}   # --checkpoint
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -104,6 +106,7 @@ class Job:
     chunk: int | None = None        # coat.loss chunk tokens, None: the stock loss
     weight_cache: bool = False      # the FP8 weight cache (2 B per decoder-layer parameter)
     checkpoint: bool = False        # activation checkpointing of the decoder layers (HF's or coat's)
+    sp: int = 1                     # Ulysses sequence-parallel ranks a sample's tokens are split over (plan_long)
 
 
 @dataclass(frozen=True)
@@ -128,14 +131,14 @@ def activation_bytes(job: Job, tokens: int) -> float:
     """What the forward keeps for backward on one GPU: every layer's activations, or under activation checkpointing
     every layer's kept input (plan_long.checkpoint_gpu: by checkpoint_store) plus one layer's activations while
     backward recomputes it (less what attention's query tiles save: plan_long.recomputed_layer), and one MLP tile's
-    (plan_long.tile_bytes); and the final norm's."""
-    s = job.shape
-    kinds = [(n, layer_bytes(s, job.activation, sparse)) for n, sparse in
+    (plan_long.tile_bytes); and the final norm's. `tokens`: the GPU's (its shard under Ulysses: plan_long.ulysses_*)."""
+    s, sp, act = job.shape, job.sp, job.activation
+    kinds = [(n, layer_bytes(s, act, sparse) + ulysses_kept(s, act, sp)) for n, sparse in
              ((s.layers - s.sparse_layers, False), (s.sparse_layers, True)) if n]
     if not job.checkpoint:
         return tokens * s.hidden * (sum(n * b for n, b in kinds) + FINAL_NORM)
-    layers = checkpoint_gpu(s.layers, job.activation) + recomputed_layer(s, job.activation, max(b for _, b in kinds))
-    return tokens * s.hidden * (layers + FINAL_NORM) + tile_bytes(s.intermediate, job.activation, tokens)
+    layers = checkpoint_gpu(s.layers, act) + recomputed_layer(s, act, max(b for _, b in kinds), sp)
+    return tokens * s.hidden * (layers + FINAL_NORM) + tile_bytes(s.intermediate, act, tokens)
 
 
 def states_of(job: Job) -> dict[str, float]:
@@ -147,7 +150,7 @@ def states_of(job: Job) -> dict[str, float]:
 
 def phases(job: Job, micro_batch: int) -> dict[str, dict[str, float]]:
     """Per phase of a step, what is allocated on one GPU, by part (bytes)."""
-    s, t = job.shape, micro_batch * job.seq
+    s, t = job.shape, shard_tokens(job, micro_batch)
     st = states_of(job)
     cache = 2.0 * s.cached_params if job.weight_cache else 0.0
     states = dict(parameters=st["weights"] + cache, master=st["master"], optimizer=st["optimizer"])
@@ -169,10 +172,10 @@ def phases(job: Job, micro_batch: int) -> dict[str, dict[str, float]]:
 
 
 def plan(job: Job, micro_batch: int) -> Plan:
-    """What one GPU holds at its peak with `micro_batch` samples of job.seq tokens."""
+    """What one GPU holds at its peak with `micro_batch` samples of job.seq tokens (job.sp GPUs share each sample)."""
     by_phase = phases(job, micro_batch)
     phase = max(by_phase, key=lambda p: sum(by_phase[p].values()))
-    host = states_of(job)["host"] + micro_batch * job.seq * job.shape.hidden * checkpoint_host(  # "host_fp8"'s
+    host = states_of(job)["host"] + shard_tokens(job, micro_batch) * job.shape.hidden * checkpoint_host(  # host_fp8's
         job.shape.layers * job.checkpoint, job.activation)
     return Plan(micro_batch, by_phase[phase], sum(by_phase[phase].values()), phase, host, resume_of(job, host))
 
@@ -190,8 +193,8 @@ def max_micro_batch(job: Job, memory: float, cap: int = 1 << 16) -> int:
 
 
 def longest_seq(job: Job, memory: float) -> int:
-    """The longest sequence that fits a GPU of `memory` bytes at micro-batch 1 (0: none)."""
-    return largest(lambda seq: plan(replace(job, seq=seq), 1).fits(memory))
+    """The longest sequence that fits a GPU of `memory` bytes at micro-batch 1 (0: none), a multiple of job.sp."""
+    return job.sp * largest(lambda n: plan(replace(job, seq=n * job.sp), 1).fits(memory))
 
 
 def fewest_gpus(cfg: Mapping[str, Any], model: str, seq: int, memory: float, most: int = 64) -> int | None:
@@ -245,14 +248,13 @@ def _check_host_states(zero: ZeroJob) -> None:
 
 
 def job_from_config(cfg: Mapping[str, Any], shape: Shape, seq: int, world: int, *, chunk: Any = "config",
-                    coat_step: bool = True, checkpoint: bool | None = None) -> Job:
-    """The Job of DeepSpeed config `cfg` (a dict) for `world` data-parallel ranks. `chunk`: "config" (what
+                    coat_step: bool = True, checkpoint: bool | None = None, sp: int = 1) -> Job:
+    """The Job of DeepSpeed config `cfg` (a dict) for `world` ranks (`sp` sharing a sample). `chunk`: "config" (what
     the config says), None (stock loss) or chunk tokens; `checkpoint`: activation checkpointing (None: the
     config's coat.activation.checkpoint; True also for HF's gradient_checkpointing, which the config cannot say)."""
     try:
         section = coat_section({k: v for k, v in cfg.items() if k != "coat"} |
-                               {"coat": {k: v for k, v in (cfg.get("coat") or {}).items()
-                                         if k != "loss"}})
+                               {"coat": {k: v for k, v in (cfg.get("coat") or {}).items() if k != "loss"}})
     except ValueError as e:
         raise PlanError(str(e)) from None
     act = section.activation if section.activation is not None and section.activation.enabled else None
@@ -263,7 +265,7 @@ def job_from_config(cfg: Mapping[str, Any], shape: Shape, seq: int, world: int, 
         _check_host_states(zero)
     chunk = loss_chunk(cfg) if chunk == "config" else chunk
     return Job(shape, seq, zero, act, chunk if chunk_runs(shape) else None,
-               cache and zero.stage != 3, bool(act and act.checkpoint) if checkpoint is None else checkpoint)
+               cache and zero.stage != 3, bool(act and act.checkpoint) if checkpoint is None else checkpoint, sp)
 
 
 def chunk_runs(shape: Shape) -> bool:
@@ -353,11 +355,6 @@ def render(title: str, cols: list[tuple[str, Plan, int]], memory: float, gpus_pe
     return "\n".join(lines)
 
 
-RECOMPUTE_NOTE = ("activation checkpointing: each decoder layer keeps only its input (where: the next line) and "
-                  "backward runs its forward again, one layer at a time (its activations counted once): about a third "
-                  "more layer compute a step")
-
-
 # ------------------------------------------------------------------ which preset fits
 @dataclass(frozen=True)
 class PresetFit:
@@ -376,12 +373,12 @@ def preset_configs() -> dict[str, dict]:
 
 
 def preset_fits(shape: Shape, seq: int, world: int, memory: float,
-                configs: Mapping[str, dict] | None = None) -> list[PresetFit]:
-    """The presets that train `shape` at micro-batch 1 or more on `world` GPUs of `memory` bytes, with or without
-    activation checkpointing; least host memory first, then the largest micro-batch."""
+                configs: Mapping[str, dict] | None = None, sp: int = 1) -> list[PresetFit]:
+    """The presets that train `shape` at micro-batch 1 or more on `world` GPUs of `memory` bytes (`sp` a sample), with
+    or without activation checkpointing; least host memory first, then the largest micro-batch."""
     fits = []
     for name, cfg in (preset_configs() if configs is None else configs).items():
-        jobs = [job_from_config(cfg, shape, seq, world, checkpoint=ck) for ck in (False, True)]
+        jobs = [job_from_config(cfg, shape, seq, world, checkpoint=ck, sp=sp) for ck in (False, True)]
         mb, ck = (max_micro_batch(job, memory) for job in jobs)
         if ck:
             fits.append(PresetFit(name, mb, ck, plan(jobs[0], 1).host))
@@ -406,7 +403,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", required=True, help="shipped shape name, config.json (or its folder), or a hub "
                                                   "name in the local HF cache")
     p.add_argument("--config", default="zero2_coat", help="DeepSpeed JSON (path or ds_configs/ preset name)")
-    p.add_argument("--seq", type=int, default=2048, help="tokens per sample")
+    p.add_argument("--seq", "--seq-len", type=int, default=2048, help="tokens per sample")
     p.add_argument("--micro-batch", default="max", help="samples per GPU, or 'max'")
     p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], help="override zero_optimization.stage")
     p.add_argument("--offload", choices=["none", "cpu"], help="override zero_optimization.offload_optimizer")
@@ -420,8 +417,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="activation checkpointing of the decoder layers: as the config's coat.activation.checkpoint "
                         "says, or on (HF's gradient_checkpointing=True, which no DeepSpeed config says) or off")
     p.add_argument("--longest", action="store_true", help="print the longest sequence that fits at micro-batch 1")
+    p.add_argument("--sp-size", type=int, default=1, help="Ulysses sequence parallelism: GPUs sharing each sample")
     args = p.parse_args(argv)
-    for key in ("seq", "gpus_per_node", "nodes"):
+    for key in ("seq", "gpus_per_node", "nodes", "sp_size"):
         if getattr(args, key) < 1:
             p.error(f"--{key.replace('_', '-')}={getattr(args, key)} is invalid; allowed: an integer >= 1")
     if args.micro_batch != "max" and not (args.micro_batch.isdigit() and int(args.micro_batch) >= 1):
@@ -442,19 +440,17 @@ def overridden(cfg: dict, args: argparse.Namespace) -> dict:
     return cfg
 
 
-CHECKPOINT_FLAG = {"config": None, "on": True, "off": False}   # --checkpoint
-
-
 def report(model: str, cfg: dict, source: str, seq: int, micro_batch: str = "max", *, gpus_per_node: int = 1,
            nodes: int = 1, memory: float = GPUS["h100"] * GIB, loss: str = "config", vocab: int | None = None,
-           checkpoint: str = "config", presets: bool = True, longest: bool = False) -> str:
+           checkpoint: str = "config", presets: bool = True, longest: bool = False, sp_size: int = 1) -> str:
     """The planner's table for DeepSpeed config `cfg` (read from `source`) beside BF16 + FusedAdam (DeepSpeedCPUAdam
-    where coat's states are on the host), (`presets`) which presets fit the job, (`longest`) its longest sequence."""
-    shape = resolve_shape(model, vocab)
-    world = gpus_per_node * nodes
+    where coat's states are on the host), (`presets`) which presets fit, (`longest`) its longest sequence (Ulysses:
+    `sp_size` GPUs share each sample, checked first as the main job checks it)."""
+    shape, world = resolve_shape(model, vocab), gpus_per_node * nodes
+    check_sp(sp_size, world, shape, seq)
     chunk = {"config": "config", "chunked": DEFAULT_CHUNK_TOKENS, "stock": None}[loss]
-    job = job_from_config(cfg, shape, seq, world, chunk=chunk, checkpoint=CHECKPOINT_FLAG[checkpoint])
-    base = job_from_config(bf16_baseline(cfg), shape, seq, world, checkpoint=job.checkpoint)
+    job = job_from_config(cfg, shape, seq, world, chunk=chunk, checkpoint=CHECKPOINT_FLAG[checkpoint], sp=sp_size)
+    base = job_from_config(bf16_baseline(cfg), shape, seq, world, checkpoint=job.checkpoint, sp=sp_size)
     jobs = {f"{Path(source).stem} ({(cfg.get('optimizer') or {}).get('type', 'client')})": job,
             "BF16 + " + ("DeepSpeedCPUAdam" if base.zero.offload else "FusedAdam"): base}
     z = job.zero
@@ -463,19 +459,19 @@ def report(model: str, cfg: dict, source: str, seq: int, micro_batch: str = "max
     active = f" ({shape.active_params / 1e9:.2f}B active a token: {e.num} experts, {e.top_k} a token)" if e else ""
     title = (f"{model}: {shape.params / 1e9:.2f}B parameters{active}, vocabulary {shape.vocab:,}, seq {seq}; "
              f"ZeRO-{z.stage}{where} on {world} GPU(s) ({nodes} node(s) x {gpus_per_node}); GiB per GPU at the "
-             "peak of a step")
+             "peak of a step" + sp_title(seq, sp_size))
     out = [render(title, columns(jobs, micro_batch, memory), memory, gpus_per_node)]
     if job.checkpoint:
-        out += [RECOMPUTE_NOTE, where_note(shape.layers, job.activation, shape.hidden)]
+        out += [RECOMPUTE_NOTE, where_note(shape.layers, job.activation, shape.hidden, sp_size)]
     if longest:
-        out.append(f"longest sequence at micro-batch 1 on {world} GPU(s) of {memory / GIB:.1f} GiB: "
-                   f"{longest_seq(job, memory):,} tokens")
+        n = longest_seq(job, memory)
+        out.append(longest_line(n, world, memory, sp_size, plan(replace(job, seq=n), 1).host, gpus_per_node))
     if (loss_chunk(cfg) if chunk == "config" else chunk) and not chunk_runs(shape):
         out.append(f"loss: HF's stock loss (full fp32 logits): coat_ds has no chunked loss for model_type "
                    f"{shape.family!r} (coat_ds/hf/loss.py)")
     if presets:
         what = f"{model} at seq {seq} on {world} GPU(s) of {memory / GIB:.1f} GiB"
-        out.append(render_fits(preset_fits(shape, seq, world, memory), what, gpus_per_node))
+        out.append(render_fits(preset_fits(shape, seq, world, memory, sp=sp_size), what, gpus_per_node))
     return "\n".join(out)
 
 
@@ -484,7 +480,8 @@ def build(args: argparse.Namespace) -> str:
     cfg, source = read_config(args.config)
     return report(args.model, overridden(cfg, args), source, args.seq, args.micro_batch,
                   gpus_per_node=args.gpus_per_node, nodes=args.nodes, memory=gpu_memory(args.gpu_memory),
-                  loss=args.loss, vocab=args.vocab_size, checkpoint=args.checkpoint, longest=args.longest)
+                  loss=args.loss, vocab=args.vocab_size, checkpoint=args.checkpoint, longest=args.longest,
+                  sp_size=args.sp_size)
 
 
 def main(argv: list[str] | None = None) -> int:

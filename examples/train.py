@@ -480,7 +480,7 @@ def run_info(run: Run, ds_config: dict, n_params: int, tokens, **rest) -> dict:
 
 
 def print_plan(args: argparse.Namespace, ds_config: dict) -> None:
-    """--plan: coat_ds.plan's table for this job (model, config, seq, micro-batch, world size), on rank 0."""
+    """--plan: coat_ds.plan's table for this job (model, config, seq, micro-batch, world size, --sp-size), on rank 0."""
     import torch
     from coat_ds.node import launcher_local_ranks
     from coat_ds.plan import GPUS, GIB, PlanError, report
@@ -493,7 +493,7 @@ def print_plan(args: argparse.Namespace, ds_config: dict) -> None:
     try:
         table = report(args.model or args.model_size, ds_config, args.deepspeed, args.seq_len,
                        str(ds_config["train_micro_batch_size_per_gpu"]), gpus_per_node=local,
-                       nodes=max(1, world // local), memory=memory, vocab=vocab)
+                       nodes=max(1, world // local), memory=memory, vocab=vocab, sp_size=args.sp_size)
     except PlanError as e:
         refuse(str(e))
     if os.environ.get("RANK", "0") == "0":

@@ -618,3 +618,176 @@ def test_qwen3_moe_dense_layers_count_a_dense_mlp():
     shape = P.shape_from_hf(dict(hf, model_type="qwen3_moe"), "t")
     assert shape.experts.dense_layers == (0, 2) and shape.sparse_layers == 2
     assert shape.tensors() == [p.numel() for p in model.parameters()]
+
+
+# ------------------------------------------------------------------ Ulysses sequence parallelism (--sp-size)
+def _config(**activation) -> dict:
+    """zero2_largest_model (mode full, attention_fp8) with these coat.activation keys."""
+    cfg = P.read_config("zero2_largest_model")[0]
+    cfg["coat"]["activation"].update(activation)
+    return cfg
+
+
+def _long_config(**activation) -> dict:
+    """docs/plan.md's long-context config: zero2_largest_model (attention_fp8) + checkpoint + host_fp8 + tile_tokens."""
+    return _config(**(dict(checkpoint=True, checkpoint_store="host_fp8", tile_tokens=16384) | activation))
+
+
+# The plan of each job as the planner printed it before it modeled SP (commit 1125a26): (peak bytes, host bytes, phase)
+# at micro-batch 2, and its longest sequence for one H100
+BEFORE_SP = {
+    "long_131072": (56345018880.0, 36507222016.0, "loss backward"),
+    "long_4gpu_65536": (33312688256.0, 18253611008.0, "loss backward"),
+    "coat_4096": (85509087744.0, 0.0, "optimizer step"),
+    "exact_ck_8192_2gpu": (44855890176.0, 0.0, "optimizer step"),
+    "bf16_ck_8192": (176665747456.0, 0.0, "optimizer step"),
+    "70b_host_4": (57381464320.0, 37481656576.0, "loss backward"),
+}
+
+
+def test_sp_1_is_the_plan_before_sp():
+    """--sp-size 1 (every job's default) plans exactly what the planner planned before it modeled Ulysses."""
+    s8 = P.resolve_shape("llama3.1-8b")
+    jobs = {"long_131072": P.job_from_config(_long_config(), s8, 131072, 1),
+            "long_4gpu_65536": P.job_from_config(_long_config(), s8, 65536, 4),
+            "coat_4096": P.job_from_config(P.read_config("zero2_coat")[0], s8, 4096, 1),
+            "exact_ck_8192_2gpu": P.job_from_config(P.read_config("zero2_exact")[0], s8, 8192, 2, checkpoint=True),
+            "bf16_ck_8192": P.job_from_config(P.bf16_baseline(_long_config()), s8, 8192, 1, checkpoint=True),
+            "70b_host_4": P.job_from_config(P.read_config("zero3_offload_largest_model")[0],
+                                            P.resolve_shape("llama3.1-70b"), 4096, 4)}
+    for name, job in jobs.items():
+        assert job.sp == 1
+        p = P.plan(job, 2)
+        assert (p.peak, p.host, p.phase) == BEFORE_SP[name], name
+    assert P.longest_seq(jobs["long_131072"], P.GPUS["h100"] * GIB) == 495_686
+    out = P.report("llama3.1-8b", _long_config(), "c.json", 4096, presets=False, sp_size=1)
+    assert out == P.report("llama3.1-8b", _long_config(), "c.json", 4096, presets=False) and "Ulysses" not in out
+
+
+def _ulysses_bytes(shape, seq: int, sp: int, fp8: bool, linear: bool, checkpoint: bool) -> float:
+    """Bytes one rank holds beyond 1/sp of the sequence without SP, counted from the tensors DeepSpeed 0.19.8's
+    UlyssesSPAttentionHF makes (bf16): q gathered [seq, heads/sp, hd], k and v [seq, kv_heads/sp or 1 (repeated),
+    hd], the output gathered [seq, heads/sp x hd] and scattered back [seq/sp, heads x hd]. FP8 attention saves the
+    shard's q, k, v (before the exchange) and recomputes; its backward holds the gathered q, k, v beside the shard's
+    dequantized ones, the backend's gathered output beside the call's, the gathered output gradient beside do, and
+    dk, dv at the gathered width. Otherwise the backend saves the gathered tensors (k, v wider where repeated) and
+    o_proj its own copy of the output (not in linear mode, which saves an FP8 copy either way); backward adds the
+    gathered output gradient and the wider dk, dv. Checkpointed: one layer's, beside its backward."""
+    hd, bf16 = shape.hd, 2
+    q = out = seq * (shape.heads // sp) * hd * bf16
+    kv = 2 * seq * max(shape.kv_heads // sp, 1) * hd * bf16
+    shard_kv, shard_out = 2 * (seq // sp) * shape.kv_heads * hd * bf16, (seq // sp) * shape.heads * hd * bf16
+    if fp8:
+        kept, backward = 0, (q + kv) + out + out + (kv - shard_kv)
+    else:
+        kept, backward = (kv - shard_kv) + (0 if linear else shard_out), out + (kv - shard_kv)
+    return kept + backward if checkpoint else shape.layers * kept
+
+
+ULYSSES_CASES = {   # name: (config, fp8 attention, linear mode, checkpointed)
+    "long context": (_long_config(), True, False, True),
+    "fp8 attention": (_config(), True, False, False),
+    "full, bf16 attention": (_config(attention_fp8=False), False, False, False),
+    "full, bf16 attention, checkpointed": (_long_config(attention_fp8=False), False, False, True),
+    "linear": (_config(mode="linear", attention_fp8=False), False, True, False),
+    "stock layers": (P.bf16_baseline(_config()), False, False, False),
+    "stock layers, checkpointed": (P.bf16_baseline(_config()), False, False, True),   # HF's gradient_checkpointing
+}
+
+
+@pytest.mark.parametrize("model,sp", [("llama3.1-8b", 4), ("llama3.1-8b", 8), ("llama-1b", 8)])  # 1b: kv repeated
+@pytest.mark.parametrize("case", sorted(ULYSSES_CASES))
+def test_ulysses_shards_every_activation_but_attentions_exchange(model, sp, case):
+    """Per GPU under Ulysses over sp ranks at S tokens: the activations, the loss and the host's checkpoints are one
+    GPU's plan at S/sp tokens (attention's backward untiled there too: Ulysses' wrapper is not tiled), plus what the
+    all-to-alls materialise (_ulysses_bytes, from the tensors' shapes). With FP8 attention and no checkpointing
+    nothing more: every term falls as S/sp."""
+    cfg, fp8, linear, checkpoint = ULYSSES_CASES[case]
+    shape, seq = P.resolve_shape(model), 1 << 20
+    job = P.job_from_config(cfg, shape, seq, sp, checkpoint=checkpoint, sp=sp)
+    assert bool(job.activation and job.activation.attention_fp8) == fp8
+    one = P.job_from_config(cfg, shape, seq // sp, sp, checkpoint=checkpoint)
+    if one.activation is not None:
+        one = replace(one, activation=_UntiledAttention(**one.activation.to_dict()))
+    mine, theirs = P.plan(job, 1), P.plan(one, 1)
+    expected = theirs.parts["activations"] + _ulysses_bytes(shape, seq, sp, fp8, linear, checkpoint)
+    assert mine.parts["activations"] == pytest.approx(expected, rel=1e-12)
+    assert mine.parts["logits/loss"] == theirs.parts["logits/loss"] and mine.host == theirs.host
+    if fp8 and not checkpoint:
+        assert mine.parts["activations"] == theirs.parts["activations"]
+
+
+def test_ulysses_host_checkpoints_are_one_gpus_over_the_node():
+    """host_fp8 over sp ranks of a node: each rank keeps its shard's layer inputs, so the node holds what one GPU would
+    for the whole sequence (L (1 + 1/16) B/token/hidden: 139.3 KB a token at 8B)."""
+    shape, seq = P.resolve_shape("llama3.1-8b"), 1 << 21
+    one = P.plan(P.job_from_config(_long_config(), shape, seq, 1), 1).host
+    for sp in (2, 4, 8):
+        assert P.plan(P.job_from_config(_long_config(), shape, seq, sp, sp=sp), 1).host * sp == one
+    assert one == seq * 4096 * 32 * (1 + 1 / 16)
+
+
+def test_the_longest_sequence_grows_with_sp():
+    """Llama-3.1-8B with the long-context config on a node of 1, 4 and 8 80 GB GPUs, Ulysses over all of them: the
+    longest sequence is a multiple of sp that fits where sp more tokens do not, and grows with sp; a GPU's share is
+    below one GPU's longest (attention's backward untiled and its exchange's tensors)."""
+    memory, shape = P.GPUS["h100"] * GIB, P.resolve_shape("llama3.1-8b")
+    longest = {}
+    for sp in (1, 4, 8):
+        job = P.job_from_config(_long_config(), shape, 4096, sp, sp=sp)
+        n = longest[sp] = P.longest_seq(job, memory)
+        assert n % sp == 0
+        assert P.plan(replace(job, seq=n), 1).fits(memory) and not P.plan(replace(job, seq=n + sp), 1).fits(memory)
+    assert longest[1] < longest[4] < longest[8]
+    assert max(longest[4] // 4, longest[8] // 8) < longest[1]   # more GPUs: smaller ZeRO partitions, a longer share
+    out = P.report("llama3.1-8b", _long_config(), "c.json", 131072, gpus_per_node=8, presets=False, longest=True,
+                   sp_size=8)
+    host = P.plan(P.job_from_config(_long_config(), shape, longest[8], 8, sp=8), 1).host / GIB
+    assert (f"longest sequence at micro-batch 1 on 8 GPU(s) of 79.2 GiB: {longest[8]:,} tokens (Ulysses over 8 "
+            f"GPUs: {longest[8] // 8:,} a GPU); host at that length {host:.1f} GiB a rank, {8 * host:.1f} a node"
+            ) in out
+    assert "Ulysses SP: 8 GPUs a sample, 16,384 tokens a GPU" in out
+
+
+@pytest.mark.parametrize("argv,line", [
+    (["--gpus-per-node", "4", "--sp-size", "3"],
+     "error: --sp-size=3 does not divide the world size (4 ranks); allowed: [1, 2, 4]"),
+    (["--gpus-per-node", "8", "--sp-size", "8", "--heads", "12", "4"],
+     "error: --sp-size=8 does not divide the model's 12 attention heads; allowed: [1, 2, 4]"),
+    (["--gpus-per-node", "4", "--sp-size", "4", "--heads", "12", "3"],
+     "error: --sp-size=4 neither divides nor is a multiple of the model's 3 key/value heads; allowed: [1]"),
+    (["--gpus-per-node", "2", "--sp-size", "2", "--seq-len", "4095"],
+     "error: --sp-size=2 does not divide --seq-len=4095; allowed: [1]"),
+    (["--sp-size", "0"], "python -m coat_ds.plan: error: --sp-size=0 is invalid; allowed: an integer >= 1"),
+])
+def test_a_bad_sp_size_is_one_line_before_any_job(capsys, monkeypatch, tmp_path, argv, line):
+    """--sp-size by the main job's rule (sequence_parallel.refusal, as workloads.cli.check_sp_size): one line naming
+    the key and the sizes allowed, before any job is planned."""
+    if "--heads" in argv:
+        i = argv.index("--heads")
+        heads, kv = int(argv[i + 1]), int(argv[i + 2])
+        (tmp_path / "config.json").write_text(json.dumps(dict(SHAPES["llama3.1-8b"], hidden_size=128 * heads,
+                                                              num_attention_heads=heads, num_key_value_heads=kv)))
+        argv = argv[:i] + argv[i + 3:] + ["--model", str(tmp_path / "config.json")]
+    else:
+        argv = argv + ["--model", "llama3.1-8b"]
+    monkeypatch.setattr(P, "job_from_config", lambda *a, **k: pytest.fail("a job was planned"))
+    if line.startswith("python -m coat_ds.plan"):   # argparse's own refusal
+        with pytest.raises(SystemExit):
+            P.main(argv)
+        assert capsys.readouterr().err.splitlines()[-1] == line
+        return
+    assert P.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == line + "\n", err
+
+
+def test_train_plan_passes_sp_size():
+    """examples/train.py --plan --sp-size 2 on 2 ranks of a node plans Ulysses over both."""
+    env = child_env(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", RANK="0")
+    out = subprocess.run([sys.executable, "examples/train.py", "--plan", "--model-size", "1b", "--seq-len", "8192",
+                          "--micro-batch", "1", "--sp-size", "2", "--save-dir", "/nonexistent/never"], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "ZeRO-2 on 2 GPU(s) (1 node(s) x 2); GiB per GPU at the peak of a step; Ulysses SP: 2 GPUs a sample, " \
+           "4,096 tokens a GPU" in out.stdout, out.stdout
