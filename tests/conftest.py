@@ -1,5 +1,6 @@
 import glob
 import os
+import time
 
 import pytest
 import torch
@@ -23,15 +24,14 @@ def pytest_collection_modifyitems(config, items):
 
 SHM_BUFFERS = "/dev/shm/deepspeed_allreduce_buffer_*"
 _SHM_AT_START = set(glob.glob(SHM_BUFFERS))   # another job's buffers: never touched
+# A rank creates its buffer (shm_open, write) and maps it a moment later: a buffer younger than this may be one a live
+# job of another pytest process (CI's other lane) has made and not mapped yet, and removing it leaves that job's
+# other rank waiting for it forever (seen in CI: a 2-rank launch hung 7 minutes in DeepSpeed's shm_initialize).
+SHM_MIN_AGE_S = 5.0
 
 
-@pytest.fixture(autouse=True)
-def _remove_leaked_shm_buffers():
-    """DeepSpeed's CPU accelerator leaves a 69 MB shared-memory allreduce buffer in /dev/shm for every rank
-    of a `deepspeed` launch; /dev/shm is RAM, and a day of test runs filled a 24 GiB machine until 2-rank
-    launches failed. After each test, the buffers made since this session started (by its launches, which
-    are subprocesses that have exited, module fixtures' included) and mapped by no live process are removed."""
-    yield
+def _remove_unmapped_buffers() -> None:
+    """Remove the buffers made since this session started that no live process maps and that are old enough."""
     leaked = set(glob.glob(SHM_BUFFERS)) - _SHM_AT_START
     if not leaked:
         return
@@ -43,8 +43,25 @@ def _remove_leaked_shm_buffers():
         except OSError:   # a process that ended meanwhile, or not ours to read
             pass
     for path in leaked:
-        if path not in mapped:
-            try:
+        try:
+            if path not in mapped and time.time() - os.stat(path).st_mtime >= SHM_MIN_AGE_S:
                 os.unlink(path)
-            except OSError:
-                pass
+        except OSError:
+            pass
+
+
+@pytest.fixture(autouse=True)
+def _remove_leaked_shm_buffers():
+    """DeepSpeed's CPU accelerator leaves a 69 MB shared-memory allreduce buffer in /dev/shm for every rank
+    of a `deepspeed` launch; /dev/shm is RAM, and a day of test runs filled a 24 GiB machine until 2-rank
+    launches failed. After each test, the buffers made since this session started (by its launches, which
+    are subprocesses that have exited, module fixtures' included) and mapped by no live process are removed."""
+    yield
+    _remove_unmapped_buffers()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The last tests' buffers too, once they are old enough to be told from a live job's being made."""
+    if set(glob.glob(SHM_BUFFERS)) - _SHM_AT_START:
+        time.sleep(SHM_MIN_AGE_S)
+        _remove_unmapped_buffers()
