@@ -20,7 +20,7 @@ from pathlib import Path
 
 from benchmarks import harness
 from benchmarks.accuracy import recipe as R, runs, verdicts
-from benchmarks.common import RESULTS, ROOT, names_of, now, read_json
+from benchmarks.common import RESULTS, ROOT, check_positive, int_list, names_of, now, read_json
 from benchmarks.render_tables import render
 
 NAME = "accuracy_scale"
@@ -89,16 +89,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=RESULTS, help=f"where {NAME}.json and .png go")
     args = p.parse_args(argv)
     args.configs = names_of(p, "configs", args.configs, R.CONFIGS)
-    parts = [s.strip() for s in args.seeds.split(",") if s.strip()]
-    if not parts or not all(s.isdigit() for s in parts) or len(set(parts)) != len(parts):
-        p.error(f"--seeds={args.seeds!r} is invalid; allowed: distinct comma-separated integers >= 0")
-    args.seeds = [int(s) for s in parts]
+    args.seeds = int_list(p, "seeds", args.seeds, low=0)
     args.num_gpus = args.num_gpus or (2 if args.smoke else 4)
     if args.num_gpus not in R.GPU_COUNTS:
         p.error(f"--num-gpus={args.num_gpus} is invalid; allowed: one of {list(R.GPU_COUNTS)} (they divide the "
                 f"batches of {R.PRETRAIN.global_batch} and {R.FINETUNE.global_batch} samples)")
-    if args.jobs_per_gpu < 1:
-        p.error(f"--jobs-per-gpu={args.jobs_per_gpu} is invalid; allowed: an integer >= 1")
+    check_positive(p, args, ("jobs_per_gpu",))
     args.host_gpus = args.host_gpus or args.num_gpus
     if args.host_gpus % args.num_gpus:
         p.error(f"--host-gpus={args.host_gpus} is invalid; allowed: a multiple of --num-gpus ({args.num_gpus})")
@@ -137,9 +133,8 @@ def recipe_facts(args: argparse.Namespace) -> dict:
 
 
 def merged(paths: list[str], recipe: dict) -> dict:
-    """The runs, outlier measure and calls of earlier results files (of two entries of a run, harness.further's; a
-    call that two files both hold, the committed file and the machine's copy of it, counted once); exits with one
-    line where a file ran another recipe."""
+    """The runs, outlier measure and calls of earlier results files (harness.merged, calls_of); exits with one line
+    where a file ran another recipe."""
     docs = harness.merge_files(paths, lambda doc: doc.get("recipe") or {}, recipe, "recipe",
                                "results of this recipe (benchmarks/accuracy/recipe.py; --smoke has its own)")
     key = lambda e: Job(e["phase"], e["config"], e["seed"]).key  # noqa: E731
@@ -153,8 +148,8 @@ SOURCE = Job("pretrain", R.BASELINE, R.EXPORT_SEED)   # the run whose final mode
 
 
 def jobs(args: argparse.Namespace) -> list[Job]:
-    """The selected jobs in order: with --phase all, BF16's exported seed, the outlier measure and the fine-tuning
-    come first, then the other pretraining runs seed by seed (a short session covers every config)."""
+    """The selected jobs in order: with --phase all BF16's exported seed, the outliers and the fine-tuning first,
+    then the other pretraining runs seed by seed (a short session covers every config)."""
     first = args.seeds[0]
     multi = R.CONFIGS if args.recipe == "moe" else R.MULTI_SEED   # the MoE runs are small: every one over the seeds
     pre = [Job("pretrain", c, s) for s in args.seeds for c in args.configs if c in multi or s == first]
@@ -171,9 +166,8 @@ def export_id(args: argparse.Namespace) -> str | None:
 
 
 def todo(args: argparse.Namespace, res: dict, job: Job) -> Todo | None:
-    """How this call would run `job`, None where there is nothing to do. The fine-tuning compares runs from one
-    export: one made from another export runs again, and BF16's pretraining runs again where the fine-tuning still
-    needs an export that this machine no longer has."""
+    """How this call would run `job`, None: nothing to do. The fine-tunings compare runs from one export: one from
+    another export runs again, and so does BF16's pretraining where they still need an export this machine lacks."""
     entry, run_dir = res["runs"].get(job.key), args.run_root / job.key
     current = export_id(args)
     if job.phase == "outliers":
@@ -202,9 +196,8 @@ def rerun_for_export(args: argparse.Namespace, res: dict, job: Job) -> bool:
 
 
 def measured_rate(res: dict, phase: str, config: str, gpus: int) -> float | None:
-    """The median tokens/s of the runs of this phase and config that ran at least 10 steps. Pretraining's on `gpus`
-    GPUs where some ran there, else per GPU times `gpus` (the micro-batch changes with the count, so a guess); a
-    fine-tuning runs on one GPU, side by side or not."""
+    """The median tokens/s of this phase and config's runs of 10+ steps; pretraining's on `gpus` GPUs, else per GPU
+    times `gpus` (a guess: the micro-batch changes with the count)."""
     seen = [(e.get("gpus", 4), e["tokens_per_s"]) for e in res["runs"].values()   # no key: the first runs, 4 GPUs
             if e.get("phase") == phase and e.get("config") == config and e.get("tokens_per_s")
             and e.get("steps_done", 0) >= 10]
@@ -273,8 +266,7 @@ def devices(args: argparse.Namespace, phase: str, slot: int) -> str:
 
 
 def groups(args: argparse.Namespace, plan: list[Todo]) -> list[list[Todo]]:
-    """The plan as this call runs it (harness.pack): one job at a time, but side by side consecutive jobs of one
-    phase as many at once as the host's GPUs hold."""
+    """The plan in groups (harness.pack): one job at a time, or consecutive jobs of one phase side by side."""
     joins = lambda group, t: shares_gpus(args, t.job.phase) and t.job.phase == group[0].job.phase  # noqa: E731
     return harness.pack(plan, args.host_gpus * args.jobs_per_gpu, lambda t: side_gpus(args, t.job.phase), joins,
                         in_order=True)
@@ -313,8 +305,8 @@ def check_data(args: argparse.Namespace) -> dict[str, int]:
 
 def run_job(args: argparse.Namespace, res: dict, t: Todo, stop: harness.Deadline, call: dict, tokens: dict,
             where: str | None = None, beside: int = 0) -> None:
-    """One job to its end or the deadline, on the first --num-gpus GPUs or (side by side, `beside` other jobs at
-    once) on the CUDA ids `where`; its entry (or the outlier measure) written into `res`."""
+    """One job to its end or the deadline, on the first GPUs or the CUDA ids `where` (`beside` others); its entry
+    (or the outlier measure) written into `res`."""
     job, run_dir, export_dir = t.job, args.run_root / t.job.key, args.run_root / EXPORT
     if job.phase == "outliers":
         return measure_outliers(args, res, stop, call)
@@ -355,8 +347,8 @@ def run_job(args: argparse.Namespace, res: dict, t: Todo, stop: harness.Deadline
 
 
 def status(entry: dict, seg: dict, run_dir: Path, export: Path | None) -> str:
-    """done (and exported, where it exports), partial (stopped by the deadline: continue it), diverged (the main
-    job's non-finite-loss stop: a result), failed (anything else: run again)."""
+    """done (and exported, where it exports), partial (stopped by the deadline), diverged (the main job's
+    non-finite-loss stop: a result), failed (run again)."""
     if entry.pop("finished") and (export is None or (export / "config.json").is_file()):
         return "done"
     if seg["signalled"] or seg["killed"]:
@@ -365,8 +357,7 @@ def status(entry: dict, seg: dict, run_dir: Path, export: Path | None) -> str:
 
 
 def measure_outliers(args: argparse.Namespace, res: dict, stop: harness.Deadline, call: dict) -> None:
-    """max |x| / RMS at BF16's exported model's decoder-layer inputs, in a process of its own (benchmarks.accuracy.
-    outliers: on one GPU, in bf16)."""
+    """max |x| / RMS at BF16's exported model's decoder-layer inputs (accuracy/outliers.py, a process of its own)."""
     export_dir, out = args.run_root / EXPORT, args.run_root / "outliers.json"
     if export_id(args) is None:
         print("== outliers: no export of BF16's model on this machine yet; skipped", flush=True)
@@ -393,8 +384,7 @@ def final_val(entry: dict, steps: int) -> float | None:
 
 
 def judge(args: argparse.Namespace, res: dict) -> dict:
-    """The targets' verdicts from the runs that ended (benchmarks/accuracy/verdicts.py); each pretraining run's
-    largest validation-loss rise is written into its entry."""
+    """The targets' verdicts from the runs that ended (accuracy/verdicts.py); each pretraining run gets its spike."""
     done = [e for e in res["runs"].values() if e["status"] == "done"]
     finals: dict[str, dict[int, float]] = {n: {} for n in R.CONFIGS}   # in the recipe's order; none yet: skipped
     spikes: dict[str, dict[int, float]] = {n: {} for n in R.CONFIGS}
@@ -423,8 +413,8 @@ def result(args: argparse.Namespace, res: dict, calls: list[dict], tokens: dict)
 
 
 def why_not(args: argparse.Namespace, group: list[Todo], stop: harness.Deadline) -> str | None:
-    """Why this call does not start a group (None: it does): no export to fine-tune from, or too little time (with
-    --partial-ok a run that will not end starts where it gets MIN_PARTIAL_S before the signal)."""
+    """Why this call does not start a group (None: it does): no export to fine-tune, or too little time (--partial-ok:
+    less than MIN_PARTIAL_S before the signal)."""
     est, phase = max(t.est_s for t in group), group[0].job.phase
     if phase == "finetune" and export_id(args) is None:
         return "no export of BF16's model on this machine yet"

@@ -33,29 +33,25 @@ RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTE
 # --- Where and how a result was measured ------------------------------------------------------------------------------
 
 def proc_bytes(key: str, path: str = "/proc/self/status") -> int:
-    """Bytes of a `key: N kB` line of a /proc file (0 if absent): this process's VmRSS, its VmHWM (the peak RSS
-    since the last reset_peak_rss), or /proc/meminfo's MemAvailable (what the OOM killer leaves workers)."""
+    """Bytes of a /proc file's `key: N kB` line (0 if absent): VmRSS, VmHWM (peak RSS), meminfo's MemAvailable."""
     with open(path) as fh:
         return next((int(line.split()[1]) * 1024 for line in fh if line.startswith(key + ":")), 0)
+
 
 def git_commit() -> str | None:
     """COAT_GIT_COMMIT where set (a GPU node's copy of the tree may carry stale git metadata), else git's."""
     if os.environ.get("COAT_GIT_COMMIT"):
         return os.environ["COAT_GIT_COMMIT"]
-
-    def git(*a: str) -> subprocess.CompletedProcess:
-        return subprocess.run(["git", "-C", str(ROOT), *a], capture_output=True, text=True, timeout=10)
-
     try:
-        out, dirty = git("rev-parse", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
+        out, dirty = (subprocess.run(["git", "-C", str(ROOT), *a], capture_output=True, text=True, timeout=10)
+                      for a in (["rev-parse", "HEAD"], ["status", "--porcelain", "--untracked-files=no"]))
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "") if out.returncode == 0 else None
 
 
 def versions(*extra: str, parent: bool = False) -> dict:
-    """What shapes the numbers: coat_ds.report's versions (with `extra`), this checkout's commit, the GPUs (in a
-    `parent`, from nvidia-smi: see provenance)."""
+    """coat_ds.report's versions (with `extra`), this checkout's commit, the GPUs (a `parent`'s: nvidia-smi's)."""
     v = {**package_versions(*extra), "coat_ds_commit": git_commit()}
     gpus = gpu_names(parent)
     if gpus:
@@ -113,8 +109,7 @@ def provenance(extra: tuple[str, ...] = (), parent: bool = False) -> dict:
 
 
 def row_provenance(device: str | None = None) -> dict:
-    """Where, when and how one row was measured (a file's rows may come from several calls): `device` as the parent
-    named it (default: device_name())."""
+    """Where, when and how one row was measured (a file's rows may come from several calls)."""
     return {"device": device or device_name(), "date": now(), "command": command(), "commit": git_commit()}
 
 
@@ -151,9 +146,21 @@ def names_of(p: argparse.ArgumentParser, option: str, value: str, allowed) -> li
     return names
 
 
+def int_list(p: argparse.ArgumentParser, option: str, text: str, low: int | None = None,
+             distinct: bool = True) -> list[int]:
+    """A comma-separated option's integers, after p.error (one line) for none, a bad one or (`distinct`) a repeat."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or (low is not None and min(values) < low) or (distinct and len(set(values)) < len(values)):
+        what = "distinct " * distinct + "comma-separated integers" + ("" if low is None else f" >= {low}")
+        p.error(f"--{option}={text!r} is invalid; allowed: {what}")
+    return values
+
+
 def flags(args: argparse.Namespace, *names: str) -> list[str]:
-    """`--name value` for each of `names` set in args (a True switch alone; None and False left out): the options
-    a parent hands on to its worker."""
+    """`--name value` for each of `names` set in args (a True switch alone): what a parent hands its worker."""
     out: list[str] = []
     for name in names:
         value = getattr(args, name)
@@ -227,9 +234,8 @@ def launcher() -> str:
 
 def worker_cmd(module: str, args: argparse.Namespace, names: tuple[str, ...], num_gpus: int = 1,
                devices: str | None = None, cores: str | None = None, **given) -> list[str]:
-    """The command that runs benchmarks.`module` as a worker (python -m, or the deepspeed launcher for several GPUs,
-    on CUDA ids `devices` where given) with args' options `names` and the `given` ones; `cores` ("0-15,32-47") bound
-    split evenly over the ranks, as DeepSpeed's `--bind_cores_to_rank` does (one rank: its numactl command)."""
+    """The command of a worker of `module` (the deepspeed launcher for several GPUs, on CUDA ids `devices`) with
+    args' options `names` and the `given` ones; `cores` bound as DeepSpeed's `--bind_cores_to_rank` splits them."""
     run = argparse.Namespace(**{**vars(args), **given})
     opts = ["--worker", *flags(run, *names, *given)]
     if num_gpus > 1:
@@ -269,8 +275,7 @@ def read_json(path: str | Path, default=None):
 
 
 def read_log(path: str | Path) -> list[dict]:
-    """The records of a JSON-lines file (the main job's log.jsonl, a worker's records; [] where there is none yet); a
-    line cut by a kill is skipped."""
+    """The records of a JSON-lines file ([] where there is none yet); a line cut by a kill is skipped."""
     path, out = Path(path), []
     for line in path.read_text().splitlines() if path.is_file() else []:
         with contextlib.suppress(ValueError):
@@ -302,8 +307,7 @@ def call_ms(fn, device: str) -> float:
 
 def top_events(prof, on_cuda: bool, top: int) -> dict:
     """A profiled step's kernels by device time (on the CPU: calls by CPU time) and host calls by self CPU time,
-    the `top` of each with the total over all of them (ms). Older torch releases name the device time
-    self_cuda_time_total; CPU-side events carry a CPU device type."""
+    the `top` of each with the total over all of them (ms); older torch names the device time self_cuda_time_total."""
     events = prof.key_averages()
     dev = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
     on_device = lambda e: getattr(e, "device_type", None) is None or "CUDA" in str(e.device_type)  # noqa: E731
@@ -322,9 +326,8 @@ def top_events(prof, on_cuda: bool, top: int) -> dict:
 
 @contextlib.contextmanager
 def sync_sites(on_cuda: bool):
-    """The device syncs made inside the block, by the Python line that made them, most first (a dict, filled as
-    the block ends), from CUDA's sync debug mode (nothing off CUDA). A sync drains the launch queue: the GPU then
-    waits on Python."""
+    """The device syncs made inside the block by Python line, most first (filled as it ends; a sync drains the
+    launch queue: the GPU then waits on Python)."""
     sites: dict[str, int] = {}
     if not on_cuda:
         yield sites
@@ -341,9 +344,8 @@ def sync_sites(on_cuda: bool):
 
 
 class StepProbe:
-    """Two consecutive steps seen from both sides: the device syncs of the first by the Python line that made
-    them, the second under torch.profiler (its kernels by device time, its host calls by self CPU time, the GPU's
-    idle gaps). `mark()` before the first step and after each; `result` holds the read-outs after the third."""
+    """Two consecutive steps: the device syncs of the first by Python line, the second under torch.profiler.
+    `mark()` before the first step and after each; `result` holds the read-outs after the third."""
 
     def __init__(self, on_cuda: bool, top: int = 15) -> None:
         self.on_cuda, self.top, self.marks, self.result = on_cuda, top, 0, {}
@@ -393,9 +395,8 @@ def _gaps(events: list) -> list[tuple[float, float, float, str, str]]:
 
 
 def stream_gaps(trace: dict, top: int = 6) -> str:
-    """Each stream's busy time in a profiled step, then where the busiest (backward's compute stream) idles while
-    others work: its longest gaps, with the device time other streams spent inside each by kernel name (a
-    collective or a step it waits for), which an all-streams view (gpu_gaps) hides."""
+    """Each stream's busy time, then the busiest (backward's) stream's longest gaps with what the other streams ran
+    inside each (a collective or a step it waits for), which an all-streams view (gpu_gaps) hides."""
     dev = _device_events(trace)
     if not dev:
         return "no device events\n"
@@ -421,9 +422,8 @@ def stream_gaps(trace: dict, top: int = 6) -> str:
 
 
 def gpu_gaps(trace: dict, top: int = 8) -> str:
-    """Where the GPU idles inside a profiled step (chrome trace): the device events' span, busy and idle
-    time, and the longest gaps with the kernels on either side (a gap is a launch the host had not made yet,
-    or a synchronisation)."""
+    """Where the GPU idles in a profiled step: span, busy and idle time, the longest gaps with the kernels either
+    side (a gap is a launch the host had not made yet, or a synchronisation)."""
     dev = _device_events(trace)
     if not dev:
         return "no device events\n"

@@ -65,8 +65,8 @@ def job(args: argparse.Namespace, model: str, config: str, stage: int, world: in
 
 
 def matrix(args: argparse.Namespace) -> list[Run]:
-    """The selected rows in priority order (issue 44): coat's largest-model preset on the first model, BF16 beside
-    it, then the next model, then the lowest-memory preset; the big model (on the most GPUs only) first of all."""
+    """The selected rows by priority (issue 44): coat's largest-model preset on the first model, BF16, the next
+    model, the lowest-memory preset; the big model (on the most GPUs only) first of all."""
     runs = []
     for model in args.models:
         big = model == args.big
@@ -82,8 +82,8 @@ def matrix(args: argparse.Namespace) -> list[Run]:
 
 
 def common_batch(args: argparse.Namespace, model: str) -> int:
-    """The micro-batch every coat preset of `model` that fits one GPU takes there (planner; 1 where none fits): where
-    the scaling efficiency compares N GPUs with one, the same in every call whatever it selects."""
+    """The planner's micro-batch that every coat preset of `model` fitting one GPU takes there (1 if none): where
+    the efficiency compares N GPUs with one, the same in every call."""
     if args.common_batch:
         return args.common_batch
     fits = [plan.max_micro_batch(job(args, model, PRESETS[p][s], s, 1), args.memory)
@@ -92,8 +92,8 @@ def common_batch(args: argparse.Namespace, model: str) -> int:
 
 
 def planned(args: argparse.Namespace, runs: list[Run], hist: dict) -> None:
-    """Each run's planner verdict, its two rungs (the common micro-batch and the predicted largest, or the largest
-    and one above where those meet) and its predicted wall time."""
+    """Each run's planner verdict, its two rungs (common and largest, or largest and one above where those meet)
+    and its predicted seconds."""
     common = {m: common_batch(args, m) for m in {r.model for r in runs}}
     for r in runs:
         r.planned = min(plan.max_micro_batch(job(args, r.model, r.config, r.stage, r.world), args.memory),
@@ -104,8 +104,8 @@ def planned(args: argparse.Namespace, runs: list[Run], hist: dict) -> None:
 
 
 def history(results: Path = RESULTS) -> dict:
-    """From the committed e2e rows of 3B+ parameters: set-up seconds against parameters per GPU (least squares), and
-    tokens/s per GPU x parameters by kind (median): what a new row's set-up and steps take."""
+    """From the committed e2e rows of 3B+ parameters: set-up seconds against parameters per GPU (least squares),
+    tokens/s per GPU x parameters by kind (median)."""
     pts, speed = [], {"bf16": [], "coat": []}
     for path in sorted(results.glob("e2e*.json")):
         doc = json.loads(path.read_text())
@@ -122,8 +122,7 @@ def history(results: Path = RESULTS) -> dict:
 
 
 def estimate(r: Run, hist: dict, args: argparse.Namespace) -> float:
-    """Predicted wall seconds of run `r`: start, set-up, its rungs' steps (the first warms up 4 more, then the
-    memory breakdown's step)."""
+    """Predicted wall seconds of run `r`: start, set-up, its rungs' steps (the first: 4 warm-ups, a breakdown more)."""
     if not r.rungs:
         return 0.0
     params = plan.shape_from_hf(SHAPES[r.model], r.model).params / 1e9
@@ -136,8 +135,8 @@ def estimate(r: Run, hist: dict, args: argparse.Namespace) -> float:
 
 
 def waves(runs: list[Run], gpus: int) -> list[list[Run]]:
-    """Runs side by side on disjoint GPUs, in priority order (harness.pack): one of a later tier joins a wave only
-    where it lengthens it by under a quarter of its own time (cheaper than a wave of its own later)."""
+    """Runs side by side by priority (harness.pack); one of a later tier joins a wave where it lengthens it by under
+    a quarter of its own time."""
     joins = lambda wave, r: (r.order[:3] == wave[0].order[:3]  # noqa: E731
                              or r.est_s - max(w.est_s for w in wave) <= r.est_s / 4)
     return harness.pack([r for r in runs if r.rungs], gpus, lambda r: r.world, joins)
@@ -173,8 +172,8 @@ def worker_args(args: argparse.Namespace, r: Run, devs: str | None) -> argparse.
 
 
 def run_one(args: argparse.Namespace, r: Run, devs: str | None, stop_at: float) -> dict:
-    """One worker, no restart after an OOM (the wave's time is fixed), killed at `stop_at` or well past its predicted
-    time (a smoke's CPU ranks are not predicted) -> its row."""
+    """One worker (no restart after an OOM: the wave's time is fixed), killed at `stop_at` or well past its predicted
+    time -> its row."""
     tag = f"{r.model}_x{r.world}_z{r.stage}_{r.preset}"
     budget = min(900 if args.smoke else 2 * r.est_s + 60, stop_at - time.time()) - 30
     row = e2e.run_config(worker_args(args, r, devs), r.config, args.out / f"{NAME}_{tag}.jsonl", budget, lambda: 0)
@@ -221,22 +220,19 @@ def key_of(row: dict) -> tuple:
 
 
 def setting(src: dict) -> dict:
-    """What makes rows of the same key another configuration's: --zero-set and --bind-cores, of a results file or of
-    this call's options (`vars(args)`)."""
+    """What makes rows of one key another configuration's (a file's or `vars(args)`): --zero-set, --bind-cores."""
     return {"zero_set": src.get("zero_set") or {}, "bind_cores": bool(src.get("bind_cores"))}
 
 
 def merged_rows(paths: list[str], options: dict | None = None) -> tuple[dict, list[dict]]:
-    """The rows (by key) and calls of earlier results files, later files first; a file measured with another
-    `setting` than `options'` is refused."""
+    """The rows (by key) and calls of earlier results files; one of another `setting` is refused."""
     docs = harness.merge_files(paths, setting, setting(options or {}))
     rows = harness.merged(key_of, *([c for case in d.get("cases", {}).values() for c in case["configs"]] for d in docs))
     return rows, harness.calls_of(docs)
 
 
 def summary(rows: dict) -> list[dict]:
-    """What the tables and the chart show: per row, per-GPU tokens/s at its largest and at the common micro-batch,
-    over 1 GPU's (efficiency) and over BF16's."""
+    """Per row: per-GPU tokens/s at its largest and common micro-batch over 1 GPU's (efficiency) and BF16's."""
     per_gpu = lambda row, which: ((row or {}).get(which) or {}).get("tokens_per_s_per_gpu")  # noqa: E731
     out = []
     for k, r in rows.items():
@@ -255,8 +251,8 @@ def summary(rows: dict) -> list[dict]:
 
 
 def result(args: argparse.Namespace, rows: dict, calls: list[dict], log: dict) -> dict:
-    """The file: rows grouped by (model, GPUs, stage) as e2e's runs are (tests/test_plan.py reads them), the
-    summary, and where, when and how each call measured."""
+    """The file: rows grouped by (model, GPUs, stage) as e2e's runs (tests/test_plan.py reads them), the summary,
+    the calls."""
     cases: dict[str, dict] = {}
     for k, r in sorted(rows.items()):
         case = cases.setdefault(f"{k[0]} x{k[1]} ZeRO-{k[2]}", {

@@ -22,8 +22,8 @@ from typing import Callable, Iterable, TypeVar
 import torch
 
 from benchmarks import plot_utils
-from benchmarks.common import (RESULTS, ROOT, add_worker_args, check_positive, provenance, read_json, worker_env,
-                               write_json)
+from benchmarks.common import (RESULTS, ROOT, add_worker_args, check_positive, int_list, provenance, read_json,
+                               worker_env, write_json)
 from coat_ds.launch.teardown import torn_down
 
 J = TypeVar("J")
@@ -35,8 +35,8 @@ POLL_S = 0.2
 # --- The deadline -----------------------------------------------------------------------------------------------------
 @dataclass
 class Deadline:
-    """A call's end, `seconds` from `start` (default now; common.T0 counts the imports): a job is told to stop `stop_s`
-    before it (it saves what it has) and killed `kill_s` before it (negative: after)."""
+    """A call's end, `seconds` from `start`: a job is told to stop `stop_s` before it (it saves what it has) and
+    killed `kill_s` before it (negative: after)."""
     seconds: float = math.inf
     stop_s: float = 0.0
     kill_s: float = 0.0
@@ -62,9 +62,9 @@ class Deadline:
 # --- Slots: jobs side by side on disjoint GPUs ------------------------------------------------------------------------
 def pack(jobs: list[J], gpus: int, size: Callable[[J], int], joins: Callable[[list[J], J], bool],
          in_order: bool = False) -> list[list[J]]:
-    """Waves of jobs side by side on `gpus` GPUs, in the jobs' order: a wave starts with the first job left and takes
-    each later one that fits its free GPUs and `joins` it; with `in_order` the first one that does not ends the wave
-    (jobs that must run in their order: a fine-tuning after the pretraining it starts from)."""
+    """Waves of jobs side by side on `gpus` GPUs: a wave starts with the first job left and takes each later one
+    that fits its free GPUs and `joins` it; with `in_order` the first that does not ends it (a fine-tuning must
+    follow the pretraining it starts from)."""
     left, out = list(jobs), []
     while left:
         wave = [left.pop(0)]
@@ -88,8 +88,7 @@ def devices(sizes: Iterable[int]) -> list[str]:
 
 
 def side_by_side(run: Callable[[int, J], object], jobs: list[J], at_once: int | None = None) -> list:
-    """run(i, job) for each job, all at once (a wave on its slots) or `at_once` at a time (jobs sharing one device),
-    each in a thread that waits on its process -> their results, in the jobs' order."""
+    """run(i, job) for each job, all at once or `at_once` at a time, a thread each -> the results in order."""
     if len(jobs) == 1:
         return [run(0, jobs[0])]
     with ThreadPoolExecutor(at_once or len(jobs)) as pool:
@@ -100,10 +99,9 @@ def side_by_side(run: Callable[[int, J], object], jobs: list[J], at_once: int | 
 def run_process(cmd: list[str], *, stop_at: float = math.inf, kill_at: float = math.inf, log: Path | None = None,
                 echo: Callable[[str], bool] = lambda line: False, env: dict | None = None, cwd: Path | None = None,
                 watch: Callable[[], None] = lambda: None, ready: Callable[[], bool] = lambda: True) -> dict:
-    """Run a job in a process group of its own -> {exit_code, signalled, killed, start, wall_s, tail}. Its output
-    is appended to `log`, or read line by line: printed where `echo` says so, its last 40 lines kept as `tail`.
-    `watch()` runs every POLL_S. At `stop_at` the group gets SIGTERM once `ready()` (a job with nothing to save yet
-    gets until `kill_at`), at `kill_at` SIGKILL."""
+    """Run a job in a process group of its own -> {exit_code, signalled, killed, start, wall_s, tail}, its output
+    appended to `log` or read by line (printed where `echo` says; the last 40 kept). `watch()` runs every POLL_S. At
+    `stop_at` the group gets SIGTERM once `ready()` (nothing to save yet: it waits), at `kill_at` SIGKILL."""
     out = open(log, "a") if log else subprocess.PIPE
     proc = subprocess.Popen(cmd, cwd=cwd, env=worker_env(**(env or {})), stdout=out, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
@@ -164,8 +162,8 @@ def run_worker(cmd: list[str], timeout: float, echo: Callable[[str], bool] = lam
 # --- One GPU, one job after another: a value rising until the first job that does not fit -----------------------------
 def worker_row(cmd_of: Callable[[Path], list[str]], timeout: float, echo: Callable[[str], bool] = lambda line: False,
                **identity) -> dict:
-    """The row a worker writes to the file its command names (`cmd_of(path)`); where it wrote none, a row of
-    `identity` that says how it failed: fits false, `oom` (out of memory), its exit code, its output's last lines."""
+    """The row the worker `cmd_of(path)` writes to path; where none, `identity` with how it failed (fits false,
+    `oom`, its exit code, its output's last lines)."""
     with tempfile.TemporaryDirectory() as tmp:
         code, tail = run_worker(cmd_of(Path(tmp) / "row.json"), timeout, echo)
         row = read_json(Path(tmp) / "row.json")
@@ -175,8 +173,8 @@ def worker_row(cmd_of: Callable[[Path], list[str]], timeout: float, echo: Callab
 
 
 def one_gpu_options(p: argparse.ArgumentParser, name: str, rising: str, help_rising: str, depth: int) -> None:
-    """The options of a one-GPU case: `rising` (comma-separated, each configuration's jobs up to the first that does
-    not fit), the allocator's cap, a stand-in's depth, a worker's seconds, --smoke, --out, a worker's hidden ones."""
+    """A one-GPU case's options: `rising` (each configuration's jobs up to the first that does not fit), the
+    allocator's cap, a stand-in's depth, a worker's seconds, --smoke, --out, a worker's hidden ones."""
     p.add_argument(f"--{rising}", help=f"rising; a configuration stops at its first that fails ({help_rising})")
     p.add_argument("--cap-gib", type=float, default=79.0,
                    help="torch.cuda.set_per_process_memory_fraction's cap: an 80 GB card's usable memory")
@@ -192,15 +190,9 @@ def one_gpu_options(p: argparse.ArgumentParser, name: str, rising: str, help_ris
 
 def one_gpu_checked(p: argparse.ArgumentParser, args: argparse.Namespace, name: str, rising: str, default: str,
                     models: tuple[str, str]) -> list[int]:
-    """one_gpu_options' values checked (p.error in one line), the model and --out by --smoke (`models`: the real
-    one and the smoke's) -> `rising`'s values, sorted, `default` where not given."""
-    text = getattr(args, rising.replace("-", "_")) or default
-    try:
-        values = sorted({int(v) for v in text.split(",")})
-    except ValueError:
-        values = []
-    if not values or values[0] < 1:
-        p.error(f"--{rising}={text!r} is invalid; allowed: comma-separated integers >= 1")
+    """one_gpu_options' values checked, the model (`models`: the real one, the smoke's) and --out set -> `rising`'s
+    values, sorted (`default` where not given)."""
+    values = sorted(set(int_list(p, rising, getattr(args, rising.replace("-", "_")) or default, 1, distinct=False)))
     check_positive(p, args, ("layers",))
     if args.cap_gib <= 0:
         p.error(f"--cap-gib={args.cap_gib} is invalid; allowed: a number > 0")
@@ -211,8 +203,8 @@ def one_gpu_checked(p: argparse.ArgumentParser, args: argparse.Namespace, name: 
 
 def one_gpu_case(args, name: str, worker: Callable[[object], int], run: Callable[[str, int], dict],
                  names: list[str], values: list[int], results: Callable[[list[dict], dict], dict]) -> int:
-    """A one-GPU case's main: its `worker` in a worker process, else (a GPU or --smoke) the ladder of its jobs and
-    its file (`results(rows, call)`) -> the exit code (1: the first job did not fit)."""
+    """A one-GPU case's main: its `worker` in a worker process, else the ladder of its jobs and its file
+    (`results(rows, call)`) -> the exit code (1: the first job did not fit)."""
     if args.worker:
         return worker_exit(lambda: worker(args))
     if not args.smoke and not torch.cuda.is_available():
@@ -238,15 +230,14 @@ def ladder(run: Callable[[str, int], dict], names: list[str], values: list[int])
 
 # --- The results file -------------------------------------------------------------------------------------------------
 def further(new: dict, old: dict) -> bool:
-    """Whether `new` replaces `old`, two rows of one job: one that ended beats one that did not, a partial one a
-    failed one, then the one further on; a tie goes to `new`, the later."""
+    """Whether `new` replaces `old` of one job: one that ended beats one that did not, a partial one a failed one,
+    then the one further on; a tie goes to `new`."""
     rank = lambda r: (r.get("status") in ENDED, r.get("status") != "failed", r.get("steps_done") or 0)  # noqa: E731
     return rank(new) >= rank(old)
 
 
 def merged(key: Callable[[dict], object], *groups: Iterable[dict]) -> dict:
-    """Rows by identity, in the groups' order (earlier files' first, this call's last); of two rows of one identity
-    `further` decides, the row keeping its place."""
+    """Rows by identity, in the groups' order (earlier files' first); of two of one identity `further` decides."""
     out: dict = {}
     for row in (r for group in groups for r in group):
         k = key(row)
@@ -257,8 +248,7 @@ def merged(key: Callable[[dict], object], *groups: Iterable[dict]) -> dict:
 
 def same_setting(where: str, theirs: dict, ours: dict, what: str = "setting",
                  allowed: str = "files measured with the same") -> None:
-    """Exit in one line where rows of `where` were measured with another setting than this call's (their rows of
-    the same identity are another configuration's)."""
+    """Exit in one line where `where`'s rows were measured with another setting (they are another configuration's)."""
     diff = sorted(k for k in {*theirs, *ours} if theirs.get(k) != ours.get(k))
     if diff:
         sys.exit(f"error: {where}: its rows followed another {what} ({', '.join(diff)} differ: "
@@ -268,8 +258,7 @@ def same_setting(where: str, theirs: dict, ours: dict, what: str = "setting",
 
 def merge_files(paths: list[str], setting: Callable[[dict], dict], ours: dict, what: str = "setting",
                 allowed: str = "files measured with the same") -> list[dict]:
-    """The results files of earlier calls (a missing one is skipped with a line), each checked to share this call's
-    `setting`."""
+    """Earlier calls' results files (a missing one skipped), each checked to share this call's `setting`."""
     docs = []
     for path in paths:
         doc = read_json(path)
@@ -282,8 +271,7 @@ def merge_files(paths: list[str], setting: Callable[[dict], dict], ours: dict, w
 
 
 def calls_of(docs: list[dict]) -> list[dict]:
-    """The calls that measured these files' rows, each once (the committed file and a machine's copy of it share
-    their first calls); a file written before the harness has its head as its one call."""
+    """The calls of these files, each once (a file and a machine's copy share calls); a pre-harness file's head."""
     out: list[dict] = []
     for doc in docs:
         own = doc.get("calls") or ([{k: doc.get(k) for k in CALL_FIELDS}] if doc.get("date") else [])
@@ -293,8 +281,8 @@ def calls_of(docs: list[dict]) -> list[dict]:
 
 def into_file(path: Path, rows: list[dict], key: Callable[[dict], object], ours: dict, call: dict,
               setting: Iterable[str]) -> dict:
-    """The file at `path` with `rows` merged in by `key`, `call` counted once (it may write after each row) and `ours`
-    on top; exits in one line where the file's `setting` keys differ from ours."""
+    """The file at `path` with `rows` merged in by `key`, `call` counted once and `ours` on top; exits in one line
+    where the file's `setting` keys differ from ours."""
     old = read_json(path) or {}
     if old:
         same_setting(str(path), {k: old.get(k) for k in setting}, {k: ours.get(k) for k in setting})
@@ -303,8 +291,7 @@ def into_file(path: Path, rows: list[dict], key: Callable[[dict], object], ours:
 
 
 def this_call(**extra) -> dict:
-    """Where, when and how this call measures, from a parent that never initialises CUDA (a CUDA context would take
-    memory on a GPU where a job measures): device, versions, command, date, commit, and `extra`."""
+    """Where, when and how this call measures (common.provenance, as a parent: no CUDA context), and `extra`."""
     return {**provenance(parent=True), **extra}
 
 
@@ -315,8 +302,7 @@ def head(calls: list[dict]) -> dict:
 
 
 def write_results(res: dict, out: Path, name: str, plot=None) -> Path:
-    """`name`.json and its PNG by `plot` (default plot_utils.plot_`name`, where there is one); a node without
-    matplotlib writes the JSON alone (`python -m benchmarks.plot_utils` draws it later)."""
+    """`name`.json and its PNG by `plot` (default plot_utils.plot_`name`); without matplotlib the JSON alone."""
     path = write_json(out / f"{name}.json", res)
     plot = plot or getattr(plot_utils, f"plot_{name}", None)
     if plot is None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from benchmarks import convergence, harness
 from benchmarks.accuracy import verdicts
-from benchmarks.common import parser, read_json
+from benchmarks.common import int_list, parser, read_json
 from benchmarks.configs import CONFIGS, check_args
 from benchmarks.convergence import SMOKE_CONFIGS, fmt, last_common_step
 from benchmarks.render_tables import markdown
@@ -41,14 +41,11 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, argparse.Nam
     args = p.parse_args(argv)
     args.configs = args.configs or (LONG_CONFIGS if args.long else SMOKE_CONFIGS if args.smoke else DEFAULT_CONFIGS)
     names = check_args(p, args, ("max_parallel", "steps"))
-    parts = [s.strip() for s in args.seeds.split(",") if s.strip()]
-    if not parts or not all(s.lstrip("-").isdigit() for s in parts) or len(set(map(int, parts))) != len(parts):
-        p.error(f"--seeds={args.seeds!r} is invalid; allowed: distinct comma-separated integers")
+    seeds = int_list(p, "seeds", args.seeds)
     if args.long and args.family != "llama":
         p.error(f"--family={args.family!r} runs the default recipe; allowed with --long: 'llama'")
     if args.data and not (args.long or args.smoke):
         p.error("--data applies to --long only (the default section is convergence.py's own corpus)")
-    seeds = [int(s) for s in parts]
     return args, recipe_args(args), names, seeds[:2] if args.smoke else seeds
 
 
@@ -86,7 +83,7 @@ def entry(run: dict, call: int) -> dict:
 
 # --- Statistics -------------------------------------------------------------------------------------------------------
 def config_stats(runs: dict[str, dict], step: int | None) -> dict:
-    """One configuration's seeds at `step`: each seed's final and best (lowest so far) loss, mean, std, min, max."""
+    """One configuration's seeds at `step`: each one's final and best (lowest so far) loss, mean, std, min, max."""
     seeds = sorted((s for s, e in runs.items() if dict(e["val"] or []).get(step) is not None), key=int)
     final = [dict(runs[s]["val"])[step] for s in seeds]
     best = [min(v for st, v in runs[s]["val"] if st <= step) for s in seeds]
@@ -97,8 +94,7 @@ def config_stats(runs: dict[str, dict], step: int | None) -> dict:
 
 
 def summarize(section: dict) -> None:
-    """steps_compared, BF16's band (verdicts.band: its seeds' mean +- the wider of 2 std and 0.5%) and every
-    configuration's statistics and gap, written into `section`."""
+    """steps_compared, BF16's band (verdicts.band) and every configuration's statistics and gap, into `section`."""
     step = last_common_step(e["val"] for r in section["runs"].values() for e in r.values() if e["val"])
     stats = {n: config_stats(r, step) for n, r in section["runs"].items()}
     base = stats.get("bf16") or config_stats({}, step)   # no BF16 seeds: every figure None
@@ -125,8 +121,7 @@ def load_existing(path: Path, key: str, recipe: dict) -> dict:
 
 
 def merge(section: dict, done: dict[tuple[str, int], dict], call: int) -> None:
-    """Each new result replaces the old one of its pair where harness.further says so (one that ended beats one that
-    did not, a partial one a failed one: a run that saved no curve never replaces one that did)."""
+    """Each new result replaces its pair's old one where harness.further says so (no curve never replaces one)."""
     for (name, seed), run in done.items():
         new, runs = entry(run, call), section["runs"].setdefault(name, {})
         old = runs.get(str(seed))

@@ -36,9 +36,8 @@ def _tensors(obj, depth: int = 0):
 
 
 class StorageCounter:
-    """Bytes of distinct storages, each counted once across all categories (views share a storage); `new`: the
-    tensors the last add() counted. add() returns the bytes on `device`'s kind (a GPU job's GPU); those elsewhere
-    (coat.states 'host' moments, DeepSpeed Offload's states: host memory) go to `host[name]` (issue 57)."""
+    """Bytes of distinct storages, each counted once (views share one); `new`: the last add()'s tensors. add()
+    returns the bytes on `device`'s kind; those elsewhere (host states, Offload) go to `host[name]` (issue 57)."""
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.seen: set[int] = set()
@@ -72,8 +71,7 @@ def base_optimizer(engine):
 
 
 def grad_tensors(engine):
-    """Gradient storage after backward: the model's `.grad`s, the master params' `.grad`s, and whatever the
-    ZeRO / bf16 optimizer wrapper holds under a gradient-named attribute (buckets, partition buffers)."""
+    """Gradient storage after backward: model and master `.grad`s, the ZeRO wrapper's gradient-named buffers."""
     base = base_optimizer(engine)
     yield from (p.grad for p in engine.module.parameters())
     yield from (p.grad for g in base.param_groups for p in g["params"])
@@ -128,8 +126,7 @@ class Worker:
                             built_partitioned=partitioned)
 
     def started(self, engine, **rec):
-        """The engine in training mode, its set-up's transients (flat copies, fp32 partitions a bf16 master frees)
-        freed, the memory limit set; the set-up record emitted."""
+        """The engine in training mode, its set-up's transients freed, the memory limit set, the set-up record."""
         engine.train()
         self.accel.empty_cache()
         total = self.accel.total_memory()
@@ -146,8 +143,8 @@ class Worker:
                 fh.write(json.dumps(rec) + "\n")
 
     def oom_exit(self, b: int, e: Exception, phase: str) -> None:
-        """Record an out-of-memory error (any rank: the one that ran out may not be rank 0) and end the worker now:
-        ranks may be mid-collective, the launcher stops the others."""
+        """Record an OOM (any rank: the one that ran out may not be rank 0) and end now: ranks may be mid-collective,
+        the launcher stops the others."""
         msg = str(e).splitlines()[0]
         self.emit({"kind": "oom", "rank": self.rank, "micro_batch": b, "phase": phase, "error": msg,
                    "needed_gb": oom_needed_gb(msg)}, every_rank=True)
@@ -176,8 +173,7 @@ class Worker:
         return self.accel.memory_allocated() if self.on_cuda else None
 
     def peak_gb(self, reset: bool) -> float | None:
-        """The allocator's peak since the last reset once the queued kernels have run (None on CPU); `reset` starts
-        a new one."""
+        """The allocator's peak since the last reset (None on CPU); `reset` starts a new one."""
         self.sync()
         if not self.on_cuda:
             return None
@@ -273,8 +269,8 @@ class Worker:
         return rec
 
     def phases(self, x, y) -> dict:
-        """One more step timed by phase, the device synced between them: forward, backward (under release the
-        optimizer's kernels run there too) and engine.step(), in seconds (slowest rank)."""
+        """One more step's forward, backward (under release the optimizer's kernels run there too) and
+        engine.step() seconds, synced between them (slowest rank)."""
         marks = [time.perf_counter()]
         loss = self.train_lib.lm_loss(self.engine, x, y)
         for act in (lambda: self.engine.backward(loss), self.engine.step, lambda: None):
@@ -285,8 +281,7 @@ class Worker:
         return {"phase_s": {"forward": fwd, "backward": bwd, "step": step}}
 
     def host_memory(self) -> dict:
-        """Host memory of the whole job: every rank's resident set (pinned buffers included) and peak, summed, and
-        the node's used memory (MemTotal - MemAvailable) in GiB."""
+        """Host GiB of the job: every rank's resident set and peak summed, and the node's MemTotal - MemAvailable."""
         rss, hwm = (v / GIB for v in self.reduce([proc_bytes("VmRSS"), proc_bytes("VmHWM")], "SUM"))
         used = proc_bytes("MemTotal", "/proc/meminfo") - proc_bytes("MemAvailable", "/proc/meminfo")
         return {"host_rss_gb": rss, "host_peak_rss_gb": hwm, "node_used_gb": used / GIB}
@@ -380,8 +375,7 @@ def worker(args: argparse.Namespace) -> int:
 
 
 def oom_needed_gb(msg: str) -> float | None:
-    """What the process needed when it ran out, from PyTorch's message: what PyTorch had allocated plus what it
-    tried to allocate (a lower bound: the step would have gone on allocating)."""
+    """From PyTorch's OOM message: allocated plus tried to allocate (a lower bound: the step would go on)."""
     unit = {"B": 1, "KiB": 2 ** 10, "MiB": 2 ** 20, "GiB": 2 ** 30, "TiB": 2 ** 40}
     size = r"([0-9.]+) (B|KiB|MiB|GiB|TiB)"
     tried = re.search(r"Tried to allocate " + size, msg)
@@ -390,32 +384,27 @@ def oom_needed_gb(msg: str) -> float | None:
 
 
 def profile_step(inputs, one_step, sync, on_cuda: bool, b: int) -> dict:
-    """One training step at micro-batch `b` timed alone, then two seen from both sides (common.StepProbe): the
-    kernels by device time (what limits a GPU-bound step), the host calls and the device syncs with their Python
-    lines (what limits a host-bound one: a sync drains the launch queue, so the GPU then waits on Python)."""
+    """A warm step, one at micro-batch `b` timed alone, then two seen from both sides (common.StepProbe): the
+    kernels (what limits a GPU-bound step), the host calls and syncs by Python line (a host-bound one)."""
     try:
         x, y = inputs()
-        one_step(x, y)
-        sync()
-        t0 = time.perf_counter()
-        one_step(x, y)
-        sync()
-        wall_ms = (time.perf_counter() - t0) * 1e3
-        probe = StepProbe(on_cuda)
-        for _ in range(2):
-            probe.mark()
+        probe, marks = StepProbe(on_cuda), []
+        for i in range(4):   # a warm step, the timed one, the two probed
+            marks.append(time.perf_counter())
+            if i >= 2:
+                probe.mark()
             one_step(x, y)
             sync()
         probe.mark()
-        return {"kind": "profile", "micro_batch": b, "step_wall_ms": wall_ms, **probe.result}
+        return {"kind": "profile", "micro_batch": b, "step_wall_ms": (marks[2] - marks[1]) * 1e3, **probe.result}
     except Exception as e:  # noqa: BLE001 - a profile is a diagnostic; the measurements above stand without it
         return {"kind": "profile", "micro_batch": b, "error": f"{type(e).__name__}: {e}"}
 
 
 def next_batch(points: list[tuple[int, float]], lo: int | None, hi: int | None, limit: float,
                max_batch: int) -> int | None:
-    """The next micro-batch to try: doubling, cut short by a linear fit of peak memory against batch size
-    through the two largest sizes that fit, then bisection inside [largest fit, smallest failure)."""
+    """The next micro-batch: doubling, cut short by a linear fit of peak memory through the two largest sizes that
+    fit, then bisection inside [largest fit, smallest failure)."""
     if lo is None:                       # nothing fit yet: halve
         return None if hi is None or hi <= 1 else hi // 2
     if lo >= max_batch or (hi is not None and hi <= lo + 1):
