@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 
 from benchmarks.common import ROOT, check_positive, names_of, parse_cores
@@ -72,9 +73,8 @@ def merge_into(section: dict, extra: dict) -> None:
 def ds_config(name: str, *, micro_batch: int, zero_stage: int | None = None, on_cpu: bool = False,
               lr: float | None = None, total_steps: int | None = None, warmup_steps: int | None = None,
               zero_set: dict | None = None) -> dict:
-    """The DeepSpeed config of configuration `name` with the benchmark's overrides applied (`zero_set`: keys of
-    zero_optimization, parse_zero_set's). On CPU the BF16 baseline uses torch's AdamW (`torch_adam`): FusedAdam
-    would JIT-build a C++ op there."""
+    """Configuration `name`'s DeepSpeed config with the overrides (`zero_set`: parse_zero_set's); on CPU BF16 uses
+    torch's AdamW (`torch_adam`): FusedAdam would JIT-build a C++ op there."""
     if name not in CONFIGS:
         raise ValueError(f"configuration {name!r} is unknown; allowed: {list(CONFIGS)}")
     _, source, coat = CONFIGS[name]
@@ -124,8 +124,7 @@ def check_bind_cores(text: str | None) -> None:
 
 
 def parse_zero_set(text: str | None) -> dict:
-    """'KEY=VALUE,...' (e.g. 'reduce_bucket_size=2e8') -> the zero_optimization entries; ValueError naming the key
-    and what is allowed."""
+    """'KEY=VALUE,...' (e.g. 'reduce_bucket_size=2e8') -> zero_optimization entries; ValueError says what is allowed."""
     out: dict = {}
     for item in filter(None, (text or "").split(",")):
         key, _, value = (part.strip() for part in item.partition("="))
@@ -134,18 +133,16 @@ def parse_zero_set(text: str | None) -> dict:
             raise ValueError(f"--zero-set {item!r}: {key!r} is not a key it sets; allowed: {sorted(ZERO_SET_KEYS)}")
         value = value.lower()
         try:
-            if kind is bool:
-                if value not in ("true", "false"):
-                    raise ValueError
-                out[key] = value == "true"
-            else:
-                number = float(value)
-                if number < 0 or number != int(number):
-                    raise ValueError
-                out[key] = int(number)
+            number = float(value) if kind is int else math.nan
         except ValueError:
+            number = math.nan
+        if kind is bool and value in ("true", "false"):
+            out[key] = value == "true"
+        elif number >= 0 and number.is_integer():
+            out[key] = int(number)
+        else:
             allowed = "true or false" if kind is bool else "a whole number >= 0 (e.g. 2e8)"
-            raise ValueError(f"--zero-set {item!r}: {value!r} is invalid for {key}; allowed: {allowed}") from None
+            raise ValueError(f"--zero-set {item!r}: {value!r} is invalid for {key}; allowed: {allowed}")
     return out
 
 
@@ -157,8 +154,7 @@ def build_model(model: str, device, dtype, seed: int, layers: int | None = None)
 
 
 def shape_of(model: str, layers: int | None = None) -> dict:
-    """`model`'s HF config fields, with `layers` decoder layers where given (a shallower stand-in of the same width
-    parts a step's per-layer memory from its constant part in two short runs)."""
+    """`model`'s HF config fields, `layers` deep where given (two such stand-ins part per-layer memory from rest)."""
     return dict(MODELS[model], max_position_embeddings=4096, **({"num_hidden_layers": layers} if layers else {}))
 
 

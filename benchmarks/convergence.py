@@ -82,8 +82,7 @@ class Worker(EngineWorker):
         os.replace(tmp, args.result)
 
     def log_train(self, done: int, acc) -> bool:
-        """Read the summed train loss back as the mean since the last record; False when the run must stop
-        (diverged, or out of time)."""
+        """The mean train loss since the last record read back; False when the run must stop (diverged, no time)."""
         n = done - (self.train_log[-1][0] if self.train_log else 0)
         mean = acc.item() / n
         acc.zero_()
@@ -198,9 +197,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
 
 def run_workers(rec: argparse.Namespace, jobs: list[tuple[str, int]], out: Path, max_parallel: int,
                 deadline: harness.Deadline, tag=lambda name, seed: name) -> dict[tuple[str, int], dict]:
-    """Each (config, seed) job's worker, at most max_parallel at once on the one device, in order -> its result.
-    Workers stop themselves at the deadline's stop (evaluate, save) and are killed at its kill; a job not started a
-    minute before the stop is left out."""
+    """Each (config, seed) job's worker, max_parallel at once on the one device -> its result. Workers stop
+    themselves at the deadline's stop (evaluate, save), are killed at its kill; none starts in its last minute."""
     rec.deadline = deadline.stop_at
 
     def run(_, job: tuple[str, int]) -> dict | None:

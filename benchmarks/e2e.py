@@ -19,8 +19,8 @@ TARGETS = {"memory_reduction": 1.54, "speedup_at_max_batch": 1.43}   # COAT's pa
 
 def launch(args: argparse.Namespace, name: str, result: Path, start: int, known_fail: int | None,
            budget: float) -> tuple[int, str]:
-    """Run one worker (under `deepspeed --num_gpus N` when N > 1); returns its exit code and output tail. The
-    worker stops climbing at `budget - 20` s; `budget + 30` s is the hard stop."""
+    """One worker (the launcher's when N > 1) -> its exit code and output's tail; it stops climbing at `budget - 20`
+    s and is killed at `budget + 30`."""
     devices = getattr(args, "devices", None)   # CUDA ids ("2,3"): workers side by side (e2e_scaling); several go to
     # the launcher's --include alone (beside CUDA_VISIBLE_DEVICES it would count only those GPUs)
     cores = f"0-{(os.cpu_count() or 1) - 1}" if args.bind_cores == "all" else args.bind_cores   # None: unbound
@@ -74,8 +74,7 @@ def summarize_config(name: str, records: list[dict], equal_batch: int, errors: l
 
 
 def max_micro_batch(records: list[dict], best: dict | None) -> dict:
-    """max_micro_batch (0: does not fit at micro-batch 1) and, when 0, what micro-batch 1 needed: from the OOM
-    message, or the peak reserved memory of a step that ran but passed the fit rule."""
+    """max_micro_batch (0: not even 1 fits) and then what 1 needed: the OOM message's, or a step's peak reserved."""
     if best is not None:
         return {"max_micro_batch": best["micro_batch"]}
     one = [r for r in records if r.get("micro_batch") == 1 and r["kind"] in ("oom", "rung")]
@@ -124,8 +123,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
 
 
 def run_config(args: argparse.Namespace, name: str, result: Path, share: float, remaining) -> dict:
-    """One configuration's worker (restarted once below the failing size after an OOM) -> its summary row.
-    `remaining()` is the time left for a restart."""
+    """One configuration's worker (restarted once below the failing size after an OOM, in `remaining()` s) -> its
+    summary row."""
     result.unlink(missing_ok=True)
     errors: list[str] = []
     rc, tail = launch(args, name, result, args.equal_batch, None, share)
@@ -146,8 +145,7 @@ def run_config(args: argparse.Namespace, name: str, result: Path, share: float, 
 
 
 def run_configs(args: argparse.Namespace, names: list[str], out: Path, prefix: str) -> list[dict]:
-    """One worker per configuration, in turn, sharing args.time_budget -> their summary rows (their records in
-    `out`, made first)."""
+    """One worker per configuration in turn, sharing args.time_budget -> their summary rows (records in `out`)."""
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     rows = []

@@ -85,8 +85,7 @@ def hf_ds_config(run: dict) -> dict:
 
 
 def training_args(run: dict, steps: int, out_dir: str):
-    """Default TrainingArguments on the run's HF config but for what the benchmark fixes (steps, batch, warm-up,
-    no saving or reports)."""
+    """Default TrainingArguments on the run's HF config but for steps, batch, warm-up, no saving or reports."""
     from transformers import TrainingArguments
 
     on_cuda = torch.cuda.is_available()
@@ -99,9 +98,8 @@ def training_args(run: dict, steps: int, out_dir: str):
 
 # --- Measuring: the same clock and probe for both paths, driven at each step's end ------------------------------------
 class Meter:
-    """What either path calls at each step's end: the clock (the intervals between step ends after the warm-up,
-    whose median is the headline, and their mean between two device syncs; the allocator's peaks are reset where
-    the timed steps begin) and, for a profiled run, common.StepProbe over the two steps after them."""
+    """What either path calls at each step's end: the clock (the median interval between step ends after the
+    warm-up, and their mean between two syncs; peaks reset there) and a profiled run's StepProbe after them."""
 
     def __init__(self, run: dict, args: argparse.Namespace, on_cuda: bool) -> None:
         self.run, self.args, self.on_cuda = run, args, on_cuda
@@ -177,8 +175,8 @@ def trainer_worker(run: dict, args: argparse.Namespace) -> dict:
 
 
 class PlainWorker(Worker):
-    """e2e's loop (forward, engine.backward, engine.step) on the config HF Trainer would fill, the model as the Trainer
-    runs it (use_cache off) and one param group of every trainable parameter (HF's, for a config "optimizer")."""
+    """e2e's loop on the config as HF Trainer fills it, the model as it runs it (use_cache off), HF's one param
+    group."""
 
     def setup_engine(self):
         run, total = self.args.run, self.args.total

@@ -75,7 +75,7 @@ def make_variant(name: str, layers):
 def coat_layers(stack):
     from coat_ds.hf import CoatDecoderLayer
 
-    return [m for m in stack.modules() if isinstance(m, CoatDecoderLayer)]
+    return [m for m in stack.modules() if isinstance(m, CoatDecoderLayer)]   # not their torch.compile wrappers
 
 
 def clear_cache(stack):
@@ -162,9 +162,8 @@ def measure(name, shape, cfg, base, x, cos, sin, iters, warmup):
 
 
 def account(shapes, variants, seq: int = 64):
-    """CPU, full-size shapes, a short sequence: each tensor autograd keeps for one layer's backward, in
-    B/token/hidden (shape-proportional, so these are the GPU run's figures; its `act_bytes_per_token_hidden`
-    adds the stack's bf16 output spread over its layers, 2 / N_LAYERS, and the allocator's rounding)."""
+    """CPU, full-size shapes, a short sequence: each tensor autograd keeps for one layer's backward, in B/token/hidden
+    (shape-proportional: the GPU run's figures but for the stack's output, 2 / N_LAYERS, and allocator rounding)."""
     global DEV, BATCH, SEQ, N_LAYERS
     stack_output = 2 / N_LAYERS   # the GPU stack's bf16 output, per layer
     DEV, BATCH, SEQ, N_LAYERS = "cpu", 1, seq, 1

@@ -26,10 +26,9 @@ def _short(path: str) -> str:
 
 
 def peak_sites(trace: list[dict], base_bytes: int, top: int = 25) -> dict:
-    """The trace's highest point of allocated bytes (`base_bytes` were allocated before it began, and blocks of
-    theirs it frees come off them) and the blocks alive there: by allocating site, largest first, plus the
-    allocation that reached the peak. A block counts as freed when it is requested free, as torch's
-    memory_allocated() does."""
+    """The trace's highest point of allocated bytes (`base_bytes` before it began) and the blocks alive there by
+    allocating site, largest first, and the allocation that reached it; a block is freed when requested free, as
+    torch's memory_allocated() counts."""
     cur, best, best_i = base_bytes, base_bytes, -1
     sizes: dict[int, int] = {}
     for i, e in enumerate(trace):

@@ -42,10 +42,9 @@ def pinned_size(nbytes: int, pow2: bool) -> int:
 
 def predict_host(group_numels: list[int], largest_param: int, config: str, pinned: bool, pow2: bool,
                  base: int = BASE_RSS) -> dict:
-    """Host bytes (RSS) at DeepSpeed's engine set-up (its peak) and in steady training, per config: per param
-    group a master and a gradient partition (fp32; bf16 with bf16_sr, whose master is also the staging buffer)
-    and a bf16 staging buffer, each pinned through an unpinned copy (the transient), and a bf16 gradient buffer
-    of the largest parameter. docs/notes_offload.md has the derivation."""
+    """Host bytes (RSS) at DeepSpeed's engine set-up (its peak) and in steady training: per param group a master
+    and a gradient partition and a bf16 staging buffer, each pinned through an unpinned copy, and a bf16 gradient
+    buffer of the largest parameter (docs/notes_offload.md derives it)."""
     pow2 = pow2 and pinned   # only pinned blocks are rounded
     fp32 = sum(pinned_size(4 * k, pow2) for k in group_numels)
     bf16 = sum(pinned_size(2 * k, pow2) for k in group_numels)
@@ -69,8 +68,8 @@ def model_numels(model: str) -> tuple[list[int], int]:
 
 
 # --- Worker: one (model, config) row ----------------------------------------------------------------------------------
-def rss_gb() -> float:
-    return proc_bytes("VmRSS") / GIB
+def rss_gb(key: str = "VmRSS") -> float:
+    return proc_bytes(key) / GIB
 
 
 def reset_peak_rss() -> bool:
@@ -83,8 +82,7 @@ def reset_peak_rss() -> bool:
 
 
 def step_phases(w) -> dict:
-    """One step's host RSS: before it, and the peaks of forward+backward and of the optimizer step (where the
-    host-side transients of the CPU optimizer would show)."""
+    """One step's host RSS before it and the peaks of forward+backward and of the step (the CPU optimizer's)."""
     x, y = w.rung_inputs(w.args.micro_batch)
     w.sync()
     out = {"before_gb": rss_gb()}
@@ -94,7 +92,7 @@ def step_phases(w) -> dict:
         ok = reset_peak_rss()
         run()
         w.sync()
-        out[f"{phase}_peak_gb"] = proc_bytes("VmHWM") / GIB if ok else None
+        out[f"{phase}_peak_gb"] = rss_gb("VmHWM") if ok else None
         out[f"{after}_gb"] = rss_gb()
     return out
 
@@ -107,10 +105,8 @@ def _is_pinned(t) -> bool:
 
 
 def host_accounting(engine, n_params: int) -> dict:
-    """Every host tensor the ZeRO optimizer and its base optimizer hold, by category; each storage counted once,
-    in the first category that names it (bf16_sr: the staging buffer *is* the master, so it counts as master).
-    `other` is whatever else the ZeRO optimizer keeps on the host (with DeepSpeed's CPU accelerator the device
-    is the host: then it also holds the model's flat weights and the reduction buckets)."""
+    """Every host tensor of the ZeRO and base optimizers by category, each storage in the first that names it
+    (bf16_sr's staging buffer *is* the master); `other`: the rest (on CPU also the flat weights and buckets)."""
     zo, base = engine.optimizer, base_optimizer(engine)
     masters = [p for g in base.param_groups for p in g["params"]]
     cats = [("master", masters),
@@ -146,7 +142,7 @@ class OffloadWorker(Worker):
         cfg.pop("_source")
         engine = self.train_lib.initialize(net, cfg)
         engine.train()
-        self.rss.update(engine_built=rss_gb(), engine_built_peak=proc_bytes("VmHWM") / GIB)
+        self.rss.update(engine_built=rss_gb(), engine_built_peak=rss_gb("VmHWM"))
         self.ds_cfg = cfg
         return engine
 
@@ -178,7 +174,7 @@ def run_row(w: OffloadWorker) -> dict:
     w.sync()
     dt = time.perf_counter() - t0
     acc = host_accounting(w.engine, w.n_params)
-    peak = proc_bytes("VmHWM") / GIB   # before step_phases starts new peak windows
+    peak = rss_gb("VmHWM")   # before step_phases starts new peak windows
     phases = step_phases(w)
     peak = max([peak] + [v for k, v in phases.items() if k.endswith("peak_gb") and v is not None])
     return {"model": args.model, "config": args.config, "label": CONFIGS[args.config], "params": w.n_params,
@@ -221,8 +217,8 @@ def launch(args: argparse.Namespace, model: str, config: str, micro_batch: int, 
 
 
 def one_row(args: argparse.Namespace, model: str, config: str, avail: int) -> dict | None:
-    """The predicted host memory, then the worker if it is worth trying on this host (halving the micro-batch once
-    after a GPU OOM); None: no time left."""
+    """The predicted host memory, then the worker where it fits (half the micro-batch once after a GPU OOM); None:
+    no time left."""
     groups, largest = model_numels(model)
     on_cuda = torch.cuda.is_available()
     p = predict_host(groups, largest, config, pinned=args.pin_memory and on_cuda,

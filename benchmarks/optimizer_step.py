@@ -28,8 +28,7 @@ PEERS_NEED = "needs grads and master in fp32 (the param's dtype)"
 
 # --- measuring --------------------------------------------------------------------------------------------------------
 def timings(fns: dict, device: str, warmup: int, runs: int) -> dict[str, list[float]]:
-    """Each contender's timed calls (ms), in interleaved rounds (each contender once per round), so a shared
-    host's changing load falls on all of them alike."""
+    """Each contender's timed calls (ms) in interleaved rounds, so a shared host's changing load falls on all alike."""
     times = {name: [] for name in fns}
     for i in range(warmup + runs):
         for name, fn in fns.items():
@@ -66,8 +65,7 @@ def free(device: str) -> None:
 
 
 def moved_bytes(master: torch.Tensor, g: torch.Tensor, state_bytes: int, remainder: bool = False) -> int:
-    """What one step must move: master read + write (a remainder's 2 bytes each way too), grad read, state
-    read + write."""
+    """What one step moves: master read + write (a remainder's 2 bytes too), grad read, state read + write."""
     per = master.element_size() + (2 if remainder else 0)
     return master.numel() * (2 * per + g.element_size()) + 2 * state_bytes
 
@@ -121,8 +119,8 @@ def attempt(row: dict, name: str, fn):
 
 
 def time_peers(p, peers: list[str], row: dict, fns: dict, device: str, warmup: int, runs: int):
-    """(timings, state bytes) of the coat step in `fns` and each peer. On the CPU every contender is built first
-    and the timed steps interleave; on the GPU each peer is built, timed and freed in turn (its state is GBs)."""
+    """(timings, state bytes) of the coat step in `fns` and each peer: on the CPU all built first, interleaved; on the
+    GPU each built, timed and freed in turn (its state is GBs)."""
     if device == "cpu":
         opts = {n: o for n in peers if (o := attempt(row, n, lambda n=n: make_optimizer(n, p))) is not None}
         times = timings({**fns, **{n: o.step for n, o in opts.items()}}, device, warmup, runs)
@@ -141,8 +139,7 @@ def time_peers(p, peers: list[str], row: dict, fns: dict, device: str, warmup: i
 
 
 def peer_fields(name: str, times: dict, moved: int, state_per_param: float, paired: bool) -> dict:
-    """A peer's row fields; with interleaved timings (`paired`) its fastest step and the medians of the
-    per-round ratios too, as a load change between rounds falls on both sides."""
+    """A peer's row fields; `paired` (interleaved timings) adds its fastest step and the per-round ratios' median."""
     pms, coat = statistics.median(times[name]), statistics.median(times["coat"])
     fields = {f"{name}_ms": round(pms, 4), f"{name}_gbps": round(moved / (pms * 1e6), 1),
               f"{name}_state_bytes_per_param": round(state_per_param, 4), f"speedup_vs_{name}": round(pms / coat, 2)}

@@ -25,8 +25,7 @@ def _plt():
 
 
 def save(fig, path: Path, dpi: int = 110, legend: int | None = None) -> None:
-    """Write the figure; with `legend` (a font size) every panel gets a grid and, where it has labelled lines, a
-    legend."""
+    """Write the figure; with `legend` (a font size) every panel gets a grid and, where it labels lines, a legend."""
     for ax in fig.axes if legend else []:
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
@@ -46,8 +45,7 @@ def bars(ax, values: list, texts: list[str], colors, xticklabels, fontsize: int 
 
 
 def stack(ax, i: int, parts: list[tuple[str, float]]) -> float:
-    """One bar at `i` stacked from (label, value) parts in colours C0, C1, ..., each label once in the legend -> its
-    top."""
+    """One bar at `i` stacked from (label, value) parts, each label once in the legend -> its top."""
     bottom, seen = 0.0, ax.get_legend_handles_labels()[1]
     for j, (label, v) in enumerate(parts):
         ax.bar(i, v, bottom=bottom, color=f"C{j}", label=None if label in seen else label, width=0.6)
@@ -109,9 +107,21 @@ def plot_e2e_real_shapes(res: dict, path: Path) -> None:
     save(fig, path)
 
 
+def gap_axes(ax, ylabel: str, title: str, label: str = "within 0.5%") -> None:
+    """A panel of gaps to BF16 in percent: the zero line and the 0.5% target's band."""
+    ax.axhline(0, color="black", lw=0.8)
+    ax.axhspan(-0.5, 0.5, color="green", alpha=0.08, label=label)
+    ax.set(xlabel="step", ylabel=ylabel, title=title)
+
+
+def loss_ylim(ax, low: list[float]) -> None:
+    """From just below the lowest loss to half above it: the curves' tails, not the first steps'."""
+    if low:
+        ax.set_ylim(min(low) * 0.97, min(low) * 1.5)
+
+
 def plot_e2e_scaling(res: dict, path: Path) -> None:
-    """Per model, tokens/s per GPU against GPUs: each preset and stage at its largest micro-batch (solid) and at the
-    common one (dashed)."""
+    """Per model, tokens/s per GPU against GPUs, each preset and stage at its largest (solid) and common micro-batch."""
     models = list(dict.fromkeys(s["model"] for s in res["summary"]))
     fig, axes = _plt().subplots(1, max(len(models), 1), figsize=(6 * max(len(models), 1), 4.5), squeeze=False)
     for ax, model in zip(axes[0], models):
@@ -150,9 +160,7 @@ def plot_convergence(res: dict, path: Path) -> None:
     val = [v for run in runs.values() for _, v in run.get("val", [])]
     if lo and val:   # the whole train curve (it falls below val once the corpus repeats), not the first steps'
         ax.set_ylim(min(lo) * 0.95, max(min(val) * 2.2, min(lo) * 1.5))
-    ax2.axhline(0, color="black", lw=0.8)
-    ax2.axhspan(-0.5, 0.5, color="green", alpha=0.08, label="target: within 0.5%")
-    ax2.set(xlabel="step", ylabel="val loss vs BF16 (%)", title="validation loss gap to BF16")
+    gap_axes(ax2, "val loss vs BF16 (%)", "validation loss gap to BF16", "target: within 0.5%")
     save(fig, path, legend=8)
 
 
@@ -221,9 +229,7 @@ def plot_seed_spread(res: dict, path: Path) -> None:
         rc, names = sec["recipe"], list(sec["runs"])
         ax.set(xlabel="step", ylabel="validation loss",
                title=f"{key}: {rc['model']}, seq {rc['seq_len']} x {rc['micro_batch']}, {rc['data']}"[:100])
-        finals = [x for st in sec["summary"].values() for x in st["final"]]
-        if finals:
-            ax.set_ylim(min(finals) * 0.97, min(finals) * 1.5)
+        loss_ylim(ax, [x for st in sec["summary"].values() for x in st["final"]])
         ax2.set(xlim=(-0.5, len(names) - 0.5), xticks=range(len(names)),
                 xticklabels=[n.replace("_", "\n", 1) for n in names],
                 ylabel=f"val loss at step {sec['steps_compared']}", title="each seed, mean +- std")
@@ -247,8 +253,8 @@ def _seed_mean(curves: list[dict[int, float]]) -> tuple[list[int], list[float], 
 
 
 def plot_accuracy_scale(res: dict, path: Path) -> None:
-    """Pretraining's validation loss (BF16's seeds as mean +- 2 std, each preset's seed mean), its gap to BF16's mean,
-    and the fine-tuning's validation loss from BF16's model (step 0: before the first step)."""
+    """Pretraining's validation loss (BF16's seeds: mean +- 2 std; each preset's seed mean), its gap to BF16's mean,
+    the fine-tuning's validation loss from BF16's model (step 0: before the first step)."""
     fig, (ax, ax2, ax3) = _plt().subplots(1, 3, figsize=(18, 5), gridspec_kw={"width_ratios": [3, 2, 2]})
     runs = list(res["runs"].values())
     colors = {name: COLORS.get(name) or f"C{i + 2}" for i, name in enumerate(["bf16", "exact", "lowest_memory",
@@ -275,14 +281,11 @@ def plot_accuracy_scale(res: dict, path: Path) -> None:
         ax2.fill_between(base[0], [-200 * s / m for m, s in zip(base[1], base[2])],
                          [200 * s / m for m, s in zip(base[1], base[2])], color=colors["bf16"], alpha=0.2,
                          label="bf16 +- 2 std")
-    if finals:
-        ax.set_ylim(min(finals) * 0.97, min(finals) * 1.5)
-    ax2.axhline(0, color="black", lw=0.8)
-    ax2.axhspan(-0.5, 0.5, color="green", alpha=0.08, label="within 0.5%")
+    loss_ylim(ax, finals)
+    gap_axes(ax2, "vs BF16's seed mean (%)", "gap to BF16")
     rc = res["recipe"]["pretrain"]
     ax.set(xlabel="step", ylabel="validation loss", title=f"pretraining: llama-{rc['model_size']}, "
            f"{rc['tokens'] / 1e6:.3g}M tokens of {rc['corpus']}, seq {rc['seq_len']}")
-    ax2.set(xlabel="step", ylabel="vs BF16's seed mean (%)", title="gap to BF16")
     for name, curves in _curves([e for e in runs if e["phase"] == "finetune"]).items():
         steps, mean, _ = _seed_mean(curves)
         ax3.plot(steps, mean, "o-", ms=3, color=colors.get(name), label=name)

@@ -66,10 +66,8 @@ def close(x: float | None, base: float | None) -> bool | None:
 
 
 def pretrain(finals: dict[str, dict[int, float]], rises: dict[str, dict[int, float]]) -> dict:
-    """Per configuration: its seeds' final losses, mean, gap to BF16's mean, within BF16's band (the mean, and each
-    seed), its seeds' largest validation-loss rises against the allowed rise (BF16's band half-width; BF16's seeds
-    too), and whether it meets both targets. `finals` and `rises` (val_rise's): the finished runs' values by
-    configuration and seed."""
+    """Per configuration, from its finished runs' `finals` and `rises` (val_rise's) by seed: mean, gap to BF16's,
+    within BF16's band (mean and each seed), each seed's rise against the band's half-width, both targets."""
     base = finals.get("bf16") or {}
     b = band(list(base.values())) if base else None
     allowed = b and b["half_width"]
@@ -110,10 +108,9 @@ def finetune(before: dict[str, float], end: dict[str, float]) -> dict:
 
 
 def router(by_config: dict[str, dict[int, dict]]) -> dict | None:
-    """A mixture of experts' router balance at the last validation (issue 60), per configuration: its seeds' aux loss
-    and each expert's largest and smallest share of the routed tokens (x experts: 1.0 where balanced); no worse than
-    BF16's where its mean aux loss is at most the top of BF16's band of aux losses (`band`, as for the loss). None:
-    no run measured a router."""
+    """A mixture of experts' router balance at the last validation (issue 60) per configuration: its seeds' aux loss
+    and largest / smallest expert share (x experts), no worse than BF16's where its mean aux loss is at most the top
+    of BF16's `band` of them; None: no run measured a router."""
     if not any(by_config.values()):
         return None
     base = [r["aux_loss"] for r in (by_config.get("bf16") or {}).values()]

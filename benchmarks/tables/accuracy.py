@@ -40,6 +40,14 @@ def seed_spread_families(res: Path):
         yield [family, sec["steps_compared"], _spread(b), _spread(c), *_gap(c)]
 
 
+def _band(b: dict | None) -> str:
+    return "-" if b is None else f"{b['low']:.4f} - {b['high']:.4f} ({b['set_by']}, {b['seeds']} seeds)"
+
+
+def _finals(c: dict) -> str:
+    return ", ".join(f"{s}: {x:.4f}" for s, x in zip(c["seeds"], c["finals"]))
+
+
 def _accuracy(res: Path, *keys: str):
     """accuracy_scale.json, or its part under keys; NotYet before a device call has written that."""
     doc = load(res, "accuracy_scale.json", "Accuracy at scale")
@@ -101,12 +109,10 @@ def accuracy_scale(res: Path):
     yield ["configuration", "seeds: final val loss", "mean +- std", "gap to BF16's mean", "BF16's band", "inside",
            "largest val-loss rise over its running minimum, per seed: within the band's half-width"]
     v = _accuracy(res)["verdicts"]["pretrain"]
-    b = v["bf16_band"]
-    band = "-" if b is None else f"{b['low']:.4f} - {b['high']:.4f} ({b['set_by']}, {b['seeds']} seeds)"
     for name in _bf16_first(v["configs"]):
         c = v["configs"][name]
-        yield [name, ", ".join(f"{s}: {x:.4f}" for s, x in zip(c["seeds"], c["finals"])),
-               f"{c['final_mean']:.4f} +- {num(c['final_std'], 4)}", _pct(c["gap_rel"]), band if name == "bf16" else "",
+        yield [name, _finals(c), f"{c['final_mean']:.4f} +- {num(c['final_std'], 4)}", _pct(c["gap_rel"]),
+               _band(v["bf16_band"]) if name == "bf16" else "",
                _yes(c.get("within_band")) if name != "bf16" else "-",
                ", ".join(f"{s}: {num(r, 4)}" for s, r in zip(c["seeds"], c["rises"])) + f": {_yes(c.get('spike_ok'))}"]
 
@@ -141,12 +147,10 @@ def accuracy_moe(res: Path):
         raise NotYet("accuracy_scale --recipe moe", "Accuracy at scale")
     doc = load(res, "accuracy_moe.json")
     v, router = doc["verdicts"]["pretrain"], doc["verdicts"].get("router") or {}
-    b = v["bf16_band"]
-    band = "-" if b is None else f"{b['low']:.4f} - {b['high']:.4f} ({b['set_by']}, {b['seeds']} seeds)"
     for name in _bf16_first(v["configs"]):
         c, r = v["configs"][name], router.get(name) or {}
-        yield [name, ", ".join(f"{s}: {x:.4f}" for s, x in zip(c["seeds"], c["finals"])), _pct(c["gap_rel"]),
-               band if name == "bf16" else "", _yes(c.get("within_band")) if name != "bf16" else "-",
+        yield [name, _finals(c), _pct(c["gap_rel"]), _band(v["bf16_band"]) if name == "bf16" else "",
+               _yes(c.get("within_band")) if name != "bf16" else "-",
                ", ".join(f"{x:.4f}" for x in r.get("aux_loss", [])) or "-",
                ", ".join(f"{a:.2f} / {b:.2f}" for a, b in zip(r.get("share_max", []), r.get("share_min", []))) or "-",
                "-" if name == "bf16" else _yes(r.get("no_worse_than_bf16"))]

@@ -9,9 +9,8 @@ from benchmarks.tables import NotYet, gpu, headline, load, num, peaks, table
 
 
 def _scaling(res: Path) -> list[dict]:
-    """The summaries of e2e_scaling.json and its kin (e2e_scaling_h200.json: another GPU), each row with its GPU;
-    NotYet before the first device call has written one. A file measured with a candidate setting (`zero_set`,
-    `bind_cores`) is another configuration's rows, not the presets': left out, as `--merge` leaves it."""
+    """The summaries of e2e_scaling*.json (another GPU each), each row with its GPU, but a candidate setting's
+    (`zero_set`, `bind_cores`: another configuration's rows, as `--merge` says); NotYet before the first."""
     docs = [d for d in (load(res, path.name) for path in sorted(res.glob("e2e_scaling*.json")))
             if not (d.get("zero_set") or d.get("bind_cores"))]
     if not docs:
