@@ -28,7 +28,9 @@ PRESET = "ds_configs/zero3_offload_largest_model.json"
 CONFIGS = {"coat": "coat_ds FP8 layers (experts: grouped FP8 GEMMs) + CoatAdamW, host FP8 states, bf16 master, "
                    "release, recompute (the preset as written)",
            "stock": "stock HF layers (transformers' grouped_mm experts) + CoatAdamW, host FP8 states, bf16 master, "
-                    "release (the preset with coat.activation enabled: false)"}
+                    "release (the preset with coat.activation enabled: false)",
+           "bf16_cpu_adam": "BF16 + DeepSpeedCPUAdam: stock HF layers, the preset's ZeRO-3 with the optimizer "
+                            "offloaded (fp32 master, gradients and moments in pinned host memory), no coat section"}
 PHASES = ("forward", "backward", "step")
 SETTING = ("model", "shape", "preset", "cap_gib")   # what rows of one file share; a file of another is refused
 ACCUMULATING = {"gradients": "per_parameter", "states": "device"}   # what coat allows with --grad-accum > 1
@@ -45,12 +47,23 @@ def ds_config(name: str, micro_batch: int, grad_accum: int = 1) -> dict:
         cfg["coat"].update(ACCUMULATING)
     if name == "stock":
         cfg["coat"]["activation"] = {"enabled": False}
+    if name == "bf16_cpu_adam":   # the baseline a DeepSpeed user runs instead: only the optimizer and coat change
+        del cfg["coat"]
+        params = {k: cfg["optimizer"]["params"][k] for k in ("lr", "betas", "eps", "weight_decay")}
+        cfg["optimizer"] = {"type": "AdamW", "params": params}
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     return cfg
 
 
 def shape(args: argparse.Namespace) -> dict:
     """The model's HF config fields as the file records them: --layers deep where given."""
     return dict(MODELS[args.model], **({"num_hidden_layers": args.layers} if args.layers else {}))
+
+
+def stem(args: argparse.Namespace) -> str:
+    """The results file's name: the model's own depth in moe_one_gpu.json, a shallower stand-in's in its own file
+    (a file's rows share one shape)."""
+    return NAME if args.layers in (None, SHAPES[MODEL]["num_hidden_layers"]) else f"{NAME}_{args.layers}_layers"
 
 
 def identity(row: dict) -> tuple:
@@ -105,7 +118,7 @@ def worker(args: argparse.Namespace) -> int:
         "step_time_s": elapsed / args.steps, "peak_alloc_gib": peak(torch.cuda.max_memory_allocated),
         "peak_reserved_gib": peak(torch.cuda.max_memory_reserved), "host_peak_rss_gib": proc_bytes("VmHWM") / GIB,
         "host_bytes_per_param": proc_bytes("VmHWM") / n_params, "params": n_params,
-        "layers": built["num_hidden_layers"], **{k: cfg["coat"][k] for k in ACCUMULATING},
+        "layers": built["num_hidden_layers"], **{k: cfg.get("coat", {}).get(k) for k in ACCUMULATING},
         "loss": "chunked" if hf_loss.is_applied(model) else "stock",
         "losses": [loss for loss, _ in steps],
         **({f"{k}_s": statistics.mean(s[k] for _, s in steps) for k in PHASES} if args.breakdown else {})})
@@ -124,7 +137,7 @@ def results(args: argparse.Namespace, rows: list[dict], call: dict) -> dict:
     """--out's file with this call's rows merged in by identity; exits in one line where its rows follow another
     setting (model, shape, preset, cap)."""
     ours = {"model": args.model, "shape": shape(args), "preset": PRESET, "cap_gib": args.cap_gib, "configs": CONFIGS}
-    return harness.into_file(args.out / f"{NAME}.json", rows, identity, ours, call, SETTING)
+    return harness.into_file(args.out / f"{stem(args)}.json", rows, identity, ours, call, SETTING)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -150,7 +163,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    return harness.one_gpu_case(args, NAME, worker, lambda name, b: run_one(args, name, b), args.config_names,
+    return harness.one_gpu_case(args, stem(args), worker, lambda name, b: run_one(args, name, b), args.config_names,
                                 args.batches, lambda rows, call: results(args, rows, call))
 
 

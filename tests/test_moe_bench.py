@@ -88,3 +88,17 @@ def test_a_worker_without_a_row_says_how_it_failed_and_the_ladder_stops_there():
 def test_a_real_run_needs_a_gpu(capsys):
     assert M.main(["--configs", "coat"]) == 2
     assert capsys.readouterr().err.strip() == "moe_one_gpu: needs a CUDA GPU; allowed here: --smoke (CPU)"
+
+
+def test_the_bf16_baseline_changes_only_the_optimizer_and_a_stand_in_has_its_own_file():
+    """bf16_cpu_adam: the preset's ZeRO-3 as written, DeepSpeed's AdamW offloaded (DeepSpeedCPUAdam) in place of
+    CoatAdamW, no coat section; a shallower stand-in's rows go to a file of their own (a file's rows share a shape)."""
+    cfg, preset = M.ds_config("bf16_cpu_adam", 4), M.ds_config("coat", 4)
+    assert "coat" not in cfg and cfg["optimizer"]["type"] == "AdamW"
+    assert cfg["optimizer"]["params"] == {k: preset["optimizer"]["params"][k] for k in ("lr", "betas", "eps",
+                                                                                         "weight_decay")}
+    zero = dict(cfg["zero_optimization"])
+    assert zero.pop("offload_optimizer") == {"device": "cpu", "pin_memory": True}
+    assert zero == preset["zero_optimization"]
+    assert M.stem(M.parse_args(["--smoke", "--layers", "1"])) == "moe_one_gpu_1_layers"
+    assert M.stem(M.parse_args(["--smoke"])) == M.stem(M.parse_args(["--smoke", "--layers", "48"])) == "moe_one_gpu"

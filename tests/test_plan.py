@@ -58,15 +58,15 @@ def measured_rows() -> list[dict]:
 
 
 def moe_rows() -> list[dict]:
-    """moe_one_gpu.json's rows (Qwen3-30B-A3B on one capped GPU), with the config each ran (the benchmark's own
-    ds_config) and the loss each ran (rows before qwen3_moe's chunked loss: HF's stock loss)."""
+    """moe_one_gpu*.json's rows (Qwen3-30B-A3B on one capped GPU, and a 6-layer stand-in), with the config each ran
+    (the benchmark's own ds_config) and the loss each ran (rows before qwen3_moe's chunked loss: HF's stock loss)."""
     from benchmarks import moe_one_gpu as bench
 
-    doc = json.loads((RESULTS / "moe_one_gpu.json").read_text())
-    return [dict(file="moe_one_gpu.json", config=r["config"], shape=doc["shape"], seq=r["seq"], world=1,
+    docs = {p.name: json.loads(p.read_text()) for p in sorted(RESULTS.glob("moe_one_gpu*.json"))}
+    return [dict(file=name, config=r["config"], shape=doc["shape"], seq=r["seq"], world=1,
                  ds_config=bench.ds_config(r["config"], r["micro_batch"]), mb=r["micro_batch"],
                  peak=r["peak_alloc_gib"], date=doc["date"], chunked=r.get("loss") == "chunked", params=r["params"])
-            for r in doc["rows"] if r["fits"]]
+            for name, doc in docs.items() for r in doc["rows"] if r["fits"]]
 
 
 def long_context_rows() -> list[dict]:
@@ -77,7 +77,7 @@ def long_context_rows() -> list[dict]:
     doc = json.loads((RESULTS / "long_context.json").read_text())
     return [dict(file="long_context.json", config=r["config"], shape=dict(doc["shape"], num_hidden_layers=r["layers"]),
                  seq=r["seq"], world=1, ds_config=bench.ds_config(r["config"]), mb=1, peak=r["peak_alloc_gib"],
-                 date=doc["date"], chunked=True, params=None, host=r["host_peak_rss_gib"])
+                 date=r.get("date", doc["date"]), chunked=True, params=None, host=r["host_peak_rss_gib"])
             for r in doc["rows"] if r["fits"]]
 
 
@@ -104,8 +104,13 @@ def job_of(row: dict) -> P.Job:
 # when a row leaves its band, so a fixed planner removes the entry
 # Llama-3.1-70B, 4 H100s, host states + checkpointing (restored from git history as its own file): measured before the
 # fix in hf/swap.py (ZeRO-3 held every layer's q_proj through backward, ~10 GiB); the H200 rows after it are in band
+# 6 of Qwen3-30B-A3B's layers, BF16 + DeepSpeedCPUAdam (ZeRO-3, optimizer offloaded, stock layers): planned 2.6 GiB
+# above the measured at micro-batches 1 and 4 (1.13x, 1.05x), the slope exact (11.47 GiB a micro-batch both): a fixed
+# term, most likely the gathered parameters ZeRO-3 keeps (3.1 GiB at this shape), which one rank's stock layers may
+# not copy; coat's rows of the same file and depth are in band
 KNOWN_MISSES: dict[tuple[str, str], tuple[float, float]] = {
     ("e2e_offload_llama3.1-70b_4gpu_h100.json", "largest_model_z3_offload"): (0.74, 0.82),
+    ("moe_one_gpu_6_layers.json", "bf16_cpu_adam"): (1.03, 1.15),
 }
 
 
@@ -226,7 +231,17 @@ def test_an_out_of_memory_row_is_planned_not_to_fit():
                     ran = c.get("needed_from") == "peak reserved"
                     assert not p.fits(memory) and (ran or p.peak / GIB >= c["needed_gb_at_1"]), (path.name, c["name"])
                     checked += 1
-    assert checked >= 1
+    for path in sorted(RESULTS.glob("moe_one_gpu*.json")):   # their out-of-memory rows: the message's own bound
+        from benchmarks import moe_one_gpu as bench
+
+        doc = json.loads(path.read_text())
+        for r in (r for r in doc["rows"] if r.get("oom")):
+            row = dict(file=path.name, shape=doc["shape"], seq=r["seq"], world=1, date=doc["date"], chunked=False,
+                       ds_config=bench.ds_config(r["config"], r["micro_batch"]))
+            p = P.plan(job_of(row), r["micro_batch"])
+            assert not p.fits(doc["cap_gib"] * GIB) and p.peak / GIB >= doc["cap_gib"], (path.name, r["config"])
+            checked += 1
+    assert checked >= 2
 
 
 @pytest.mark.parametrize("variant,act", [
