@@ -227,19 +227,27 @@ def ranks(result: dict, task: str) -> list[dict]:
     return per_rank
 
 
-_PRESETS_JOB: dict = {}   # its results, launched once a session
+def section_launch(session: pytest.Session, tmp: Path) -> dict:
+    """One 2-rank launch of section_job.py running the tasks that this session's selected tests read through the
+    `section_launch` fixture (tests/launched/conftest.py): each such test module names its tasks in SECTION_TASKS
+    (section_job's own, or SCRIPT.TASK of checkpoint_job.py and presets_job.py). Its results, per task
+    {"rank0": ..., "rank1": ...}. One launch for the four modules instead of three: each launch's ranks import torch,
+    DeepSpeed and transformers (~8 s of CPU a rank) before any task."""
+    tasks: list[str] = []
+    for item in session.items:
+        if "section_launch" in item.fixturenames:
+            tasks += [t for t in getattr(item.module, "SECTION_TASKS", ()) if t not in tasks]
+    out = tmp / "r.json"
+    cmd = [*ranks_launcher(2), str(DS_SCRIPTS / "section_job.py"), "--out", str(out), "--tmp", str(tmp), *tasks]
+    env = child_env()
+    env.setdefault("COAT_JOB_TIMEOUT", "900")   # the four modules' tasks: ~3 minutes in CI
+    return launch_json(cmd, out, env, timeout=1200, exit_0=False)
 
 
-def launch_presets_job(tmp: Path, task: str) -> dict:
-    """presets_job.py's results on 2 ranks, `task` among them: "plain" (every ds_configs/ preset through
-    deepspeed.initialize) and "hf" (every ds_configs/hf/ config through HF Trainer) run in one launch, in the first
-    caller's `tmp`, and the second caller reads the same results."""
-    if not _PRESETS_JOB:
-        out = tmp / "r.json"
-        cmd = [*ranks_launcher(2), str(DS_SCRIPTS / "presets_job.py"), "--out", str(out), "--tmp", str(tmp), "plain",
-               "hf"]
-        _PRESETS_JOB.update(launch_results(cmd, out))
-    return _PRESETS_JOB
+def module_tasks(launch: dict, tasks: list[str]) -> dict:
+    """A module's `tasks` of section_launch's results, by their own names (SCRIPT.TASK -> TASK); a task that did not
+    finish is left out (harness.ranks says so)."""
+    return {t.rpartition(".")[2]: launch[t] for t in tasks if t in launch}
 
 
 def assert_runs_as_configured(name: str, r: dict, cfg: dict) -> None:

@@ -1,8 +1,11 @@
 """Shared pieces of the scripts the DeepSpeed tests launch: a tiny model, its data, a config, a train loop."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -93,3 +96,15 @@ def write(path: str, obj) -> None:
     if int(os.environ.get("RANK", "0")) == 0:
         with open(path, "w") as f:
             json.dump(obj, f, indent=1)
+
+
+@contextlib.contextmanager
+def timed(task: str):
+    """Where COAT_TASK_TIMES names a file, rank 0 appends `script task wall_s cpu_s` of the block to it (what a
+    launched job's time goes to: tests/ds_scripts' tasks, timed without changing their results)."""
+    path, t0, c0 = os.environ.get("COAT_TASK_TIMES"), time.perf_counter(), time.process_time()
+    yield
+    if path and int(os.environ.get("RANK", "0")) == 0:
+        with open(path, "a") as f:
+            f.write(f"{os.path.basename(sys.argv[0])} {task} {time.perf_counter() - t0:.1f} "
+                    f"{time.process_time() - c0:.1f}\n")

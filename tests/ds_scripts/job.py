@@ -298,13 +298,15 @@ def main(tasks: dict = TASKS) -> None:
     for task in args.tasks:
         kind, stage, *rest = task.split(":")
         dtype = rest.pop(0) if rest else "fp32"
-        try:
-            out["tasks"][task] = tasks[kind](args, world, int(stage), dtype, rest)
-        except Exception as exc:  # noqa: BLE001 - recorded; the test shows it
-            import traceback
+        with common.timed(task):
+            try:
+                out["tasks"][task] = tasks[kind](args, world, int(stage), dtype, rest)
+            except Exception as exc:  # noqa: BLE001 - recorded; the test shows it
+                import traceback
 
-            out["tasks"][task] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-3000:]}
-        barrier()
+                out["tasks"][task] = {"error": f"{type(exc).__name__}: {exc}",
+                                      "trace": traceback.format_exc()[-3000:]}
+            barrier()
     common.write(args.out, out)
     barrier()
 

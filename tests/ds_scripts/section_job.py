@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import importlib
 import json
 import os
 import sys
@@ -24,6 +25,7 @@ import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import coat_ds
+import common
 from coat_ds.activation import ActivationConfig
 from coat_ds.hf import CoatDecoderLayer
 from coat_ds.hf.swap import apply
@@ -265,13 +267,27 @@ def task_accelerate(tmp: str) -> dict:
 TASKS = {name[len("task_"):]: fn for name, fn in dict(globals()).items() if name.startswith("task_")}
 
 
+def task_of(name: str):
+    """A task of this script (TASKS), or `SCRIPT.TASK`: the task_TASK of another job script in this folder that takes
+    this main (checkpoint_job.py, presets_job.py), so that one launch runs the tasks of several (harness.section_launch:
+    one import of torch, DeepSpeed and transformers per rank, not one per script)."""
+    if name in TASKS:
+        return TASKS[name]
+    script, _, task = name.partition(".")
+    fn = getattr(importlib.import_module(script), f"task_{task}", None) if task else None
+    if fn is None:
+        raise SystemExit(f"unknown task {name!r}; allowed: {sorted(TASKS)} or SCRIPT.TASK")
+    return fn
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--tmp", required=True)
     ap.add_argument("--local_rank", type=int, default=0)
-    ap.add_argument("tasks", nargs="+", choices=sorted(TASKS))
+    ap.add_argument("tasks", nargs="+")
     args = ap.parse_args()
+    tasks = {name: task_of(name) for name in args.tasks}
     import faulthandler
 
     faulthandler.dump_traceback_later(float(os.environ.get("COAT_JOB_TIMEOUT", "300")), exit=True)
@@ -279,10 +295,11 @@ def main() -> None:
     deepspeed.init_distributed()
     out = {}
     for task in args.tasks:
-        try:
-            res = TASKS[task](args.tmp)
-        except Exception as exc:  # noqa: BLE001 - recorded; the test shows it
-            res = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-3000:]}
+        with common.timed(task):
+            try:
+                res = tasks[task](args.tmp)
+            except Exception as exc:  # noqa: BLE001 - recorded; the test shows it
+                res = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-3000:]}
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, res)
         out[task] = {f"rank{r}": v for r, v in enumerate(everyone)}

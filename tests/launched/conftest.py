@@ -5,6 +5,8 @@ from pathlib import Path
 
 import pytest
 
+import harness
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -13,3 +15,9 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if HERE in item.path.parents:
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="session")
+def section_launch(request, tmp_path_factory) -> dict:
+    """section_job.py's results on 2 ranks for every module of this session that reads them (harness.section_launch)."""
+    return harness.section_launch(request.session, tmp_path_factory.mktemp("section_launch"))

@@ -3,16 +3,15 @@ tests/ds_scripts/checkpoint_job.py): the in-process cases (HF's switch, HF Train
 tests/test_activation_checkpoint.py."""
 import pytest
 
-from harness import DS_SCRIPTS, launch_results, ranks, ranks_launcher
+from harness import module_tasks, ranks
+
+
+SECTION_TASKS = ["checkpoint_job.release", "checkpoint_job.grads"]   # in the session's one launch of section_job.py
 
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory) -> dict:
-    pytest.importorskip("deepspeed")
-    tmp = tmp_path_factory.mktemp("checkpoint")
-    out = tmp / "r.json"
-    return launch_results([*ranks_launcher(2), str(DS_SCRIPTS / "checkpoint_job.py"), "--out", str(out),
-                           "--tmp", str(tmp), "release", "grads"], out)
+def job(section_launch) -> dict:
+    return module_tasks(section_launch, SECTION_TASKS)
 
 
 def _checkpointed_as_configured(r: dict, saved_off_at_least: float) -> None:

@@ -1,7 +1,9 @@
 """The "coat" section takes effect wherever DeepSpeed reads the config (coat_ds/deepspeed/engine.py).
 
 Two launched 2-rank jobs (CPU accelerator, gloo; tests/ds_scripts/section_job.py), shared by the tests:
-  DS   2 ranks as `deepspeed --num_gpus 2` starts them (harness.ranks_launcher): a user's own script with plain
+  DS   2 ranks as `deepspeed --num_gpus 2` starts them (harness.ranks_launcher), in the session's one launch of
+       section_job.py (harness.section_launch, beside the tasks of test_presets, test_hf_trainer and
+       test_activation_checkpoint_zero3): a user's own script with plain
        deepspeed.initialize and a shipped config file; ZeRO-3 with the model built under HF's zero.Init; every
        shipped config but the presets (test_presets) as it is; HF Trainer with an HF "auto" config
        (ds_configs/hf/); what the section refuses
@@ -17,7 +19,7 @@ import math
 
 import pytest
 
-from harness import DS_SCRIPTS, ROOT, free_port, launch_results, launcher, ranks, ranks_launcher
+from harness import DS_SCRIPTS, ROOT, free_port, launch_results, launcher, module_tasks, ranks
 
 pytest.importorskip("deepspeed")
 pytest.importorskip("transformers")
@@ -27,12 +29,12 @@ DS_TASKS = ["plain", "zero3_init", "refusals", "hf_trainer", "configs"]
 STEPS = 3
 
 
+SECTION_TASKS = DS_TASKS   # in the session's one launch of section_job.py (harness.section_launch)
+
+
 @pytest.fixture(scope="module")
-def ds_job(tmp_path_factory) -> dict:
-    tmp = tmp_path_factory.mktemp("section")
-    out = tmp / "r.json"
-    cmd = [*ranks_launcher(2), str(JOB), "--out", str(out), "--tmp", str(tmp), *DS_TASKS]
-    return launch_results(cmd, out)
+def ds_job(section_launch) -> dict:
+    return module_tasks(section_launch, SECTION_TASKS)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from harness import (DS_SCRIPTS, ROOT, assert_runs_as_configured, child_env, finish, launch_presets_job, ranks,
+from harness import (DS_SCRIPTS, ROOT, assert_runs_as_configured, child_env, finish, module_tasks, ranks,
                      ranks_launcher)
 
 HF_CONFIGS = sorted(p.name for p in (ROOT / "ds_configs" / "hf").glob("*.json"))
@@ -51,9 +51,12 @@ def test_hf_configs_run_with_default_warmup():
         getattr(lr_schedules, sched["type"])(opt, **params)
 
 
+SECTION_TASKS = ["presets_job.hf"]   # in the session's one launch of section_job.py (harness.section_launch)
+
+
 @pytest.fixture(scope="module")
-def hf_job(tmp_path_factory) -> dict:
-    return launch_presets_job(tmp_path_factory.mktemp("hf_presets"), "hf")
+def hf_job(section_launch) -> dict:
+    return module_tasks(section_launch, SECTION_TASKS)
 
 
 def test_every_hf_config_runs_with_default_training_arguments(hf_job):

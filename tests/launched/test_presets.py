@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from harness import ROOT, assert_runs_as_configured, launch_presets_job, ranks
+from harness import ROOT, assert_runs_as_configured, module_tasks, ranks
 
 pytest.importorskip("deepspeed")
 
@@ -102,9 +102,12 @@ def test_a_trained_model_at_a_pretraining_rate_is_said_in_one_line(tmp_path):
     assert peak_lr({**opt, "scheduler": {"type": "OneCycle", "params": {"cycle_max_lr": 3e-4}}}) == 3e-4
 
 
+SECTION_TASKS = ["presets_job.plain"]   # in the session's one launch of section_job.py (harness.section_launch)
+
+
 @pytest.fixture(scope="module")
-def plain_job(tmp_path_factory) -> dict:
-    return launch_presets_job(tmp_path_factory.mktemp("presets"), "plain")
+def plain_job(section_launch) -> dict:
+    return module_tasks(section_launch, SECTION_TASKS)
 
 
 @pytest.mark.slow
