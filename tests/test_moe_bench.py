@@ -60,8 +60,8 @@ def test_the_committed_file_is_read_and_a_new_row_merges_into_it(tmp_path):
     assert doc["note"] == committed["note"] and doc["calls"][:len(calls)] == calls
     assert (doc["date"], doc["device"], len(doc["calls"])) == ("D", "H", len(calls) + 1)
     assert {k: doc[k] for k in M.SETTING} == {k: committed[k] for k in M.SETTING}
-    with pytest.raises(SystemExit, match=r"its rows followed another setting \(shape differ"):
-        M.results(M.parse_args(["--layers", "2"]), [], {})
+    with pytest.raises(SystemExit, match=r"its rows followed another setting \(cap_gib differ"):
+        M.results(M.parse_args(["--cap-gib", "40"]), [], {})   # (a --layers stand-in writes a file of its own)
     assert H.calls_of([committed, committed]) == calls   # one call counted once, from either file
     legacy = {k: v for k, v in committed.items() if k != "calls"}   # a file from before the harness: its head
     assert H.calls_of([legacy]) == [{k: legacy[k] for k in H.CALL_FIELDS}]

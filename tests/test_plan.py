@@ -104,13 +104,8 @@ def job_of(row: dict) -> P.Job:
 # when a row leaves its band, so a fixed planner removes the entry
 # Llama-3.1-70B, 4 H100s, host states + checkpointing (restored from git history as its own file): measured before the
 # fix in hf/swap.py (ZeRO-3 held every layer's q_proj through backward, ~10 GiB); the H200 rows after it are in band
-# 6 of Qwen3-30B-A3B's layers, BF16 + DeepSpeedCPUAdam (ZeRO-3, optimizer offloaded, stock layers): planned 2.6 GiB
-# above the measured at micro-batches 1 and 4 (1.13x, 1.05x), the slope exact (11.47 GiB a micro-batch both): a fixed
-# term, most likely the gathered parameters ZeRO-3 keeps (3.1 GiB at this shape), which one rank's stock layers may
-# not copy; coat's rows of the same file and depth are in band
 KNOWN_MISSES: dict[tuple[str, str], tuple[float, float]] = {
     ("e2e_offload_llama3.1-70b_4gpu_h100.json", "largest_model_z3_offload"): (0.74, 0.82),
-    ("moe_one_gpu_6_layers.json", "bf16_cpu_adam"): (1.03, 1.15),
 }
 
 
@@ -470,13 +465,13 @@ def test_host_states_are_planned_only_where_they_run():
 
 
 def test_70b_on_one_node_of_4_h100s():
-    """Llama-3.1-70B at seq 4096 on 4 H100s: the offload preset fits (micro-batch 1; 4 with activation
+    """Llama-3.1-70B at seq 4096 on 4 H100s: the offload preset fits (micro-batch 1; 5 with activation
     checkpointing), with 34.9 GiB of host memory a rank; zero3_largest_model does not, even checkpointed; BF16 +
     DeepSpeedCPUAdam, its comparison, needs 297.6 GiB of host a rank (1.19 TB the node)."""
     shape = P.resolve_shape("llama3.1-70b")
     configs = {**P.preset_configs(), "zero3_offload_largest_model": offload_preset()}
     fits = P.preset_fits(shape, SEQ_70B, 4, H100, configs)
-    assert [(f.name, f.micro_batch, f.checkpointed) for f in fits] == [("zero3_offload_largest_model", 1, 4)]
+    assert [(f.name, f.micro_batch, f.checkpointed) for f in fits] == [("zero3_offload_largest_model", 1, 5)]
     assert fits[0].host / GIB == pytest.approx(34.91, abs=0.01)
     base = P.job_from_config(P.bf16_baseline(offload_preset()), shape, SEQ_70B, 4)
     assert base.zero.offload and P.plan(base, 1).host / GIB == pytest.approx(297.64, abs=0.01)
@@ -485,12 +480,12 @@ def test_70b_on_one_node_of_4_h100s():
 
 
 def test_70b_on_8_h100s_without_offload():
-    """Issue 47: zero3_largest_model holds Llama-3.1-70B at seq 4096 on 8 H100s at micro-batch 1 (69.0 GiB), 4 with
+    """Issue 47: zero3_largest_model holds Llama-3.1-70B at seq 4096 on 8 H100s at micro-batch 1 (68.6 GiB), 5 with
     activation checkpointing; without the host it needs 8."""
     shape, cfg = P.resolve_shape("llama3.1-70b"), P.read_config("zero3_largest_model")[0]
-    assert P.plan(P.job_from_config(cfg, shape, SEQ_70B, 8), 1).peak / GIB == pytest.approx(68.96, abs=0.01)
+    assert P.plan(P.job_from_config(cfg, shape, SEQ_70B, 8), 1).peak / GIB == pytest.approx(68.62, abs=0.01)
     fits = {f.name: f for f in P.preset_fits(shape, SEQ_70B, 8, H100, {"zero3_largest_model": cfg})}
-    assert (fits["zero3_largest_model"].micro_batch, fits["zero3_largest_model"].checkpointed) == (1, 4)
+    assert (fits["zero3_largest_model"].micro_batch, fits["zero3_largest_model"].checkpointed) == (1, 5)
     assert P.preset_fits(shape, SEQ_70B, 4, H100, {"zero3_largest_model": cfg}) == []
 
 
@@ -594,7 +589,8 @@ def test_a_layer_keeps_what_the_planner_counts(model_type, act):
 def test_qwen3_30b_a3b_names_the_preset_and_micro_batch_for_one_80_gb_gpu(capsys):
     """Qwen3-30B-A3B at seq 4096 on one H100: 30.53B parameters, 3.35B a token; the optimizer, master and gradients
     are of all of them, so of the presets whose host need is that of the FP8 states alone only
-    zero3_offload_largest_model fits: micro-batch 1 without recompute, 8 with it. The chunked loss (the router's
+    zero3_offload_largest_model fits: micro-batch 1 without recompute, 9 with it (measured: 10 ran, at 78.9 of 79 GiB
+    reserved). The chunked loss (the router's
     aux loss added as HF adds it) keeps 0.8 GiB of logits where HF's stock loss kept 7 GiB a micro-batch."""
     shape = P.resolve_shape("qwen3-30b-a3b")
     assert (shape.params, shape.active_params) == (30_532_122_624, 3_353_032_704)
@@ -603,12 +599,12 @@ def test_qwen3_30b_a3b_names_the_preset_and_micro_batch_for_one_80_gb_gpu(capsys
     assert job.chunk is not None and job.checkpoint
     assert P.plan(job, 1).parts["logits/loss"] < 12 * 151_936 * 4096 / 8   # the stock loss's fp32 logits: 7 GiB
     fits = P.preset_fits(shape, 4096, 1, H100)
-    assert fits[0].name == "zero3_offload_largest_model" and (fits[0].micro_batch, fits[0].checkpointed) == (1, 8)
+    assert fits[0].name == "zero3_offload_largest_model" and (fits[0].micro_batch, fits[0].checkpointed) == (1, 9)
     assert fits[0].host == 2.125 * shape.params
     assert P.main(["--model", "qwen3-30b-a3b", "--seq", "4096", "--config", "zero3_offload_largest_model"]) == 0
     out = capsys.readouterr().out
     assert "30.53B parameters (3.35B active a token: 128 experts, 8 a token)" in out
-    assert "\n  zero3_offload_largest_model            1 / 8 " in out
+    assert "\n  zero3_offload_largest_model            1 / 9 " in out
 
 
 @pytest.mark.parametrize("model_type,key", [("gpt_oss", "attention sinks"), ("qwen2_moe", "shared expert"),
@@ -656,7 +652,7 @@ BEFORE_SP = {
     "coat_4096": (85509087744.0, 0.0, "optimizer step"),
     "exact_ck_8192_2gpu": (44855890176.0, 0.0, "optimizer step"),
     "bf16_ck_8192": (176665747456.0, 0.0, "optimizer step"),
-    "70b_host_4": (57381464320.0, 37481656576.0, "loss backward"),
+    "70b_host_4": (57116142848.0, 37481656576.0, "first gradient bucket"),   # since lm_head alone is gathered there
 }
 
 
