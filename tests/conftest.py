@@ -15,7 +15,7 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(_CACHE, "inductor"
 
 def pytest_collection_modifyitems(config, items):
     # the `install` tests first (a stable sort: the rest keep their order): .ci/run's second lane starts while setup's
-    # ops still build, and these build the wheel's own op in a folder of their own, on the core that leaves idle
+    # ops still build, and these build the wheel's own op in a folder of their own (no wait for setup's builds)
     items.sort(key=lambda item: item.get_closest_marker("install") is None)
     if torch.cuda.is_available():
         return
