@@ -106,6 +106,7 @@ def results(args: argparse.Namespace, rows: list[dict], call: dict) -> dict:
     """This call's rows merged into --out's file by identity (a file of another model, preset or cap refused)."""
     ours = {"model": args.model, "shape": MODELS[args.model], "preset": PRESET, "cap_gib": args.cap_gib,
             "configs": {k: v[0] for k, v in CONFIGS.items()}}
+    rows = [dict(r, date=call.get("date")) for r in rows]   # each row its call's date: the code it ran
     return harness.into_file(args.out / f"{NAME}.json", rows, identity, ours, call, SETTING)
 
 

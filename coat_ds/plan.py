@@ -45,6 +45,7 @@ USABLE = 0.95   # of GPU memory for what the allocator reserves (benchmarks/e2e.
 # of freed activations) in benchmarks/results/e2e*.json; a fit needs peak + this reserve <= USABLE x memory
 RESERVE_FIXED, RESERVE_ACT = 2 * 2 ** 30, 0.10
 FINAL_NORM = 8.0   # B/token/hidden: the stock final RMSNorm's fp32 input and bf16 output, lm_head's input
+FINAL_NORM_TILED = 4.0   # over tiles (tile_tokens, hf/final_norm.py): its bf16 input, lm_head's input
 CHECKPOINT_FLAG = {"config": None, "on": True, "off": False}   # --checkpoint
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -133,12 +134,13 @@ def activation_bytes(job: Job, tokens: int) -> float:
     backward recomputes it (less what attention's query tiles save: plan_long.recomputed_layer), and one MLP tile's
     (plan_long.tile_bytes); and the final norm's. `tokens`: the GPU's (its shard under Ulysses: plan_long.ulysses_*)."""
     s, sp, act = job.shape, job.sp, job.activation
+    final_norm = FINAL_NORM_TILED if tiled(act) and getattr(act, "tiles_final_norm", True) else FINAL_NORM
     kinds = [(n, layer_bytes(s, act, sparse) + ulysses_kept(s, act, sp)) for n, sparse in
              ((s.layers - s.sparse_layers, False), (s.sparse_layers, True)) if n]
     if not job.checkpoint:
-        return tokens * s.hidden * (sum(n * b for n, b in kinds) + FINAL_NORM)
+        return tokens * s.hidden * (sum(n * b for n, b in kinds) + final_norm)
     layers = checkpoint_gpu(s.layers, act) + recomputed_layer(s, act, max(b for _, b in kinds), sp)
-    return tokens * s.hidden * (layers + FINAL_NORM) + tile_bytes(s.intermediate, act, tokens)
+    return tokens * s.hidden * (layers + final_norm) + tile_bytes(s.intermediate, act, tokens)
 
 
 def states_of(job: Job) -> dict[str, float]:

@@ -47,10 +47,11 @@ def test_the_committed_file_takes_a_new_row_by_identity():
     committed = json.loads((RESULTS / "long_context.json").read_text())
     args = L.parse_args([])
     again = dict(committed["rows"][0], tokens_per_s=1.0)
-    new = dict(committed["rows"][0], seq=262144)
+    new = dict(committed["rows"][0], seq=1 << 20)
     doc = L.results(args, [again, new], {"date": "D", "device": "H"})
     assert [L.identity(r) for r in doc["rows"]] == [L.identity(r) for r in committed["rows"]] + [L.identity(new)]
     assert doc["rows"][0]["tokens_per_s"] == 1.0 and doc["rows"][1] == committed["rows"][1]
+    assert doc["rows"][0]["date"] == doc["rows"][-1]["date"] == "D"   # a row carries its call's date
     assert doc["note"] == committed["note"] and len(doc["calls"]) == len(committed["calls"]) + 1
     with pytest.raises(SystemExit):
         L.results(L.parse_args(["--cap-gib", "139"]), [], {})

@@ -211,3 +211,55 @@ def test_decoder_layer_tiles_its_mlp_by_the_config():
     assert "MlpFnBackward" in graph and "TiledMlpFnBackward" not in graph
     for i, (g, r) in enumerate(zip(got, ref)):
         _assert_rounding_close(g, r, f"tensor {i}")
+
+
+def test_tiled_rows_are_the_stock_norm_bit_for_bit():
+    """TiledRowsFn over HF's RMSNorm (tiles of 32 rows, the last shorter): output and input gradient equal the
+    stock module's bit for bit, the weight's gradient within one bf16 step of its largest value (per-tile sums)."""
+    from torch.func import functional_call
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from coat_ds.activation.tiled import TiledRowsFn
+
+    torch.manual_seed(3)
+    norm = LlamaRMSNorm(64).to(torch.bfloat16)
+    norm.weight.data.normal_(1.0, 0.1)
+    x = torch.randn(2, 100, 64, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn_like(x)
+    norm(x).backward(dy)
+    want = x.grad.clone(), norm.weight.grad.clone()
+    x.grad = norm.weight.grad = None
+    y = TiledRowsFn.apply(x, 32, lambda t, w: functional_call(norm, {"weight": w}, (t,)), norm.weight)
+    assert torch.equal(y, norm(x))
+    y.backward(dy)
+    assert torch.equal(x.grad, want[0])
+    assert (norm.weight.grad.float() - want[1].float()).abs().max() <= want[1].abs().max() * 2 ** -8
+
+
+def test_tile_tokens_tiles_the_final_norm_and_revert_puts_it_back():
+    """inject with tile_tokens: the decoder's final norm over tiles, holding the stock parameter under the same
+    state_dict key; its output and input gradient equal the stock norm's; no_grad and one tile run the stock
+    forward; revert restores the same module."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import coat_ds
+    from coat_ds.hf.final_norm import TiledFinalNorm
+
+    cfg = AutoConfig.for_model("llama", hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                               num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
+    model = AutoModelForCausalLM.from_config(cfg)
+    stock, keys = model.model.norm, list(model.state_dict())
+    coat_ds.inject(model, {"enabled": True, "tile_tokens": 16})
+    tiled = model.model.norm
+    assert isinstance(tiled, TiledFinalNorm) and tiled.weight is stock.weight and list(model.state_dict()) == keys
+    x = torch.randn(1, 40, 64, requires_grad=True)
+    dy = torch.randn_like(x)
+    stock(x).backward(dy)
+    want = x.grad.clone()
+    x.grad = None
+    tiled(x).backward(dy)
+    assert torch.equal(x.grad, want)
+    with torch.no_grad():
+        assert torch.equal(tiled(x), stock(x))
+    coat_ds.revert(model)
+    assert model.model.norm is stock and list(model.state_dict()) == keys

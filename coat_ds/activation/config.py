@@ -46,7 +46,8 @@ class ActivationConfig:
     same in pinned host memory, streamed back one layer ahead of backward (nothing on the GPU); the recompute runs
     on the dequantized input. `tile_tokens`: the MLP runs over sequence tiles of this many tokens in forward and
     recompute (activation/tiled.py), and with attention_fp8 attention's backward over query tiles of this many tokens
-    where a sequence is longer (activation/tiled_attention.py); None: untiled."""
+    where a sequence is longer (activation/tiled_attention.py), and the model's final norm over tiles
+    (hf/final_norm.py); None: untiled."""
 
     enabled: bool = True
     mode: str = "full"

@@ -18,7 +18,7 @@ from torch import nn
 
 from ..activation.sharding import sharding
 from . import policies as _builtin_policies  # noqa: F401  (registers the built-in families)
-from . import coverage
+from . import coverage, final_norm
 from .contract import has_cache
 from .registry import InjectionPolicy, get_policy, supported_model_types
 
@@ -230,6 +230,8 @@ def inject(model: nn.Module, config: Any = None) -> nn.Module:
         sharding().mark_leaf(new)
         new.register_forward_pre_hook(_drop_stale_sharded_weights)
         _set_submodule(model, name, new)
+    if cfg.tile_tokens is not None:
+        final_norm.tile(model, cfg.tile_tokens)
     _install_cacheless_training(model)
     object.__setattr__(model, INJECTED_ATTR, policy.model_type)
     logger.info(coverage.summary(model, Counter(type(layer).__name__ for _, layer, _ in built), cfg.mode))
@@ -275,6 +277,7 @@ def revert(model: nn.Module) -> nn.Module:
         original = layer.to_hf()
         _move_attached_state(layer, original)
         _set_submodule(model, name, original)
+    final_norm.untile(model)
     for module in model.modules():
         _remove_hook(module, _cacheless_training)
     if INJECTED_ATTR in model.__dict__:
