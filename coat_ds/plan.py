@@ -134,7 +134,8 @@ def activation_bytes(job: Job, tokens: int) -> float:
     backward recomputes it (less what attention's query tiles save: plan_long.recomputed_layer), and one MLP tile's
     (plan_long.tile_bytes); and the final norm's. `tokens`: the GPU's (its shard under Ulysses: plan_long.ulysses_*)."""
     s, sp, act = job.shape, job.sp, job.activation
-    final_norm = FINAL_NORM_TILED if tiled(act) and getattr(act, "tiles_final_norm", True) else FINAL_NORM
+    tiles_norm = act is not None and act.enabled and act.tile_tokens is not None   # any mode: hf/swap.inject
+    final_norm = FINAL_NORM_TILED if tiles_norm and getattr(act, "tiles_final_norm", True) else FINAL_NORM
     kinds = [(n, layer_bytes(s, act, sparse) + ulysses_kept(s, act, sp)) for n, sparse in
              ((s.layers - s.sparse_layers, False), (s.sparse_layers, True)) if n]
     if not job.checkpoint:
