@@ -35,7 +35,7 @@ from .formats import Fp8Moment
 from .hf.loss import EXACT_MODEL_TYPES
 from .plan_long import (CHECKPOINT_INPUT, RECOMPUTE_NOTE, TILED_MLP_INPUT, check_sp, checkpoint_gpu,  # noqa: F401
                         checkpoint_host, largest, longest_line, recomputed_layer, shard_tokens, sp_title, tile_bytes,
-                        tiled, ulysses_kept, where_note)  # CHECKPOINT_INPUT: the API
+                        tiled, tiles_final_norm, ulysses_kept, where_note)  # CHECKPOINT_INPUT: the API
 from .plan_shape import PlanError, Shape, resolve_shape, shape_from_hf  # noqa: F401 (shape_from_hf: the API)
 
 GIB = 2 ** 30
@@ -134,8 +134,7 @@ def activation_bytes(job: Job, tokens: int) -> float:
     backward recomputes it (less what attention's query tiles save: plan_long.recomputed_layer), and one MLP tile's
     (plan_long.tile_bytes); and the final norm's. `tokens`: the GPU's (its shard under Ulysses: plan_long.ulysses_*)."""
     s, sp, act = job.shape, job.sp, job.activation
-    tiles_norm = act is not None and act.enabled and act.tile_tokens is not None   # any mode: hf/swap.inject
-    final_norm = FINAL_NORM_TILED if tiles_norm and getattr(act, "tiles_final_norm", True) else FINAL_NORM
+    final_norm = FINAL_NORM_TILED if tiles_final_norm(act) else FINAL_NORM
     kinds = [(n, layer_bytes(s, act, sparse) + ulysses_kept(s, act, sp)) for n, sparse in
              ((s.layers - s.sparse_layers, False), (s.sparse_layers, True)) if n]
     if not job.checkpoint:
@@ -159,9 +158,9 @@ def phases(job: Job, micro_batch: int) -> dict[str, dict[str, float]]:
     states = dict(parameters=st["weights"] + cache, master=st["master"], optimizer=st["optimizer"])
     acts = activation_bytes(job, t)
     loss = loss_bytes(t, s, job.chunk)
-    head = head_grad = job.zero.param_bytes * s.vocab * s.hidden   # lm_head's weight, and its gradient
+    head = job.zero.param_bytes * s.vocab * s.hidden   # lm_head's weight (and its gradient's bytes)
     # ZeRO-3 gathers the decoder layers for their forward and backward: at the loss's backward only lm_head is
-    # gathered (6 MoE layers measured 2.6 GiB under a plan with two layers gathered there, the slope exact)
+    # gathered (6 MoE layers measured 2.6 GiB under a plan with two layers gathered there, the slope exact).
     # The gradient partition, from the first bucket (per-parameter gradients grow as the activations are freed)
     in_backward = job.zero.stage >= 2 and not job.zero.offload and not job.zero.grads_per_parameter
     grads = dict(gradients=st["gradients"])
@@ -169,10 +168,10 @@ def phases(job: Job, micro_batch: int) -> dict[str, dict[str, float]]:
         "forward": dict(states, activations=acts, **{"logits/loss": loss["forward"]}),
         "loss backward": dict(states, activations=acts, **{"logits/loss": loss["backward"]},
                               parameters=states["parameters"] - st["gathered"] + (head if st["gathered"] else 0),
-                              buffers=head_grad if job.chunk else 0.0),
+                              buffers=head if job.chunk else 0.0),
         "first gradient bucket": dict(states, activations=acts, **{"logits/loss": loss["first_grad"]},
                                       gradients=st["gradients"] if in_backward else 0.0,
-                                      buffers=head_grad + buffers(job.zero)),
+                                      buffers=head + buffers(job.zero)),
         "optimizer step": dict(states, **grads, buffers=step_transient(job.zero, s.params, s.largest)),
     }
 

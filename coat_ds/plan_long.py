@@ -68,6 +68,13 @@ def tiles_attention(activation: Any, sp: int = 1) -> bool:
     return sp == 1 and tiled(activation) and activation.attention_fp8 and getattr(activation, "tiles_attention", True)
 
 
+def tiles_final_norm(activation: Any) -> bool:
+    """Whether the model's final norm runs over tiles (hf/final_norm.py): tile_tokens set, in any mode (hf/swap.inject
+    tiles it). An activation object may say `tiles_final_norm = False`: a row measured before (tests/test_plan.py)."""
+    return (activation is not None and activation.enabled and activation.tile_tokens is not None
+            and getattr(activation, "tiles_final_norm", True))
+
+
 def attention_backward(shape: Any, activation: Any) -> tuple[float, float]:
     """(untiled, tiled) B/token/hidden of what the recomputed layer's attention backward (Fp8AttentionFn) holds
     sequence-long, besides what the layer keeps. Untiled: bf16 q, k, v dequantized, the recomputed output o and do,

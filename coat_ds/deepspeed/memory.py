@@ -115,15 +115,14 @@ def largest_sub_group(tensors: Iterable[int], world: int, sub_group: int) -> int
 
 def model_states(job: ZeroJob, n: int, layer_params: int, largest: int, sub_group: int = 0) -> dict[str, float]:
     """Bytes per GPU: `weights` (the model copy; ZeRO-3: its partition and `gathered`, what the layers at work
-    gather), `master`, `optimizer`, `gradients` (when allocated), and `host` (per rank, under Offload or
-    coat.states "host"). `layer_params`: one decoder layer's, `largest`: the
-    largest tensor's, `sub_group`: the largest ZeRO-3 sub-group's values per rank (largest_sub_group)."""
+    gather), `master`, `optimizer`, `gradients` (when allocated), and `host` (per rank, under Offload or coat.states
+    "host"). `layer_params`: one decoder layer's, `largest`: the largest tensor's, `sub_group`: the largest ZeRO-3
+    sub-group's values per rank (largest_sub_group)."""
     part = n / job.world if job.stage >= 1 else n
     # ZeRO-3: the partition plus what is gathered: the layers at work, or as many values as stay alive (gathered
     # parameters reused within stage3_max_reuse_distance are kept, up to max_live: a 1.1B model stays whole)
-    gathered = max(2 * layer_params + largest, min(n, job.max_live))
-    gathered = gathered if job.stage == 3 else 0.0
-    weights = job.param_bytes * (n / job.world + gathered if job.stage == 3 else n)
+    gathered = job.param_bytes * max(2 * layer_params + largest, min(n, job.max_live)) if job.stage == 3 else 0.0
+    weights = job.param_bytes * n / job.world + gathered if job.stage == 3 else job.param_bytes * n
     master = MASTER_BYTES[job.master] * part if job.mixed else 0.0
     grads = job.grad_bytes * part if job.stage >= 2 else 2.0 * n if job.mixed else 4.0 * n
     if job.gradients == "release" and job.stage >= 2:  # stepped per bucket: none outlives its bucket
@@ -134,13 +133,11 @@ def model_states(job: ZeroJob, n: int, layer_params: int, largest: int, sub_grou
         # buffer of the largest tensor
         bf16_master = MASTER_BYTES[job.master] == 0
         host = (4.0 if bf16_master else 10.0) * part + 2.0 * largest + optimizer
-        return dict(weights=weights, master=0.0, optimizer=0.0, gradients=0.0, host=host,
-                    gathered=job.param_bytes * gathered)
+        return dict(weights=weights, master=0.0, optimizer=0.0, gradients=0.0, host=host, gathered=gathered)
     if job.host_states:  # the moments at their exact size on the host, STATE_WINDOWS sub-groups' of them on the GPU
         return dict(weights=weights, master=master, optimizer=STATE_WINDOWS * job.state_bytes * sub_group,
-                    gradients=grads, host=optimizer, gathered=job.param_bytes * gathered)
-    return dict(weights=weights, master=master, optimizer=optimizer, gradients=grads, host=0.0,
-                gathered=job.param_bytes * gathered)
+                    gradients=grads, host=optimizer, gathered=gathered)
+    return dict(weights=weights, master=master, optimizer=optimizer, gradients=grads, host=0.0, gathered=gathered)
 
 
 def resume_host(job: ZeroJob, n: float, host: float, sub_group: int = 0) -> float:

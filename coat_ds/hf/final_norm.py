@@ -25,14 +25,12 @@ class TiledFinalNorm(nn.Module):
         self.tile_tokens = tile_tokens
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        names = [name for name, _ in self.named_parameters(recurse=False)]
-
-        def call(x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
-            return functional_call(self.stock, dict(zip(names, params)), (x,))
-        params = [getattr(self, name) for name in names]
         if not torch.is_grad_enabled() or hidden.numel() // hidden.shape[-1] <= self.tile_tokens:
-            return call(hidden, *params)
-        return TiledRowsFn.apply(hidden, self.tile_tokens, call, *params)
+            return self.stock(hidden)   # its parameters are these
+        params = dict(self.named_parameters(recurse=False))
+        return TiledRowsFn.apply(hidden, self.tile_tokens,
+                                 lambda x, *ps: functional_call(self.stock, dict(zip(params, ps)), (x,)),
+                                 *params.values())
 
     def extra_repr(self) -> str:
         return f"{type(self.stock).__name__}, tile_tokens={self.tile_tokens}"
