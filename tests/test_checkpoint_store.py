@@ -268,7 +268,9 @@ def test_host_store_frees_the_gpu_of_every_layer_input():
     """A 4-layer stack at Llama-3.1-8B's width, 32k tokens: after the forward host_fp8 holds none of the 4 bf16
     inputs that "gpu" holds (>= 0.9 x their bytes less); at the step's peak (the last layer's recompute) the
     recomputing layer's input is on the GPU in both, and host_fp8 also holds the FP8 codes of the one it
-    prefetches, so the saving is >= 0.9 x (3 inputs - those codes)."""
+    prefetches, so the saving is >= 0.9 x (3 inputs - those codes). The weights' gradients exist before each
+    measured step (accumulated into, not allocated): else the peak moves to the first layer's backward, where
+    three layers' new gradients outweigh the inputs and either store holds one."""
     layers, tokens, hidden = 4, 32768, 4096
     torch.manual_seed(0)
     config = AutoConfig.for_model("llama", vocab_size=1024, hidden_size=hidden, intermediate_size=14336,
@@ -282,7 +284,7 @@ def test_host_store_frees_the_gpu_of_every_layer_input():
         for layer in model.model.layers:
             layer.coat_config = replace(layer.coat_config, checkpoint_store=store)
             layer.checkpoint_if_configured()
-        model.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=False)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         loss = model(input_ids=x, labels=x).loss

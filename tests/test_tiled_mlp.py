@@ -263,3 +263,41 @@ def test_tile_tokens_tiles_the_final_norm_and_revert_puts_it_back():
         assert torch.equal(tiled(x), stock(x))
     coat_ds.revert(model)
     assert model.model.norm is stock and list(model.state_dict()) == keys
+
+
+@pytest.mark.parametrize("early_stop", [True, False])
+def test_a_recomputed_layer_skips_its_tiled_mlp_forward(monkeypatch, early_stop):
+    """Under coat.activation.checkpoint a recomputed layer's TiledMlpFn computes nothing (its output is thrown away;
+    its backward recomputes each tile anyway): a step runs the MLP's tiles once forward and once in backward, where
+    it ran them twice in backward, and the loss and every gradient are bit for bit those of the layer that does
+    (torch's early stop on or off: without it the recompute runs past the MLP on the skipped output)."""
+    from torch.utils.checkpoint import set_checkpoint_early_stop
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import coat_ds
+    from coat_ds.activation import checkpoint_store
+    from coat_ds.activation.functions import MlpFn
+
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model("llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
+    model = AutoModelForCausalLM.from_config(cfg).train()
+    coat_ds.inject(model, {"checkpoint": True, "tile_tokens": 16})
+    x = torch.randint(0, 64, (1, 40))
+    calls = []
+    forward = MlpFn.forward
+    monkeypatch.setattr(MlpFn, "forward", staticmethod(lambda *a: calls.append(1) or forward(*a)))
+
+    def step() -> tuple[int, list[torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        calls.clear()
+        with set_checkpoint_early_stop(early_stop):
+            model(input_ids=x, labels=x).loss.backward()
+        return len(calls), [p.grad for p in model.parameters()]
+
+    skipped, got = step()
+    monkeypatch.setattr(checkpoint_store, "recomputing", lambda: False)
+    full, want = step()
+    tiles_a_pass = 2 * 3   # 2 layers, 40 rows in tiles of 16
+    assert (skipped, full) == (2 * tiles_a_pass, 3 * tiles_a_pass)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))

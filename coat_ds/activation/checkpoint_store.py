@@ -15,11 +15,12 @@ Without CUDA the host path is the same with plain buffers and synchronous copies
 from __future__ import annotations
 
 import bisect
+import contextlib
 import functools
 import mmap
+import threading
 import weakref
-from contextlib import nullcontext
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -29,9 +30,33 @@ from ..formats import FP8Format, get_format
 from .attention import dequant_heads, quant_heads
 from .config import CHECKPOINT_STORES, ActivationConfig
 
+_REPLAY = threading.local()
+
+
+def recomputing() -> bool:
+    """Whether this thread is running a checkpointed layer again in backward (`CHECKPOINT`'s recompute), whose
+    output is thrown away: only what the layer saves is used."""
+    return getattr(_REPLAY, "on", False)
+
+
+@contextlib.contextmanager
+def _replaying() -> Iterator[None]:
+    was, _REPLAY.on = recomputing(), True
+    try:
+        yield
+    finally:
+        _REPLAY.on = was
+
+
+def _contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """torch's context_fn: (around the forward, around the recompute)."""
+    return contextlib.nullcontext(), _replaying()
+
+
 # Non-reentrant, so ZeRO-3 re-gathers the layer's parameters in backward and the RNG state is restored for the
-# replay (torch's preserve_rng_state: dropout draws the same mask). The "gpu" store is this function itself.
-CHECKPOINT = functools.partial(checkpoint, use_reentrant=False)
+# replay (torch's preserve_rng_state: dropout draws the same mask); its recompute marked (`recomputing`). The
+# "gpu" store is this function itself.
+CHECKPOINT = functools.partial(checkpoint, use_reentrant=False, context_fn=_contexts)
 GPU, GPU_FP8, HOST_FP8 = CHECKPOINT_STORES
 # Smaller tensors stay as they are: their exponents and a copy's launch would cost more than they save (and
 # torch 2.5-2.12 saves an empty dummy beside the inputs).
@@ -241,7 +266,7 @@ class Fp8Store:
 
     def _stream(self, device: torch.device, h2d: bool) -> Any:
         """The copy stream's context on CUDA, else nothing."""
-        return torch.cuda.stream(self._copy_stream(device, h2d)) if device.type == "cuda" else nullcontext()
+        return torch.cuda.stream(self._copy_stream(device, h2d)) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _empty(p: Packed, dtype: torch.dtype) -> tuple[Tensor, Tensor]:

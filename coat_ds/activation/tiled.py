@@ -53,12 +53,16 @@ class TiledMlpFn(Function):
 
     @staticmethod
     def forward(ctx, h: torch.Tensor, norm_w: torch.Tensor, eps: float, cfg: ActivationConfig, gu: WeightGroup,
-                down: WeightGroup, act: str, add_residual: bool, tile_tokens: int,
+                down: WeightGroup, act: str, add_residual: bool, tile_tokens: int, discard: bool,
                 *params: torch.Tensor) -> torch.Tensor:
-        out = h.new_empty(h.shape[0], sum(down.out_features))
-        with held_operands(gu, down):
-            for rows in tiles(h.shape[0], tile_tokens):  # autograd is off in a Function's forward: nothing saved
-                out[rows] = MlpFn.apply(h[rows], norm_w, eps, cfg, gu, down, act, add_residual, *params)
+        width = sum(down.out_features)
+        if discard:   # nobody reads the output (a checkpoint's recompute): only the saves below matter
+            out = h.new_empty(1, 1).expand(h.shape[0], width)
+        else:
+            out = h.new_empty(h.shape[0], width)
+            with held_operands(gu, down):
+                for rows in tiles(h.shape[0], tile_tokens):  # autograd is off in a Function's forward: nothing saved
+                    out[rows] = MlpFn.apply(h[rows], norm_w, eps, cfg, gu, down, act, add_residual, *params)
         ctx.save_for_backward(h, norm_w)  # the weights are read from their groups in backward, as MlpFn does
         ctx.args = (eps, cfg, gu, down, act, add_residual)
         ctx.tile_tokens = tile_tokens
@@ -84,17 +88,20 @@ class TiledMlpFn(Function):
                 del out, dx
                 sums = [g.float() for g in grads] if not sums else [s.add_(g) for s, g in zip(sums, grads)]
         dnw, *dparams = (s.to(w.dtype) for s, w in zip(sums, weights))
-        return dh, dnw, None, None, None, None, None, None, None, *dparams
+        return dh, dnw, None, None, None, None, None, None, None, None, *dparams
 
 
 def mlp(h: torch.Tensor, norm_w: torch.Tensor, eps: float, cfg: ActivationConfig, gu: WeightGroup,
-        down: WeightGroup, act: str, add_residual: bool, tile_tokens: int | None) -> torch.Tensor:
-    """The FP8 MLP of a decoder layer on [tokens, H]: MlpFn, or TiledMlpFn where tile_tokens is set."""
+        down: WeightGroup, act: str, add_residual: bool, tile_tokens: int | None,
+        discard: bool = False) -> torch.Tensor:
+    """The FP8 MLP of a decoder layer on [tokens, H]: MlpFn, or TiledMlpFn where tile_tokens is set. `discard`:
+    the output will not be read (a checkpoint's recompute, the MLP's output the layer's): TiledMlpFn, which saves
+    only h, then computes nothing, sparing a recomputed layer an MLP forward and its output's 2 B/token/hidden."""
     params = (*gu.params(), *down.params())
     if tile_tokens is None:
         return MlpFn.apply(h, norm_w, eps, cfg, gu, down, act, add_residual, *params)
     check_tile_tokens(tile_tokens)
-    return TiledMlpFn.apply(h, norm_w, eps, cfg, gu, down, act, add_residual, tile_tokens, *params)
+    return TiledMlpFn.apply(h, norm_w, eps, cfg, gu, down, act, add_residual, tile_tokens, discard, *params)
 
 
 class TiledRowsFn(Function):

@@ -225,11 +225,10 @@ class CoatDecoderLayer(_Base):
             return out if out.dim() == 4 else out.unflatten(-1, (-1, q.shape[-1]))
         return call
 
-    def _attention(self, qkv: torch.Tensor, residual: torch.Tensor | None, input_shape, position_embeddings,
+    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, residual: torch.Tensor | None,
                    attention_mask, cache, **kwargs: Any) -> torch.Tensor:
         """residual + o_proj(attention(q, k, v)), [tokens, hidden] (residual None: no add)."""
         attn, cfg = self.self_attn, self.coat_config
-        q, k, v = self._heads(qkv, input_shape, position_embeddings)
         if cache is not None:
             k, v = cache.update(k, v, attn.layer_idx)
         dropout = 0.0 if not self.training else attn.attention_dropout
@@ -271,10 +270,14 @@ class CoatDecoderLayer(_Base):
         else:
             qkv = LinearFn.apply(ln1(x), None, cfg, self._qkv, True, *self._qkv.params())
         residual = None if norms.attn_out else x
+        q, k, v = self._heads(qkv, input_shape, position_embeddings)
+        # q, k, v are tensors of their own (RoPE's outputs, v copied): the fused output is not kept through the
+        # attention and the MLP (3 B/token/hidden at Llama-8B, at a long sequence's peak in a recompute)
+        del qkv
         # position_ids reach the attention function as in the stock layer (its attention's kwargs): Ulysses gathers
         # them to order the whole sequence (coat_ds.deepspeed.sequence_parallel), flash's varlen path reads them
-        h = self._attention(qkv, residual, input_shape, position_embeddings, attention_mask, cache,
-                            position_ids=position_ids, **kwargs)
+        h = self._attention(q, k, v, residual, attention_mask, cache, position_ids=position_ids, **kwargs)
+        del q, k, v
         if norms.attn_out:
             h = x + self._norm(norms.attn_out, h)
         add_residual = not norms.mlp_out
@@ -282,8 +285,10 @@ class CoatDecoderLayer(_Base):
             out = self._experts(self._norm(ln2, h))
             out = out + h if add_residual else out
         elif full:
+            # in a checkpoint's recompute the layer's output is thrown away: where it is the MLP's (+ h), skip it
+            discard = add_residual and checkpoint_store.recomputing()
             out = mlp(h, self._norm_weight(ln2), _eps(ln2), cfg, self._gu, self._down, self._act, add_residual,
-                      cfg.tile_tokens)
+                      cfg.tile_tokens, discard)
         else:
             gate_up = LinearFn.apply(ln2(h), None, cfg, self._gu, True, *self._gu.params())
             gate, up = gate_up.split(self._gu.out_features, dim=-1)
