@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from coat_ds.activation.loss import IGNORE_INDEX, LossConfig, linear_cross_entropy
+from coat_ds.activation.loss import IGNORE_INDEX, LossConfig, by_tokens, linear_cross_entropy
 
 
 def _inputs(n: int, hidden: int, vocab: int, dtype: torch.dtype, seed: int, ignored: float = 0.2):
@@ -45,17 +45,20 @@ def _check_close(ours: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> N
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("chunk", [1, 7, 64, 10_000])
-def test_loss_and_gradients_match_the_stock_loss(dtype, chunk):
-    h, w, t = _inputs(n=50, hidden=32, vocab=300, dtype=dtype, seed=chunk)   # 300: slices do not divide it
+@pytest.mark.parametrize("vocab", [300, 30])   # backward by vocabulary slices (300 rows: they do not divide it); by
+def test_loss_and_gradients_match_the_stock_loss(dtype, chunk, vocab):   # token chunks (50 tokens > 30 entries)
+    assert by_tokens(50, vocab) == (vocab == 30)
+    h, w, t = _inputs(n=50, hidden=32, vocab=vocab, dtype=dtype, seed=chunk)
     ours = _loss_and_grads(linear_cross_entropy, h, w, t, chunk_tokens=chunk)
     ref = _loss_and_grads(stock, h, w, t)
     for a, b in zip(ours, ref):
         _check_close(a, b, dtype)
 
 
-def test_bf16_error_is_no_larger_than_the_stock_bf16_error():
+@pytest.mark.parametrize("vocab", [1000, 40])
+def test_bf16_error_is_no_larger_than_the_stock_bf16_error(vocab):
     """Both against a float64 evaluation of the same bf16 inputs: chunking adds no error of its own."""
-    h, w, t = _inputs(n=96, hidden=64, vocab=1000, dtype=torch.bfloat16, seed=3)
+    h, w, t = _inputs(n=96, hidden=64, vocab=vocab, dtype=torch.bfloat16, seed=3)
     exact = _loss_and_grads(stock, h.double(), w.double(), t)
     ours = _loss_and_grads(linear_cross_entropy, h, w, t, chunk_tokens=16)
     ref = _loss_and_grads(stock, h, w, t)
@@ -85,8 +88,9 @@ def test_other_ignore_index_and_all_ignored():
     assert torch.isnan(linear_cross_entropy(h, w, none)) and torch.isnan(stock(h, w, none))  # 0 / 0, as stock
 
 
-def test_batched_hidden_and_no_weight_gradient():
-    h, w, t = _inputs(n=24, hidden=8, vocab=40, dtype=torch.float32, seed=7)
+@pytest.mark.parametrize("vocab", [40, 16])
+def test_batched_hidden_and_no_weight_gradient(vocab):
+    h, w, t = _inputs(n=24, hidden=8, vocab=vocab, dtype=torch.float32, seed=7)
     hb = h.reshape(2, 12, 8).clone().requires_grad_()
     loss = linear_cross_entropy(hb, w, t.reshape(2, 12), chunk_tokens=5)   # w: no gradient wanted
     loss.backward()
@@ -127,3 +131,24 @@ def test_cuda_bf16_matches_stock_and_holds_less_memory():
     logits_bytes = n * vocab * 4
     assert peaks["stock"] > 2 * logits_bytes               # its fp32 logits and their log-softmax, at least
     assert peaks["chunked"] < peaks["stock"] / 3, peaks
+
+
+@pytest.mark.gpu
+def test_cuda_past_the_vocabulary_backward_holds_the_bf16_hidden_gradient_only():
+    """More tokens than vocabulary entries: backward walks token chunks, holding the hidden-state gradient in bf16
+    (what it returns) and the weight's in fp32, not an fp32 hidden-state gradient and a product as large (8 B a
+    token a hidden unit); the stock loss's values within bf16 rounding."""
+    n, hidden, vocab, chunk = 65536, 2048, 2048, 1024
+    h, w, t = (x.cuda() for x in _inputs(n, hidden, vocab, torch.bfloat16, seed=12))
+    hg, wg = h.clone().requires_grad_(), w.clone().requires_grad_()
+    loss = linear_cross_entropy(hg, wg, t, chunk_tokens=chunk)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    (loss * 1.7).backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    bound = 2 * n * hidden + 6 * vocab * hidden + 8 * chunk * vocab + (32 << 20)
+    assert peak <= bound < 8 * n * hidden / 2, (peak, bound)
+    for a, b in zip((loss.detach(), hg.grad, wg.grad), _loss_and_grads(stock, h, w, t)):
+        _check_close(a, b, torch.bfloat16)

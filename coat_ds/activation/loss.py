@@ -3,13 +3,16 @@
 The stock loss computes `logits = hidden @ weight^T` for every token, upcasts them to fp32 and keeps an fp32
 log-softmax for backward: at Llama-3.1-8B's 128,256-token vocabulary and 4096 tokens that is 1 GiB of bf16
 logits and 2 GiB for each fp32 copy, per sample. Here forward walks the tokens in chunks of `chunk_tokens`
-(chunk_tokens x vocab logits at a time) and keeps one log-sum-exp per token; backward recomputes the logits
-in vocabulary slices holding as many logits (`slice_rows`), so that each slice's weight gradient is one GEMM
-over all the tokens (rounded once, as stock) and the hidden-state gradient is summed over slices in fp32.
-The math per element is the stock one: logits in the weight's dtype, softmax in fp32, the logits' gradient
-rounded to the weight's dtype before the two GEMMs. On CUDA the logits stay bf16 (kernels.quant.xent_*: one
-read forward, one in-place pass backward, no fp32 copy). The extra cost is one more logits GEMM (backward
-recomputes them)."""
+(chunk_tokens x vocab logits at a time) and keeps one log-sum-exp per token. Backward recomputes the logits in
+one of two walks, whichever holds less: up to as many tokens as the vocabulary has entries, vocabulary slices
+holding as many logits (`slice_rows`), so that each slice's weight gradient is one GEMM over all the tokens
+(rounded once, as stock) and the hidden-state gradient is summed over slices in fp32 (4 B/token/hidden and a
+product as large); past that (long sequences), chunks of tokens, each chunk's hidden-state gradient one GEMM over
+the whole vocabulary written in the hidden states' dtype (rounded once, as stock) and the weight gradient summed
+over chunks in fp32 (4 B per weight, fixed). The math per element is the stock one: logits in the weight's dtype,
+softmax in fp32, the logits' gradient rounded to the weight's dtype before the two GEMMs. On CUDA the logits stay
+bf16 (kernels.quant.xent_*: one read forward, one in-place pass backward, no fp32 copy). The extra cost is one
+more logits GEMM (backward recomputes them)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
@@ -64,11 +67,25 @@ def slice_rows(chunk: int, vocab: int, tokens: int) -> int:
     return min(vocab, -(-rows // 8) * 8)
 
 
+def by_tokens(tokens: int, vocab: int) -> bool:
+    """Whether backward walks chunks of tokens (an fp32 weight gradient, vocab x hidden) rather than vocabulary
+    slices (an fp32 hidden-state gradient, tokens x hidden): the smaller of the two."""
+    return tokens > vocab
+
+
 def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b accumulated and returned in fp32, without rounding the product to a's dtype first."""
     if a.is_cuda and a.dtype != torch.float32:
         return torch.mm(a, b, out_dtype=torch.float32)
     return torch.mm(a.float(), b.float())
+
+
+def _add_mm_fp32_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """out (fp32) += a @ b accumulated in fp32; on CUDA cuBLAS adds into out (no fp32 product of out's size)."""
+    if a.is_cuda and a.dtype != torch.float32:
+        torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
+    else:
+        out += torch.mm(a.float(), b.float())
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -90,10 +107,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         hidden, weight, safe, keep, lse, divisor = ctx.saved_tensors
-        vocab, rows = weight.shape[0], slice_rows(ctx.chunk, weight.shape[0], hidden.shape[0])
         # d loss / d logits[i, v] = (softmax[i, v] - [v == target_i]) * scale_i
         scale = torch.where(keep, grad_out.float() / divisor, 0.0)
         need_h, need_w = ctx.needs_input_grad[:2]
+        if by_tokens(hidden.shape[0], weight.shape[0]):
+            return (*_backward_by_tokens(hidden, weight, safe, lse, scale, ctx.chunk, need_h, need_w),
+                    None, None, None, None)
+        vocab, rows = weight.shape[0], slice_rows(ctx.chunk, weight.shape[0], hidden.shape[0])
         grad_h = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_h else None
         grad_w = torch.empty_like(weight) if need_w else None
         for v0 in range(0, vocab, rows):
@@ -105,6 +125,23 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 grad_h += _mm_fp32(g, w)
             del g
         return (grad_h.to(hidden.dtype) if need_h else None), grad_w, None, None, None, None
+
+
+def _backward_by_tokens(hidden: torch.Tensor, weight: torch.Tensor, safe: torch.Tensor, lse: torch.Tensor,
+                        scale: torch.Tensor, chunk: int, need_h: bool, need_w: bool):
+    """(d hidden, d weight) chunk by chunk of tokens: the chunk's logits over the whole vocabulary, its rows of d
+    hidden in one GEMM, d weight summed over chunks in fp32 and rounded once."""
+    grad_h = torch.empty_like(hidden) if need_h else None
+    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+    for s in range(0, hidden.shape[0], chunk):
+        h = hidden[s:s + chunk]
+        g = quant.xent_backward_(F.linear(h, weight), lse[s:s + chunk], safe[s:s + chunk], scale[s:s + chunk])
+        if need_h:
+            torch.mm(g, weight, out=grad_h[s:s + chunk])
+        if need_w:
+            _add_mm_fp32_(grad_w, g.t(), h)
+        del g
+    return grad_h, (grad_w.to(weight.dtype) if need_w else None)
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
