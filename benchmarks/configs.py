@@ -12,6 +12,9 @@ from benchmarks.common import ROOT, check_positive, names_of, parse_cores
 from coat_ds.workloads import causal_lm as train_lib
 from coat_ds.workloads.shapes import SHAPES  # public shapes: TinyLlama's, Llama-2's, Llama-3.1's
 
+# Llama-3.2-3B's config.json (tied embeddings; its llama3 RoPE scaling left out, as the other Llama shapes')
+_LLAMA32_3B = dict(hidden_size=3072, num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8,
+                   intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True)
 # Llama shapes by name: the main job's 125m and the public ones of coat_ds.workloads.shapes.
 MODELS = {
     "tiny": dict(hidden_size=256, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
@@ -25,6 +28,9 @@ MODELS = {
     "tiny-gqa": dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=1,
                      intermediate_size=512, vocab_size=512),    # the smoke's stand-in for Llama-3.1-70B (8:1 GQA)
     "llama-125m": dict(train_lib.MODEL_SIZES["125m"], vocab_size=32000),
+    "llama3.2-3b": _LLAMA32_3B,
+    # the same with its own lm_head (3.6B parameters): ALST's tiled loss cannot train tied embeddings under ZeRO-3
+    "llama3.2-3b-untied": dict(_LLAMA32_3B, tie_word_embeddings=False),
     **SHAPES,
 }
 
