@@ -110,7 +110,8 @@ def import_circles(roots: tuple[str, ...] = ("coat_ds", "benchmarks", "examples"
     for name, path in modules.items():
         package = path.relative_to(base).with_suffix("").parts[:-1]
         names = set(_imports(path, package))
-        names |= {f"{n}.{a}" for n in list(names) for a in _from_names(path)}  # from benchmarks import plot_utils
+        froms = _from_names(path)   # once a file, not once an imported name (1,020 parses of 121 files took ~4 s)
+        names |= {f"{n}.{a}" for n in list(names) for a in froms}  # from benchmarks import plot_utils
         targets = {n for n in names if n in modules and n != name}
         graph[name] = {t for t in targets if modules[t].name != "__init__.py"}
     found, done = [], set()
