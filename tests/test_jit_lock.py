@@ -20,11 +20,15 @@ from coat_ds.op_builder import jit_lock
 from coat_ds.op_builder.jit_lock import FLOCK, TORCH_LOCK, build_lock
 from harness import child_env
 
+# jit_lock.py loaded by its path, alone (the standard library only): through coat_ds.op_builder each process imported
+# torch and DeepSpeed first, ~2.5 s of CPU, longer than most of the holds and waits tested
 HOLD = textwrap.dedent("""
-    import sys, time
+    import importlib.util, sys, time
     from pathlib import Path
-    from coat_ds.op_builder import jit_lock
-    from coat_ds.op_builder.jit_lock import TORCH_LOCK, build_lock
+    spec = importlib.util.spec_from_file_location("jit_lock", sys.argv[4])
+    jit_lock = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(jit_lock)
+    TORCH_LOCK, build_lock = jit_lock.TORCH_LOCK, jit_lock.build_lock
     d = sys.argv[1]
     jit_lock.QUIET_S = float(sys.argv[3])
     with build_lock(d, "op"):
@@ -37,8 +41,8 @@ HOLD = textwrap.dedent("""
 
 def hold(directory, seconds: float, quiet_s: float = jit_lock.QUIET_S) -> subprocess.Popen:
     """A process that holds the op's locks for `seconds` once it has them (waiting for them quietly `quiet_s`)."""
-    return subprocess.Popen([sys.executable, "-c", HOLD, str(directory), str(seconds), str(quiet_s)], env=child_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    cmd = [sys.executable, "-c", HOLD, str(directory), str(seconds), str(quiet_s), jit_lock.__file__]
+    return subprocess.Popen(cmd, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def building(proc: subprocess.Popen) -> None:
