@@ -52,6 +52,7 @@ class Todo:
     steps_left: int = 0
     why: str = ""
     est_s: float = 0.0
+    beside: int = 0                   # jobs side by side with it
 
 
 # --- Arguments --------------------------------------------------------------------------------------------------------
@@ -259,12 +260,6 @@ def shares_gpus(args: argparse.Namespace, phase: str) -> bool:
     return args.side_by_side and phase != "outliers"
 
 
-def devices(args: argparse.Namespace, phase: str, slot: int) -> str:
-    """The CUDA ids of a side-by-side job's slot."""
-    n = slot // args.jobs_per_gpu   # the slot's share of GPUs: --jobs-per-gpu slots take the same ones
-    return harness.devices([side_gpus(args, phase)] * (n + 1))[n]
-
-
 def groups(args: argparse.Namespace, plan: list[Todo]) -> list[list[Todo]]:
     """The plan in groups (harness.pack): one job at a time, or consecutive jobs of one phase side by side."""
     joins = lambda group, t: shares_gpus(args, t.job.phase) and t.job.phase == group[0].job.phase  # noqa: E731
@@ -272,22 +267,12 @@ def groups(args: argparse.Namespace, plan: list[Todo]) -> list[list[Todo]]:
                         in_order=True)
 
 
-def schedule_text(args: argparse.Namespace, res: dict, plan: list[Todo]) -> str:
-    lines, total = [], 0.0
-    for group in groups(args, plan):
-        total += max(t.est_s for t in group)
-        for t in group:
-            if t.job.phase == "outliers":
-                what = ""
-            else:
-                tps, source = rate(args, res, t.job.phase, t.job.config)
-                what = f", {t.steps_left:,} steps at {tps:,.0f} tokens/s ({source})"
-            per = side_gpus(args, t.job.phase)
-            more = f", {'one GPU' if per == 1 else f'{per} GPUs'}, beside {len(group) - 1} more" if group[1:] else ""
-            lines.append(f"  {t.job.key}: {t.why}{what}{more}: ~{t.est_s / 60:.1f} min (ends ~{total / 60:.1f} min)")
-    gpus = args.host_gpus if args.side_by_side else args.num_gpus
-    head = f"{len(plan)} jobs on {gpus} {'CPU ranks' if args.smoke else 'GPUs'}, ~{total / 60:.1f} min in all"
-    return "\n".join([head, *lines] if plan else ["nothing left to run"])
+def plan_line(args: argparse.Namespace, res: dict, t: Todo) -> str:
+    """A job in --plan-only's schedule: why it runs, its steps and tokens/s, its GPUs where side by side."""
+    phase, per = t.job.phase, side_gpus(args, t.job.phase)
+    tps, source = rate(args, res, phase, t.job.config) if phase != "outliers" else (0, "")
+    return (f"{t.job.key}: {t.why}" + f", {t.steps_left:,} steps at {tps:,.0f} tokens/s ({source})" *
+            (phase != "outliers") + f", {'one GPU' if per == 1 else f'{per} GPUs'}" * shares_gpus(args, phase))
 
 
 # --- Running ----------------------------------------------------------------------------------------------------------
@@ -304,9 +289,9 @@ def check_data(args: argparse.Namespace) -> dict[str, int]:
 
 
 def run_job(args: argparse.Namespace, res: dict, t: Todo, stop: harness.Deadline, call: dict, tokens: dict,
-            where: str | None = None, beside: int = 0) -> None:
-    """One job to its end or the deadline, on the first GPUs or the CUDA ids `where` (`beside` others); its entry
-    (or the outlier measure) written into `res`."""
+            where: str | None = None) -> None:
+    """One job to its end or the deadline, on the first GPUs or the CUDA ids `where`; its entry (or the outlier
+    measure) written into `res`."""
     job, run_dir, export_dir = t.job, args.run_root / t.job.key, args.run_root / EXPORT
     if job.phase == "outliers":
         return measure_outliers(args, res, stop, call)
@@ -328,7 +313,7 @@ def run_job(args: argparse.Namespace, res: dict, t: Todo, stop: harness.Deadline
     segments = (old or {}).get("segments", []) + [{"date": call["date"], "device": call["device"],
                                                    "command": " ".join(cmd), "from_step": t.resume_from or 0,
                                                    "to_step": state["steps_done"], "where": where,
-                                                   "beside": beside, **seg}]
+                                                   "beside": t.beside, **seg}]
     entry = {"phase": job.phase, "config": job.config, "seed": job.seed, "label": R.LABELS[job.config],
              "gpus": gpus, "run_dir": str(run_dir), **state, "segments": segments,
              "wall_s": sum(s["wall_s"] for s in segments)}
@@ -412,14 +397,22 @@ def result(args: argparse.Namespace, res: dict, calls: list[dict], tokens: dict)
             "verdicts": judge(args, res), "outliers": res.get("outliers"), "runs": runs_sorted}
 
 
-def why_not(args: argparse.Namespace, group: list[Todo], stop: harness.Deadline) -> str | None:
+def why_not(args: argparse.Namespace, group: list[Todo], est: float, stop: harness.Deadline) -> str | None:
     """Why this call does not start a group (None: it does): no export to fine-tune, or too little time (--partial-ok:
     less than MIN_PARTIAL_S before the signal)."""
-    est, phase = max(t.est_s for t in group), group[0].job.phase
+    phase = group[0].job.phase
     if phase == "finetune" and export_id(args) is None:
         return "no export of BF16's model on this machine yet"
     partial = args.partial_ok and phase != "outliers" and stop.stop_at - time.time() >= MIN_PARTIAL_S
-    return None if stop.fits(est) or partial else f"predicted {est:.0f} s, {stop.left():.0f} s left"
+    return None if partial else stop.why_not(est)
+
+
+def again(args: argparse.Namespace, res: dict, group: list[Todo]) -> list[Todo]:
+    """A group as the runs before it left it (harness.run_waves): what is left of each job, its predicted time."""
+    group = planned(args, res, [t.job for t in group])
+    for t in group:
+        t.beside = len(group) - 1
+    return group
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -427,31 +420,24 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     res = merged(args.merge, recipe_facts(args))
     plan = schedule(args, res)
-    print(schedule_text(args, res, plan), flush=True)
+    gpus = args.host_gpus if args.side_by_side else args.num_gpus
+    print(harness.plan_text(groups(args, plan), lambda t: plan_line(args, res, t),
+                            f"{gpus} {'CPU ranks' if args.smoke else 'GPUs'}"), flush=True)
     if args.plan_only:
         return 0
     tokens = check_data(args)
     args.out.mkdir(parents=True, exist_ok=True)
     args.run_root.mkdir(parents=True, exist_ok=True)
     call = harness.this_call(phase=args.phase, configs=args.configs, seeds=args.seeds, num_gpus=args.num_gpus,
-                             deadline_s=args.deadline, partial_ok=args.partial_ok, ran=[], skipped=[])
-    calls = [*res["calls"], call]
-    stop = harness.Deadline(args.deadline, STOP_MARGIN_S, KILL_MARGIN_S, start=t0)
-    for group in groups(args, plan):
-        group = planned(args, res, [t.job for t in group])   # what the runs before changed
-        why = why_not(args, group, stop) if group else "done already"
-        if why:
-            call["skipped"] += [{"job": t.job.key, "why": why} for t in group]
-            print(*(f"== {t.job.key}: skipped ({why})" for t in group), sep="\n", flush=True)
-            continue
-        call["ran"] += [t.job.key for t in group]
-        phase = group[0].job.phase
-        where = (lambda i: devices(args, phase, i)) if shares_gpus(args, phase) else (lambda i: None)
-        harness.side_by_side(lambda i, t: run_job(args, res, t, stop, call, tokens, where(i), len(group) - 1), group)
-        call["wall_s"] = time.time() - t0
-        harness.write_results(result(args, res, calls, tokens), args.out, args.name)   # what it has, after each job
+                             deadline_s=args.deadline, partial_ok=args.partial_ok)
+    calls, stop = [*res["calls"], call], harness.Deadline(args.deadline, STOP_MARGIN_S, KILL_MARGIN_S, start=t0)
+    write = lambda *_: harness.write_results(result(args, res, calls, tokens), args.out, args.name)  # noqa: E731
+    run = lambda ids, t: run_job(args, res, t, stop, call, tokens, ids if shares_gpus(args, t.job.phase) else None)  # noqa: E731
+    harness.run_waves(groups(args, plan), stop, run, write, lambda t: t.job.key, lambda t: side_gpus(args, t.job.phase),
+                      args.jobs_per_gpu, why_not=lambda g, est: why_not(args, g, est, stop),
+                      again=lambda g: again(args, res, g), log=call)
     call["wall_s"] = time.time() - t0
-    path = harness.write_results(result(args, res, calls, tokens), args.out, args.name)
+    path = write()
     tables = [args.name] if args.recipe == "moe" else [NAME, f"{NAME}_finetune"]
     print(*(render(t, args.out) for t in tables), f"-> {path}", sep="\n", flush=True)
     return 0

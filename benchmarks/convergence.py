@@ -196,20 +196,19 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
 
 
 def run_workers(rec: argparse.Namespace, jobs: list[tuple[str, int]], out: Path, max_parallel: int,
-                deadline: harness.Deadline, tag=lambda name, seed: name) -> dict[tuple[str, int], dict]:
-    """Each (config, seed) job's worker, max_parallel at once on the one device -> its result. Workers stop
-    themselves at the deadline's stop (evaluate, save), are killed at its kill; none starts in its last minute."""
-    rec.deadline = deadline.stop_at
+                deadline: harness.Deadline, tag=lambda name, seed: name, log: dict | None = None) -> dict:
+    """Each (config, seed) job's worker, in waves of max_parallel on the one device (harness.run_waves) -> its result.
+    Workers stop themselves at the deadline's stop (evaluate, save), are killed at its kill; a wave starts only
+    where a minute is left."""
+    rec.deadline, done = deadline.stop_at, {}
 
-    def run(_, job: tuple[str, int]) -> dict | None:
-        name, seed = job
-        if not deadline.fits(60):
-            return None
-        return launch(argparse.Namespace(**{**vars(rec), "seed": seed}), name, out, tag(name, seed),
-                      deadline.kill_at - time.time())
+    def run(_, job: tuple[str, int]) -> None:
+        done[job] = launch(argparse.Namespace(**{**vars(rec), "seed": job[1]}), job[0], out, tag(*job),
+                           deadline.kill_at - time.time())
 
-    done = harness.side_by_side(run, jobs, max_parallel)
-    return {job: res for job, res in zip(jobs, done) if res is not None}
+    harness.run_waves(harness.pack(jobs, max_parallel, lambda job: 1, lambda wave, job: True), deadline, run,
+                      lambda *_: None, lambda job: tag(*job), est=lambda job: 60.0, log=log)
+    return done
 
 
 def no_run(name: str, status: str) -> dict:

@@ -142,18 +142,9 @@ def waves(runs: list[Run], gpus: int) -> list[list[Run]]:
     return harness.pack([r for r in runs if r.rungs], gpus, lambda r: r.world, joins)
 
 
-def schedule_text(sched: list[list[Run]], verdicts: list[Run]) -> str:
-    """The waves, their runs and predicted seconds, and the rows the planner rules out: what --plan-only prints."""
-    lines, total = [], 0.0
-    for i, wave in enumerate(sched, 1):
-        length = max(r.est_s for r in wave)
-        total += length
-        lines.append(f"wave {i}: ~{length:.0f} s (ends ~{total:.0f} s)")
-        lines += [f"    {r.model} x{r.world} ZeRO-{r.stage} {r.preset}: micro-batch {' then '.join(map(str, r.rungs))}"
-                  f" (planner's largest {r.planned}), ~{r.est_s:.0f} s" for r in wave]
-    lines += [f"not run: {r.model} x{r.world} ZeRO-{r.stage} {r.preset}: the planner says micro-batch 1 does not fit"
-              for r in verdicts]
-    return "\n".join(lines + [f"predicted: ~{total:.0f} s for {sum(map(len, sched))} runs in {len(sched)} waves"])
+def describe(r: Run) -> str:
+    """A row in --plan-only's schedule and the call's log."""
+    return f"{r.model} x{r.world} ZeRO-{r.stage} {r.preset}"
 
 
 # --- Running a wave ---------------------------------------------------------------------------------------------------
@@ -328,28 +319,24 @@ def main(argv: list[str] | None = None) -> int:
     rows, calls = merged_rows(args.merge, vars(args))
     todo = [r for r in runs if r.rungs and (args.rerun or not (rows.get(r.key) or {}).get("largest"))]
     sched = waves(todo, args.num_gpus)
-    print(schedule_text(sched, [r for r in runs if not r.rungs]), flush=True)
+    print(harness.plan_text(sched, lambda r: f"{describe(r)}: micro-batch {' then '.join(map(str, r.rungs))} "
+                                             f"(planner's largest {r.planned})", f"{args.num_gpus} GPUs"),
+          *(f"not run: {describe(r)}: the planner says micro-batch 1 does not fit" for r in runs if not r.rungs),
+          sep="\n", flush=True)
     if args.plan_only:
         return 0
     if torch.cuda.is_available() and torch.cuda.device_count() < args.num_gpus:
         sys.exit(f"--num-gpus {args.num_gpus}: this host has {torch.cuda.device_count()} GPUs")
     rows.update({r.key: verdict(args, r) for r in runs if not r.rungs})
     args.out.mkdir(parents=True, exist_ok=True)
-    call, deadline = harness.this_call(gpus=args.num_gpus), harness.Deadline(args.deadline, start=T0)
-    log: dict = {"waves": [], "skipped": []}
-    for wave in sched:
-        names = [f"{r.model} x{r.world} ZeRO-{r.stage} {r.preset}" for r in wave]
-        if not deadline.fits(max(r.est_s for r in wave)):
-            log["skipped"] += names
-            continue
-        t0, ids = time.time(), harness.devices(r.world for r in wave)
-        on_gpu = torch.cuda.is_available()
-        done = harness.side_by_side(lambda i, r: run_one(args, r, ids[i] if on_gpu else None, deadline.stop_at), wave)
-        rows.update({key_of(row): row for row in done})
-        log["waves"].append({"runs": names, "predicted_s": max(r.est_s for r in wave), "wall_s": time.time() - t0})
-        harness.write_results(result(args, rows, [*calls, call], log), args.out, NAME)   # what it has, after each wave
-    path = harness.write_results(result(args, rows, [*calls, call] if log["waves"] else calls, log), args.out, NAME)
-    print(render(NAME, args.out), f"-> {path}", sep="\n")
+    call, deadline, log = harness.this_call(gpus=args.num_gpus), harness.Deadline(args.deadline, start=T0), {}
+    write = lambda: harness.write_results(result(args, rows, [*calls, call] if log["ran"] else calls, log),  # noqa: E731
+                                          args.out, NAME)
+    on_gpu = torch.cuda.is_available()
+    harness.run_waves(sched, deadline, lambda ids, r: run_one(args, r, ids if on_gpu else None, deadline.stop_at),
+                      lambda wave, done: (rows.update({key_of(row): row for row in done}), write()), describe,
+                      size=lambda r: r.world, log=log)
+    print(render(NAME, args.out), f"-> {write()}", sep="\n")
     return 0
 
 

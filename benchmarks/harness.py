@@ -58,6 +58,10 @@ class Deadline:
         """A job predicted to take `est_s` ends before it is told to stop."""
         return est_s <= self.stop_at - time.time()
 
+    def why_not(self, est_s: float) -> str | None:
+        """Why a job predicted to take `est_s` does not start (None: it fits)."""
+        return None if self.fits(est_s) else f"predicted {est_s:.0f} s, {self.left():.0f} s left"
+
 
 # --- Slots: jobs side by side on disjoint GPUs ------------------------------------------------------------------------
 def pack(jobs: list[J], gpus: int, size: Callable[[J], int], joins: Callable[[list[J], J], bool],
@@ -78,12 +82,12 @@ def pack(jobs: list[J], gpus: int, size: Callable[[J], int], joins: Callable[[li
     return out
 
 
-def devices(sizes: Iterable[int]) -> list[str]:
-    """Each job's CUDA ids, disjoint and from GPU 0: sizes 1, 1, 2 -> "0", "1", "2,3"."""
+def devices(sizes: Iterable[int], share: int = 1) -> list[str]:
+    """Each job's CUDA ids, disjoint and from GPU 0, `share` jobs on the same ones: sizes 1, 1, 2 -> "0", "1", "2,3"."""
     out, first = [], 0
-    for n in sizes:
+    for i, n in enumerate(sizes, 1):
         out.append(",".join(map(str, range(first, first + n))))
-        first += n
+        first += n if i % share == 0 else 0
     return out
 
 
@@ -93,6 +97,46 @@ def side_by_side(run: Callable[[int, J], object], jobs: list[J], at_once: int | 
         return [run(0, jobs[0])]
     with ThreadPoolExecutor(at_once or len(jobs)) as pool:
         return list(pool.map(run, range(len(jobs)), jobs))
+
+
+def plan_text(waves: list[list[J]], line: Callable[[J], str], where: str, est=lambda job: job.est_s) -> str:
+    """What --plan-only prints: each wave's predicted seconds and end, a job a line (`line(job)`), the total."""
+    out, total = [], 0.0
+    for i, wave in enumerate(waves, 1):
+        total += max(map(est, wave))
+        out.append(f"wave {i}: ~{max(map(est, wave)):.0f} s (ends ~{total:.0f} s)")
+        out += [f"    {line(job)}: ~{est(job):.0f} s" for job in wave]
+    n = sum(map(len, waves))
+    return "\n".join(out + [f"predicted: ~{total:.0f} s ({total / 60:.1f} min) for {n} jobs on {where} in "
+                            f"{len(waves)} waves"])
+
+
+def run_waves(waves: list[list[J]], deadline: Deadline, run: Callable[[str, J], object],
+              after: Callable[[list[J], list], None], name: Callable[[J], str], size=lambda job: 1, share: int = 1,
+              est=lambda job: job.est_s, why_not: Callable[[list[J], float], str | None] | None = None,
+              again=lambda wave: wave, log: dict | None = None) -> dict:
+    """Each wave side by side, run(its CUDA ids, job) (`devices` of their `size`s), where `why_not(wave, predicted
+    seconds)` lets it (default: the deadline's), then `after(wave, results)` (the file rewritten: a call cut off keeps
+    what ran); `again(wave)`: the wave predicted anew from what ran before it. -> `log` with the jobs that ran, those
+    skipped and why, each wave's predicted and measured seconds, the call's."""
+    log = {} if log is None else log
+    for key in ("ran", "skipped", "waves"):
+        log.setdefault(key, [])
+    for wave in waves:
+        wave = again(wave)
+        names, length = [name(job) for job in wave], max(map(est, wave), default=0.0)
+        why = (why_not or (lambda _, s: deadline.why_not(s)))(wave, length) if wave else "done already"
+        if why:
+            log["skipped"] += [{"job": n, "why": why} for n in names]
+            print(*(f"== {n}: skipped ({why})" for n in names), sep="\n", flush=True)
+            continue
+        t0, ids = time.time(), devices(map(size, wave), share)
+        done = side_by_side(lambda i, job: run(ids[i], job), wave)
+        log["ran"] += names
+        log["waves"].append({"jobs": names, "predicted_s": length, "wall_s": time.time() - t0})
+        log["wall_s"] = time.time() - deadline.start
+        after(wave, done)
+    return log
 
 
 # --- A job's process --------------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import deepspeed
 import torch
 
 from benchmarks import harness
-from benchmarks.common import (GIB, ROOT, StepProbe, WarningLog, check_positive, parser, provenance, read_json,
+from benchmarks.common import (GIB, ROOT, StepProbe, WarningLog, check_positive, parser, read_json,
                                worker_cmd)
 from benchmarks.configs import MODELS, build_model, merge_into
 from benchmarks.e2e import ratio
@@ -260,41 +260,38 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     return args, specs
 
 
-def run_all(specs: list[str], args: argparse.Namespace, out: Path, deadline: harness.Deadline) -> list[dict]:
-    """One worker per run, in order, skipping those the time budget no longer leaves room for -> their rows."""
-    rows = []
-    for spec in specs:
-        run = parse_run(spec)
-        if not deadline.fits(NEEDS_S.get(run["model"], 45)):
-            rows.append({**run, "error": f"skipped: time budget ({args.time_budget:.0f} s) spent"})
-            continue
-        print(f"== {spec}", flush=True)
-        r = harness.worker_row(lambda result: worker_cmd(
-            "benchmarks.hf_trainer_speed", args, ("seq_len", "warmup", "steps", "mem_fraction"), run=spec,
-            result=result, scratch=out / "trainer_out"), deadline.left(), echo=lambda line: args.verbose, **run)
-        rows.append(r)
-        if "error" in r:
-            print(f"   failed: {r['error']}", flush=True)
-        if "tokens_per_s" in r:
-            print(f"   {r['tokens_per_s']:,.0f} tok/s (median), {r['tokens_per_s_mean']:,.0f} (mean), peak "
-                  f"{r['peak_alloc_gb'] or 0:.2f} GiB, {r['wall_s']:.0f} s", flush=True)
-    return rows
+def run_one(spec: str, args: argparse.Namespace, out: Path, deadline: harness.Deadline) -> dict:
+    """One run's worker -> its row (or how it failed)."""
+    print(f"== {spec}", flush=True)
+    r = harness.worker_row(lambda result: worker_cmd(
+        "benchmarks.hf_trainer_speed", args, ("seq_len", "warmup", "steps", "mem_fraction"), run=spec,
+        result=result, scratch=out / "trainer_out"), deadline.left(), echo=lambda line: args.verbose, **parse_run(spec))
+    if "error" in r:
+        print(f"   failed: {r['error']}", flush=True)
+    if "tokens_per_s" in r:
+        print(f"   {r['tokens_per_s']:,.0f} tok/s (median), {r['tokens_per_s_mean']:,.0f} (mean), peak "
+              f"{r['peak_alloc_gb'] or 0:.2f} GiB, {r['wall_s']:.0f} s", flush=True)
+    return r
 
 
 def main(argv: list[str] | None = None) -> int:
     args, specs = parse_args(argv)
     if args.worker:
         return harness.worker_exit(lambda: worker(args))
-    out, t0 = Path(args.out), time.time()
+    out, t0, done, call = Path(args.out), time.time(), {}, harness.this_call()
     out.mkdir(parents=True, exist_ok=True)
     setting = {"seq_len": args.seq_len, "warmup_steps": args.warmup, "timed_steps": args.steps}
     old = read_json(out / "hf_trainer.json", {"runs": []}) if args.merge else {"runs": []}
     if old["runs"]:   # the runs not rerun now stay: they must have been timed alike
         harness.same_setting(str(out / "hf_trainer.json"), {k: old.get(k) for k in setting}, setting)
-    rows = run_all(specs, args, out, harness.Deadline(args.time_budget, start=t0))
+    deadline = harness.Deadline(args.time_budget, start=t0)
+    harness.run_waves([[s] for s in specs], deadline, lambda _, s: done.update({s: run_one(s, args, out, deadline)}),
+                      lambda *_: None, str, est=lambda s: NEEDS_S.get(parse_run(s)["model"], 45))
+    rows = [done.get(s) or {**parse_run(s), "error": f"skipped: time budget ({args.time_budget:.0f} s) spent"}
+            for s in specs]
     rows = list(harness.merged(lambda r: r["spec"], old["runs"], rows).values())
     res = {**setting, "hf_config": HF_CONFIG, "tunings": TUNINGS, "presets": {k: v[0] for k, v in PRESETS.items()},
-           "runs": rows, **summarize(rows), "targets": TARGETS, **provenance()}
+           "runs": rows, **summarize(rows), "targets": TARGETS, **harness.head([*harness.calls_of([old]), call])}
     res.update(targets_met=targets_met(res), wall_s=time.time() - t0, smoke=args.smoke)
     path = harness.write_results(res, out, "hf_trainer")
     print(json.dumps({k: res[k] for k in ("trainer_over_plain", "coat_over_bf16", "targets_met")}, indent=1))

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import harness
-from benchmarks.common import (GIB, T0, check_positive, device_name, names_of, parser, proc_bytes, read_json, versions,
+from benchmarks.common import (GIB, T0, check_positive, device_name, names_of, parser, proc_bytes, versions,
                                worker_cmd)
 from benchmarks.configs import MODELS as SHAPES, build_model, ds_config
 from benchmarks.worker import StorageCounter, Worker, _tensors, base_optimizer
@@ -202,44 +202,46 @@ def worker(args: argparse.Namespace) -> int:
 
 
 # --- Parent: prediction, one worker per row, merged into offload.json -------------------------------------------------
-def launch(args: argparse.Namespace, model: str, config: str, micro_batch: int, budget: float) -> dict:
-    """One row's worker process -> its row (or why it has none)."""
-    result = Path(args.out) / f"offload_{model}_{config}.row.json"
-    result.unlink(missing_ok=True)
-    cmd = worker_cmd("benchmarks.offload", args, ("seq_len", "steps", "warmup", "seed"), models=model,
-                     configs=config, micro_batch=micro_batch, budget_s=max(budget - 30, 10), result=result,
-                     no_pin_memory=not args.pin_memory)
-    print(f"== {model} / {config}, micro-batch {micro_batch}: {' '.join(cmd)}", flush=True)
-    rc, tail = harness.run_worker(cmd, budget)
-    why = "host OOM: killed by SIGKILL" if rc in (-9, 137) else f"worker exit {rc}"
-    return read_json(result) or {"model": model, "config": config, "micro_batch": micro_batch, "fits": False,
-                                 "why_not": why, "error_tail": tail[-1500:]}
-
-
-def one_row(args: argparse.Namespace, model: str, config: str, avail: int) -> dict | None:
-    """The predicted host memory, then the worker where it fits (half the micro-batch once after a GPU OOM); None:
-    no time left."""
+def host_plan(args: argparse.Namespace, model: str, config: str, avail: int) -> dict:
+    """The row's predicted host memory and whether it fits the host (a row that does not is not run)."""
     groups, largest = model_numels(model)
     on_cuda = torch.cuda.is_available()
     p = predict_host(groups, largest, config, pinned=args.pin_memory and on_cuda,
                      pow2=os.environ.get("DS_PIN_MEMORY_BACKEND", "torch") != "native", base=BASE_RSS if on_cuda else 0)
     p["per_param"] = {k: v / sum(groups) for k, v in p.items() if k.endswith("_bytes")}
-    plan = {"prediction": p, "host_available_bytes": avail, "params": sum(groups),
+    return {"prediction": p, "host_available_bytes": avail, "params": sum(groups),
             "predicted_fits": p["peak_bytes"] <= HOST_MARGIN * avail or not on_cuda}
-    if not plan["predicted_fits"]:
-        return {"model": model, "config": config, "label": CONFIGS[config], "fits": False,
-                "why_not": f"host OOM predicted: peak {p['peak_bytes'] / GIB:.1f} GiB (set-up "
-                           f"{p['setup_peak_bytes'] / GIB:.1f}, steady {p['steady_bytes'] / GIB:.1f}) > "
-                           f"{HOST_MARGIN} x {avail / GIB:.1f} GiB available; not run", **plan, "pinned": p["pinned"]}
-    est = EST_S.get(model, 300)
-    if not args.deadline.fits(min(est, 60)):
-        return None
+
+
+def not_run(model: str, config: str, plan: dict) -> dict:
+    """A row predicted not to fit the host: its prediction, not run."""
+    p, avail = plan["prediction"], plan["host_available_bytes"]
+    return {"model": model, "config": config, "label": CONFIGS[config], "fits": False,
+            "why_not": f"host OOM predicted: peak {p['peak_bytes'] / GIB:.1f} GiB (set-up "
+                       f"{p['setup_peak_bytes'] / GIB:.1f}, steady {p['steady_bytes'] / GIB:.1f}) > "
+                       f"{HOST_MARGIN} x {avail / GIB:.1f} GiB available; not run", **plan, "pinned": p["pinned"]}
+
+
+def one_row(args: argparse.Namespace, model: str, config: str, plan: dict) -> dict:
+    """The row's worker (half the micro-batch once after a GPU OOM, where the time left allows)."""
+    def launch(mb: int) -> dict:
+        print(f"== {model} / {config}, micro-batch {mb}", flush=True)
+        row = harness.worker_row(lambda result: worker_cmd(
+            "benchmarks.offload", args, ("seq_len", "steps", "warmup", "seed"), models=model, configs=config,
+            micro_batch=mb, budget_s=max(args.deadline.left() - 30, 10), result=result,
+            no_pin_memory=not args.pin_memory), args.deadline.left(), model=model, config=config, micro_batch=mb)
+        if "returncode" in row:
+            row["why_not"] = "host OOM: killed by SIGKILL" if row["returncode"] in (-9, 137) else \
+                f"worker exit {row['returncode']}"
+        return row
+
     mb = args.micro_batch or MICRO_BATCH.get(model, 1)
-    row = launch(args, model, config, mb, args.deadline.left())
-    if row.get("gpu_oom") and mb > 1 and args.deadline.fits(est):
-        row = launch(args, model, config, mb // 2, args.deadline.left())
+    row = launch(mb)
+    if row.get("gpu_oom") and mb > 1 and args.deadline.fits(EST_S.get(model, 300)):
+        row = launch(mb // 2)
     # pinned: as the worker's DeepSpeed config said, or as predicted where no engine was built
-    return {**row, **plan, "label": CONFIGS[config], "pinned": args.pin_memory if "ds_config" in row else p["pinned"]}
+    return {**row, **plan, "label": CONFIGS[config],
+            "pinned": args.pin_memory if "ds_config" in row else plan["prediction"]["pinned"]}
 
 
 def _row_order(row: dict) -> tuple[int, int]:
@@ -283,23 +285,24 @@ def main(argv: list[str] | None = None) -> int:
         args.models, args.seq_len, args.steps, args.warmup = ["tiny"], 32, 2, 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    args.deadline, avail, rows = harness.Deadline(args.time_budget), proc_bytes("MemAvailable", "/proc/meminfo"), []
-    call, path = harness.this_call(), out / "offload.json"
-    # the rows so far replace the file's rows of the same (model, config), at the same sequence length only: checked
-    # before the first row runs too
-    into = lambda: harness.into_file(path, rows, lambda r: (r["model"], r["config"]), meta(args, avail), call,  # noqa: E731
-                                     ("seq_len",))
-    into()
-    for model in args.models:
-        for config in args.configs:
-            row = one_row(args, model, config, avail)
-            if row is None:
-                print(f"== {model} / {config}: skipped, time budget spent", flush=True)
-                continue
-            rows.append(row)
-            res = into()
-            res["rows"].sort(key=_row_order)
+    args.deadline, avail = harness.Deadline(args.time_budget), proc_bytes("MemAvailable", "/proc/meminfo")
+    call, path, rows = harness.this_call(), out / "offload.json", []
+    plans = {(m, c): host_plan(args, m, c, avail) for m in args.models for c in args.configs}
+
+    def write(*_) -> None:   # the rows so far replace the file's of the same (model, config) and sequence length
+        res = harness.into_file(path, rows, lambda r: (r["model"], r["config"]), meta(args, avail), call, ("seq_len",))
+        res["rows"].sort(key=_row_order)
+        if rows:
             harness.write_results(res, out, "offload")
+
+    write()   # a file of another sequence length refused before the first row
+    for job, plan in plans.items():
+        if not plan["predicted_fits"]:
+            rows.append(not_run(*job, plan))
+    harness.run_waves([[job] for job, plan in plans.items() if plan["predicted_fits"]], args.deadline,
+                      lambda _, job: rows.append(one_row(args, *job, plans[job])), write, " / ".join,
+                      est=lambda job: min(EST_S.get(job[0], 300), 60), log=call)
+    write()
     if not rows:
         return 1
     print(render("offload", out) + f"-> {path}")

@@ -156,10 +156,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // at_once)))   # the cores shared
     pairs = [(n, s) for s in seeds for n in names]          # seed-major: a short budget still covers every config
     deadline = harness.Deadline(args.time_budget, STOP_MARGIN_S, KILL_MARGIN_S, start=t0)
-    done = convergence.run_workers(rec, pairs, out, args.max_parallel, deadline, tag=lambda n, s: f"{n}_seed{s}")
-    res["calls"].append(harness.this_call(section=key, configs=names, seeds=seeds, max_parallel=args.max_parallel,
-                                          omp_num_threads=os.environ["OMP_NUM_THREADS"],
-                                          time_budget_s=args.time_budget, wall_s=time.time() - t0))
+    call = harness.this_call(section=key, configs=names, seeds=seeds, max_parallel=args.max_parallel,
+                             omp_num_threads=os.environ["OMP_NUM_THREADS"], time_budget_s=args.time_budget)
+    done = convergence.run_workers(rec, pairs, out, args.max_parallel, deadline, lambda n, s: f"{n}_seed{s}", call)
+    res["calls"].append(call)
     merge(res[key], done, len(res["calls"]) - 1)
     keys = [k for k in ("default", "long_data", *convergence.FAMILIES) if k in res]
     for k in keys:

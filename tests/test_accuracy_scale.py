@@ -14,7 +14,7 @@ import torch
 from harness import ROOT
 
 sys.path.insert(0, str(ROOT))
-from benchmarks import accuracy_scale as S  # noqa: E402
+from benchmarks import accuracy_scale as S, harness  # noqa: E402
 from benchmarks import render_tables as rt  # noqa: E402
 from benchmarks.accuracy import outliers, recipe as R, runs, verdicts as V  # noqa: E402
 
@@ -160,13 +160,15 @@ def test_side_by_side_pairs_pretraining_runs_on_disjoint_gpus_and_fine_tunings_o
     pre = groups[3:]
     assert all(len(g) == 2 for g in pre[:-1]) and sum(map(len, pre)) == 7 and pre[0] == ["pretrain_exact_s0",
                                                                                          "pretrain_lowest_memory_s0"]
-    assert [S.devices(args, "pretrain", i) for i in (0, 1)] == ["0,1", "2,3"]
-    assert [S.devices(args, "finetune", i) for i in range(4)] == ["0", "1", "2", "3"]
+    assert harness.devices([S.side_gpus(args, "pretrain")] * 2) == ["0,1", "2,3"]
+    assert harness.devices([S.side_gpus(args, "finetune")] * 4) == ["0", "1", "2", "3"]
     assert all(len(g) == 1 for g in S.groups(S.parse_args(argv), plan))          # not side by side: one at a time
     assert S.main([*argv, "--side-by-side", "--plan-only", "--phase", "pretrain"]) == 0
     out = capsys.readouterr().out
     assert "8 jobs on 4 GPUs" in out
-    assert "pretrain_exact_s0: from scratch, 3,100 steps at 175,000 tokens/s (assumed), 2 GPUs, beside 1 more" in out
+    wave = next(w for w in out.split("wave ") if "pretrain_exact_s0" in w).splitlines()
+    assert len(wave) == 3 and wave[2].startswith("    pretrain_exact_s0: from scratch, 3,100 steps at 175,000 tokens/s "
+                                                  "(assumed), 2 GPUs: ~")          # beside one more
 
 
 def test_the_moe_recipe_pretrains_only_its_twelve_runs_sharing_one_gpu(capsys):
@@ -180,7 +182,7 @@ def test_the_moe_recipe_pretrains_only_its_twelve_runs_sharing_one_gpu(capsys):
     groups = [[t.job.key for t in g] for g in S.groups(args, S.schedule(args, {"runs": {}, "outliers": None}))]
     assert [len(g) for g in groups] == [8, 4] and all(k.startswith("pretrain_") for g in groups for k in g)
     assert {f"pretrain_{c}_s{s}" for c in R.CONFIGS for s in (0, 1, 2)} == {k for g in groups for k in g}
-    assert {S.devices(args, "pretrain", i) for i in range(8)} == {"0"}
+    assert set(harness.devices([S.side_gpus(args, "pretrain")] * 8, args.jobs_per_gpu)) == {"0"}
     assert S.main([*argv, "--plan-only"]) == 0
     assert "12 jobs on 1 GPUs" in capsys.readouterr().out
 
