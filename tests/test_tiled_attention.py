@@ -295,3 +295,37 @@ def test_tiled_attention_backward_peak_memory_on_gpu():
         diff = (g_.float() - r_.float()).abs().max().item()
         assert diff <= 2.0 ** -4 * r_.float().abs().max().item(), (name, diff)
         assert torch.nn.functional.cosine_similarity(g_.float().flatten(), r_.float().flatten(), 0) >= 0.999, name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("s0", [0, 384])
+def test_cudnn_causal_parts_match_one_softmax_over_the_tiles_keys(s0):
+    """CausalParts (a causal tile as cuDNN calls merged by log-sum-exp) against fp32 SDPA with the bottom-right
+    causal mask, on every element of the output and q, k, v's gradients: no further from it than the stock bf16
+    SDPA call (FlashAttention-2) is, beyond one bf16 step of the largest magnitude."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    g = torch.Generator(device="cuda").manual_seed(s0)
+    t, r, hd = 256, 4, 128
+    q = torch.randn(1, t, r, hd, device="cuda", generator=g).to(DT).transpose(1, 2)
+    k, v = (torch.randn(1, s0 + t, 1, hd, device="cuda", generator=g).to(DT).transpose(1, 2) for _ in "kv")
+    do = torch.randn(1, r, t, hd, device="cuda", generator=g).to(DT)
+    if not T.cudnn_causal(q, k, v):
+        pytest.skip("cuDNN's SDPA does not take these tensors on this GPU")
+
+    def stock(dtype):
+        ins = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
+        out = torch.nn.functional.scaled_dot_product_attention(*ins, attn_mask=causal_lower_right(t, s0 + t),
+                                                               enable_gqa=True)
+        out.backward(do.to(dtype))
+        return [out.detach()] + [x.grad for x in ins]
+
+    ref, bf16 = stock(torch.float32), stock(DT)
+    parts = T.CausalParts(q, k, v, s0, hd ** -0.5)
+    dq, dks, dvs = parts.backward(do)
+    dk = torch.cat(dks[::-1], dim=2).float() if len(dks) > 1 else dks[0].float()
+    dv = torch.cat(dvs[::-1], dim=2).float() if len(dvs) > 1 else dvs[0].float()
+    for name, got, stock_, want in zip(["out", "dq", "dk", "dv"], [parts.out, dq, dk, dv], bf16, ref):
+        assert torch.isfinite(got).all(), name
+        err, stock_err = ((x.float() - want).abs().max().item() for x in (got, stock_))
+        assert err <= stock_err + 2.0 ** -8 * want.abs().max().item(), (name, err, stock_err)

@@ -15,6 +15,12 @@ function (causal by `is_causal`) keys 0..s1 with the causal diagonal aligned bot
 elsewhere (eager, or a non-causal module) every key. Only the stock sdpa and eager functions are tiled: another
 function (Ulysses' all-to-all wrapper, flash) keeps the untiled backward.
 
+Causal tiles without a mask on CUDA run as cuDNN attention calls where cuDNN takes them (`CausalParts`): the tile's
+queries against its own keys (a square, causal from the top left: the same diagonal) and against the keys before it
+(no mask), merged by their log-sum-exps; each part's backward is cuDNN's own, handed the merged output and
+log-sum-exp. SDPA runs a bottom-right causal tile only through FlashAttention-2, whose backward took 1.7x cuDNN's on
+an H200 (4 layers of 8B at 131,072 tokens: 7.5 s a step untiled, 10.1 s tiled through FlashAttention-2).
+
 Scales: o_proj's output gradient dh takes one E5M2 scale over the whole sequence, as untiled (one row-maxima pass
 over dh), so do is the untiled do row for row; the recomputed o takes a per-tile E4M3 scale (a global one would need
 every tile's o first: one more attention forward). Scales are powers of two and a tile's is at most the whole
@@ -124,6 +130,54 @@ def head_groups(heads: int, kv_heads: int) -> list[tuple[slice, slice]]:
     return [(slice(g * r, (g + 1) * r), slice(g, g + 1)) for g in range(kv_heads)]
 
 
+def cudnn_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether cuDNN's attention takes a causal tile's parts: CUDA, cuDNN's SDPA enabled and able for these
+    tensors (dtype, head_dim, GQA heads)."""
+    if not (q.is_cuda and torch.backends.cuda.cudnn_sdp_enabled()):
+        return False
+    params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, True, q.shape[1] != k.shape[1])
+    return torch.backends.cuda.can_use_cudnn_attention(params)
+
+
+class CausalParts:
+    """Queries s0..s1 against keys 0..s1, causal from the bottom right, as cuDNN calls: keys s0..s1 (a square: causal
+    from the top left is the same diagonal) and, past the first tile, keys 0..s0 unmasked; the outputs merged by
+    their log-sum-exps. `backward` runs each part's cuDNN backward with the merged output and log-sum-exp: the
+    gradient of one softmax over all the tile's keys, each part's keys getting their own columns of it."""
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s0: int, scale: float) -> None:
+        s1 = s0 + q.shape[2]
+        self.q, self.scale = q, scale
+        self.parts = [(k[:, :, s0:s1], v[:, :, s0:s1], True)] + ([(k[:, :, :s0], v[:, :, :s0], False)] if s0 else [])
+        runs = [torch.ops.aten._scaled_dot_product_cudnn_attention(q, pk, pv, None, True, 0.0, causal, False,
+                                                                     scale=scale)
+                for pk, pv, causal in self.parts]
+        self.runs = [r[2:8] for r in runs]   # what a part's backward takes besides tensors (not its output)
+        if len(runs) == 1:
+            self.out, self.lse = runs[0][0], runs[0][1]
+            return
+        (oa, la), (ob, lb) = ((r[0], r[1]) for r in runs)
+        del runs
+        self.lse = torch.logaddexp(la, lb)
+        wa, wb = ((x - self.lse).exp() for x in (la, lb))
+        if wa.dim() < oa.dim():
+            wa, wb = wa.unsqueeze(-1), wb.unsqueeze(-1)
+        self.out = torch.empty_like(oa).copy_(oa.float() * wa + ob.float() * wb)   # oa's strides, cuDNN's layout
+
+    def backward(self, do: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+        """(dq, each part's dk, each part's dv), parts in the order [own keys, keys before]."""
+        do = torch.empty_like(self.out).copy_(do)   # the output's strides, as cuDNN's backward expects of do
+        dq, dks, dvs = None, [], []
+        for (pk, pv, causal), r in zip(self.parts, self.runs):
+            gq, gk, gv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+                do, self.q, pk, pv, self.out, self.lse, r[4], r[5], None, r[0], r[1], r[2], r[3], 0.0, causal,
+                scale=self.scale)
+            dq = gq.float() if dq is None else dq.add_(gq)
+            dks.append(gk)
+            dvs.append(gv)
+        return dq.to(self.q.dtype), dks, dvs
+
+
 def backward(ctx: Any, dh: torch.Tensor) -> tuple:
     """Fp8AttentionFn.backward over query tiles of ctx.cfg.tile_tokens (ctx.call a TiledCall); the same gradients."""
     qc, qe, kc, ke, vc, ve, mask = ctx.saved_tensors
@@ -138,6 +192,9 @@ def backward(ctx: Any, dh: torch.Tensor) -> tuple:
     dq = _like(ql, k.dtype, k.device)
     dk, dv = (_like(layout, torch.float32, k.device).zero_() for layout in (kl, vl))   # k's and v's layouts
     dw = None
+    # causal tiles through cuDNN (CausalParts) where it takes them, else each tile's call under autograd
+    fused = mask is None and tc.causal and cudnn_causal(dequant_rows(qc, qe, ql, 0, 1)[:, :nh // nkv], k[:, :1],
+                                                        v[:, :1])
     with held_operands(group):
         wt, ws = group.operand(transposed=True)
         for r in tiles(seq, cfg.tile_tokens):
@@ -146,6 +203,10 @@ def backward(ctx: Any, dh: torch.Tensor) -> tuple:
             q_t = dequant_rows(qc, qe, ql, s0, s1)
             leaves, outs = [], []
             for qh, kh in head_groups(nh, nkv):   # one call per kv head under GQA (see head_groups)
+                if fused:
+                    leaves.append(CausalParts(q_t[:, qh], k[:, kh], v[:, kh], s0, tc.scaling))
+                    outs.append(leaves[-1].out.transpose(1, 2))
+                    continue
                 group_leaves = [q_t[:, qh].detach().requires_grad_(), k[:, kh, :n].detach().requires_grad_(),
                                 v[:, kh, :n].detach().requires_grad_()]
                 m = mask[:, qh] if mask is not None and mask.shape[1] > 1 else mask
@@ -163,6 +224,14 @@ def backward(ctx: Any, dh: torch.Tensor) -> tuple:
             dos = do.view(b, s1 - s0, nh, hd).split([o.shape[2] for o in outs], dim=2)
             del do
             for (qh, kh), o, d, group_leaves in zip(head_groups(nh, nkv), outs, dos, leaves):
+                if fused:
+                    gq, gks, gvs = group_leaves.backward(d.transpose(1, 2))
+                    dq[:, qh, s0:s1] = gq
+                    for (lo, hi), gk, gv in zip(((s0, s1), (0, s0)), gks, gvs):
+                        dk[:, kh, lo:hi] += gk
+                        dv[:, kh, lo:hi] += gv
+                    del gq, gks, gvs
+                    continue
                 # one call's vjp at a time: its dk, dv over all keys summed before the next call's exist
                 gq, gk, gv = torch.autograd.grad(o, group_leaves, d)
                 dq[:, qh, s0:s1] = gq
