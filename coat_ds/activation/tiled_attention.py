@@ -19,7 +19,8 @@ Causal tiles without a mask on CUDA run as cuDNN attention calls where cuDNN tak
 queries against its own keys (a square, causal from the top left: the same diagonal) and against the keys before it
 (no mask), merged by their log-sum-exps; each part's backward is cuDNN's own, handed the merged output and
 log-sum-exp. SDPA runs a bottom-right causal tile only through FlashAttention-2, whose backward took 1.7x cuDNN's on
-an H200 (4 layers of 8B at 131,072 tokens: 7.5 s a step untiled, 10.1 s tiled through FlashAttention-2).
+an H200 (4 layers of 8B at 131,072 tokens: 7.5 s a step untiled, 10.1 s tiled through FlashAttention-2, 7.7 s
+through cuDNN: benchmarks/logs/long_context_attention_2026-12-03.log).
 
 Scales: o_proj's output gradient dh takes one E5M2 scale over the whole sequence, as untiled (one row-maxima pass
 over dh), so do is the untiled do row for row; the recomputed o takes a per-tile E4M3 scale (a global one would need
@@ -148,10 +149,12 @@ class CausalParts:
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s0: int, scale: float) -> None:
         s1 = s0 + q.shape[2]
         self.q, self.scale = q, scale
-        self.parts = [(k[:, :, s0:s1], v[:, :, s0:s1], True)] + ([(k[:, :, :s0], v[:, :, :s0], False)] if s0 else [])
+        own, before = slice(s0, s1), slice(0, s0)
+        self.parts = [(keys, k[:, :, keys], v[:, :, keys], causal) for keys, causal in ((own, True), (before, False))
+                      if keys.stop > keys.start]
         runs = [torch.ops.aten._scaled_dot_product_cudnn_attention(q, pk, pv, None, True, 0.0, causal, False,
                                                                      scale=scale)
-                for pk, pv, causal in self.parts]
+                for _, pk, pv, causal in self.parts]
         self.runs = [r[2:8] for r in runs]   # what a part's backward takes besides tensors (not its output)
         if len(runs) == 1:
             self.out, self.lse = runs[0][0], runs[0][1]
@@ -164,19 +167,51 @@ class CausalParts:
             wa, wb = wa.unsqueeze(-1), wb.unsqueeze(-1)
         self.out = torch.empty_like(oa).copy_(oa.float() * wa + ob.float() * wb)   # oa's strides, cuDNN's layout
 
-    def backward(self, do: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
-        """(dq, each part's dk, each part's dv), parts in the order [own keys, keys before]."""
-        do = torch.empty_like(self.out).copy_(do)   # the output's strides, as cuDNN's backward expects of do
-        dq, dks, dvs = None, [], []
-        for (pk, pv, causal), r in zip(self.parts, self.runs):
+    @property
+    def rows(self) -> torch.Tensor:
+        """The output as [b, tile, heads, d]."""
+        return self.out.transpose(1, 2)
+
+    def backward(self, do: torch.Tensor) -> tuple[torch.Tensor, list[tuple[slice, torch.Tensor, torch.Tensor]]]:
+        """do ([b, tile, heads, d]) -> (dq, [(keys, dk, dv) of each part])."""
+        do = torch.empty_like(self.out).copy_(do.transpose(1, 2))   # the output's strides, as cuDNN's backward takes
+        dq, parts = None, []
+        for (keys, pk, pv, causal), r in zip(self.parts, self.runs):
             gq, gk, gv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
                 do, self.q, pk, pv, self.out, self.lse, r[4], r[5], None, r[0], r[1], r[2], r[3], 0.0, causal,
                 scale=self.scale)
             dq = gq.float() if dq is None else dq.add_(gq)
-            dks.append(gk)
-            dvs.append(gv)
-        return dq.to(self.q.dtype), dks, dvs
+            parts.append((keys, gk, gv))
+        return dq.to(self.q.dtype), parts
 
+
+class AutogradTile:
+    """One head group's tile through the layer's call under autograd (a mask, eager, or no cuDNN), the same
+    interface as CausalParts."""
+
+    def __init__(self, tc: TiledCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                 s0: int, s1: int) -> None:
+        self.leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        with torch.enable_grad():
+            self.o = tc.tile(*self.leaves, mask, s0, s1)
+        self.rows = self.o.detach()
+
+    def backward(self, do: torch.Tensor) -> tuple[torch.Tensor, list[tuple[slice, torch.Tensor, torch.Tensor]]]:
+        gq, gk, gv = torch.autograd.grad(self.o, self.leaves, do)
+        return gq, [(slice(0, gk.shape[2]), gk, gv)]
+
+
+
+def tile_calls(tc: TiledCall, q_t: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+               s0: int, s1: int, fused: bool) -> list:
+    """The tile's attention, one call per kv head under GQA (see head_groups): CausalParts where `fused` (causal,
+    no mask, cuDNN takes it), else AutogradTile against the keys the tile sees."""
+    n, nh, nkv = tc.keys(s1, mask, k.shape[2]), q_t.shape[1], k.shape[1]
+    if fused:
+        return [CausalParts(q_t[:, qh], k[:, kh], v[:, kh], s0, tc.scaling) for qh, kh in head_groups(nh, nkv)]
+    return [AutogradTile(tc, q_t[:, qh], k[:, kh, :n], v[:, kh, :n],
+                         mask[:, qh] if mask is not None and mask.shape[1] > 1 else mask, s0, s1)
+            for qh, kh in head_groups(nh, nkv)]
 
 def backward(ctx: Any, dh: torch.Tensor) -> tuple:
     """Fp8AttentionFn.backward over query tiles of ctx.cfg.tile_tokens (ctx.call a TiledCall); the same gradients."""
@@ -192,53 +227,31 @@ def backward(ctx: Any, dh: torch.Tensor) -> tuple:
     dq = _like(ql, k.dtype, k.device)
     dk, dv = (_like(layout, torch.float32, k.device).zero_() for layout in (kl, vl))   # k's and v's layouts
     dw = None
-    # causal tiles through cuDNN (CausalParts) where it takes them, else each tile's call under autograd
     fused = mask is None and tc.causal and cudnn_causal(dequant_rows(qc, qe, ql, 0, 1)[:, :nh // nkv], k[:, :1],
                                                         v[:, :1])
     with held_operands(group):
         wt, ws = group.operand(transposed=True)
         for r in tiles(seq, cfg.tile_tokens):
             s0, s1 = r.start, r.stop
-            n = tc.keys(s1, mask, seq)
-            q_t = dequant_rows(qc, qe, ql, s0, s1)
-            leaves, outs = [], []
-            for qh, kh in head_groups(nh, nkv):   # one call per kv head under GQA (see head_groups)
-                if fused:
-                    leaves.append(CausalParts(q_t[:, qh], k[:, kh], v[:, kh], s0, tc.scaling))
-                    outs.append(leaves[-1].out.transpose(1, 2))
-                    continue
-                group_leaves = [q_t[:, qh].detach().requires_grad_(), k[:, kh, :n].detach().requires_grad_(),
-                                v[:, kh, :n].detach().requires_grad_()]
-                m = mask[:, qh] if mask is not None and mask.shape[1] > 1 else mask
-                with torch.enable_grad():
-                    outs.append(tc.tile(*group_leaves, m, s0, s1))
-                leaves.append(group_leaves)
-            del q_t
-            out = outs[0].detach() if len(outs) == 1 else torch.cat([o.detach() for o in outs], dim=2)
+            calls = tile_calls(tc, dequant_rows(qc, qe, ql, s0, s1), k, v, mask, s0, s1, fused)
+            out = torch.cat([c.rows for c in calls], dim=2)
             _, ot, o_s = quant_operand(out.reshape(-1, nh * hd), cfg.fwd, rowmajor=False, transposed=True)
             d8, d8t = quant.quant_tensor(rows_of[:, s0:s1].reshape(-1, dh.shape[-1]), ds, cfg.bwd, True, True)
             part = fp8_mm(d8t, ds, ot, o_s, torch.float32)
             dw = part if dw is None else dw.add_(part)
             do = fp8_mm(d8, ds, wt, ws, dh.dtype)
             del ot, d8, d8t, part, out
-            dos = do.view(b, s1 - s0, nh, hd).split([o.shape[2] for o in outs], dim=2)
+            dos = do.view(b, s1 - s0, nh, hd).split([c.rows.shape[2] for c in calls], dim=2)
             del do
-            for (qh, kh), o, d, group_leaves in zip(head_groups(nh, nkv), outs, dos, leaves):
-                if fused:
-                    gq, gks, gvs = group_leaves.backward(d.transpose(1, 2))
-                    dq[:, qh, s0:s1] = gq
-                    for (lo, hi), gk, gv in zip(((s0, s1), (0, s0)), gks, gvs):
-                        dk[:, kh, lo:hi] += gk
-                        dv[:, kh, lo:hi] += gv
-                    del gq, gks, gvs
-                    continue
-                # one call's vjp at a time: its dk, dv over all keys summed before the next call's exist
-                gq, gk, gv = torch.autograd.grad(o, group_leaves, d)
+            for (qh, kh), c, d in zip(head_groups(nh, nkv), calls, dos):
+                # one call's backward at a time: its dk, dv summed before the next call's exist
+                gq, parts = c.backward(d)
                 dq[:, qh, s0:s1] = gq
-                dk[:, kh, :n] += gk
-                dv[:, kh, :n] += gv
-                del gq, gk, gv
-            del outs, dos, leaves, o, d, group_leaves
+                for keys, gk, gv in parts:
+                    dk[:, kh, keys] += gk
+                    dv[:, kh, keys] += gv
+                del gq, parts
+            del calls, dos, c, d
     w = group.weights[0]
     db = dh.sum(dim=0).to(w.dtype) if group.has_bias else None
     pgrads = group.split_grad(dw.to(w.dtype), db)
