@@ -188,6 +188,23 @@ def plot_offload(res: dict, path: Path) -> None:
     save(fig, path)
 
 
+def plot_long_context(res: dict, path: Path) -> None:
+    """Per row (configuration, layers, tokens): peak GPU memory against the cap, and tokens/s where a step was timed."""
+    rows = sorted((r for r in res["rows"] if r["fits"]), key=lambda r: (r["config"], -r["layers"], r["seq"]))
+    names = [f"{r['config']}\n{r['layers']} layers, {r['seq']:,}" for r in rows]
+    fig, (ax, ax2) = _plt().subplots(1, 2, figsize=(12, 0.6 * len(rows) + 2.2))
+    ax.barh(names, [r["peak_alloc_gib"] for r in rows], color="#55a868")
+    ax.axvline(res["cap_gib"], color="red", ls="--", label=f"cap {res['cap_gib']:g} GiB")
+    for i, r in enumerate(rows):
+        ax.text(r["peak_alloc_gib"], i, f" {r['peak_alloc_gib']:.1f} ({r['gpu_bytes_per_token'] / 1024:.0f} KB/token)",
+                va="center", fontsize=7)
+    ax.set(xlabel="peak GPU GiB allocated", title=f"{res['model']}: one {res['device']}, micro-batch 1")
+    ax2.barh(names, [r["tokens_per_s"] or 0 for r in rows], color="#4c72b0")
+    ax2.set(xlabel="tokens/s (0: first step only)", title="speed")
+    ax2.set_yticks([])
+    save(fig, path, legend=8)
+
+
 def plot_hf_trainer(res: dict, path: Path) -> None:
     """Tokens/s and peak memory of every run that finished, Trainer beside the plain loop."""
     rows = [r for r in res["runs"] if r.get("tokens_per_s")]
@@ -297,6 +314,8 @@ def plot_accuracy_scale(res: dict, path: Path) -> None:
 
 def kind(res: dict) -> str:
     """Which benchmark wrote a results file, from its fields."""
+    if "gpu_bytes_per_token" in (res.get("rows") or [{}])[0]:
+        return "long_context"
     for key, name in (("verdicts", "accuracy_scale"), ("gpu_memory_gb", "e2e_scaling"), ("hf_config", "hf_trainer"),
                       ("calls", "seed_spread"), ("runs", "convergence"), ("cases", "e2e_real_shapes"),
                       ("rows", "offload")):

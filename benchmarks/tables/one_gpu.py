@@ -31,18 +31,26 @@ def moe_one_gpu(res: Path):
                    num(r["host_bytes_per_param"], 2)]
 
 
+def _long_rows(doc: dict):
+    yield ["GPU", "configuration", "layers", "tokens", "tokens/s", "GiB allocated (peak / resident)",
+           "GPU KB a token", "host GiB"]
+    for r in sorted(doc["rows"], key=lambda r: (-r["layers"], r["config"], r["seq"])):
+        if r["fits"]:
+            yield [_where(doc), r["config"], r["layers"], f"{r['seq']:,}", num(r["tokens_per_s"], 0),
+                   f"{num(r['peak_alloc_gib'])} / {num(r['resident_gib'])}", num(r["gpu_bytes_per_token"] / 1024, 0),
+                   num(r["host_peak_rss_gib"])]
+
+
 @table
 def long_context(res: Path):
     """docs/results.md: Llama-3.1-8B's width at one micro-batch of a long sequence on one GPU capped at 79 GiB."""
-    yield ["GPU", "configuration", "layers", "tokens", "tokens/s", "GiB allocated (peak / resident)",
-           "GPU KB a token", "host GiB"]
-    doc = load(res, "long_context.json", "Long context on one GPU")
-    for r in sorted(doc["rows"], key=lambda r: (-r["layers"], r["config"], r["seq"])):
-        if not r["fits"]:
-            continue
-        yield [_where(doc), r["config"], r["layers"], f"{r['seq']:,}", num(r["tokens_per_s"], 0),
-               f"{num(r['peak_alloc_gib'])} / {num(r['resident_gib'])}", num(r["gpu_bytes_per_token"] / 1024, 0),
-               num(r["host_peak_rss_gib"])]
+    yield from _long_rows(load(res, "long_context.json", "Long context on one GPU"))
+
+
+@table
+def long_context_alst(res: Path):
+    """docs/results.md: coat beside DeepSpeed's ALST stack on an untied Llama-3.2-3B, one capped GPU."""
+    yield from _long_rows(load(res, "long_context_llama3.2-3b-untied.json", "coat beside ALST"))
 
 
 headline("moe_one_gpu", "H200", "coat", 48, 8)
