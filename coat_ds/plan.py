@@ -26,16 +26,17 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping
 
-from .activation.loss import DEFAULT_CHUNK_TOKENS, LossConfig
+from .activation.loss import DEFAULT_CHUNK_TOKENS, LossConfig, by_tokens, slice_rows
 from .deepspeed.config import coat_section
 from .deepspeed.memory import (HOST_STATES, ZeroJob, buffers, largest_sub_group, model_states, resume_host,
                                step_transient, zero_job)
 from .deepspeed.presets import INTENTS
 from .formats import Fp8Moment
 from .hf.loss import EXACT_MODEL_TYPES
-from .plan_long import (CHECKPOINT_INPUT, RECOMPUTE_NOTE, TILED_MLP_INPUT, check_sp, checkpoint_gpu,  # noqa: F401
-                        checkpoint_host, largest, longest_line, recomputed_layer, shard_tokens, sp_title, tile_bytes,
-                        tiled, tiles_final_norm, ulysses_kept, where_note)  # CHECKPOINT_INPUT: the API
+from .plan_long import (CHECKPOINT_INPUT, RECOMPUTE_NOTE, STOCK_NORM_BACKWARD, STOCK_NORM_SAVES,  # noqa: F401
+                        TILED_MLP_INPUT, check_sp, checkpoint_gpu, checkpoint_host, checkpoint_kept, follows_moments,
+                        largest, layer_moments, longest_line, recomputed_layer, shard_tokens, sp_title, step_inputs,
+                        tile_bytes, tiled, tiles_final_norm, ulysses_kept, where_note)  # CHECKPOINT_INPUT: the API
 from .plan_shape import PlanError, Shape, resolve_shape, shape_from_hf  # noqa: F401 (shape_from_hf: the API)
 
 GIB = 2 ** 30
@@ -44,7 +45,7 @@ USABLE = 0.95   # of GPU memory for what the allocator reserves (benchmarks/e2e.
 # the allocator reserves above the allocated peak ~2 GiB plus 6-24% of the activations and logits (its blocks
 # of freed activations) in benchmarks/results/e2e*.json; a fit needs peak + this reserve <= USABLE x memory
 RESERVE_FIXED, RESERVE_ACT = 2 * 2 ** 30, 0.10
-FINAL_NORM = 8.0   # B/token/hidden: the stock final RMSNorm's fp32 input and bf16 output, lm_head's input
+FINAL_NORM = STOCK_NORM_SAVES + 2   # B/token/hidden: the stock final RMSNorm's saves, lm_head's input
 FINAL_NORM_TILED = 4.0   # over tiles (tile_tokens, hf/final_norm.py): its bf16 input, lm_head's input
 CHECKPOINT_FLAG = {"config": None, "on": True, "off": False}   # --checkpoint
 ROOT = Path(__file__).resolve().parent.parent
@@ -81,19 +82,44 @@ def layer_bytes(shape: Shape, activation: Any, sparse: bool | None = None) -> fl
     return norms + attention + mlp
 
 
-def loss_bytes(tokens: int, shape: Shape, chunk: int | None) -> dict[str, float]:
+def loss_bytes(tokens: int, shape: Shape, chunk: int | None, walks_tokens: bool = True) -> dict[str, float]:
     """What the loss adds, by phase: `forward` (the logits at their largest), `backward` (the loss's own
-    backward), `first_grad` (what is still alive when the first gradient bucket is reduced). Stock (`chunk`
-    None): bf16 logits, an fp32 copy and the fp32 log-softmax kept for backward, whose backward makes two
-    more fp32 tensors of the logits' size and then a bf16 gradient. Chunked: `chunk` tokens of bf16 logits at
-    a time forward (the CUDA kernels make no fp32 copy), vocabulary slices of as many logits backward, the fp32
-    gradient of the hidden states and one fp32 product."""
+    backward, besides lm_head's bf16 weight gradient it returns: plan.phases counts that under "buffers"),
+    `first_grad` (what is still alive when the first gradient bucket is reduced). Stock (`chunk` None): bf16
+    logits, an fp32 copy and the fp32 log-softmax kept for backward, whose backward makes two more fp32 tensors of
+    the logits' size and then a bf16 gradient. Chunked (activation/loss.py): forward `chunk` tokens of bf16 logits
+    at a time (the CUDA kernels make no fp32 copy) and per token its saves (fp32 log-sum-exp, int64 target, bool
+    kept: 13 B); backward, up to as many tokens as the vocabulary has entries, vocabulary slices (tokens x
+    loss.slice_rows bf16 logits) beside the fp32 gradient of the hidden states and one fp32 product of its size;
+    past that (`walks_tokens`: ea247a3, loss.by_tokens), chunks of tokens, beside the bf16 gradient of the hidden
+    states and the weight gradient summed in fp32 (4 B a weight), the chunk's logits freed before that sum is
+    rounded to the bf16 gradient."""
     v, h = shape.vocab, shape.hidden
     if chunk is None:
         return dict(forward=10.0 * v * tokens, backward=12.0 * v * tokens, first_grad=2.0 * v * tokens)
-    logits = v * min(chunk, tokens)  # forward's chunk, and each backward slice (loss.slice_rows)
-    return dict(forward=2.0 * logits + 4 * tokens, backward=2.0 * logits + 8.0 * tokens * h,
-                first_grad=2.0 * tokens * h)
+    saves = 13.0 * tokens
+    forward = 2.0 * v * min(chunk, tokens) + saves
+    if walks_tokens and by_tokens(tokens, v):
+        backward = 2.0 * tokens * h + 4.0 * v * h + max(2.0 * v * min(chunk, tokens) - 2.0 * v * h, 0.0)
+    else:
+        backward = 2.0 * tokens * slice_rows(chunk, v, tokens) + 8.0 * tokens * h
+    return dict(forward=forward, backward=backward + saves, first_grad=2.0 * tokens * h)
+
+
+def setup_bytes(job: "Job") -> float:
+    """What deepspeed.initialize holds at once on a GPU (DeepSpeed 0.19.8's ZeRO-1/2 optimizer, N parameters of
+    param_bytes each over W ranks): the flat copy of the weights (the module's weights point into it) with the
+    master partition and the zero gradient initialize_optimizer_states gives it, N x param_bytes + 2 x N/W x the
+    master's bytes a value (bf16 for a CoatAdamW master that is not "fp32", built so from set-up; else fp32; under
+    Offload both are on the host). 8B with a bf16 master on one GPU: 6N, 44.87 GiB, where long_context.json's
+    131,072-token rows peaked. Flattening first holds the module's weights beside the flat copy (4N), on the GPU only
+    where that much is free (else on the host): below this for one rank that keeps its master on the GPU, and never
+    what decides a fit. ZeRO-3 and stage 0: not modeled (0)."""
+    z, n = job.zero, job.shape.params
+    if z.stage not in (1, 2):
+        return 0.0
+    master = 2 if z.coat and z.master != "fp32" else 4
+    return z.param_bytes * n + (0.0 if z.offload else 2.0 * master * n / z.world)
 
 
 # ------------------------------------------------------------------ the plan
@@ -118,6 +144,13 @@ class Plan:
     phase: str
     host: float          # per rank, under Offload or coat.states "host"
     resume: float = 0.0  # host bytes per rank while a checkpoint is resumed (memory.resume_host)
+    setup: float = 0.0   # what deepspeed.initialize holds at once (setup_bytes), before any step
+
+    @property
+    def highest(self) -> float:
+        """The most the GPU holds from set-up on: the step's peak or set-up's (what max_memory_allocated reads
+        without a reset after deepspeed.initialize)."""
+        return max(self.peak, self.setup)
 
     @property
     def reserve(self) -> float:
@@ -125,11 +158,13 @@ class Plan:
         return RESERVE_FIXED + RESERVE_ACT * (self.parts.get("activations", 0.0) + self.parts.get("logits/loss", 0.0))
 
     def fits(self, memory: float) -> bool:
-        return self.peak + self.reserve <= USABLE * memory
+        """The step's peak with the allocator's reserve, and set-up (few, large blocks: no reserve), within USABLE."""
+        return self.peak + self.reserve <= USABLE * memory and self.setup <= USABLE * memory
 
 
 def activation_bytes(job: Job, tokens: int) -> float:
-    """What the forward keeps for backward on one GPU: every layer's activations, or under activation checkpointing
+    """Where the step is not followed moment by moment (plan_long.follows_moments), what the forward keeps for
+    backward on one GPU, counted in every phase: every layer's activations, or under activation checkpointing
     every layer's kept input (plan_long.checkpoint_gpu: by checkpoint_store) plus one layer's activations while
     backward recomputes it (less what attention's query tiles save: plan_long.recomputed_layer), and one MLP tile's
     (plan_long.tile_bytes); and the final norm's. `tokens`: the GPU's (its shard under Ulysses: plan_long.ulysses_*)."""
@@ -151,29 +186,66 @@ def states_of(job: Job) -> dict[str, float]:
 
 
 def phases(job: Job, micro_batch: int) -> dict[str, dict[str, float]]:
-    """Per phase of a step, what is allocated on one GPU, by part (bytes)."""
+    """Per phase of a step, what is allocated on one GPU, by part (bytes): the long-context flow moment by moment
+    (plan_long.follows_moments: moment_phases), any other with one layer's activations in every phase."""
     s, t = job.shape, shard_tokens(job, micro_batch)
     st = states_of(job)
     cache = 2.0 * s.cached_params if job.weight_cache else 0.0
     states = dict(parameters=st["weights"] + cache, master=st["master"], optimizer=st["optimizer"])
-    acts = activation_bytes(job, t)
-    loss = loss_bytes(t, s, job.chunk)
+    # the chunked loss's backward walks token chunks past the vocabulary's size (ea247a3); a row measured before
+    # says loss_walks_tokens = False on its activation config (tests/test_plan.py)
+    loss = loss_bytes(t, s, job.chunk, getattr(job.activation, "loss_walks_tokens", True))
     head = job.zero.param_bytes * s.vocab * s.hidden   # lm_head's weight (and its gradient's bytes)
     # ZeRO-3 gathers the decoder layers for their forward and backward: at the loss's backward only lm_head is
     # gathered (6 MoE layers measured 2.6 GiB under a plan with two layers gathered there, the slope exact).
     # The gradient partition, from the first bucket (per-parameter gradients grow as the activations are freed)
     in_backward = job.zero.stage >= 2 and not job.zero.offload and not job.zero.grads_per_parameter
-    grads = dict(gradients=st["gradients"])
+    at_loss = dict(states, parameters=states["parameters"] - st["gathered"] + (head if st["gathered"] else 0))
+    step = {"optimizer step": dict(states, gradients=st["gradients"],
+                                   buffers=step_transient(job.zero, s.params, s.largest))}
+    if follows_moments(s, job.activation, job.checkpoint):
+        return moment_phases(job, t, states, at_loss, loss, head, st["gradients"], in_backward) | step
+    acts = activation_bytes(job, t)
     return {
         "forward": dict(states, activations=acts, **{"logits/loss": loss["forward"]}),
-        "loss backward": dict(states, activations=acts, **{"logits/loss": loss["backward"]},
-                              parameters=states["parameters"] - st["gathered"] + (head if st["gathered"] else 0),
+        "loss backward": dict(at_loss, activations=acts, **{"logits/loss": loss["backward"]},
                               buffers=head if job.chunk else 0.0),
         "first gradient bucket": dict(states, activations=acts, **{"logits/loss": loss["first_grad"]},
                                       gradients=st["gradients"] if in_backward else 0.0,
                                       buffers=head + buffers(job.zero)),
-        "optimizer step": dict(states, **grads, buffers=step_transient(job.zero, s.params, s.largest)),
+    } | step
+
+
+def moment_phases(job: Job, tokens: int, states: dict, at_loss: dict, loss: dict, head: float, gradients: float,
+                  in_backward: bool) -> dict[str, dict[str, float]]:
+    """The long-context flow's step moment by moment (docs/plan.md, "Long context"): a layer's forward (its
+    attention, its MLP's tiles), the loss's forward and backward, the final norm's backward (lm_head's gradient
+    reduced as the norm's weight gradient reaches the bucket: the first bucket), and the last layer's backward
+    (plan_long.layer_moments: its recompute, MLP, attention and q/k/v projection), each holding the checkpoints
+    (plan_long.checkpoint_kept) and the step's inputs (plan_long.step_inputs). `at_loss`: the states with ZeRO-3's
+    gathered layers replaced by lm_head; `gradients`: the partition where any is kept through backward."""
+    s, act = job.shape, job.activation
+    th, base = tokens * s.hidden, step_inputs(s) + checkpoint_kept(s.layers, act, "loss")
+    tiled_norm = tiles_final_norm(act) and tokens > act.tile_tokens   # one tile runs the stock module
+    norm = FINAL_NORM_TILED if tiled_norm else FINAL_NORM             # its saves and lm_head's input
+    if tiled_norm:   # TiledRowsFn's backward: its bf16 input, dout, dx; one tile of the stock norm's forward (its
+        # output) and backward; lm_head's gradient, reduced once the norm's weight gradient (summed at the end) comes
+        rows = min(act.tile_tokens, tokens) * s.hidden
+        final = dict(activations=th * (base + 2 + 2 + 2) + rows * (2 + STOCK_NORM_SAVES + STOCK_NORM_BACKWARD),
+                     buffers=head + buffers(job.zero))
+    else:            # the stock norm's backward peaks after its weight gradient (its first node) reduced lm_head's
+        final = dict(activations=th * (base + STOCK_NORM_SAVES + STOCK_NORM_BACKWARD), buffers=buffers(job.zero))
+    out = {
+        "loss forward": dict(states, activations=th * (base + norm), **{"logits/loss": loss["forward"]}),
+        "loss backward": dict(at_loss, activations=th * (base + norm), **{"logits/loss": loss["backward"]},
+                              buffers=head if job.chunk else 0.0),
+        "final norm backward": dict(at_loss, **final, gradients=gradients if in_backward else 0.0),
     }
+    kept = layer_bytes(s, act) + ulysses_kept(s, act, job.sp)
+    for name, (per_token, fixed) in layer_moments(s, act, kept, s.layers, tokens, job.seq, job.sp).items():
+        during = {} if name.startswith("forward") else dict(gradients=gradients, buffers=buffers(job.zero))
+        out[name] = dict(states, activations=th * per_token + fixed, **during)
+    return out
 
 
 def plan(job: Job, micro_batch: int) -> Plan:
@@ -182,7 +254,8 @@ def plan(job: Job, micro_batch: int) -> Plan:
     phase = max(by_phase, key=lambda p: sum(by_phase[p].values()))
     host = states_of(job)["host"] + shard_tokens(job, micro_batch) * job.shape.hidden * checkpoint_host(  # host_fp8's
         job.shape.layers * job.checkpoint, job.activation)
-    return Plan(micro_batch, by_phase[phase], sum(by_phase[phase].values()), phase, host, resume_of(job, host))
+    return Plan(micro_batch, by_phase[phase], sum(by_phase[phase].values()), phase, host, resume_of(job, host),
+                setup_bytes(job))
 
 
 def resume_of(job: Job, host: float) -> float:
@@ -465,9 +538,12 @@ def report(model: str, cfg: dict, source: str, seq: int, micro_batch: str = "max
     title = (f"{model}: {shape.params / 1e9:.2f}B parameters{active}, vocabulary {shape.vocab:,}, seq {seq}; "
              f"ZeRO-{z.stage}{where} on {world} GPU(s) ({nodes} node(s) x {gpus_per_node}); GiB per GPU at the "
              "peak of a step" + sp_title(seq, sp_size))
-    out = [render(title, columns(jobs, micro_batch, memory), memory, gpus_per_node)]
+    cols = columns(jobs, micro_batch, memory)
+    out = [render(title, cols, memory, gpus_per_node)]
     if job.checkpoint:
         out += [RECOMPUTE_NOTE, where_note(shape.layers, job.activation, shape.hidden, sp_size)]
+    out += [f"{label}: deepspeed.initialize holds {p.setup / GIB:.2f} GiB at once (set-up), above the step's peak"
+            for label, p, _ in cols if p.setup > p.peak]
     if longest:
         n = longest_seq(job, memory)
         out.append(longest_line(n, world, memory, sp_size, plan(replace(job, seq=n), 1).host, gpus_per_node))

@@ -1,9 +1,10 @@
 """Long context in the planner (coat_ds/plan.py): where a recomputed layer's input waits for backward
 (coat.activation.checkpoint_store, activation/checkpoint_store.py), what the MLP keeps over sequence tiles
 (coat.activation.tile_tokens, activation/tiled.py), what attention's backward holds untiled and over query tiles
-(activation/tiled_attention.py), and the longest sequence a GPU takes. Bytes per token per
-hidden unit unless said; held to benchmarks/results/long_context.json (tests/test_plan.py). Ulysses sequence
-parallelism (--sp-size) over a node's GPUs: what each rank holds of the sequence and of attention's all-to-alls."""
+(activation/tiled_attention.py), the moments where such a step peaks (layer_moments), and the longest sequence a GPU
+takes. Bytes per token per hidden unit unless said; held to benchmarks/results/long_context.json
+(tests/test_plan.py). Ulysses sequence parallelism (--sp-size) over a node's GPUs: what each rank holds of the
+sequence and of attention's all-to-alls."""
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -93,20 +94,131 @@ def attention_backward(shape: Any, activation: Any) -> tuple[float, float]:
 
 
 def recomputed_layer(shape: Any, activation: Any, kept: float, sp: int = 1) -> float:
-    """B/token/hidden the planner counts for the recomputed layer under checkpointing, `kept` being what the layer
-    keeps (plan.layer_bytes). The count (with the loss backward's fp32 gradients beside it) was held to the
-    long-context rows of the untiled attention backward, whose working set is where that peak is; tiling cuts it by
-    attention_backward's difference, down to nothing above the loss backward's own peak (the final norm's fp32 saves
-    and the chunked loss's fp32 gradient of the hidden states, which tiling does not touch). A sequence of one tile
-    runs untiled: the cut is then overcounted by at most kept x tile_tokens x hidden bytes (0.3 GiB at 8B and 16,384),
-    which no long-context plan is near. Under Ulysses (`sp` > 1) attention runs untiled, and its backward holds
-    ulysses_backward more."""
+    """B/token/hidden the planner counts for the recomputed layer under checkpointing where it does not follow the
+    step moment by moment (follows_moments: untiled MLPs, experts, bf16 attention), counted in every phase: what
+    the layer keeps (`kept`, plan.layer_bytes), standing for its backward's working set (not counted itself);
+    attention's query tiles cut it by attention_backward's difference, down to nothing; under Ulysses (`sp` > 1)
+    attention runs untiled and its backward holds ulysses_backward more."""
     if sp > 1:
         return kept + ulysses_backward(shape, activation, sp)
     if not tiles_attention(activation):
         return kept
     untiled, tiled = attention_backward(shape, activation)
     return max(kept - (untiled - tiled), 0.0)
+
+
+# ------------------------------------------------------------------ the long-context step, moment by moment
+# Checkpointed layers in mode full with the MLP over tiles and FP8 attention (dense): plan.phases plans each moment
+# where such a step can peak, from the tensors alive there (B/token/hidden, and bytes that do not grow with the
+# sequence), in place of one layer's activations counted in every phase. Checked against long_context.json's rows
+# and a phase probe of 2 layers at 262,144 tokens (docs/plan.md, "Long context").
+STEP_INT64 = 3            # int64 a token alive through the step: the input ids, the labels, the position ids
+STOCK_NORM_SAVES = 6.0    # HF's RMSNorm keeps its fp32 input (4) and its bf16 normed output (2) for backward
+# ... and its backward allocates 18 more beyond them at its peak (the fp32 gradient of its input, the products of
+# the mean's and the power's backward: counted under a TorchDispatchMode on the CPU, 17.98; 17.96 on the H200)
+STOCK_NORM_BACKWARD = 18.0
+
+
+def follows_moments(shape: Any, activation: Any, checkpoint: bool) -> bool:
+    """Whether plan.phases follows the step moment by moment (layer_moments): checkpointed dense layers in mode full,
+    the MLP over tiles, FP8 attention (tiled or not: Ulysses' is not). Elsewhere one layer's activations are counted
+    in every phase (plan.activation_bytes)."""
+    return checkpoint and tiled(activation) and activation.attention_fp8 and shape.experts is None
+
+
+def lean_recompute(activation: Any) -> bool:
+    """Whether the layer frees its fused q/k/v output before attention and a recompute skips its tiled MLP (789098a).
+    An activation object may say `lean_recompute = False`: a row measured before (tests/test_plan.py)."""
+    return getattr(activation, "lean_recompute", True)
+
+
+def step_inputs(shape: Any) -> float:
+    """B/token/hidden alive through the whole step besides the activations: HF's rotary cos and sin (bf16, head_dim
+    wide each; every checkpointed layer keeps them as inputs) and STEP_INT64's int64 tensors."""
+    return (2 * 2 * shape.hd + 8 * STEP_INT64) / shape.hidden
+
+
+def checkpoint_kept(layers: int, activation: Any, phase: str) -> float:
+    """B/token/hidden the checkpoints hold on the GPU (beside the layer at work) in a `phase` of the step: "forward"
+    (at the last layer: "gpu" every layer's bf16 input, the embeddings' output among them; the FP8 stores the codes
+    of every layer so far ("gpu_fp8") and the embeddings' output, which the model's forward keeps, and the running
+    layer's input, 2 each), "loss" (the loss and the final norm: "gpu" every input, "gpu_fp8" every layer's codes,
+    "host_fp8" none) or "layer" (a layer's backward: "host_fp8" also the next layer's codes, fetched during this
+    one's recompute; the recomputed layer's dequantized input is the recompute's own, layer_moments)."""
+    store, f8 = store_of(activation), fp8_input(activation)
+    if store == GPU:
+        return layers * CHECKPOINT_INPUT
+    codes = layers * f8 if store == GPU_FP8 else (f8 if phase == "layer" and layers > 1 else 0.0)
+    return codes + (CHECKPOINT_INPUT * min(layers, 2) if phase == "forward" else 0.0)
+
+
+def mlp_tile_forward(shape: Any, activation: Any, rows: int) -> float:
+    """Bytes of one MLP tile's forward of `rows` tokens (MlpFn, at its gate/up quantization): the norm's FP8 input,
+    exponents and fp32 rstd, the bf16 gate/up output and its FP8 codes with exponents; and the FP8 weight operands
+    held over the tiles (gate/up and down, row-major)."""
+    h, i, g = shape.hidden, shape.intermediate, activation.group_size
+    return rows * (h * (1 + 1 / g) + 4 + 4 * i + 2 * i * fp8_input(activation)) + 3 * h * i
+
+
+def mlp_tile_backward(shape: Any, activation: Any, rows: int) -> float:
+    """Bytes of TiledMlpFn's backward besides the sequence-long tensors, at its peak (a tile's gate/up gradient
+    quantized): the tile's recomputed MlpFn saves (FP8 norm input, exponents, rstd; FP8 gate/up, exponents), the
+    bf16 gate/up gradient and its two E5M2 copies (row-major, transposed), the norm's input gradient from the
+    gate/up GEMM and the tile's output (bf16, h wide each); down's bf16 weight gradient of the tile, the fp32 sums of
+    every weight's gradient (gate, up, down; the norm's), the FP8 weight operands in both layouts."""
+    h, i, g = shape.hidden, shape.intermediate, activation.group_size
+    saves = h * (1 + 1 / g) + 4 + 2 * i * fp8_input(activation)
+    return rows * (saves + 4 * i + 4 * i + 2 * h + 2 * h) + h * i * (2 + 4 * 3 + 2 * 3) + 4 * h
+
+
+def layer_moments(shape: Any, activation: Any, kept: float, layers: int, tokens: int, seq: int,
+                  sp: int = 1) -> dict[str, tuple[float, float]]:
+    """Per moment of a decoder layer's step where it can peak, (B/token/hidden, bytes that do not grow with the
+    sequence), for follows_moments' flow: `kept` what the layer keeps (plan.layer_bytes: its norms' and attention's
+    saves and the MLP's bf16 input h), `tokens` the GPU's (micro-batch x seq / sp), `seq` a sample's (attention's
+    query tiles). Every moment holds the checkpoints (checkpoint_kept) and step_inputs. Widths over hidden: out
+    (attention's output, q), kv (k and v), qkv = 2 (out + kv) the bf16 q, k, v (as wide as the fused projection)."""
+    h, g = shape.hidden, activation.group_size
+    out, kv = shape.hd * shape.heads / h, 2 * shape.hd * shape.kv_heads / h
+    qkv, f8 = 2 * (out + kv), fp8_input(activation)
+    codes = (out + kv) * f8                       # Fp8AttentionFn's saves: E4M3 q, k, v and their exponents
+    norm1 = 1 + 1 / g + 4 / h                     # NormLinearFn's saves: the input norm's FP8 input, exponents, rstd
+    base = step_inputs(shape)
+    fwd, bwd = (base + checkpoint_kept(layers, activation, p) for p in ("forward", "layer"))
+    held = 0.0 if lean_recompute(activation) else qkv   # before 789098a the fused q/k/v output lived to the layer's end
+    deq = CHECKPOINT_INPUT if store_of(activation) != GPU else 0.0   # the recomputed layer's input, dequantized
+    rows = min(activation.tile_tokens, tokens)
+    o_proj = out * h * h                          # o_proj's FP8 weight operand
+    untiled, tiled_bw = attention_backward(shape, activation)
+    if tiles_attention(activation, sp) and seq > activation.tile_tokens:   # tiled_call: one tile runs untiled
+        gqa = shape.kv_heads < shape.heads
+        # a query tile's own: its bf16 q, the calls' outputs (and their concatenation under GQA), o's FP8 copy, dh's
+        # rows in E5M2 twice, do; o_proj's fp32 weight-gradient sum and the tile's part
+        tile = min(activation.tile_tokens, seq) * h * (2 * out + 2 * out * (1 + gqa) + out + 2 + 2 * out)
+        attention = (out * f8 + tiled_bw, tile + 8 * o_proj)    # q's codes stay (each tile dequantizes its rows)
+    else:       # the codes dequantized whole and freed; o_proj's transposed operand and bf16 weight gradient
+        attention = (untiled + ulysses_backward(shape, activation, sp), 3 * o_proj)
+    moments = {
+        # the running layer's attention, at its saves (quant_heads): q, k, v, o_proj's output h (+ the residual)
+        "forward": (fwd + held + qkv + 2 + codes, o_proj),
+        # its MLP over tiles: h and the output being written, one tile's forward
+        "forward (MLP)": (fwd + held + 2 + 2, mlp_tile_forward(shape, activation, rows)),
+        # the recompute at attention's saves: the layer's output gradient (dout), its input dequantized (the FP8
+        # stores), its saves so far (kept, h made now), q, k, v
+        "recompute": (bwd + 2 + deq + kept + qkv + held, o_proj),
+        # TiledMlpFn's backward: dout, what the layer keeps (h among it), dh; one tile's transients
+        "MLP backward": (bwd + 2 + kept + 2, mlp_tile_backward(shape, activation, rows)),
+        # Fp8AttentionFn's backward: dh (o_proj's output gradient, the residual's too), the norms' saves, what the
+        # attention's backward holds (plan_long.attention_backward; Ulysses' exchange: ulysses_backward)
+        "attention backward": (bwd + 2 + (kept - TILED_MLP_INPUT - codes) + attention[0], attention[1]),
+        # NormLinearFn's backward (q/k/v projection), at its input-gradient GEMM: dh (waiting to be summed into the
+        # layer input's gradient), RopeFn's dqkv, the norm's saves, its FP8 normed input rebuilt transposed (1), dqkv's
+        # two E5M2 copies (qkv / 2 each), the GEMM's bf16 output (2); the weight's transposed operand and gradient
+        "q/k/v backward": (bwd + 2 + qkv + norm1 + 1 + qkv + 2, 3 * (out + kv) * h * h),
+    }
+    if not lean_recompute(activation):   # the recompute ran the tiled MLP too: h, its output and one tile's forward
+        moments["recompute (MLP)"] = (bwd + 2 + deq + kept + held + 2, mlp_tile_forward(shape, activation, rows))
+    return moments
 
 
 def largest(fits: Callable[[int], bool], most: int = 1 << 26) -> int:
