@@ -193,9 +193,9 @@ def plot_long_context(res: dict, path: Path) -> None:
     rows = sorted((r for r in res["rows"] if r["fits"]), key=lambda r: (r["config"], -r["layers"], r["seq"]))
     names = [f"{r['config']}\n{r['layers']} layers, {r['seq']:,}" for r in rows]
     fig, (ax, ax2) = _plt().subplots(1, 2, figsize=(12, 0.6 * len(rows) + 2.2))
-    ax.barh(names, [r["peak_alloc_gib"] for r in rows], color="#55a868")
+    ax.barh(names, [r["peak_alloc_gib"] or 0 for r in rows], color="#55a868")   # None: a CPU smoke's
     ax.axvline(res["cap_gib"], color="red", ls="--", label=f"cap {res['cap_gib']:g} GiB")
-    for i, r in enumerate(rows):
+    for i, r in ((i, r) for i, r in enumerate(rows) if r["peak_alloc_gib"] is not None):
         ax.text(r["peak_alloc_gib"], i, f" {r['peak_alloc_gib']:.1f} ({r['gpu_bytes_per_token'] / 1024:.0f} KB/token)",
                 va="center", fontsize=7)
     ax.set(xlabel="peak GPU GiB allocated", title=f"{res['model']}: one {res['device']}, micro-batch 1")
