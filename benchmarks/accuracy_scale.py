@@ -343,20 +343,18 @@ def status(entry: dict, seg: dict, run_dir: Path, export: Path | None) -> str:
 
 def measure_outliers(args: argparse.Namespace, res: dict, stop: harness.Deadline, call: dict) -> None:
     """max |x| / RMS at BF16's exported model's decoder-layer inputs (accuracy/outliers.py, a process of its own)."""
-    export_dir, out = args.run_root / EXPORT, args.run_root / "outliers.json"
     if export_id(args) is None:
         print("== outliers: no export of BF16's model on this machine yet; skipped", flush=True)
         return
     r = args.recipes["pretrain"]
-    cmd = [sys.executable, "-m", "benchmarks.accuracy.outliers", "--model", str(export_dir),
-           "--data", str(args.data_root / r.corpus), "--batches", str(R.OUTLIER_BATCHES),
-           "--micro-batch", str(R.OUTLIER_MICRO_BATCH), "--seq-len", str(r.seq_len), "--out", str(out)]
-    print(f"== outliers: {' '.join(cmd)}", flush=True)
-    out.unlink(missing_ok=True)
-    code, tail = harness.run_worker(cmd, max(1.0, stop.kill_at - time.time()), env={"CUDA_VISIBLE_DEVICES": "0"})
-    got = read_json(out)
-    if code != 0 or got is None:
-        print(f"   outliers failed (exit {code}): {tail[-1500:]}", flush=True)
+    print(f"== outliers of {args.run_root / EXPORT}", flush=True)
+    got = harness.worker_row(lambda out: [
+        sys.executable, "-m", "benchmarks.accuracy.outliers", "--model", str(args.run_root / EXPORT), "--data",
+        str(args.data_root / r.corpus), "--batches", str(R.OUTLIER_BATCHES), "--micro-batch",
+        str(R.OUTLIER_MICRO_BATCH), "--seq-len", str(r.seq_len), "--out", str(out)],
+        max(1.0, stop.kill_at - time.time()), env={"CUDA_VISIBLE_DEVICES": "0"})
+    if "returncode" in got:
+        print(f"   outliers failed (exit {got['returncode']}): {got['error']}", flush=True)
         return
     res["outliers"] = {**got, "export_id": export_id(args), "date": call["date"], "device": call["device"]}
     print(f"   max |x| / RMS up to {got['max_ratio']:.1f} (layer {got['max_ratio_layer']}), median "

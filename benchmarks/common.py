@@ -104,8 +104,7 @@ def command() -> str:
 def provenance(extra: tuple[str, ...] = (), parent: bool = False) -> dict:
     """Every results file's device, versions (with `extra`), command, date and commit; a `parent` (which starts
     workers) never initialises CUDA, whose context would take memory on a GPU where a worker measures."""
-    return {"device": device_name(parent=parent), "versions": versions(*extra, parent=parent), "command": command(),
-            "date": now(), "commit": git_commit()}
+    return {**row_provenance(device_name(parent=parent)), "versions": versions(*extra, parent=parent)}
 
 
 def row_provenance(device: str | None = None) -> dict:

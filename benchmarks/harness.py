@@ -91,11 +91,11 @@ def devices(sizes: Iterable[int], share: int = 1) -> list[str]:
     return out
 
 
-def side_by_side(run: Callable[[int, J], object], jobs: list[J], at_once: int | None = None) -> list:
-    """run(i, job) for each job, all at once or `at_once` at a time, a thread each -> the results in order."""
+def side_by_side(run: Callable[[int, J], object], jobs: list[J]) -> list:
+    """run(i, job) for each job, all at once, a thread each -> the results in order."""
     if len(jobs) == 1:
         return [run(0, jobs[0])]
-    with ThreadPoolExecutor(at_once or len(jobs)) as pool:
+    with ThreadPoolExecutor(len(jobs)) as pool:
         return list(pool.map(run, range(len(jobs)), jobs))
 
 
@@ -205,11 +205,11 @@ def run_worker(cmd: list[str], timeout: float, echo: Callable[[str], bool] = lam
 
 # --- One GPU, one job after another: a value rising until the first job that does not fit -----------------------------
 def worker_row(cmd_of: Callable[[Path], list[str]], timeout: float, echo: Callable[[str], bool] = lambda line: False,
-               **identity) -> dict:
+               env: dict | None = None, **identity) -> dict:
     """The row the worker `cmd_of(path)` writes to path; where none, `identity` with how it failed (fits false,
     `oom`, its exit code, its output's last lines)."""
     with tempfile.TemporaryDirectory() as tmp:
-        code, tail = run_worker(cmd_of(Path(tmp) / "row.json"), timeout, echo)
+        code, tail = run_worker(cmd_of(Path(tmp) / "row.json"), timeout, echo, env)
         row = read_json(Path(tmp) / "row.json")
     lines = [line for line in tail.splitlines() if line.strip()][-3:]
     return row or {**identity, "fits": False, "oom": "out of memory" in tail.lower() or "OutOfMemoryError" in tail,
@@ -323,15 +323,15 @@ def calls_of(docs: list[dict]) -> list[dict]:
     return out
 
 
-def into_file(path: Path, rows: list[dict], key: Callable[[dict], object], ours: dict, call: dict,
-              setting: Iterable[str]) -> dict:
-    """The file at `path` with `rows` merged in by `key`, `call` counted once and `ours` on top; exits in one line
-    where the file's `setting` keys differ from ours."""
-    old = read_json(path) or {}
+def into_file(path: Path | None, rows: list[dict], key: Callable[[dict], object], ours: dict, call: dict,
+              setting: Iterable[str], field: str = "rows") -> dict:
+    """The file at `path` (None: a new one) with `rows` merged into its `field` by `key`, `call` counted once and `ours`
+    on top; exits in one line where the file's `setting` keys differ from ours."""
+    old = (read_json(path) if path else None) or {}
     if old:
         same_setting(str(path), {k: old.get(k) for k in setting}, {k: ours.get(k) for k in setting})
-    rows = list(merged(key, old.get("rows", []), rows).values())
-    return {**old, **head(calls_of([old, {"calls": [call]}])), **ours, "rows": rows}
+    rows = list(merged(key, old.get(field, []), rows).values())
+    return {**old, **head(calls_of([old, {"calls": [call]}])), **ours, field: rows}
 
 
 def this_call(**extra) -> dict:

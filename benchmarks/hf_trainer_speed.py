@@ -17,8 +17,7 @@ import deepspeed
 import torch
 
 from benchmarks import harness
-from benchmarks.common import (GIB, ROOT, StepProbe, WarningLog, check_positive, parser, read_json,
-                               worker_cmd)
+from benchmarks.common import (GIB, ROOT, StepProbe, WarningLog, check_positive, parser, worker_cmd)
 from benchmarks.configs import MODELS, build_model, merge_into
 from benchmarks.e2e import ratio
 from benchmarks.worker import Worker, base_optimizer, oom_needed_gb
@@ -281,22 +280,22 @@ def main(argv: list[str] | None = None) -> int:
     out, t0, done, call = Path(args.out), time.time(), {}, harness.this_call()
     out.mkdir(parents=True, exist_ok=True)
     setting = {"seq_len": args.seq_len, "warmup_steps": args.warmup, "timed_steps": args.steps}
-    old = read_json(out / "hf_trainer.json", {"runs": []}) if args.merge else {"runs": []}
-    if old["runs"]:   # the runs not rerun now stay: they must have been timed alike
-        harness.same_setting(str(out / "hf_trainer.json"), {k: old.get(k) for k in setting}, setting)
+    ours = {**setting, "hf_config": HF_CONFIG, "tunings": TUNINGS, "presets": {k: v[0] for k, v in PRESETS.items()},
+            "targets": TARGETS, "smoke": args.smoke}
+    into = lambda rows: harness.into_file(out / "hf_trainer.json" if args.merge else None, rows,  # noqa: E731
+                                          lambda r: r["spec"], ours, call, setting, "runs")
+    into([])   # --merge: the runs not rerun now stay, so they must have been timed alike (refused before any run)
     deadline = harness.Deadline(args.time_budget, start=t0)
     harness.run_waves([[s] for s in specs], deadline, lambda _, s: done.update({s: run_one(s, args, out, deadline)}),
                       lambda *_: None, str, est=lambda s: NEEDS_S.get(parse_run(s)["model"], 45))
-    rows = [done.get(s) or {**parse_run(s), "error": f"skipped: time budget ({args.time_budget:.0f} s) spent"}
-            for s in specs]
-    rows = list(harness.merged(lambda r: r["spec"], old["runs"], rows).values())
-    res = {**setting, "hf_config": HF_CONFIG, "tunings": TUNINGS, "presets": {k: v[0] for k, v in PRESETS.items()},
-           "runs": rows, **summarize(rows), "targets": TARGETS, **harness.head([*harness.calls_of([old]), call])}
-    res.update(targets_met=targets_met(res), wall_s=time.time() - t0, smoke=args.smoke)
+    res = into([done.get(s) or {**parse_run(s), "error": f"skipped: time budget ({args.time_budget:.0f} s) spent"}
+                for s in specs])
+    res.update(**summarize(res["runs"]), wall_s=time.time() - t0)
+    res["targets_met"] = targets_met(res)
     path = harness.write_results(res, out, "hf_trainer")
     print(json.dumps({k: res[k] for k in ("trainer_over_plain", "coat_over_bf16", "targets_met")}, indent=1))
     print(f"-> {path}")
-    return 0 if all("error" not in r and "oom" not in r for r in rows) else 1
+    return 0 if all("error" not in r and "oom" not in r for r in res["runs"]) else 1
 
 
 if __name__ == "__main__":

@@ -312,21 +312,25 @@ def plot_accuracy_scale(res: dict, path: Path) -> None:
     save(fig, path, legend=8)
 
 
-def kind(res: dict) -> str:
-    """Which benchmark wrote a results file, from its fields."""
+def kind(res: dict) -> str | None:
+    """Which benchmark wrote a results file, from a field only it writes (None: a file without a chart). A field that
+    every harness file has (calls, rows) says nothing: offload.json has both since it merges through the harness."""
     if "gpu_bytes_per_token" in (res.get("rows") or [{}])[0]:
         return "long_context"
     for key, name in (("verdicts", "accuracy_scale"), ("gpu_memory_gb", "e2e_scaling"), ("hf_config", "hf_trainer"),
-                      ("calls", "seed_spread"), ("runs", "convergence"), ("cases", "e2e_real_shapes"),
-                      ("rows", "offload")):
+                      ("host_available_gb", "offload"), ("bf16_val_loss", "convergence"), ("cases", "e2e_real_shapes"),
+                      ("equal_micro_batch", "e2e")):
         if key in res:
             return name
-    return "e2e"
+    return "seed_spread" if any(isinstance(v, dict) and "summary" in v for v in res.values()) else None
 
 
 def main(paths: list[str]) -> int:
     for p in map(Path, paths):
         res = json.loads(p.read_text())
+        if kind(res) is None:
+            print(f"{p}: no chart draws this file", file=sys.stderr)
+            continue
         globals()[f"plot_{kind(res)}"](res, p.with_suffix(".png"))
         print(f"wrote {p.with_suffix('.png')}")
     return 0
