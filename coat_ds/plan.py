@@ -29,7 +29,7 @@ from typing import Any, Mapping
 from .activation.loss import DEFAULT_CHUNK_TOKENS, LossConfig, by_tokens, slice_rows
 from .deepspeed.config import coat_section
 from .deepspeed.memory import (HOST_STATES, ZeroJob, buffers, largest_sub_group, model_states, resume_host,
-                               step_transient, zero_job)
+                               setup_bytes, step_transient, zero_job)
 from .deepspeed.presets import INTENTS
 from .formats import Fp8Moment
 from .hf.loss import EXACT_MODEL_TYPES
@@ -106,22 +106,6 @@ def loss_bytes(tokens: int, shape: Shape, chunk: int | None, walks_tokens: bool 
     return dict(forward=forward, backward=backward + saves, first_grad=2.0 * tokens * h)
 
 
-def setup_bytes(job: "Job") -> float:
-    """What deepspeed.initialize holds at once on a GPU (DeepSpeed 0.19.8's ZeRO-1/2 optimizer, N parameters of
-    param_bytes each over W ranks): the flat copy of the weights (the module's weights point into it) with the
-    master partition and the zero gradient initialize_optimizer_states gives it, N x param_bytes + 2 x N/W x the
-    master's bytes a value (bf16 for a CoatAdamW master that is not "fp32", built so from set-up; else fp32; under
-    Offload both are on the host). 8B with a bf16 master on one GPU: 6N, 44.87 GiB, where long_context.json's
-    131,072-token rows peaked. Flattening first holds the module's weights beside the flat copy (4N), on the GPU only
-    where that much is free (else on the host): below this for one rank that keeps its master on the GPU, and never
-    what decides a fit. ZeRO-3 and stage 0: not modeled (0)."""
-    z, n = job.zero, job.shape.params
-    if z.stage not in (1, 2):
-        return 0.0
-    master = 2 if z.coat and z.master != "fp32" else 4
-    return z.param_bytes * n + (0.0 if z.offload else 2.0 * master * n / z.world)
-
-
 # ------------------------------------------------------------------ the plan
 @dataclass(frozen=True)
 class Job:
@@ -144,7 +128,7 @@ class Plan:
     phase: str
     host: float          # per rank, under Offload or coat.states "host"
     resume: float = 0.0  # host bytes per rank while a checkpoint is resumed (memory.resume_host)
-    setup: float = 0.0   # what deepspeed.initialize holds at once (setup_bytes), before any step
+    setup: float = 0.0   # what deepspeed.initialize holds at once (memory.setup_bytes), before any step
 
     @property
     def highest(self) -> float:
@@ -255,7 +239,7 @@ def plan(job: Job, micro_batch: int) -> Plan:
     host = states_of(job)["host"] + shard_tokens(job, micro_batch) * job.shape.hidden * checkpoint_host(  # host_fp8's
         job.shape.layers * job.checkpoint, job.activation)
     return Plan(micro_batch, by_phase[phase], sum(by_phase[phase].values()), phase, host, resume_of(job, host),
-                setup_bytes(job))
+                setup_bytes(job.zero, job.shape.params))
 
 
 def resume_of(job: Job, host: float) -> float:

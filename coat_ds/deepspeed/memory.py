@@ -158,6 +158,21 @@ def resume_host(job: ZeroJob, n: float, host: float, sub_group: int = 0) -> floa
     return host + max(module, master * (sub_group if job.stage == 3 else part))
 
 
+def setup_bytes(job: ZeroJob, n: int) -> float:
+    """What deepspeed.initialize holds at once on a GPU (DeepSpeed 0.19.8's ZeRO-1/2 optimizer, N parameters of
+    param_bytes each over W ranks): the flat copy of the weights (the module's weights point into it) with the
+    master partition and the zero gradient initialize_optimizer_states gives it, N x param_bytes + 2 x N/W x the
+    master's bytes a value (bf16 for a CoatAdamW master that is not "fp32", built so from set-up; else fp32; under
+    Offload both are on the host). 8B with a bf16 master on one GPU: 6N, 44.87 GiB, where long_context.json's
+    131,072-token rows peaked. Flattening first holds the module's weights beside the flat copy (4N), on the GPU only
+    where that much is free (else on the host): below this for one rank that keeps its master on the GPU, and never
+    what decides a fit. ZeRO-3 and stage 0: not modeled (0)."""
+    if job.stage not in (1, 2):
+        return 0.0
+    master = 2 if job.coat and job.master != "fp32" else 4
+    return job.param_bytes * n + (0.0 if job.offload else 2.0 * master * n / job.world)
+
+
 def buffers(job: ZeroJob) -> float:
     """DeepSpeed's gradient bucket (contiguous gradients), alive through backward."""
     return float(job.reduce_bucket * job.grad_bytes) if job.stage >= 1 else 0.0
