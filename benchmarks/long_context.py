@@ -2,10 +2,11 @@
 stand-in of its width) at one micro-batch of `--seqs` tokens, through ds_configs/zero2_largest_model.json with each
 layer recomputed in backward ("coat.activation.checkpoint"). coat's configurations differ in where a recomputed
 layer's input waits ("checkpoint_store") and whether the MLP runs over sequence tiles ("tile_tokens"); `alst` is
-DeepSpeed's own Arctic Long Sequence Training stack instead, no coat (see ALST). Per row: peak GPU memory, the
-memory a step leaves resident, GPU bytes per token of sequence ((peak - resident) / seq), host peak, tokens/s. One
-worker process per (configuration, layers, seq), a configuration's lengths rising until the first that does not
-fit; rows merge into long_context.json (another --model's: long_context_<model>.json) by that identity. A case over
+DeepSpeed's own Arctic Long Sequence Training stack instead, no coat (see ALST). Per row: peak GPU memory from
+deepspeed.initialize on (and set-up's and the steps' apart: at 8B set-up's can be the higher), the memory a step
+leaves resident, GPU bytes per token of sequence ((peak - resident) / seq), host peak, tokens/s. One worker process
+per (configuration, layers, seq), a configuration's lengths rising until the first that does not fit; rows merge
+into long_context.json (another --model's: long_context_<model>.json) by that identity. A case over
 benchmarks/harness.py.
 
     python -m benchmarks.long_context --configs gpu,host_fp8_tiled --seqs 32768,131072 --cap-gib 79
@@ -150,14 +151,17 @@ def worker(args: argparse.Namespace) -> int:
     shape = dict(MODELS[args.model], max_position_embeddings=args.seq,
                  **({"num_hidden_layers": args.layers} if args.layers else {}))
     cfg, alst = ds_config(args.config), args.config == ALST
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    mem = (lambda f: f() / GIB) if device == "cuda" else (lambda f: None)
     model = train_lib.from_shape(shape, seed=0, device=device,   # alst too: ZeRO-3 partitions it at initialize
                                  dtype=torch.bfloat16 if device == "cuda" else torch.float32)
     engine = train_lib.initialize(AlstCausalLM(model) if alst else model, cfg)
+    setup_peak = mem(torch.cuda.max_memory_allocated)   # deepspeed.initialize's own, apart from the step's
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     offload = checkpoint_offload(model) if alst else contextlib.nullcontext()   # one, around forward + backward
     tokens = torch.randint(0, shape["vocab_size"], (1, args.seq + 1), generator=torch.Generator().manual_seed(0))
     x, y = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    mem = (lambda f: f() / GIB) if device == "cuda" else (lambda f: None)
 
     def step() -> float:
         with offload:
@@ -174,11 +178,13 @@ def worker(args: argparse.Namespace) -> int:
     losses += [step() for _ in range(args.steps)]
     sync()
     step_s = (time.perf_counter() - t0) / args.steps if args.steps else None
-    peak = mem(torch.cuda.max_memory_allocated)
+    step_peak = mem(torch.cuda.max_memory_allocated)
+    peak = max(setup_peak, step_peak) if step_peak is not None else None   # from initialize on, as every row
     write_json(args.result, {
         "config": args.config, "layers": shape["num_hidden_layers"], "seq": args.seq, "fits": True,
         "tokens_per_s": args.seq / step_s if step_s else None, "step_time_s": step_s, "first_step_s": first_s,
-        "peak_alloc_gib": peak, "peak_reserved_gib": mem(torch.cuda.max_memory_reserved), "resident_gib": resident,
+        "peak_alloc_gib": peak, "setup_peak_gib": setup_peak, "step_peak_gib": step_peak,
+        "peak_reserved_gib": mem(torch.cuda.max_memory_reserved), "resident_gib": resident,
         "gpu_bytes_per_token": (peak - resident) * GIB / args.seq if peak is not None else None,
         "host_peak_rss_gib": proc_bytes("VmHWM") / GIB, "losses": losses,
         **({"checkpoint_offload": vars(offload.stats)} if alst else {})})   # the last step's
