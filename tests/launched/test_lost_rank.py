@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -160,8 +161,15 @@ def test_a_frozen_rank_is_ended_after_the_peer_timeout(tmp_path):
     assert job.returncode != 0 and 5 <= took < 5 + 15, (job.returncode, took, out[-3000:])   # 38 s before
     lines = error_lines(out)
     assert len(lines) == 1 and lines[0].startswith("error: rank 1 (node 0, local rank 1, host ") and \
-        "was lost: no heartbeat for 5 s; every rank stops (exit 1)" in lines[0], out[-3000:]
+        5 <= silence(lines[0]) < 5 + 15, out[-3000:]
     assert_checkpoint_intact(run)
+
+
+def silence(line: str) -> int:
+    """The seconds without a heartbeat a lost rank's line names (at least --peer-timeout; more where the watchdog
+    looked late on a loaded machine: 6 s for a timeout of 5 in one CI run); -1 where the line is not that line."""
+    m = re.search(r"was lost: no heartbeat for (\d+) s; every rank stops \(exit 1\)", line)
+    return int(m.group(1)) if m else -1
 
 
 def test_a_rank_holding_the_gil_past_the_peer_timeout_is_not_lost(tmp_path):
@@ -194,8 +202,10 @@ def test_a_lost_rank_of_four_gpus_stops_the_others_with_one_line(tmp_path, sig):
     out = (tmp_path / "log").read_text()
     low, high = (0, 20) if sig == signal.SIGKILL else (10, 25)
     assert job.returncode != 0 and low <= took < high, (job.returncode, took, out[-3000:])
-    why = "its process ended" if sig == signal.SIGKILL else "no heartbeat for 10 s"
     lines = error_lines(out)
-    assert len(lines) == 1 and lines[0].startswith("error: rank 2 (node 0, local rank 2, host ") and \
-        f"was lost: {why}; every rank stops (exit 1)" in lines[0], out[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("error: rank 2 (node 0, local rank 2, host "), out[-3000:]
+    if sig == signal.SIGKILL:
+        assert "was lost: its process ended; every rank stops (exit 1)" in lines[0], out[-3000:]
+    else:
+        assert 10 <= silence(lines[0]) < 25, out[-3000:]
     assert_checkpoint_intact(run)
