@@ -201,7 +201,6 @@ class AutogradTile:
         return gq, [(slice(0, gk.shape[2]), gk, gv)]
 
 
-
 def tile_calls(tc: TiledCall, q_t: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                s0: int, s1: int, fused: bool) -> list:
     """The tile's attention, one call per kv head under GQA (see head_groups): CausalParts where `fused` (causal,
@@ -212,6 +211,7 @@ def tile_calls(tc: TiledCall, q_t: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     return [AutogradTile(tc, q_t[:, qh], k[:, kh, :n], v[:, kh, :n],
                          mask[:, qh] if mask is not None and mask.shape[1] > 1 else mask, s0, s1)
             for qh, kh in head_groups(nh, nkv)]
+
 
 def backward(ctx: Any, dh: torch.Tensor) -> tuple:
     """Fp8AttentionFn.backward over query tiles of ctx.cfg.tile_tokens (ctx.call a TiledCall); the same gradients."""
