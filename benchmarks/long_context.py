@@ -11,6 +11,8 @@ benchmarks/harness.py.
 
     python -m benchmarks.long_context --configs gpu,host_fp8_tiled --seqs 32768,131072 --cap-gib 79
     python -m benchmarks.long_context --layers 2 --seqs 524288 --configs host_fp8_tiled --steps 0
+    python -m benchmarks.long_context --layers 2 --emulate-layers 32 --seqs 1048576 --configs offload_fp8_tiled \
+        --steps 0
     python -m benchmarks.long_context --model llama3.2-3b --configs host_fp8_tiled,alst --seqs 131072
     python -m benchmarks.long_context --smoke --out /tmp/long      # CPU, tiny Llama
 """
@@ -44,6 +46,9 @@ CONFIGS = {  # name -> (what it is, the coat.activation keys it sets over the pr
                  {"checkpoint": True, "checkpoint_store": "host_fp8"}),
     "host_fp8_tiled": (f"host_fp8, and the MLP over tiles of {TILE} tokens in forward and recompute",
                        {"checkpoint": True, "checkpoint_store": "host_fp8", "tile_tokens": TILE}),
+    "offload_fp8_tiled": (f"host_fp8_tiled over {ALST_ZERO} in place of the preset: ZeRO-3, CoatAdamW's FP8 "
+                          "moments in pinned host memory (coat.states 'host'), the bf16 weights on the GPU",
+                          {"checkpoint": True, "checkpoint_store": "host_fp8", "tile_tokens": TILE}),
     ALST: ("DeepSpeed's ALST stack, no coat section: BF16 weights, ZeRO-3 (the zero_optimization of "
            f"{ALST_ZERO}) with parameters and optimizer offloaded to pinned host memory, AdamW (DeepSpeedCPUAdam: "
            "fp32 master, gradients and moments on the host), the preset's bf16, clipping and schedule; HF's "
@@ -53,8 +58,9 @@ CONFIGS = {  # name -> (what it is, the coat.activation keys it sets over the pr
            f"ulysses_sp.TiledMLP in tiles of {TILE} tokens, the loss through ulysses_sp.TiledFusedLogitsLoss in "
            f"tiles of {LOSS_TILE} tokens (HF's loss_function per tile)", None),
 }
+PRESET_OF = {"offload_fp8_tiled": ALST_ZERO}   # a configuration over another preset than PRESET
 SETTING = ("model", "preset", "cap_gib")   # what rows of one file share; a file of another is refused
-WORKER_FLAGS = ("model", "seq", "steps", "cap_gib", "layers")
+WORKER_FLAGS = ("model", "seq", "steps", "cap_gib", "layers", "emulate_layers")
 
 
 LLAMAS = [name for name, shape in MODELS.items() if "model_type" not in shape]   # what --model takes
@@ -63,7 +69,7 @@ LLAMAS = [name for name, shape in MODELS.items() if "model_type" not in shape]  
 def ds_config(name: str) -> dict:
     """The preset with configuration `name`'s coat.activation keys; alst: no coat section, AdamW, ZeRO-3 with both
     offloads (the preset's bf16, clipping, scheduler and AdamW hyper-parameters kept)."""
-    cfg = json.loads((ROOT / PRESET).read_text())
+    cfg = json.loads((ROOT / PRESET_OF.get(name, PRESET)).read_text())
     cfg.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1)
     if name != ALST:
         cfg["coat"]["activation"].update(CONFIGS[name][1])
@@ -137,7 +143,24 @@ def tiled_mlp_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def identity(row: dict) -> tuple:
-    return row["config"], row["layers"], row["seq"]
+    return row["config"], row["layers"], row["seq"], row.get("emulated_layers")
+
+
+def ballast_bytes(config: str, shape: dict, seq: int, layers: int) -> int:
+    """GPU bytes that `layers` layers of `shape` hold beyond its own depth under `config` at the step's peak besides
+    the activations (weights, gradients, master, optimizer states, DeepSpeed's buffers: coat_ds.plan's figures at
+    the full depth's peak moment), so that a stand-in holding them beside its own runs its activations against the
+    full depth's GPU memory (--emulate-layers)."""
+    from coat_ds import plan as P
+
+    def fixed(n: int, phase: str | None = None) -> tuple[float, str]:
+        job = P.job_from_config(ds_config(config), P.shape_from_hf(dict(shape, num_hidden_layers=n), NAME), seq, 1)
+        phase = phase or P.plan(job, 1).phase
+        parts = P.phases(job, 1)[phase]
+        return sum(v for k, v in parts.items() if k not in ("activations", "logits/loss")), phase
+
+    full, phase = fixed(layers)
+    return int(full - fixed(shape["num_hidden_layers"], phase)[0])
 
 
 def worker(args: argparse.Namespace) -> int:
@@ -153,6 +176,8 @@ def worker(args: argparse.Namespace) -> int:
     cfg, alst = ds_config(args.config), args.config == ALST
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     mem = (lambda f: f() / GIB) if device == "cuda" else (lambda f: None)
+    ballast = args.emulate_layers and ballast_bytes(args.config, shape, args.seq, args.emulate_layers)
+    held = torch.empty(ballast or 0, dtype=torch.uint8, device=device)   # the missing layers' bytes, to the end
     model = train_lib.from_shape(shape, seed=0, device=device,   # alst too: ZeRO-3 partitions it at initialize
                                  dtype=torch.bfloat16 if device == "cuda" else torch.float32)
     engine = train_lib.initialize(AlstCausalLM(model) if alst else model, cfg)
@@ -187,6 +212,7 @@ def worker(args: argparse.Namespace) -> int:
         "peak_reserved_gib": mem(torch.cuda.max_memory_reserved), "resident_gib": resident,
         "gpu_bytes_per_token": (peak - resident) * GIB / args.seq if peak is not None else None,
         "host_peak_rss_gib": proc_bytes("VmHWM") / GIB, "losses": losses,
+        **({"emulated_layers": args.emulate_layers, "ballast_gib": held.numel() / GIB} if ballast else {}),
         **({"checkpoint_offload": vars(offload.stats)} if alst else {})})   # the last step's
     return 0
 
@@ -196,7 +222,8 @@ def run_one(args: argparse.Namespace, name: str, seq: int) -> dict:
     return harness.worker_row(lambda result: worker_cmd(f"benchmarks.{NAME}", args, WORKER_FLAGS, config=name,
                                                         seq=seq, result=result),
                               args.timeout, config=name, seq=seq,
-                              layers=args.layers or MODELS[args.model]["num_hidden_layers"])
+                              layers=args.layers or MODELS[args.model]["num_hidden_layers"],
+                              **({"emulated_layers": args.emulate_layers} if args.emulate_layers else {}))
 
 
 def stem(args: argparse.Namespace) -> str:
@@ -222,6 +249,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                             MODELS[MODEL]["num_hidden_layers"])
     p.add_argument("--model", help=f"a Llama shape of benchmarks/configs.py (default {MODEL}; --smoke "
                                    f"{SMOKE_MODEL}); another model's rows go to {NAME}_<model>.json")
+    p.add_argument("--emulate-layers", type=int, help="with --layers: also hold on the GPU what the model at this "
+                   "depth holds beyond the stand-in's layers besides activations (ballast_bytes; the row's peak is "
+                   "then the deeper model's, its host the stand-in's)")
     p.add_argument("--seq", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.model is not None and args.model not in LLAMAS:
@@ -233,6 +263,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                 "e.g. llama3.2-3b-untied")
     if args.steps < 0:
         p.error(f"--steps={args.steps} is invalid; allowed: an integer >= 0")
+    if args.emulate_layers is not None and not (args.layers or args.emulate_layers) < args.emulate_layers:
+        p.error(f"--emulate-layers={args.emulate_layers} is invalid; allowed: with --layers, an integer above it")
     args.seq_list = harness.one_gpu_checked(p, args, NAME, "seqs", "64,128" if args.smoke else "32768,131072",
                                             (MODEL, SMOKE_MODEL))
     return args

@@ -132,6 +132,18 @@ def lean_recompute(activation: Any) -> bool:
     return getattr(activation, "lean_recompute", True)
 
 
+def fetches_after_recompute(activation: Any) -> bool:
+    """Whether "host_fp8" starts the next layer's fetch once this layer's recompute has ended (checkpoint_store's
+    Fp8Store._recompute; before, as it began). An activation object may say `fetches_after_recompute = False`."""
+    return getattr(activation, "fetches_after_recompute", True)
+
+
+def frees_qkv_grad(activation: Any) -> bool:
+    """Whether the q/k/v projection's backward frees the fused q/k/v gradient once quantized (NormLinearFn's
+    owns_grad). An activation object may say `frees_qkv_grad = False`: a row measured before (tests/test_plan.py)."""
+    return getattr(activation, "frees_qkv_grad", True)
+
+
 def step_inputs(shape: Any) -> float:
     """B/token/hidden alive through the whole step besides the activations: HF's rotary cos and sin (bf16, head_dim
     wide each; every checkpointed layer keeps them as inputs) and STEP_INT64's int64 tensors."""
@@ -143,8 +155,9 @@ def checkpoint_kept(layers: int, activation: Any, phase: str) -> float:
     (at the last layer: "gpu" every layer's bf16 input, the embeddings' output among them; the FP8 stores the codes
     of every layer so far ("gpu_fp8") and the embeddings' output, which the model's forward keeps, and the running
     layer's input, 2 each), "loss" (the loss and the final norm: "gpu" every input, "gpu_fp8" every layer's codes,
-    "host_fp8" none) or "layer" (a layer's backward: "host_fp8" also the next layer's codes, fetched during this
-    one's recompute; the recomputed layer's dequantized input is the recompute's own, layer_moments)."""
+    "host_fp8" none), "recompute" (as "loss") or "layer" (a layer's backward: "host_fp8" also the next layer's
+    codes, fetched once this one's recompute has ended; the recomputed layer's dequantized input is the recompute's
+    own, layer_moments)."""
     store, f8 = store_of(activation), fp8_input(activation)
     if store == GPU:
         return layers * CHECKPOINT_INPUT
@@ -185,6 +198,7 @@ def layer_moments(shape: Any, activation: Any, kept: float, layers: int, tokens:
     norm1 = 1 + 1 / g + 4 / h                     # NormLinearFn's saves: the input norm's FP8 input, exponents, rstd
     base = step_inputs(shape)
     fwd, bwd = (base + checkpoint_kept(layers, activation, p) for p in ("forward", "layer"))
+    rec = base + checkpoint_kept(layers, activation, "recompute" if fetches_after_recompute(activation) else "layer")
     held = 0.0 if lean_recompute(activation) else qkv   # before 789098a the fused q/k/v output lived to the layer's end
     deq = CHECKPOINT_INPUT if store_of(activation) != GPU else 0.0   # the recomputed layer's input, dequantized
     rows = min(activation.tile_tokens, tokens)
@@ -205,19 +219,21 @@ def layer_moments(shape: Any, activation: Any, kept: float, layers: int, tokens:
         "forward (MLP)": (fwd + held + 2 + 2, mlp_tile_forward(shape, activation, rows)),
         # the recompute at attention's saves: the layer's output gradient (dout), its input dequantized (the FP8
         # stores), its saves so far (kept, h made now), q, k, v
-        "recompute": (bwd + 2 + deq + kept + qkv + held, o_proj),
+        "recompute": (rec + 2 + deq + kept + qkv + held, o_proj),
         # TiledMlpFn's backward: dout, what the layer keeps (h among it), dh; one tile's transients
         "MLP backward": (bwd + 2 + kept + 2, mlp_tile_backward(shape, activation, rows)),
         # Fp8AttentionFn's backward: dh (o_proj's output gradient, the residual's too), the norms' saves, what the
         # attention's backward holds (plan_long.attention_backward; Ulysses' exchange: ulysses_backward)
         "attention backward": (bwd + 2 + (kept - TILED_MLP_INPUT - codes) + attention[0], attention[1]),
-        # NormLinearFn's backward (q/k/v projection), at its input-gradient GEMM: dh (waiting to be summed into the
-        # layer input's gradient), RopeFn's dqkv, the norm's saves, its FP8 normed input rebuilt transposed (1), dqkv's
-        # two E5M2 copies (qkv / 2 each), the GEMM's bf16 output (2); the weight's transposed operand and gradient
-        "q/k/v backward": (bwd + 2 + qkv + norm1 + 1 + qkv + 2, 3 * (out + kv) * h * h),
+        # NormLinearFn's backward (q/k/v projection): dh (waiting to be summed into the layer input's gradient), the
+        # norm's saves, its FP8 normed input rebuilt transposed (1), dqkv's two E5M2 copies (qkv / 2 each), and either
+        # RopeFn's bf16 dqkv as they are made or, once it is freed (frees_qkv_grad), the input-gradient GEMM's bf16
+        # output (2; before, both); the weight's transposed operand and gradient
+        "q/k/v backward": (bwd + 2 + norm1 + 1 + qkv + (max(qkv, 2) if frees_qkv_grad(activation) else qkv + 2),
+                           3 * (out + kv) * h * h),
     }
     if not lean_recompute(activation):   # the recompute ran the tiled MLP too: h, its output and one tile's forward
-        moments["recompute (MLP)"] = (bwd + 2 + deq + kept + held + 2, mlp_tile_forward(shape, activation, rows))
+        moments["recompute (MLP)"] = (rec + 2 + deq + kept + held + 2, mlp_tile_forward(shape, activation, rows))
     return moments
 
 

@@ -162,17 +162,45 @@ def test_the_packed_input_holds_no_reference_to_the_tensor(store):
     assert all(s.pack(t) is t and s.unpack(t) is t for t in (small, mask, cos))
 
 
-def test_unpacking_a_layer_fetches_the_one_packed_before_it():
-    """Backward meets the inputs in the reverse order of the forward: unpacking one starts the copy back of its
-    predecessor (here synchronous), and only that one."""
+def test_a_recompute_ending_fetches_the_input_packed_before_its_own():
+    """Backward meets the inputs in the reverse order of the forward: once the recompute that unpacking one starts
+    has ended (the context torch's checkpoint runs it in), the copy back of its predecessor starts (here
+    synchronous), and only that one, so its codes wait beside the layer's backward, not beside its recompute."""
     s = _store("host_fp8")
     xs = [torch.randn(64, 128).bfloat16().requires_grad_() for _ in range(3)]
     a, b, c = (s.pack(x) for x in xs)
     assert a.codes is None and b.codes is None and c.codes is None
     s.unpack(c)
+    with s._contexts()[1]:
+        assert checkpoint_store.recomputing() and b.codes is None
     assert b.codes is not None and a.codes is None and c.codes is None  # c's own device copy freed after use
     assert torch.equal(s.unpack(b).float(), R.group_dequant(*R.group_quant(xs[1].detach(), E4M3, 16), 16))
+    assert a.codes is None
+    with s._contexts()[1]:
+        pass
     assert a.codes is not None
+
+
+def test_a_model_fetches_each_input_after_the_next_layers_recompute(monkeypatch):
+    """Through a model's backward: the last layer's input is fetched as its recompute starts, every other one
+    right after the recompute of the layer after it (its attention run again) and before its own."""
+    model = _model({"checkpoint": True, "checkpoint_store": "host_fp8"})
+    store, events, packed = model.model.layers[0]._gradient_checkpointing_func, [], []
+    pack, fetch = store.pack, store._fetch
+    monkeypatch.setattr(store, "pack", lambda t: packed.append(pack(t)) or packed[-1])
+    monkeypatch.setattr(store, "_fetch", lambda p: (p.codes is None and events.append(("fetch", packed.index(p))),
+                                                    fetch(p)))
+    for i, layer in enumerate(model.model.layers):
+        def attention(*args, run=layer._attention, i=i, **kwargs):
+            if checkpoint_store.recomputing():
+                events.append(("recompute", i))
+            return run(*args, **kwargs)
+        monkeypatch.setattr(layer, "_attention", attention)
+    _step(model)
+    n = SHAPE["num_hidden_layers"]
+    assert len(packed) == n
+    assert events == [("fetch", n - 1)] + [e for i in reversed(range(n)) for e in
+                                           [("recompute", i)] + ([("fetch", i - 1)] if i else [])]
 
 
 def test_steps_reuse_the_host_buffers():

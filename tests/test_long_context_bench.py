@@ -26,7 +26,7 @@ def test_smoke_rows_and_the_first_loss_equal_over_stores_and_close_under_alst(tm
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     doc = json.loads((tmp_path / "long_context.json").read_text())
-    assert [L.identity(r) for r in doc["rows"]] == [("gpu", 1, 64), ("host_fp8_tiled", 1, 64), ("alst", 1, 64)]
+    assert [L.identity(r) for r in doc["rows"]] == [(c, 1, 64, None) for c in ("gpu", "host_fp8_tiled", "alst")]
     assert all(r["fits"] and r["tokens_per_s"] > 0 and r["host_peak_rss_gib"] > 0 for r in doc["rows"])
     gpu, tiled, alst = (r["losses"][0] for r in doc["rows"])
     assert gpu == tiled and abs(alst - tiled) < 0.02, (tiled, alst)   # measured 6.2691 vs 6.2706 (bf16 on the CPU)
@@ -39,7 +39,8 @@ def test_configs_set_what_they_say_and_bad_flags_fail_in_one_line(capsys):
     assert (act["checkpoint"], act["checkpoint_store"], act["tile_tokens"]) == (True, "host_fp8", L.TILE)
     assert "checkpoint_store" not in L.ds_config("gpu")["coat"]["activation"]
     for argv, key in ((["--configs", "gpu,fp4"], "--configs"), (["--seqs", "1k"], "--seqs"),
-                      (["--steps", "-1"], "--steps")):
+                      (["--steps", "-1"], "--steps"), (["--emulate-layers", "32"], "--emulate-layers"),
+                      (["--layers", "2", "--emulate-layers", "2"], "--emulate-layers")):
         with pytest.raises(SystemExit):
             L.parse_args(argv)
         assert key in capsys.readouterr().err.splitlines()[-1]
@@ -77,3 +78,14 @@ def test_the_committed_file_takes_a_new_row_by_identity():
     assert doc["note"] == committed["note"] and len(doc["calls"]) == len(committed["calls"]) + 1
     with pytest.raises(SystemExit):
         L.results(L.parse_args(["--cap-gib", "139"]), [], {})
+
+
+def test_the_offload_configuration_and_a_deeper_models_ballast():
+    """offload_fp8_tiled runs the ZeRO-3 preset with the FP8 moments on the host; a 2-layer stand-in of 8B emulating
+    32 layers holds what 30 more layers hold there beyond activations: their bf16 weights (the states' device
+    windows and DeepSpeed's buffers do not grow with depth), 2 B x 218,112,000 parameters a layer."""
+    cfg = L.ds_config("offload_fp8_tiled")
+    assert cfg["zero_optimization"]["stage"] == 3 and cfg["coat"]["states"] == "host"
+    assert cfg["coat"]["activation"]["checkpoint_store"] == "host_fp8" and cfg["train_micro_batch_size_per_gpu"] == 1
+    shape = dict(L.MODELS[L.MODEL], num_hidden_layers=2)
+    assert L.ballast_bytes("offload_fp8_tiled", shape, 1 << 20, 32) == pytest.approx(30 * 2 * 218_112_000, rel=1e-3)

@@ -8,8 +8,9 @@ which the checkpoint keeps by reference). "gpu" keeps the bf16 tensor (2 B/token
 Llama-8B's 32 x 4096); "gpu_fp8" keeps it in the FP8 flow's per-group format (attention_fp8's quantizer,
 attention.quant_heads: E4M3, one power-of-two exponent per 1 x group_size, 1 + 1/G B); "host_fp8" copies those to
 pinned host memory on a copy stream as the forward goes (nothing stays on the GPU) and back on another one layer
-ahead of backward. The recompute runs on the dequantized input: gradients move by what E4M3 rounding of the input
-moves.
+ahead of backward: the input before a layer's starts its copy back once that layer's recompute has ended (its codes
+then wait beside the layer's backward, not beside its recompute, the step's peak at a long sequence). The
+recompute runs on the dequantized input: gradients move by what E4M3 rounding of the input moves.
 
 Without CUDA the host path is the same with plain buffers and synchronous copies."""
 from __future__ import annotations
@@ -163,16 +164,33 @@ class Fp8Store:
         self.packed = 0  # inputs packed so far (the check that torch's checkpoint saved through the hooks)
         self.pools: dict[bool, HostPool] = {}
         self.streams: dict[torch.device, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}  # (D2H, H2D)
+        self.ahead: Callable[[], Packed | None] = lambda: None  # fetched once the running recompute ends (weak)
 
     def __call__(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """torch's checkpoint of fn(*args, **kwargs), its inputs saved through this store."""
         before = self.packed
         with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
-            out = CHECKPOINT(fn, *args, **kwargs)
+            out = CHECKPOINT(fn, *args, context_fn=self._contexts, **kwargs)
         if self.packed == before and torch.is_grad_enabled() and any(self.takes(a) for a in args):
             raise RuntimeError(f"coat.activation.checkpoint_store={self.name!r}: torch {torch.__version__}'s "
                                f"checkpoint saved the layer input past saved-tensor hooks; allowed here: {GPU!r}")
         return out
+
+    def _contexts(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+        """torch's context_fn: around the recompute, `recomputing` and then the fetch of the input packed before."""
+        return contextlib.nullcontext(), self._recompute()
+
+    @contextlib.contextmanager
+    def _recompute(self) -> Iterator[None]:
+        """torch's checkpoint ends a recompute early, by raising through this context, once the layer's last saved
+        tensor is made (torch.utils.checkpoint's early stop): the fetch follows either end."""
+        try:
+            with _replaying():
+                yield
+        finally:
+            ahead, self.ahead = self.ahead(), lambda: None
+            if ahead is not None:
+                self._fetch(ahead)  # its H2D overlaps this layer's backward
 
     def takes(self, t: Any) -> bool:
         """Whether the store keeps `t` in FP8: a floating tensor that backward differentiates through (the hidden
@@ -200,9 +218,7 @@ class Fp8Store:
         if isinstance(p, Tensor):
             return p
         self._fetch(p)
-        prev = p.prev()
-        if prev is not None:
-            self._fetch(prev)  # its H2D overlaps this layer's recompute and backward
+        self.ahead = p.prev  # fetched when the recompute this unpack starts has ended (_recompute)
         if p.ready is not None:
             compute = torch.cuda.current_stream(p.device)
             compute.wait_event(p.ready)

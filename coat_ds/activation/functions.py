@@ -39,17 +39,27 @@ def quant_operand(x: torch.Tensor, fmt: FP8Format, rowmajor: bool = True, transp
     return q, qt, scale
 
 
+def release(t: torch.Tensor) -> None:
+    """Free `t`'s memory now, where its last reader is done but a caller holds it: autograd's engine keeps the
+    gradient it hands a Function's backward alive until that backward returns. Eager tensors only (a traced graph
+    plans its own buffers)."""
+    if not quant.tracing(t):
+        t.untyped_storage().resize_(0)
+
+
 def linear_backward(dout: torch.Tensor, group: WeightGroup, xt: torch.Tensor, xs: torch.Tensor,
-                    bwd: FP8Format, need_dx: bool = True):
-    """(dx, per-param grads) of out = x W^T (+ b), given the FP8 transposed input xt [K, M] and its scale."""
+                    bwd: FP8Format, need_dx: bool = True, free_dout: bool = False):
+    """(dx, per-param grads) of out = x W^T (+ b), given the FP8 transposed input xt [K, M] and its scale.
+    free_dout: dout is the caller's own (no other reader): freed once quantized, before the GEMMs' outputs."""
+    db = dout.sum(dim=0).to(group.weights[0].dtype) if group.has_bias else None
     dq, dqt, ds = quant_operand(dout, bwd, rowmajor=need_dx, transposed=True)
+    if free_dout:
+        release(dout)
     dx = None
     if need_dx:
         wt, ws = group.operand(transposed=True)
         dx = fp8_mm(dq, ds, wt, ws, dout.dtype)
-    w = group.weights[0]
-    dw = fp8_mm(dqt, ds, xt, xs, w.dtype)
-    db = dout.sum(dim=0).to(w.dtype) if group.has_bias else None
+    dw = fp8_mm(dqt, ds, xt, xs, group.weights[0].dtype)
     return dx, group.split_grad(dw, db)
 
 
@@ -65,12 +75,16 @@ def _norm_linear(x: torch.Tensor, norm_w: torch.Tensor, eps: float, cfg: Activat
 
 
 class NormLinearFn(Function):
+    """owns_grad: the output's only readers make tensors of their own (the layer's q/k/v heads: RoPE's outputs, or
+    a split whose backward concatenates), so the output's gradient is a fresh tensor no one else reads: backward
+    frees it once quantized (3 B/token/hidden at Llama-8B's q/k/v, at a long sequence's peak)."""
+
     @staticmethod
     def forward(ctx, x: torch.Tensor, norm_w: torch.Tensor, eps: float, cfg: ActivationConfig,
-                group: WeightGroup, *params: torch.Tensor) -> torch.Tensor:
+                group: WeightGroup, owns_grad: bool, *params: torch.Tensor) -> torch.Tensor:
         out, (xq, xs, rstd, ys) = _norm_linear(x, norm_w, eps, cfg, group)
         ctx.save_for_backward(xq, xs, rstd, ys, norm_w)
-        ctx.cfg, ctx.group = cfg, group
+        ctx.cfg, ctx.group, ctx.owns_grad = cfg, group, owns_grad
         return out
 
     @staticmethod
@@ -79,9 +93,10 @@ class NormLinearFn(Function):
         cfg, group = ctx.cfg, ctx.group
         _, yt = quant.rmsnorm_rebuild(xq, xs, rstd, norm_w, ys, cfg.fwd, cfg.group_size, rowmajor=False,
                                     transposed=True)
-        dy, pgrads = linear_backward(dout.contiguous(), group, yt, ys, cfg.bwd)
+        dy, pgrads = linear_backward(dout.contiguous(), group, yt, ys, cfg.bwd, free_dout=ctx.owns_grad)
+        del yt
         dx, dnw = quant.rmsnorm_backward(dy, xq, xs, rstd, norm_w, cfg.group_size)
-        return dx, dnw.to(norm_w.dtype), None, None, None, *pgrads
+        return dx, dnw.to(norm_w.dtype), None, None, None, None, *pgrads
 
 
 class MlpFn(Function):

@@ -266,7 +266,8 @@ class CoatDecoderLayer(_Base):
         full, norms = cfg.mode == "full", self.norms
         ln1, ln2 = getattr(self, norms.attn_in), getattr(self, norms.mlp_in)
         if full:
-            qkv = NormLinearFn.apply(x, self._norm_weight(ln1), _eps(ln1), cfg, self._qkv, *self._qkv.params())
+            # q/k/v's gradient is _heads' own (NormLinearFn's owns_grad)
+            qkv = NormLinearFn.apply(x, self._norm_weight(ln1), _eps(ln1), cfg, self._qkv, True, *self._qkv.params())
         else:
             qkv = LinearFn.apply(ln1(x), None, cfg, self._qkv, True, *self._qkv.params())
         residual = None if norms.attn_out else x
