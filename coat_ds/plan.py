@@ -226,7 +226,9 @@ def moment_phases(job: Job, tokens: int, states: dict, at_loss: dict, loss: dict
         "final norm backward": dict(at_loss, **final, gradients=gradients if in_backward else 0.0),
     }
     kept = layer_bytes(s, act) + ulysses_kept(s, act, job.sp)
-    for name, (per_token, fixed) in layer_moments(s, act, kept, s.layers, tokens, job.seq, job.sp).items():
+    leaf_hook = job.zero.stage == 3   # coat's layers are ZeRO-3 leaf modules (hf/swap.py, deepspeed/sharding.py)
+    for name, (per_token, fixed) in layer_moments(s, act, kept, s.layers, tokens, job.seq, job.sp,
+                                                  leaf_hook).items():
         during = {} if name.startswith("forward") else dict(gradients=gradients, buffers=buffers(job.zero))
         out[name] = dict(states, activations=th * per_token + fixed, **during)
     return out

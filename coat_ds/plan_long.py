@@ -76,20 +76,29 @@ def tiles_final_norm(activation: Any) -> bool:
             and getattr(activation, "tiles_final_norm", True))
 
 
+def cudnn_tiles(activation: Any) -> bool:
+    """Whether causal query tiles run as cuDNN calls (tiled_attention.CausalParts, 8d9e05a: CUDA with cuDNN's SDPA,
+    the GPUs planned here), whose GQA backward expands no dk, dv; before, FlashAttention-2's did. An activation
+    object may say `cudnn_tiles = False`: a row measured before (tests/test_plan.py)."""
+    return getattr(activation, "cudnn_tiles", True)
+
+
 def attention_backward(shape: Any, activation: Any) -> tuple[float, float]:
     """(untiled, tiled) B/token/hidden of what the recomputed layer's attention backward (Fp8AttentionFn) holds
     sequence-long, besides what the layer keeps. Untiled: bf16 q, k, v dequantized, the recomputed output o and do,
     dq/dk/dv, and FlashAttention's scratch: its fp32 dq accumulator and, under GQA, dk and dv expanded to every query
-    head. Tiled (tiles much shorter than the sequence): k and v, their fp32 sums, dq, dk and dv as returned, and the
-    scratch of one kv head's call over all keys at the last tile (its expanded dk, dv and its dk, dv); the tile's own
-    q, o, do and dq (tile_tokens x their widths) are below the MLP tile's transients and never coexist with them."""
+    head. Tiled (tiles much shorter than the sequence): k and v, their fp32 sums, dq, dk and dv as returned, and what
+    one kv head's call over all keys holds at the last tile: its dk, dv (and FlashAttention-2's expanded ones; not
+    cuDNN's, cudnn_tiles: on an H200 at 524,288 tokens attention's backward held 0.5 B/token/hidden less than with
+    them); the tile's own q, o, do and dq (tile_tokens x their widths) are below the MLP tile's transients and never
+    coexist with them."""
     h, hd = shape.hidden, shape.hd
     out, kv = hd * shape.heads / h, 2 * hd * shape.kv_heads / h      # o's width, k and v's together, over hidden
     gqa = shape.kv_heads < shape.heads
     expanded = 2 * 2 * out if gqa else 0.0                            # bf16 dk, dv at every query head
     untiled = 2 * (out + kv) + 2 * out + 2 * out + 2 * (out + kv) + 4 * out + expanded + 4 * shape.heads / h
     calls = shape.kv_heads if gqa else 1                              # tiled_attention.head_groups
-    tiled = 2 * kv + 4 * kv + 2 * out + 2 * kv + (expanded + 2 * kv) / calls
+    tiled = 2 * kv + 4 * kv + 2 * out + 2 * kv + ((0.0 if cudnn_tiles(activation) else expanded) + 2 * kv) / calls
     return untiled, tiled
 
 
@@ -185,11 +194,15 @@ def mlp_tile_backward(shape: Any, activation: Any, rows: int) -> float:
 
 
 def layer_moments(shape: Any, activation: Any, kept: float, layers: int, tokens: int, seq: int,
-                  sp: int = 1) -> dict[str, tuple[float, float]]:
+                  sp: int = 1, leaf_hook: bool = False) -> dict[str, tuple[float, float]]:
     """Per moment of a decoder layer's step where it can peak, (B/token/hidden, bytes that do not grow with the
     sequence), for follows_moments' flow: `kept` what the layer keeps (plan.layer_bytes: its norms' and attention's
     saves and the MLP's bf16 input h), `tokens` the GPU's (micro-batch x seq / sp), `seq` a sample's (attention's
-    query tiles). Every moment holds the checkpoints (checkpoint_kept) and step_inputs. Widths over hidden: out
+    query tiles); `leaf_hook`: ZeRO-3, whose full backward hook on each coat layer (DeepSpeed's reduce of a leaf
+    module's gradients, set_z3_leaf_module) keeps the layer's output gradient (2) from its arrival to the layer's
+    input gradient: through attention's and the q/k/v projection's backward too (measured on an H200 at 524,288
+    tokens, and on CPU ranks; under ZeRO-1/2 the engine frees it after the MLP's backward). Every moment holds the
+    checkpoints (checkpoint_kept) and step_inputs. Widths over hidden: out
     (attention's output, q), kv (k and v), qkv = 2 (out + kv) the bf16 q, k, v (as wide as the fused projection)."""
     h, g = shape.hidden, activation.group_size
     out, kv = shape.hd * shape.heads / h, 2 * shape.hd * shape.kv_heads / h
@@ -200,6 +213,7 @@ def layer_moments(shape: Any, activation: Any, kept: float, layers: int, tokens:
     fwd, bwd = (base + checkpoint_kept(layers, activation, p) for p in ("forward", "layer"))
     rec = base + checkpoint_kept(layers, activation, "recompute" if fetches_after_recompute(activation) else "layer")
     held = 0.0 if lean_recompute(activation) else qkv   # before 789098a the fused q/k/v output lived to the layer's end
+    dout = 2.0 if leaf_hook else 0.0                      # the layer's output gradient past the MLP's backward
     deq = CHECKPOINT_INPUT if store_of(activation) != GPU else 0.0   # the recomputed layer's input, dequantized
     rows = min(activation.tile_tokens, tokens)
     o_proj = out * h * h                          # o_proj's FP8 weight operand
@@ -224,12 +238,12 @@ def layer_moments(shape: Any, activation: Any, kept: float, layers: int, tokens:
         "MLP backward": (bwd + 2 + kept + 2, mlp_tile_backward(shape, activation, rows)),
         # Fp8AttentionFn's backward: dh (o_proj's output gradient, the residual's too), the norms' saves, what the
         # attention's backward holds (plan_long.attention_backward; Ulysses' exchange: ulysses_backward)
-        "attention backward": (bwd + 2 + (kept - TILED_MLP_INPUT - codes) + attention[0], attention[1]),
+        "attention backward": (bwd + 2 + dout + (kept - TILED_MLP_INPUT - codes) + attention[0], attention[1]),
         # NormLinearFn's backward (q/k/v projection): dh (waiting to be summed into the layer input's gradient), the
         # norm's saves, its FP8 normed input rebuilt transposed (1), dqkv's two E5M2 copies (qkv / 2 each), and either
         # RopeFn's bf16 dqkv as they are made or, once it is freed (frees_qkv_grad), the input-gradient GEMM's bf16
         # output (2; before, both); the weight's transposed operand and gradient
-        "q/k/v backward": (bwd + 2 + norm1 + 1 + qkv + (max(qkv, 2) if frees_qkv_grad(activation) else qkv + 2),
+        "q/k/v backward": (bwd + 2 + dout + norm1 + 1 + qkv + (max(qkv, 2) if frees_qkv_grad(activation) else qkv + 2),
                            3 * (out + kv) * h * h),
     }
     if not lean_recompute(activation):   # the recompute ran the tiled MLP too: h, its output and one tile's forward

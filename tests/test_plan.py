@@ -32,7 +32,9 @@ TILED_FINAL_NORM_LANDED = "2026-12-02T18:45:00"   # the long-context row that fi
 LEAN_RECOMPUTE_LANDED = "2026-12-02T23:06:00"
 # the q/k/v projection's backward freeing its gradient (NormLinearFn's owns_grad) and "host_fp8" fetching the next
 # layer's input after a recompute (Fp8Store._recompute)
-QKV_GRAD_FREED_LANDED = "2026-12-03T11:40:00"
+QKV_GRAD_FREED_LANDED = "2026-12-03T11:20:00"   # d342af1 (its tree ran the 11:24 row)
+# causal query tiles as cuDNN calls (8d9e05a; its tree ran the 06:57 row): before, FlashAttention-2's
+CUDNN_TILES_LANDED = "2026-12-03T06:50:00"
 
 
 def _docs(path: Path) -> list[dict]:
@@ -110,7 +112,13 @@ class _HeldQkvGrad(ActivationConfig):
 
 
 @dataclass(frozen=True)
-class _HeldRecompute(_HeldQkvGrad):
+class _FlashTiles(_HeldQkvGrad):
+    """Measured before causal query tiles ran as cuDNN calls (FlashAttention-2's expanded dk, dv in the tiles)."""
+    cudnn_tiles: ClassVar[bool] = False
+
+
+@dataclass(frozen=True)
+class _HeldRecompute(_FlashTiles):
     """A row's activation config, measured before a layer freed its fused q/k/v output and a recompute skipped its
     tiled MLP, and before the chunked loss's backward walked token chunks."""
     lean_recompute: ClassVar[bool] = False
@@ -143,6 +151,8 @@ def job_of(row: dict) -> P.Job:
         job = replace(job, activation=_StockFinalNorm(**job.activation.to_dict()))
     elif job.activation is not None and row["date"] < LEAN_RECOMPUTE_LANDED:
         job = replace(job, activation=_HeldRecompute(**job.activation.to_dict()))
+    elif job.activation is not None and row["date"] < CUDNN_TILES_LANDED:
+        job = replace(job, activation=_FlashTiles(**job.activation.to_dict()))
     elif job.activation is not None and row["date"] < QKV_GRAD_FREED_LANDED:
         job = replace(job, activation=_HeldQkvGrad(**job.activation.to_dict()))
     return job
@@ -227,14 +237,18 @@ def test_the_checkpoint_stores_keep_their_inputs_where_they_say():
 def test_the_long_context_step_is_planned_moment_by_moment():
     """Llama-3.1-8B, host_fp8 and tiles of 16384 with attention_fp8: attention's backward holds 18.03 B/token/hidden
     untiled (bf16 q, k, v 3, o 2, do 2, dq/dk/dv 3, FlashAttention's fp32 dq 4 and GQA-expanded dk, dv 4, lse) and
-    6.625 tiled (k, v 1, their fp32 sums 2, dq 2, dk, dv 1, one kv head's call's scratch 0.625). Over tiles a long
-    step peaks there: 11.94 B/token/hidden, 48.9 KB a token (the next layer's codes 1.0625, the rotary cos/sin and
-    int64 inputs 0.131, dh 2, the input norm's saves 1.0635, q's codes 1.0625, the tiled 6.625). Before the q/k/v
-    projection freed its gradient and the next layer's fetch waited for the recompute's end, the q/k/v projection's
-    backward, 13.26 (54.3 KB: the same codes and inputs, dh 2, RopeFn's dqkv 3, the norm's saves, its FP8 normed
-    input transposed 1, dqkv's two E5M2 copies 3, the GEMM's output 2), and the recompute 12.85 held more; now 11.25
-    (dqkv freed before the GEMM's output) and 11.79 (no next layer's codes). With attention's backward untiled, in
-    it: 22.3 (dh 2, the norms' saves 1.0635 and the untiled 18.03 beside the same codes and inputs), 91.3 KB."""
+    6.125 tiled through cuDNN (k, v 1, their fp32 sums 2, dq 2, dk, dv 1, one kv head's call's dk, dv 0.125;
+    6.625 through FlashAttention-2, whose GQA backward expands them). Over tiles a long step now peaks in the recompute:
+    11.79 B/token/hidden, 48.3 KB a token (the rotary cos/sin and int64 inputs 0.131, dout 2, the input dequantized
+    2, the layer's saves 4.66, q, k, v 3; the next layer's codes are fetched once it has ended), beside attention's
+    backward 11.44 (those codes 1.0625, the inputs, dh 2, the input norm's saves 1.0635, q's codes 1.0625, the tiled
+    6.125) and the q/k/v projection's 11.25 (dqkv 3 freed once quantized, before the GEMM's output). Under ZeRO-3,
+    whose full backward hook on each coat layer holds the layer's output gradient to its end, attention's backward
+    holds 2 more: 13.44, the peak. Before the q/k/v projection freed its gradient and the next layer's fetch waited
+    for the recompute's end, the q/k/v projection's backward, 13.26 (54.3 KB: the codes and inputs, dh 2, RopeFn's
+    dqkv 3, the norm's saves, its FP8 normed input transposed 1, dqkv's two E5M2 copies 3, the GEMM's output 2).
+    With attention's backward untiled, in it: 22.3 (dh 2, the norms' saves 1.0635 and the untiled 18.03 beside the
+    same codes and inputs), 91.3 KB."""
     from coat_ds import plan_long as L
 
     cfg = P.read_config("zero2_largest_model")[0]
@@ -242,7 +256,9 @@ def test_the_long_context_step_is_planned_moment_by_moment():
     shape = P.resolve_shape("llama3.1-8b")
     job = P.job_from_config(cfg, shape, 1 << 20, 1)
     untiled = replace(job, activation=_UntiledAttention(**job.activation.to_dict()))
-    assert L.attention_backward(shape, job.activation) == pytest.approx((18.03, 6.625), abs=0.005)
+    flash = replace(job, activation=_FlashTiles(**job.activation.to_dict()))
+    assert L.attention_backward(shape, job.activation) == pytest.approx((18.03, 6.125), abs=0.005)
+    assert L.attention_backward(shape, flash.activation) == pytest.approx((18.03, 6.625), abs=0.005)
     assert L.tiles_attention(job.activation) and not L.tiles_attention(untiled.activation)
     assert not L.tiles_attention(replace(job.activation, attention_fp8=False))
     assert L.follows_moments(shape, job.activation, True) and not L.follows_moments(shape, job.activation, False)
@@ -254,17 +270,22 @@ def test_the_long_context_step_is_planned_moment_by_moment():
         return plans[0].phase, (plans[1].parts["activations"] - plans[0].parts["activations"]) / (1 << 21) / 1e3
 
     codes, inputs, norm = 1 + 1 / 16, (2 * 2 * 128 + 3 * 8) / 4096, 1 + 1 / 16 + 4 / 4096
-    assert slope(job) == ("attention backward",
-                          pytest.approx((codes + inputs + 2 + norm + codes + 6.625) * 4096 / 1e3, rel=1e-3))
+    kept = P.layer_bytes(shape, job.activation)
+    assert kept == pytest.approx(norm + 1.5 * codes + 2, rel=1e-9)
+    assert slope(job) == ("recompute", pytest.approx((inputs + 2 + 2 + kept + 3) * 4096 / 1e3, rel=1e-9))
+    zero3 = P.job_from_config(dict(P.read_config("zero3_offload_largest_model")[0], coat=cfg["coat"] | {
+        "states": "host", "master_weights": "bf16_sr", "gradients": "release"}), shape, 1 << 20, 1)
+    assert slope(zero3) == ("attention backward",
+                            pytest.approx((codes + inputs + 2 + 2 + norm + codes + 6.125) * 4096 / 1e3, rel=1e-3))
     before = replace(job, activation=_HeldQkvGrad(**job.activation.to_dict()))
     assert slope(before) == ("q/k/v backward",
                              pytest.approx((codes + inputs + 2 + 3 + norm + 1 + 3 + 2) * 4096 / 1e3, rel=1e-9))
-    kept = P.layer_bytes(shape, job.activation)
     now, then = (L.layer_moments(shape, j.activation, kept, 32, 1 << 20, 1 << 20) for j in (job, before))
     assert now["q/k/v backward"][0] == pytest.approx(codes + inputs + 2 + norm + 1 + 3 + 3, rel=1e-9)
     assert now["recompute"][0] == pytest.approx(then["recompute"][0] - codes, rel=1e-9)
-    assert slope(untiled) == ("attention backward", pytest.approx((codes + inputs + 2 + norm + 18.03) * 4096 / 1e3,
-                                                                  rel=1e-3))
+    held = L.layer_moments(shape, job.activation, kept, 32, 1 << 20, 1 << 20, leaf_hook=True)
+    assert {k: held[k][0] - now[k][0] for k in now} == pytest.approx(
+        {k: 2.0 if k in ("attention backward", "q/k/v backward") else 0.0 for k in now})
     memory = P.GPUS["h100"] * GIB
     assert P.longest_seq(untiled, memory) < 460_000 < 750_000 < P.longest_seq(job, memory)
 
@@ -757,8 +778,9 @@ def test_sp_1_is_the_plan_before_sp():
         assert job.sp == 1
         p = P.plan(job, 2)
         assert (p.peak, p.host, p.phase) == BEFORE_SP[name], name
-    # 758,623 before the q/k/v projection freed its gradient and the next layer's fetch waited for the recompute
-    assert P.longest_seq(jobs["long_131072"], P.GPUS["h100"] * GIB) == 825_695
+    # 758,623 before the q/k/v projection freed its gradient, the next layer's fetch waited for the recompute's end
+    # and the tiles ran as cuDNN calls
+    assert P.longest_seq(jobs["long_131072"], P.GPUS["h100"] * GIB) == 854_361
     out = P.report("llama3.1-8b", _long_config(), "c.json", 4096, presets=False, sp_size=1)
     assert out == P.report("llama3.1-8b", _long_config(), "c.json", 4096, presets=False) and "Ulysses" not in out
 
