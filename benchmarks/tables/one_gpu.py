@@ -36,7 +36,9 @@ def _long_rows(doc: dict):
            "GPU KB a token", "host GiB"]
     for r in sorted(doc["rows"], key=lambda r: (-r["layers"], r["config"], r["seq"])):
         if r["fits"]:
-            yield [_where(doc), r["config"], r["layers"], f"{r['seq']:,}", num(r["tokens_per_s"], 0),
+            layers = f"{r['layers']} (+ {r['emulated_layers'] - r['layers']} as ballast)" if r.get("emulated_layers") \
+                else r["layers"]
+            yield [_where(doc), r["config"], layers, f"{r['seq']:,}", num(r["tokens_per_s"], 0),
                    f"{num(r['peak_alloc_gib'])} / {num(r['resident_gib'])}", num(r["gpu_bytes_per_token"] / 1024, 0),
                    num(r["host_peak_rss_gib"])]
 
