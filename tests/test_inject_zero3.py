@@ -101,6 +101,30 @@ JOB = textwrap.dedent("""
     # 3) what users write: a "coat" section, the FP8 layers swapped in by deepspeed.initialize
     model, reference = partitioned(2)
     _, out["coat_section"] = train(model, reference, config={**ds_config, "coat": {"activation": {"enabled": True}}})
+
+    # 4) what a layer's backward holds: ZeRO-3 reduces a leaf module's gradients from a full backward hook, and
+    # torch's BackwardHook keeps the module's output gradient until its input gradient exists, so the layer's output
+    # gradient is still alive in the q/k/v projection's backward (coat_ds/plan_long.py's leaf_hook counts it)
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from coat_ds.activation import functions
+    torch.manual_seed(3)
+    model = coat_ds.inject(LlamaForCausalLM(cfg))
+    model.gradient_checkpointing_enable()
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config,
+                                      optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2))
+    douts, alive = [], []
+    def watch(module, args, output):
+        if output.requires_grad:
+            output.register_hook(lambda g: douts.append(StorageWeakRef(g.untyped_storage())))
+    for layer in model.model.layers:
+        layer.register_forward_hook(watch)
+    backward = functions.NormLinearFn.backward
+    def probe(ctx, dout):
+        alive.append(not douts[-1].expired())
+        return backward(ctx, dout)
+    functions.NormLinearFn.backward = staticmethod(probe)
+    engine.backward(engine(input_ids=x, labels=x).loss)
+    out["output_grad_alive_in_qkv_backward"] = alive
     print("RESULT " + json.dumps(out))
 """)
 
@@ -135,5 +159,6 @@ def test_zero3_trains_injected_model(tmp_path, device):
         for loss, ref in res["losses"]:
             assert abs(loss - ref) / ref < 0.02, (case, res["losses"])
         assert res["losses"][-1][0] < res["losses"][0][0]  # it trains
+    assert out["output_grad_alive_in_qkv_backward"] == [True, True]
     assert len(out["late_inject_errors"]) == 2
     assert all(err and "before deepspeed.initialize" in err for err in out["late_inject_errors"])
