@@ -153,14 +153,14 @@ def ballast_bytes(config: str, shape: dict, seq: int, layers: int) -> int:
     full depth's GPU memory (--emulate-layers)."""
     from coat_ds import plan as P
 
-    def fixed(n: int, phase: str | None = None) -> tuple[float, str]:
-        job = P.job_from_config(ds_config(config), P.shape_from_hf(dict(shape, num_hidden_layers=n), NAME), seq, 1)
-        phase = phase or P.plan(job, 1).phase
-        parts = P.phases(job, 1)[phase]
-        return sum(v for k, v in parts.items() if k not in ("activations", "logits/loss")), phase
+    def job(n: int) -> P.Job:
+        return P.job_from_config(ds_config(config), P.shape_from_hf(dict(shape, num_hidden_layers=n), NAME), seq, 1)
 
-    full, phase = fixed(layers)
-    return int(full - fixed(shape["num_hidden_layers"], phase)[0])
+    def fixed(parts: dict[str, float]) -> float:
+        return sum(v for k, v in parts.items() if k not in ("activations", "logits/loss"))
+
+    full = P.plan(job(layers), 1)
+    return int(fixed(full.parts) - fixed(P.phases(job(shape["num_hidden_layers"]), 1)[full.phase]))
 
 
 def worker(args: argparse.Namespace) -> int:

@@ -201,8 +201,8 @@ def layer_moments(shape: Any, activation: Any, kept: float, layers: int, tokens:
     query tiles); `leaf_hook`: ZeRO-3, whose full backward hook on each coat layer (DeepSpeed's reduce of a leaf
     module's gradients, set_z3_leaf_module) keeps the layer's output gradient (2) from its arrival to the layer's
     input gradient: through attention's and the q/k/v projection's backward too (measured on an H200 at 524,288
-    tokens, and on CPU ranks; under ZeRO-1/2 the engine frees it after the MLP's backward). Every moment holds the
-    checkpoints (checkpoint_kept) and step_inputs. Widths over hidden: out
+    tokens, and in one CPU process: tests/test_inject_zero3.py; under ZeRO-1/2 the engine frees it after the MLP's
+    backward). Every moment holds the checkpoints (checkpoint_kept) and step_inputs. Widths over hidden: out
     (attention's output, q), kv (k and v), qkv = 2 (out + kv) the bf16 q, k, v (as wide as the fused projection)."""
     h, g = shape.hidden, activation.group_size
     out, kv = shape.hd * shape.heads / h, 2 * shape.hd * shape.kv_heads / h
