@@ -35,8 +35,9 @@ from .formats import Fp8Moment
 from .hf.loss import EXACT_MODEL_TYPES
 from .plan_long import (CHECKPOINT_INPUT, RECOMPUTE_NOTE, STOCK_NORM_BACKWARD, STOCK_NORM_SAVES,  # noqa: F401
                         TILED_MLP_INPUT, check_sp, checkpoint_gpu, checkpoint_host, checkpoint_kept, follows_moments,
-                        largest, layer_moments, longest_line, recomputed_layer, shard_tokens, sp_title, step_inputs,
-                        tile_bytes, tiled, tiles_final_norm, ulysses_kept, where_note)  # CHECKPOINT_INPUT: the API
+                        largest, layer_moments, longest_line, recomputed_layer, reduces_from_input, shard_tokens,
+                        sp_title, step_inputs, tile_bytes, tiled, tiles_final_norm, ulysses_kept,
+                        where_note)  # CHECKPOINT_INPUT: the API
 from .plan_shape import PlanError, Shape, resolve_shape, shape_from_hf  # noqa: F401 (shape_from_hf: the API)
 
 GIB = 2 ** 30
@@ -226,7 +227,7 @@ def moment_phases(job: Job, tokens: int, states: dict, at_loss: dict, loss: dict
         "final norm backward": dict(at_loss, **final, gradients=gradients if in_backward else 0.0),
     }
     kept = layer_bytes(s, act) + ulysses_kept(s, act, job.sp)
-    leaf_hook = job.zero.stage == 3   # coat's layers are ZeRO-3 leaf modules (hf/swap.py, deepspeed/sharding.py)
+    leaf_hook = job.zero.stage == 3 and not reduces_from_input(act)   # coat's layers are ZeRO-3 leaf modules
     for name, (per_token, fixed) in layer_moments(s, act, kept, s.layers, tokens, job.seq, job.sp,
                                                   leaf_hook).items():
         during = {} if name.startswith("forward") else dict(gradients=gradients, buffers=buffers(job.zero))

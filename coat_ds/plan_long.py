@@ -147,6 +147,13 @@ def fetches_after_recompute(activation: Any) -> bool:
     return getattr(activation, "fetches_after_recompute", True)
 
 
+def reduces_from_input(activation: Any) -> bool:
+    """Whether ZeRO-3 reduces a coat layer's gradients from its input (deepspeed/zero/leaf_hooks.py), holding
+    nothing; before, torch's full backward hook kept the layer's output gradient through its backward (leaf_hook
+    in layer_moments). An activation object may say `reduces_from_input = False`: a row measured before."""
+    return getattr(activation, "reduces_from_input", True)
+
+
 def frees_qkv_grad(activation: Any) -> bool:
     """Whether the q/k/v projection's backward frees the fused q/k/v gradient once quantized (NormLinearFn's
     owns_grad). An activation object may say `frees_qkv_grad = False`: a row measured before (tests/test_plan.py)."""
@@ -198,12 +205,12 @@ def layer_moments(shape: Any, activation: Any, kept: float, layers: int, tokens:
     """Per moment of a decoder layer's step where it can peak, (B/token/hidden, bytes that do not grow with the
     sequence), for follows_moments' flow: `kept` what the layer keeps (plan.layer_bytes: its norms' and attention's
     saves and the MLP's bf16 input h), `tokens` the GPU's (micro-batch x seq / sp), `seq` a sample's (attention's
-    query tiles); `leaf_hook`: ZeRO-3, whose full backward hook on each coat layer (DeepSpeed's reduce of a leaf
-    module's gradients, set_z3_leaf_module) keeps the layer's output gradient (2) from its arrival to the layer's
-    input gradient: through attention's and the q/k/v projection's backward too (measured on an H200 at 524,288
-    tokens, and in one CPU process: tests/test_inject_zero3.py; under ZeRO-1/2 the engine frees it after the MLP's
-    backward). Every moment holds the checkpoints (checkpoint_kept) and step_inputs. Widths over hidden: out
-    (attention's output, q), kv (k and v), qkv = 2 (out + kv) the bf16 q, k, v (as wide as the fused projection)."""
+    query tiles); `leaf_hook`: ZeRO-3 before its reduce fired from the layer's input (reduces_from_input), when
+    DeepSpeed's full backward hook on each coat layer kept the layer's output gradient (2) from its arrival to the
+    layer's input gradient: through attention's and the q/k/v projection's backward too (measured on an H200 at
+    524,288 tokens; under ZeRO-1/2, and since, it is freed after the MLP's backward: tests/test_inject_zero3.py).
+    Every moment holds the checkpoints (checkpoint_kept) and step_inputs. Widths over hidden: out (attention's output,
+    q), kv (k and v), qkv = 2 (out + kv) the bf16 q, k, v (as wide as the fused projection)."""
     h, g = shape.hidden, activation.group_size
     out, kv = shape.hd * shape.heads / h, 2 * shape.hd * shape.kv_heads / h
     qkv, f8 = 2 * (out + kv), fp8_input(activation)

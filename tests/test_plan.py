@@ -35,6 +35,7 @@ LEAN_RECOMPUTE_LANDED = "2026-12-02T23:06:00"
 QKV_GRAD_FREED_LANDED = "2026-12-03T11:20:00"   # d342af1 (its tree ran the 11:24 row)
 # causal query tiles as cuDNN calls (8d9e05a; its tree ran the 06:57 row): before, FlashAttention-2's
 CUDNN_TILES_LANDED = "2026-12-03T06:50:00"
+LEAF_REDUCE_FROM_INPUT_LANDED = "2026-12-03T14:30:00"   # ZeRO-3's leaf reduce fired from the layer's input
 
 
 def _docs(path: Path) -> list[dict]:
@@ -104,7 +105,14 @@ class _UntiledAttention(ActivationConfig):
 
 
 @dataclass(frozen=True)
-class _HeldQkvGrad(ActivationConfig):
+class _HookedLeaf(ActivationConfig):
+    """Measured before ZeRO-3 reduced a coat layer's gradients from its input (its full backward hook kept the
+    layer's output gradient through the layer's backward)."""
+    reduces_from_input: ClassVar[bool] = False
+
+
+@dataclass(frozen=True)
+class _HeldQkvGrad(_HookedLeaf):
     """A row's activation config, measured before the q/k/v projection's backward freed the fused q/k/v gradient
     once quantized and before "host_fp8" fetched the next layer's input after a recompute rather than during it."""
     frees_qkv_grad: ClassVar[bool] = False
@@ -155,6 +163,8 @@ def job_of(row: dict) -> P.Job:
         job = replace(job, activation=_FlashTiles(**job.activation.to_dict()))
     elif job.activation is not None and row["date"] < QKV_GRAD_FREED_LANDED:
         job = replace(job, activation=_HeldQkvGrad(**job.activation.to_dict()))
+    elif job.activation is not None and row["date"] < LEAF_REDUCE_FROM_INPUT_LANDED:
+        job = replace(job, activation=_HookedLeaf(**job.activation.to_dict()))
     return job
 
 
@@ -275,8 +285,10 @@ def test_the_long_context_step_is_planned_moment_by_moment():
     assert slope(job) == ("recompute", pytest.approx((inputs + 2 + 2 + kept + 3) * 4096 / 1e3, rel=1e-9))
     zero3 = P.job_from_config(dict(P.read_config("zero3_offload_largest_model")[0], coat=cfg["coat"] | {
         "states": "host", "master_weights": "bf16_sr", "gradients": "release"}), shape, 1 << 20, 1)
-    assert slope(zero3) == ("attention backward",
-                            pytest.approx((codes + inputs + 2 + 2 + norm + codes + 6.125) * 4096 / 1e3, rel=1e-3))
+    assert slope(zero3) == slope(job)   # its reduce from each layer's input holds no output gradient
+    hooked = replace(zero3, activation=_HookedLeaf(**zero3.activation.to_dict()))
+    assert slope(hooked) == ("attention backward",
+                             pytest.approx((codes + inputs + 2 + 2 + norm + codes + 6.125) * 4096 / 1e3, rel=1e-3))
     before = replace(job, activation=_HeldQkvGrad(**job.activation.to_dict()))
     assert slope(before) == ("q/k/v backward",
                              pytest.approx((codes + inputs + 2 + 3 + norm + 1 + 3 + 2) * 4096 / 1e3, rel=1e-9))

@@ -25,7 +25,8 @@ DeepSpeedEngine from a config; `import coat_ds` wraps five of its methods (hook(
 
 and `DeepSpeedConfig._initialize_params`, where deepspeed.initialize starts to parse a config: one that runs coat_ds
 has DeepSpeed's keys checked first, one line each (config.check_keys); ZeRO-3's `_setup_for_real_optimizer` does
-not allocate the gradient buffer that coat replaces (_zero3_setup);
+not allocate the gradient buffer that coat replaces (_zero3_setup); its leaf modules' gradient reduce, for the
+leaves coat_ds marks, fires from their input without keeping their output's gradient (zero/leaf_hooks.py);
 
 and one of ZeRO-1/2's: `DeepSpeedZeroOptimizer._configure_master_weights`, whose validator accepts a bf16
 master only for DeepSpeedCPUAdam under Offload (its concern: fp32 moments beside a bf16 master); CoatAdamW
@@ -55,6 +56,7 @@ from .checkpoint.load import install as checkpoint_hooks, load as checkpoint_loa
 from .checkpoint.space import already_checked, refuse_if_short
 from .config import SECTION, check_keys, engine_section
 from .optimizer_type import NAME
+from .zero import leaf_hooks
 from .zero.bind import bind
 from .zero.master import alias_zero3_masters, bf16_master_from_setup
 from .zero.step import replaces_grad_buffer
@@ -212,3 +214,4 @@ def hook(engine_cls) -> None:
     _wrap(DeepSpeedZeroOptimizer_Stage3, "_setup_for_real_optimizer", around=_zero3_setup)
     _wrap(DeepSpeedConfig, "_initialize_params", before=check_keys)
     _wrap(DeepSpeedZeroOptimizer_Stage3, "initialize_optimizer_states", after=_meta_after_states)
+    _wrap(DeepSpeedZeroOptimizer_Stage3, "create_reduce_and_remove_grad_hooks", after=leaf_hooks.replace)

@@ -14,6 +14,7 @@ from deepspeed.utils import set_z3_leaf_module
 from torch import nn
 
 from ..activation.sharding import ShardingHooks, register_sharding
+from .zero import leaf_hooks
 
 _ZERO3_MODULE_MARKS = ("ds_recompute_parameters", "ds_grads_remaining")
 
@@ -37,6 +38,7 @@ class ZeroHooks(ShardingHooks):
 
     def mark_leaf(self, module: nn.Module) -> None:
         set_z3_leaf_module(module, True)
+        leaf_hooks.mark(module)   # its gradients reduced from its input (zero/leaf_hooks.py)
 
 
 def register() -> None:
