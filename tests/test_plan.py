@@ -35,7 +35,7 @@ LEAN_RECOMPUTE_LANDED = "2026-12-02T23:06:00"
 QKV_GRAD_FREED_LANDED = "2026-12-03T11:20:00"   # d342af1 (its tree ran the 11:24 row)
 # causal query tiles as cuDNN calls (8d9e05a; its tree ran the 06:57 row): before, FlashAttention-2's
 CUDNN_TILES_LANDED = "2026-12-03T06:50:00"
-LEAF_REDUCE_FROM_INPUT_LANDED = "2026-12-03T14:30:00"   # ZeRO-3's leaf reduce fired from the layer's input
+LEAF_REDUCE_FROM_INPUT_LANDED = "2026-12-03T14:00:00"   # 6f635f0: ZeRO-3 reduces a coat layer from its input
 
 
 def _docs(path: Path) -> list[dict]:
