@@ -42,6 +42,8 @@ CONFIGS = {  # name -> (what it is, the coat.activation keys it sets over the pr
     "gpu": ("recompute, each layer's bf16 input kept on the GPU (torch's checkpoint)", {"checkpoint": True}),
     "gpu_fp8": ("recompute, each layer's input kept on the GPU in FP8 (per 16-group scales)",
                 {"checkpoint": True, "checkpoint_store": "gpu_fp8"}),
+    "gpu_fp8_tiled": (f"gpu_fp8, and the MLP over tiles of {TILE} tokens: host_fp8_tiled without the copies",
+                      {"checkpoint": True, "checkpoint_store": "gpu_fp8", "tile_tokens": TILE}),
     "host_fp8": ("recompute, each layer's input in FP8 in pinned host memory, streamed back a layer ahead",
                  {"checkpoint": True, "checkpoint_store": "host_fp8"}),
     "host_fp8_tiled": (f"host_fp8, and the MLP over tiles of {TILE} tokens in forward and recompute",
