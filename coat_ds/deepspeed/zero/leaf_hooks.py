@@ -38,22 +38,22 @@ class _InputGradReady(torch.autograd.Function):
         return (grad if ctx.needs_input_grad[0] else None), None, None
 
 
-def _first_tensor(args: tuple, kwargs: dict) -> tuple[str, Any] | None:
+def _input(args: tuple, kwargs: dict) -> tuple[str, Any]:
+    """Where the module's input is: `hidden_states` (HF's name) or its first floating-point positional tensor."""
+    if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+        return ("kw", "hidden_states")
     for i, a in enumerate(args):
         if isinstance(a, torch.Tensor) and a.is_floating_point():
             return ("arg", i)
-    for k, v in kwargs.items():
-        if isinstance(v, torch.Tensor) and v.is_floating_point():
-            return ("kw", k)
-    return None
+    raise RuntimeError("coat_ds: a ZeRO-3 leaf module was called without a floating-point tensor input "
+                       "(hidden_states or a positional one), from which its gradient reduce fires")
 
 
 def _at_input(reduce: Callable, anchor: torch.Tensor, module: nn.Module, args: tuple, kwargs: dict):
-    where = _first_tensor(args, kwargs)
-    if not torch.is_grad_enabled() or where is None:
+    if not torch.is_grad_enabled():   # no backward follows (generate, eval; reentrant checkpoint's first forward)
         return None
     done = partial(reduce, module, None, None)
-    kind, key = where
+    kind, key = _input(args, kwargs)
     if kind == "arg":
         args = args[:key] + (_InputGradReady.apply(args[key], anchor, done),) + args[key + 1:]
     else:
