@@ -1,12 +1,12 @@
 """The DeepSpeed methods coat_ds re-states, overrides or wraps, fenced by the hash of their source per tested release.
 
-coat_ds copies parts of DeepSpeed's private methods (zero/step.py re-states ZeRO-1/2's `step`) and replaces or
-wraps others (engine.py, zero/step.py, zero/release.py, zero/master.py, checkpoint/load.py). A new DeepSpeed release
-that edits one of them runs without an error and trains wrongly, so each is listed here with the sha256 of
-`inspect.getsource` on every release tested with (docs/versions.md): `changed()` names the methods whose installed
-source differs, i.e. the ones to read and re-state before admitting that release. Only the standard library and
-packaging at import time: `import coat_ds` calls `warn_if_untested` (importlib.metadata, no DeepSpeed import), and
-tests/test_versions.py loads this file alone.
+coat_ds copies parts of DeepSpeed's private methods (zero/step.py re-states ZeRO-1/2's `step`) and replaces or wraps
+others (engine.py, zero/step.py, zero/release.py, zero/master.py, zero/leaf_hooks.py, checkpoint/load.py). A new
+DeepSpeed release that edits one of them runs without an error and trains wrongly, so each is listed here with the
+sha256 of `inspect.getsource` on every release tested with (docs/versions.md): `changed()` names the methods whose
+installed source differs, i.e. the ones to read and re-state before admitting that release. Only the standard
+library and packaging at import time: `import coat_ds` calls `warn_if_untested` (importlib.metadata, no DeepSpeed
+import), and tests/test_versions.py loads this file alone.
 """
 from __future__ import annotations
 
@@ -69,6 +69,8 @@ METHODS: dict[str, str] = {
         "wrapped: engine._zero3_setup (its last use of self.device is the gradient buffer GradPartitions replaces)",
     "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3.initialize_optimizer_states":
         "wrapped: engine._meta_after_states (called by _setup_for_real_optimizer before that buffer)",
+    "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3.create_reduce_and_remove_grad_hooks":
+        "wrapped: zero.leaf_hooks.replace (its leaf hooks' order, callback and handles: _leaf_module_hooks)",
     "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3.partition_grads":
         "indexes the private gradient map that zero.step.GradPartitions replaces; overridden: "
         "zero.release.Release3Step (steps each bucket's slices)",
@@ -141,6 +143,8 @@ TESTED: dict[str, dict[str, str]] = {
             "501df2275cc2960cc64dcdf85ac1fc80126e536e04ccac771560f9ffc5ce224d",
         "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3.initialize_optimizer_states":
             "e7929e87483515f88cbf98551c0d6928a309efea7802e545f22752763912abf0",
+        "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3.create_reduce_and_remove_grad_hooks":
+            "cde83f0b853f32867a75057ea1ff5831843424e835b9e15c6ece5787acbc997d",
         "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3.partition_grads":
             "93119b25314ec6d345ce60cb66ed87ba3519141e52885daa70b6c67839f7bbeb",
         "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3.independent_gradient_partition_epilogue":
