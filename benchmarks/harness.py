@@ -5,6 +5,7 @@ docs/benchmarks.md, "A new benchmark", says how a case uses it."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -175,11 +176,37 @@ def run_process(cmd: list[str], *, stop_at: float = math.inf, kill_at: float = m
                 killed = _signal(proc, signal.SIGKILL)
                 tail.append(f"killed after {now - t0:.0f} s (deadline)\n")
         proc.wait()
+        killed = _wait_group(proc.pid, kill_at) or killed
     finally:
         if log:
             out.close()
     return {"exit_code": proc.returncode, "signalled": signalled, "killed": killed, "start": t0,
             "wall_s": time.time() - t0, "tail": "".join(tail)}
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a process of group `pgid` is still running (a zombie is not: no subreaper may reap it here)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, _, group = stat.read_text().rpartition(")")[2].split()[:3]
+        except (OSError, ValueError):
+            continue
+        if int(group) == pgid and state != "Z":
+            return True
+    return False
+
+
+def _wait_group(pgid: int, kill_at: float) -> bool:
+    """Wait for the rest of the job's group, SIGKILL at `kill_at`; whether it killed. DeepSpeed's runner dies at
+    SIGTERM (no handler for a local launch) while its ranks finish the step and checkpoint: reading their files then
+    raced them (a checkpoint at step 2 beside a log at step 1)."""
+    while _group_alive(pgid):
+        if time.time() >= kill_at:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)
+            return True
+        time.sleep(POLL_S)
+    return False
 
 
 def _signal(proc: subprocess.Popen, sig: int) -> bool:

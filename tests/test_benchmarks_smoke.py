@@ -495,15 +495,19 @@ def test_stream_gaps_of_a_trace():
 
 def test_harness_stops_a_job_that_saves_kills_one_that_does_not_and_merges_rows_by_identity(tmp_path, capsys):
     """benchmarks/harness.py, what every runner now leaves to it: a job told to stop at the deadline's stop (SIGTERM
-    to its process group) saves and exits; one that ignores it is killed at the kill; waves on disjoint GPUs; rows
+    to its process group) saves and exits (and a launcher that dies at once is waited for until its child has); one
+    that ignores it is killed at the kill; waves on disjoint GPUs; rows
     merged by identity, an ended row never replaced by a partial or failed one; a file of another setting refused."""
     import time
 
     from benchmarks import harness
 
-    job = ("import signal, sys, time, pathlib\n"
-           "def stop(*_):\n    pathlib.Path(sys.argv[1]).write_text('saved'); sys.exit(143)\n"
-           "signal.signal(signal.SIGTERM, stop if sys.argv[2] == 'saves' else signal.SIG_IGN)\n"
+    job = ("import signal, subprocess, sys, time, pathlib\n"
+           "def stop(*_):\n    time.sleep(sys.argv[2] == 'late')\n"
+           "    pathlib.Path(sys.argv[1]).write_text('saved'); sys.exit(143)\n"
+           "if sys.argv[2] == 'launcher':   # dies at SIGTERM, as DeepSpeed's runner, while its rank saves\n"
+           "    subprocess.Popen([sys.executable, sys.argv[0], sys.argv[1], 'late'])\n"
+           "else:\n    signal.signal(signal.SIGTERM, stop if sys.argv[2] in ('saves', 'late') else signal.SIG_IGN)\n"
            "print('started', flush=True)\ntime.sleep(60)\n")
     (tmp_path / "job.py").write_text(job)
     now = time.time()
@@ -516,6 +520,9 @@ def test_harness_stops_a_job_that_saves_kills_one_that_does_not_and_merges_rows_
     assert stubborn["signalled"] and stubborn["killed"] and stubborn["exit_code"] == -9
     assert not (tmp_path / "b").exists()
     assert "started" in (tmp_path / "b.log").read_text()
+    launched = harness.run_process([sys.executable, str(tmp_path / "job.py"), str(tmp_path / "c"), "launcher"],
+                                   stop_at=time.time() + 1.5, kill_at=time.time() + 20, log=tmp_path / "c.log")
+    assert launched["signalled"] and not launched["killed"] and (tmp_path / "c").read_text() == "saved"   # waited
     assert harness.run_worker([sys.executable, "-c", "import time; time.sleep(30)"], 1.0)[0] == 124
 
     waves = harness.pack([1, 2, 1, 4, 1], 4, size=lambda n: n, joins=lambda wave, n: True)
