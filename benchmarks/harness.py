@@ -31,6 +31,7 @@ J = TypeVar("J")
 ENDED = ("done", "ok", "diverged")   # a job that ended: kept, not run again (a diverged run is a result too)
 CALL_FIELDS = ("device", "versions", "command", "date", "commit")
 POLL_S = 0.2
+GROUP_GRACE_S = 60.0   # a job's processes outliving its first: DeepSpeed's launch.py kills its ranks 30 s after SIGTERM
 
 
 # --- The deadline -----------------------------------------------------------------------------------------------------
@@ -197,11 +198,12 @@ def _group_alive(pgid: int) -> bool:
 
 
 def _wait_group(pgid: int, kill_at: float) -> bool:
-    """Wait for the rest of the job's group, SIGKILL at `kill_at`; whether it killed. DeepSpeed's runner dies at
-    SIGTERM (no handler for a local launch) while its ranks finish the step and checkpoint: reading their files then
-    raced them (a checkpoint at step 2 beside a log at step 1)."""
+    """Wait for the rest of the job's group, up to GROUP_GRACE_S and `kill_at`, then SIGKILL it; whether it killed.
+    DeepSpeed's runner dies at SIGTERM (no handler for a local launch) while its ranks finish the step and checkpoint:
+    reading their files then raced them (a checkpoint at step 2 beside a log at step 1)."""
+    give_up = min(kill_at, time.time() + GROUP_GRACE_S)
     while _group_alive(pgid):
-        if time.time() >= kill_at:
+        if time.time() >= give_up:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pgid, signal.SIGKILL)
             return True
