@@ -26,6 +26,7 @@ from benchmarks import plot_utils
 from benchmarks.common import (RESULTS, ROOT, add_worker_args, check_positive, int_list, provenance, read_json,
                                worker_env, write_json)
 from coat_ds.launch.teardown import torn_down
+from coat_ds.launch.watchdog import stat_fields
 
 J = TypeVar("J")
 ENDED = ("done", "ok", "diverged")   # a job that ended: kept, not run again (a diverged run is a result too)
@@ -187,14 +188,8 @@ def run_process(cmd: list[str], *, stop_at: float = math.inf, kill_at: float = m
 
 def _group_alive(pgid: int) -> bool:
     """Whether a process of group `pgid` is still running (a zombie is not: no subreaper may reap it here)."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            state, _, group = stat.read_text().rpartition(")")[2].split()[:3]
-        except (OSError, ValueError):
-            continue
-        if int(group) == pgid and state != "Z":
-            return True
-    return False
+    return any((fields := stat_fields(int(p.name))) is not None and int(fields[2]) == pgid
+               for p in Path("/proc").glob("[0-9]*"))
 
 
 def _wait_group(pgid: int, kill_at: float) -> bool:

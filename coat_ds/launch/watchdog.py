@@ -58,15 +58,22 @@ def _key(kind: str, rank: int) -> str:
     return f"{PREFIX}{kind}/{rank}"
 
 
-def _stat(pid: int) -> tuple[str, str] | None:
-    """(state, start time) of a live process (/proc/PID/stat); None where it does not exist or is ending: exiting
-    (the kernel's PF_EXITING, set before its sockets close) or ended (a zombie its parent has not reaped)."""
+def stat_fields(pid: int) -> list[str] | None:
+    """/proc/PID/stat's fields after "pid (comm)" of a live process (state first, its process group third, flags
+    seventh, start time twentieth); None where it does not exist or is ending: exiting (the kernel's PF_EXITING, set
+    before its sockets close) or ended (a zombie its parent has not reaped)."""
     try:
         with open(f"/proc/{pid}/stat") as fh:
-            fields = fh.read().rsplit(")", 1)[1].split()   # after "pid (comm)": state is field 3, flags 9, start 22
+            fields = fh.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
-    return None if fields[0] in ("Z", "X") or int(fields[6]) & PF_EXITING else (fields[0], fields[19])
+    return None if fields[0] in ("Z", "X") or int(fields[6]) & PF_EXITING else fields
+
+
+def _stat(pid: int) -> tuple[str, str] | None:
+    """(state, start time) of a live process; None where it has ended or is ending (stat_fields)."""
+    fields = stat_fields(pid)
+    return None if fields is None else (fields[0], fields[19])
 
 
 def start_time(pid: int) -> str | None:
