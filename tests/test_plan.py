@@ -261,9 +261,10 @@ def test_the_long_context_step_is_planned_moment_by_moment():
     11.79 B/token/hidden, 48.3 KB a token (the rotary cos/sin and int64 inputs 0.131, dout 2, the input dequantized
     2, the layer's saves 4.66, q, k, v 3; the next layer's codes are fetched once it has ended), beside attention's
     backward 11.44 (those codes 1.0625, the inputs, dh 2, the input norm's saves 1.0635, q's codes 1.0625, the tiled
-    6.125) and the q/k/v projection's 11.25 (dqkv 3 freed once quantized, before the GEMM's output). Under ZeRO-3,
-    whose full backward hook on each coat layer holds the layer's output gradient to its end, attention's backward
-    holds 2 more: 13.44, the peak. Before the q/k/v projection freed its gradient and the next layer's fetch waited
+    6.125) and the q/k/v projection's 11.25 (dqkv 3 freed once quantized, before the GEMM's output). ZeRO-3 peaks
+    there too now that it reduces each layer from its input; with DeepSpeed's full backward hook on each coat layer
+    (before 6f635f0) the layer's output gradient stayed to its end, and attention's backward held 2 more: 13.44, the
+    peak. Before the q/k/v projection freed its gradient and the next layer's fetch waited
     for the recompute's end, the q/k/v projection's backward, 13.26 (54.3 KB: the codes and inputs, dh 2, RopeFn's
     dqkv 3, the norm's saves, its FP8 normed input transposed 1, dqkv's two E5M2 copies 3, the GEMM's output 2).
     With attention's backward untiled, in it: 22.3 (dh 2, the norms' saves 1.0635 and the untiled 18.03 beside the
