@@ -1,7 +1,8 @@
 """Accuracy at scale (issue 46): is coat "nearly lossless" beyond small runs? A ~350M Llama pretrained at seq 2048 on
 203M tokens of the kernel corpus through the main job, ZeRO-2, with BF16 + FusedAdam and coat's presets exact,
 lowest_memory and largest_model (3 seeds for BF16 and lowest_memory); then BF16's final model fine-tuned on perldoc
-with each, validated before its first step and at the end.
+with each, validated before its first step and at the end. --recipe moe: a mixture of experts' pretraining (issue 60);
+--recipe long: a 125M model's fine-tuning at 16K tokens with FP8 checkpoints and tiles (issue 61).
 
 A case over benchmarks/harness.py: a run the deadline stops checkpoints and continues in a later call on the same
 machine (--merge). docs/benchmarks.md, "Accuracy at scale", has the commands and what each run takes.
@@ -18,7 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks import harness
+from benchmarks import harness, plot_utils
 from benchmarks.accuracy import recipe as R, runs, verdicts
 from benchmarks.common import RESULTS, ROOT, check_positive, int_list, names_of, now, read_json
 from benchmarks.render_tables import render
@@ -30,6 +31,7 @@ STOP_MARGIN_S = 45.0    # a run is told to stop this long before the deadline: i
 KILL_MARGIN_S = 10.0    # and killed this long before it, whatever it is doing
 MIN_PARTIAL_S = 120.0   # --partial-ok starts a run that will not end only where it gets this long before the signal
 OUTLIERS_S = (90.0, 20.0)   # the outlier measure's predicted seconds (4 GPUs, smoke): load the export, 8 forwards
+RECIPES = ("dense", "moe", "long")
 EXPORT, MARK = "export_bf16", "coat_export.json"   # BF16's model the fine-tuning starts from, and what made it
 
 
@@ -58,7 +60,8 @@ class Todo:
 # --- Arguments --------------------------------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--configs", default=",".join(R.CONFIGS), help=f"comma-separated, from {list(R.CONFIGS)}")
+    p.add_argument("--configs", help=f"comma-separated, from {list(R.CONFIGS)} (--recipe long: and "
+                                     f"{list(R.LONG_CONFIGS)}; default: all)")
     p.add_argument("--seeds", default="0,1,2", help=f"comma-separated: each for {', '.join(R.MULTI_SEED)}, the first "
                                                     f"for the other presets (the fine-tuning and BF16's export: seed "
                                                     f"{R.EXPORT_SEED})")
@@ -75,8 +78,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--host-gpus", type=int, help="GPUs of the host that --side-by-side shares (default: --num-gpus)")
     p.add_argument("--jobs-per-gpu", type=int, default=1, help="side-by-side runs sharing each GPU (a small model "
                                                                "alone leaves the GPU idle between its kernels)")
-    p.add_argument("--recipe", default="dense", choices=("dense", "moe"), help="moe: pretraining only, the moe-90m "
-                   "Qwen3-MoE of recipe.py's MOE_PRETRAIN, into accuracy_moe.json, with its router's balance")
+    p.add_argument("--recipe", default="dense", choices=RECIPES, help="moe: pretraining only, the moe-90m "
+                   "Qwen3-MoE of recipe.py's MOE_PRETRAIN, into accuracy_moe.json, with its router's balance; long: "
+                   "BF16's 125M pretrained, then fine-tuned at 16K tokens (LONG_*), into accuracy_long.json")
     p.add_argument("--tokens-per-s", help="pretraining's assumed tokens/s on 4 GPUs, before a run has measured its "
                                           "own: one number, or config=N,... (default: benchmarks/accuracy/recipe.py)")
     p.add_argument("--merge", nargs="+", default=[], metavar="FILE", help="earlier results files (missing ones "
@@ -89,7 +93,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--run-root", type=Path, help="the runs' directories (default runs/accuracy_scale[_smoke])")
     p.add_argument("--out", type=Path, default=RESULTS, help=f"where {NAME}.json and .png go")
     args = p.parse_args(argv)
-    args.configs = names_of(p, "configs", args.configs, R.CONFIGS)
+    args.allowed = [*R.CONFIGS, *(R.LONG_CONFIGS if args.recipe == "long" else ())]
+    args.configs = names_of(p, "configs", args.configs or ",".join(args.allowed), args.allowed)
     args.seeds = int_list(p, "seeds", args.seeds, low=0)
     args.num_gpus = args.num_gpus or (2 if args.smoke else 4)
     if args.num_gpus not in R.GPU_COUNTS:
@@ -100,7 +105,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.host_gpus % args.num_gpus:
         p.error(f"--host-gpus={args.host_gpus} is invalid; allowed: a multiple of --num-gpus ({args.num_gpus})")
     args.rates = rates_flag(p, args.tokens_per_s)
-    args.name = "accuracy_moe" if args.recipe == "moe" else NAME
+    args.name = NAME if args.recipe == "dense" else f"accuracy_{args.recipe}"
     args.run_root = args.run_root or ROOT / "runs" / (args.name + ("_smoke" if args.smoke else ""))
     args.recipes = {"pretrain": R.SMOKE_PRETRAIN if args.smoke else R.PRETRAIN,
                     "finetune": R.SMOKE_FINETUNE if args.smoke else R.FINETUNE}
@@ -110,6 +115,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.phase = "pretrain"
         args.recipes["pretrain"] = R.SMOKE_MOE_PRETRAIN if args.smoke else R.MOE_PRETRAIN
         args.speeds["pretrain"] = R.SMOKE_SPEED if args.smoke else R.MOE_SPEED
+    if args.recipe == "long":   # BF16's pretraining and export, then the fine-tuning at long context
+        args.recipes = ({"pretrain": R.SMOKE_LONG_PRETRAIN, "finetune": R.SMOKE_LONG_FINETUNE} if args.smoke else
+                        {"pretrain": R.LONG_PRETRAIN, "finetune": R.LONG_FINETUNE})
+        args.speeds = args.speeds if args.smoke else R.LONG_SPEED
     return args
 
 
@@ -150,11 +159,14 @@ SOURCE = Job("pretrain", R.BASELINE, R.EXPORT_SEED)   # the run whose final mode
 
 def jobs(args: argparse.Namespace) -> list[Job]:
     """The selected jobs in order: with --phase all BF16's exported seed, the outliers and the fine-tuning first,
-    then the other pretraining runs seed by seed (a short session covers every config)."""
-    first = args.seeds[0]
+    then the other pretraining runs seed by seed (a short session covers every config). --recipe long: BF16's
+    exported seed and the fine-tuning alone."""
+    first, long = args.seeds[0], args.recipe == "long"
     multi = R.CONFIGS if args.recipe == "moe" else R.MULTI_SEED   # the MoE runs are small: every one over the seeds
-    pre = [Job("pretrain", c, s) for s in args.seeds for c in args.configs if c in multi or s == first]
-    after = [Job("outliers", R.BASELINE, R.EXPORT_SEED)] + [Job("finetune", c, R.EXPORT_SEED) for c in args.configs]
+    pre = [SOURCE] if long else [Job("pretrain", c, s) for s in args.seeds for c in args.configs
+                                 if c in multi or s == first]
+    after = ([] if long else [Job("outliers", R.BASELINE, R.EXPORT_SEED)]) + \
+        [Job("finetune", c, R.EXPORT_SEED) for c in args.configs]
     if args.phase == "pretrain":
         return pre
     return [SOURCE, *after] + ([j for j in pre if j != SOURCE] if args.phase == "all" else [])
@@ -302,7 +314,7 @@ def run_job(args: argparse.Namespace, res: dict, t: Todo, stop: harness.Deadline
     if source and t.resume_from is None:
         shutil.rmtree(export_dir, ignore_errors=True)
     gpus = args.num_gpus if where is None else len(where.split(","))
-    cmd = runs.command(r, job.config, job.seed, gpus, run_dir, args.data_root,
+    cmd = runs.command(r, config_file(args, job.config, r), job.seed, gpus, run_dir, args.data_root,
                        model=export_dir if job.phase == "finetune" else None, export=export_dir if source else None,
                        resume=t.resume_from is not None,
                        devices=None if args.smoke else where)   # CPU ranks: no ids
@@ -329,6 +341,17 @@ def run_job(args: argparse.Namespace, res: dict, t: Todo, stop: harness.Deadline
     res["runs"][job.key] = entry
     print(f"   {job.key}: {entry['status']} at step {entry['steps_done']}/{r.steps} in {seg['wall_s']:.0f} s"
           + (f": {entry['error'][-300:]}" if entry.get("error") else ""), flush=True)
+
+
+def config_file(args: argparse.Namespace, name: str, r: R.Recipe) -> str:
+    """The DeepSpeed config a run of `name` reads: a shipped file as it is, or a LONG_CONFIGS one written under
+    --run-root (its preset's file with its activation keys; recipe.long_config)."""
+    if name in R.CONFIGS:
+        return R.CONFIGS[name]
+    path = args.run_root / "configs" / f"{name}_seq{r.seq_len}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(R.long_config(name, r.seq_len), indent=2))
+    return str(path)
 
 
 def status(entry: dict, seg: dict, run_dir: Path, export: Path | None) -> str:
@@ -369,8 +392,8 @@ def final_val(entry: dict, steps: int) -> float | None:
 def judge(args: argparse.Namespace, res: dict) -> dict:
     """The targets' verdicts from the runs that ended (accuracy/verdicts.py); each pretraining run gets its spike."""
     done = [e for e in res["runs"].values() if e["status"] == "done"]
-    finals: dict[str, dict[int, float]] = {n: {} for n in R.CONFIGS}   # in the recipe's order; none yet: skipped
-    spikes: dict[str, dict[int, float]] = {n: {} for n in R.CONFIGS}
+    finals: dict[str, dict[int, float]] = {n: {} for n in args.allowed}   # the recipe's order; none yet: skipped
+    spikes: dict[str, dict[int, float]] = {n: {} for n in args.allowed}
     for e in (e for e in done if e["phase"] == "pretrain"):
         e["spike"] = verdicts.val_rise(e["val"])   # the largest rise of its validation loss (issue 57)
         finals[e["config"]][e["seed"]] = final_val(e, args.recipes["pretrain"].steps)
@@ -387,7 +410,7 @@ def judge(args: argparse.Namespace, res: dict) -> dict:
 
 def result(args: argparse.Namespace, res: dict, calls: list[dict], tokens: dict) -> dict:
     """The file: its runs in the order of --phase all over every configuration, their verdicts."""
-    every = jobs(argparse.Namespace(**{**vars(args), "configs": list(R.CONFIGS), "phase": "all"}))
+    every = jobs(argparse.Namespace(**{**vars(args), "configs": args.allowed, "phase": "all"}))
     order = {j.key: i for i, j in enumerate(every)}
     runs_sorted = dict(sorted(res["runs"].items(), key=lambda kv: order.get(kv[0], len(order))))
     return {"what": " ".join(__doc__.split("\n\n")[0].split()), **harness.head(calls),
@@ -429,14 +452,15 @@ def main(argv: list[str] | None = None) -> int:
     call = harness.this_call(phase=args.phase, configs=args.configs, seeds=args.seeds, num_gpus=args.num_gpus,
                              deadline_s=args.deadline, partial_ok=args.partial_ok)
     calls, stop = [*res["calls"], call], harness.Deadline(args.deadline, STOP_MARGIN_S, KILL_MARGIN_S, start=t0)
-    write = lambda *_: harness.write_results(result(args, res, calls, tokens), args.out, args.name)  # noqa: E731
+    plot = plot_utils.plot_accuracy_scale if args.recipe == "long" else None   # the dense recipe's by its name
+    write = lambda *_: harness.write_results(result(args, res, calls, tokens), args.out, args.name, plot)  # noqa: E731
     run = lambda ids, t: run_job(args, res, t, stop, call, tokens, ids if shares_gpus(args, t.job.phase) else None)  # noqa: E731
     harness.run_waves(groups(args, plan), stop, run, write, lambda t: t.job.key, lambda t: side_gpus(args, t.job.phase),
                       args.jobs_per_gpu, why_not=lambda g, est: why_not(args, g, est, stop),
                       again=lambda g: again(args, res, g), log=call)
     call["wall_s"] = time.time() - t0
     path = write()
-    tables = [args.name] if args.recipe == "moe" else [NAME, f"{NAME}_finetune"]
+    tables = [NAME, f"{NAME}_finetune"] if args.recipe == "dense" else [args.name]
     print(*(render(t, args.out) for t in tables), f"-> {path}", sep="\n", flush=True)
     return 0
 

@@ -275,7 +275,7 @@ def plot_accuracy_scale(res: dict, path: Path) -> None:
     fig, (ax, ax2, ax3) = _plt().subplots(1, 3, figsize=(18, 5), gridspec_kw={"width_ratios": [3, 2, 2]})
     runs = list(res["runs"].values())
     colors = {name: COLORS.get(name) or f"C{i + 2}" for i, name in enumerate(["bf16", "exact", "lowest_memory",
-                                                                              "largest_model"])}
+                                                                              "largest_model", "long_context"])}
     pre = _curves([e for e in runs if e["phase"] == "pretrain"])
     base = _seed_mean(pre["bf16"]) if pre.get("bf16") else None
     finals = []
@@ -307,8 +307,8 @@ def plot_accuracy_scale(res: dict, path: Path) -> None:
         steps, mean, _ = _seed_mean(curves)
         ax3.plot(steps, mean, "o-", ms=3, color=colors.get(name), label=name)
     ft = res["recipe"]["finetune"]
-    ax3.set(xlabel="step", ylabel="validation loss", title=f"fine-tuning BF16's model on {ft['corpus']} "
-            f"({ft['steps']:,} steps)")
+    ax3.set(xlabel="step", ylabel="validation loss", title=f"fine-tuning BF16's model on {ft['corpus']} at seq "
+            f"{ft['seq_len']:,} ({ft['steps']:,} steps)")
     save(fig, path, legend=8)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 import sys
 
 import pytest
@@ -130,7 +131,7 @@ def test_the_plan_puts_bf16_first_then_outliers_and_fine_tuning_and_meets_the_is
     assert est["pretrain_bf16_s0"] == pytest.approx(60 + 203_161_600 / 350_000 + 21 * 524_288 / 1_050_000 + 40)
     two = S.parse_args(["--num-gpus", "2", "--tokens-per-s", "bf16=500000"])
     assert S.rate(two, {"runs": {}}, "pretrain", "bf16") == (250_000, "given")
-    cmd = runs.command(R.PRETRAIN, "bf16", 1, 2, ROOT / "r", ROOT / "d")
+    cmd = runs.command(R.PRETRAIN, R.CONFIGS["bf16"], 1, 2, ROOT / "r", ROOT / "d")
     assert cmd[cmd.index("--micro-batch") + 1] == "16" and cmd[cmd.index("--warmup-steps") + 1] == "100"
 
 
@@ -185,6 +186,37 @@ def test_the_moe_recipe_pretrains_only_its_twelve_runs_sharing_one_gpu(capsys):
     assert set(harness.devices([S.side_gpus(args, "pretrain")] * 8, args.jobs_per_gpu)) == {"0"}
     assert S.main([*argv, "--plan-only"]) == 0
     assert "12 jobs on 1 GPUs" in capsys.readouterr().out
+
+
+def test_the_long_recipe_fine_tunes_bf16s_export_at_16k_with_fp8_checkpoints_on_the_host(tmp_path, capsys):
+    """--recipe long (issue 61): BF16's 125M pretrained and exported, then fine-tuned at 16,384 tokens by every
+    configuration, long_context included, side by side on one GPU, into accuracy_long.json; no outliers, no other
+    pretraining. long_context's config is its preset's file with the FP8 host checkpoints and tiles of a quarter of
+    the sequence, one coat accepts; a dense run cannot name it."""
+    argv = ["--recipe", "long", "--num-gpus", "1", "--side-by-side", "--jobs-per-gpu", "5",
+            "--run-root", str(tmp_path / "runs")]
+    args = S.parse_args(argv)
+    assert args.name == "accuracy_long" and args.recipes == {"pretrain": R.LONG_PRETRAIN, "finetune": R.LONG_FINETUNE}
+    assert R.LONG_PRETRAIN.model_size == "125m" and R.LONG_FINETUNE.seq_len == 16384 and R.LONG_FINETUNE.corpus == \
+        "kernel"
+    groups = [[t.job.key for t in g] for g in S.groups(args, S.schedule(args, {"runs": {}, "outliers": None}))]
+    assert groups == [["pretrain_bf16_s0"], [f"finetune_{c}_s0" for c in (*R.CONFIGS, "long_context")]]
+    path = S.config_file(args, "long_context", R.LONG_FINETUNE)
+    cfg = json.loads(Path(path).read_text())
+    shipped = json.loads((ROOT / R.CONFIGS["largest_model"]).read_text())
+    act = cfg["coat"]["activation"]
+    assert act == {**shipped["coat"]["activation"], "checkpoint": True, "checkpoint_store": "host_fp8",
+                   "tile_tokens": 4096}
+    assert {k: v for k, v in cfg.items() if k != "coat"} == {k: v for k, v in shipped.items() if k != "coat"}
+    from coat_ds.activation.config import ActivationConfig
+    ActivationConfig(**act)                                                          # coat takes it
+    assert S.config_file(args, "exact", R.LONG_FINETUNE) == R.CONFIGS["exact"]        # a shipped one as it is
+    assert S.main([*argv, "--plan-only"]) == 0
+    assert "6 jobs on 1 GPUs" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        S.parse_args(["--configs", "long_context"])
+    assert "allowed: a comma-separated list from ['bf16', 'exact', 'lowest_memory', 'largest_model']" in \
+        capsys.readouterr().err
 
 
 def test_the_router_verdict_takes_bf16s_band_of_aux_losses():

@@ -6,9 +6,11 @@ sample index runs over rank x micro-batch) and validate on the same windows; onl
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import json
+from dataclasses import asdict, dataclass, replace
 
 from benchmarks import configs as e2e
+from benchmarks.common import ROOT
 
 BASELINE = "bf16"
 PRESETS = ("exact", "lowest_memory", "largest_model")          # coat's, each against BF16
@@ -76,6 +78,36 @@ MOE_PRETRAIN = Recipe(corpus="kernel", model_size="moe-90m", seq_len=1024, globa
                       warmup_steps=30, eval_every=50, eval_batches=4, save_every=0)
 SMOKE_MOE_PRETRAIN = Recipe(corpus="manpages", model_size="moe-tiny", seq_len=64, global_batch=4, steps=10, lr=3e-3,
                             warmup_steps=2, eval_every=5, eval_batches=2, save_every=0)
+# --recipe long (issue 61): training at long context in FP8. A 125M Llama pretrained in BF16 on the kernel corpus at seq
+# 2048, 300 steps of 32 x 2048 (19.7M tokens), exported, then fine-tuned at 16,384 tokens on the same corpus (its
+# files whole and concatenated: a window spans several) with BF16, each preset and LONG_CONFIGS, side by side on one
+# GPU, 200 steps of one sequence (3.3M tokens): what one ~10-minute device call holds (issue 46's 350M model on 203M
+# tokens takes ~35 minutes of one GPU, and no call carries it back). Validated before the first step and every 50
+# steps on 16 windows (262K tokens). lr 2e-4 after a 20-step warm-up: the positions past 2048 are new to the model.
+LONG_PRETRAIN = Recipe(corpus="kernel", model_size="125m", seq_len=2048, global_batch=32, steps=300, lr=1e-3,
+                       warmup_steps=30, eval_every=100, eval_batches=2, save_every=0)
+LONG_FINETUNE = Recipe(corpus="kernel", model_size=None, seq_len=16384, global_batch=1, steps=200, lr=2e-4,
+                       warmup_steps=20, eval_every=50, eval_batches=16, save_every=0)
+SMOKE_LONG_PRETRAIN = replace(SMOKE_PRETRAIN, steps=8, eval_every=4, save_every=0)
+SMOKE_LONG_FINETUNE = Recipe(corpus="manpages", model_size=None, seq_len=256, global_batch=1, steps=4, lr=1e-3,
+                             warmup_steps=1, eval_every=2, eval_batches=2, save_every=0)
+# The long recipe's configurations beyond CONFIGS: a preset with the coat.activation keys docs/activation.md sets for a
+# long sequence, each layer recomputed from an FP8 copy of its input in pinned host memory, the MLP (and FP8
+# attention's backward) over tiles of a quarter of the sequence
+LONG_CONFIGS = {"long_context": ("largest_model", {"checkpoint": True, "checkpoint_store": "host_fp8"},
+                                  "coat_ds largest-model preset, FP8 checkpoints on the host, tiled MLP and attention")}
+LABELS.update({n: label for n, (_, _, label) in LONG_CONFIGS.items()})
+LONG_TILES = 4   # tiles of a sequence (tile_tokens = seq_len / LONG_TILES)
+
+
+def long_config(name: str, seq_len: int) -> dict:
+    """LONG_CONFIGS[name]'s DeepSpeed config: its preset's file with the activation keys, tiles for `seq_len`."""
+    preset, keys, _ = LONG_CONFIGS[name]
+    cfg = json.loads((ROOT / CONFIGS[preset]).read_text())
+    cfg["coat"]["activation"].update(keys, tile_tokens=seq_len // LONG_TILES)
+    return cfg
+
+
 GPU_COUNTS = (1, 2, 4)   # those that divide both global batches
 
 # Outliers of BF16's final model: its decoder layers' inputs on 8 micro-batches of 4 validation windows of the
@@ -98,6 +130,9 @@ PRETRAIN_SPEED = Speed({"bf16": 350_000, "exact": 350_000, "lowest_memory": 330_
                        start_s=60.0, save_s=10.0)
 # micro-batch 1 a GPU: the step's fixed costs (ZeRO's reduce-scatter and step, coat's per-layer host work) weigh more
 FINETUNE_SPEED = Speed({n: 100_000 for n in CONFIGS}, start_s=45.0, save_s=10.0)
-SMOKE_SPEED = Speed({n: 2_000 for n in CONFIGS}, start_s=25.0, save_s=1.0)
+SMOKE_SPEED = Speed({n: 2_000 for n in (*CONFIGS, *LONG_CONFIGS)}, start_s=25.0, save_s=1.0)
 MOE_SPEED = Speed({n: 120_000 for n in CONFIGS}, start_s=40.0, save_s=5.0)   # moe-90m alone on one H200 (assumed)
+# one H200 (x4: the figures are over 4 GPUs): pretraining 125M at micro-batch 32 alone; a 16K fine-tuning beside four
+LONG_SPEED = {"pretrain": Speed({"bf16": 720_000}, start_s=40.0, save_s=5.0),
+              "finetune": Speed({n: 80_000 for n in (*CONFIGS, *LONG_CONFIGS)}, start_s=40.0, save_s=5.0)}
 EVAL_SPEEDUP = 3.0   # a validation token costs a third of a training one (forward only)

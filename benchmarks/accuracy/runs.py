@@ -8,7 +8,7 @@ import statistics
 import time
 from pathlib import Path
 
-from benchmarks.accuracy.recipe import CONFIGS, Recipe
+from benchmarks.accuracy.recipe import Recipe
 from benchmarks.common import ROOT, free_port, launcher, read_json, read_log
 from benchmarks.harness import Deadline, run_process
 
@@ -18,11 +18,12 @@ PROGRESS_S = 60.0
 def command(recipe: Recipe, config: str, seed: int, gpus: int, run_dir: Path, data_root: Path,
             model: Path | None = None, export: Path | None = None, resume: bool = False,
             devices: str | None = None) -> list[str]:
-    """The main job's command line for one run (a fine-tuning when `model` is given: validated before its first
-    step too), on `gpus` GPUs: these CUDA ids where `devices` names them (runs side by side), else the first."""
+    """The main job's command line for one run of DeepSpeed config file `config` (a fine-tuning when `model` is
+    given: validated before its first step too), on `gpus` GPUs: these CUDA ids where `devices` names them (runs
+    side by side), else the first."""
     where = ["--include", f"localhost:{devices}"] if devices else ["--num_gpus", str(gpus)]
     cmd = [launcher(), *where, "--master_port", str(free_port()), "examples/train.py",
-           "--deepspeed", CONFIGS[config], "--data", str(data_root / recipe.corpus), "--seq-len", str(recipe.seq_len),
+           "--deepspeed", config, "--data", str(data_root / recipe.corpus), "--seq-len", str(recipe.seq_len),
            "--micro-batch", str(recipe.global_batch // gpus), "--steps", str(recipe.steps), "--lr", str(recipe.lr),
            "--warmup-steps", str(recipe.warmup_steps), "--eval-every", str(recipe.eval_every),
            "--eval-batches", str(recipe.eval_batches), "--save-every", str(recipe.save_every), "--keep-last", "1",

@@ -120,13 +120,32 @@ def accuracy_scale(res: Path):
 @table
 def accuracy_scale_finetune(res: Path):
     """docs/results.md: fine-tuning BF16's pretrained model with each configuration, from the same weights."""
-    yield ["configuration", "val loss before the first step", "gap to BF16", "val loss at the end", "gap to BF16",
-           "both within 0.5%"]
-    finetune = _accuracy(res, "verdicts", "finetune")
+    yield FINETUNE_HEADER
+    yield from _finetune_rows(_accuracy(res, "verdicts", "finetune"))
+
+
+FINETUNE_HEADER = ["configuration", "val loss before the first step", "gap to BF16", "val loss at the end",
+                   "gap to BF16", "both within 0.5%"]
+
+
+def _finetune_rows(finetune: dict, peaks: dict | None = None):
+    """The fine-tuning verdicts (verdicts.finetune), BF16 first; with `peaks` (config -> GB) each one's peak memory."""
     for name in _bf16_first(finetune):
         f = finetune[name]
         yield [name, num(f["before"], 4), _pct(f["gap_before_rel"]), num(f["end"], 4), _pct(f["gap_end_rel"]),
-               _yes(f.get("meets_targets"))]
+               _yes(f.get("meets_targets")), *([num(peaks.get(name), 1)] if peaks is not None else [])]
+
+
+@table
+def accuracy_long(res: Path):
+    """docs/results.md: issue 61's fine-tuning at long context (accuracy_scale.py --recipe long): BF16's pretrained
+    model fine-tuned with each configuration from the same weights, and each run's peak GPU memory."""
+    yield [*FINETUNE_HEADER, "peak GPU memory (GB)"]
+    if not (res / "accuracy_long.json").is_file():
+        raise NotYet("accuracy_scale --recipe long", "Accuracy at scale")
+    doc = load(res, "accuracy_long.json")
+    peaks = {e["config"]: e["peak_mem_gb"] for e in doc["runs"].values() if e["phase"] == "finetune"}
+    yield from _finetune_rows(doc["verdicts"]["finetune"], peaks)
 
 
 @table

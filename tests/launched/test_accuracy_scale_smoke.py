@@ -111,3 +111,26 @@ def test_smoke_pretrain_export_outliers_finetune_then_a_deadline_and_a_resume(tm
     assert "| lowest_memory | 0: " in text and "val loss before the first step" in text
     with pytest.raises(SystemExit, match="no manpages/meta.json"):
         S.main(["--smoke", "--data-root", str(tmp_path / "none"), "--run-root", str(run_root), "--out", str(out)])
+
+
+def test_long_recipe_fine_tunes_at_four_times_the_sequence_with_fp8_checkpoints_on_the_host(tmp_path):
+    """--recipe long --smoke (issue 61): BF16's tiny model pretrained at 64 tokens and exported, then fine-tuned at
+    256 by BF16 and long_context (the largest-model preset, each layer recomputed from an FP8 copy of its input in
+    pinned host memory, the MLP and FP8 attention's backward over tiles of 64) side by side, one rank each: both end,
+    validated before the first step, the FP8 forward of the same weights close to BF16's; the table and the PNG."""
+    data, run_root, out = corpora(tmp_path / "corpora"), tmp_path / "runs", tmp_path / "out"
+    text = call("--recipe", "long", "--configs", "bf16,long_context", "--side-by-side", "--data-root", str(data),
+                "--run-root", str(run_root), "--out", str(out))
+    doc = json.loads((out / "accuracy_long.json").read_text())
+    assert (out / "accuracy_long.png").read_bytes()[:4] == b"\x89PNG"
+    assert list(doc["runs"]) == ["pretrain_bf16_s0", "finetune_bf16_s0", "finetune_long_context_s0"]
+    assert {e["status"] for e in doc["runs"].values()} == {"done"}
+    ft = doc["runs"]["finetune_long_context_s0"]
+    command = ft["segments"][0]["command"].split()
+    cfg = json.loads(Path(command[command.index("--deepspeed") + 1]).read_text())["coat"]["activation"]
+    assert (cfg["checkpoint_store"], cfg["tile_tokens"], command[command.index("--seq-len") + 1]) == \
+        ("host_fp8", 64, "256")
+    assert [s for s, *_ in ft["val"]] == [0, 2, 4] and ft["train"][-1][1] == 4 * 256
+    v = doc["verdicts"]["finetune"]
+    assert v["long_context"]["before"] != v["bf16"]["before"] and abs(v["long_context"]["gap_before_rel"]) < 0.02
+    assert "| long_context |" in text and "peak GPU memory (GB)" in text
