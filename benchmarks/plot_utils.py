@@ -191,7 +191,8 @@ def plot_offload(res: dict, path: Path) -> None:
 def plot_long_context(res: dict, path: Path) -> None:
     """Per row (configuration, layers, tokens): peak GPU memory against the cap, and tokens/s where a step was timed."""
     rows = sorted((r for r in res["rows"] if r["fits"]), key=lambda r: (r["config"], -r["layers"], r["seq"]))
-    names = [f"{r['config']}\n{r['layers']} layers, {r['seq']:,}" for r in rows]
+    ballast = lambda r: f" + {r['emulated_layers'] - r['layers']} as ballast" if r.get("emulated_layers") else ""  # noqa: E731
+    names = [f"{r['config']}\n{r['layers']} layers{ballast(r)}, {r['seq']:,}" for r in rows]
     fig, (ax, ax2) = _plt().subplots(1, 2, figsize=(12, 0.6 * len(rows) + 2.2))
     ax.barh(names, [r["peak_alloc_gib"] or 0 for r in rows], color="#55a868")   # None: a CPU smoke's
     ax.axvline(res["cap_gib"], color="red", ls="--", label=f"cap {res['cap_gib']:g} GiB")
