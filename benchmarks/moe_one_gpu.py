@@ -19,6 +19,7 @@ import torch
 from benchmarks import harness
 from benchmarks.common import GIB, ROOT, call_ms, check_positive, names_of, proc_bytes, worker_cmd, write_json
 from benchmarks.configs import MODELS
+from benchmarks.memory_trace import recorded
 from coat_ds.hf import loss as hf_loss
 from coat_ds.workloads import causal_lm as train_lib
 from coat_ds.workloads.shapes import SHAPES
@@ -34,7 +35,7 @@ CONFIGS = {"coat": "coat_ds FP8 layers (experts: grouped FP8 GEMMs) + CoatAdamW,
 PHASES = ("forward", "backward", "step")
 SETTING = ("model", "shape", "preset", "cap_gib")   # what rows of one file share; a file of another is refused
 ACCUMULATING = {"gradients": "per_parameter", "states": "device"}   # what coat allows with --grad-accum > 1
-WORKER_FLAGS = ("model", "seq", "steps", "cap_gib", "layers", "grad_accum", "breakdown")
+WORKER_FLAGS = ("model", "seq", "steps", "cap_gib", "layers", "grad_accum", "breakdown", "memory_trace")
 
 
 def ds_config(name: str, micro_batch: int, grad_accum: int = 1) -> dict:
@@ -108,7 +109,8 @@ def worker(args: argparse.Namespace) -> int:
     train_step(engine, micro, device, False)
     sync()
     t0 = time.perf_counter()
-    steps = [train_step(engine, micro, device, args.breakdown) for _ in range(args.steps)]
+    with recorded(0, args.memory_trace) as trace:
+        steps = [train_step(engine, micro, device, args.breakdown) for _ in range(args.steps)]
     sync()
     elapsed, n_params = time.perf_counter() - t0, sum(p.ds_numel for p in model.parameters())
     peak = (lambda f: f() / GIB) if device == "cuda" else (lambda f: None)
@@ -121,7 +123,8 @@ def worker(args: argparse.Namespace) -> int:
         "layers": built["num_hidden_layers"], **{k: cfg.get("coat", {}).get(k) for k in ACCUMULATING},
         "loss": "chunked" if hf_loss.is_applied(model) else "stock",
         "losses": [loss for loss, _ in steps],
-        **({f"{k}_s": statistics.mean(s[k] for _, s in steps) for k in PHASES} if args.breakdown else {})})
+        **({f"{k}_s": statistics.mean(s[k] for _, s in steps) for k in PHASES} if args.breakdown else {}),
+        **({"memory_trace": trace} if trace else {})})
     return 0
 
 
@@ -150,6 +153,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         f"above 1 the preset runs with {ACCUMULATING} (coat refuses release and host states there)")
     p.add_argument("--breakdown", action="store_true",
                    help="time each step's forward, backward and engine.step apart (forward_s, backward_s, step_s)")
+    p.add_argument("--memory-trace", action="store_true", help="the allocator's trace over the timed steps: the "
+                   "blocks alive at their peak by allocating line (benchmarks/memory_trace.py; use --steps 1)")
     harness.one_gpu_options(p, NAME, "micro-batches", "default 1,2,4; --smoke 1,2", SHAPES[MODEL]["num_hidden_layers"])
     p.add_argument("--micro-batch", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
