@@ -225,6 +225,41 @@ def test_aligned_groups_pad_each_group_and_keep_every_product():
     assert pa.abs().sum() == a.abs().sum() and pb.abs().sum() == b.abs().sum()   # every row kept, the rest zero
 
 
+def _codes(device: str = "cpu"):
+    """FP8 codes [8, 64, 32] of random weights and their power-of-two scale per expert, on `device`."""
+    from coat_ds.activation.experts import expert_codes
+    from coat_ds.formats import get_format
+    w = torch.randn(8, 64, 32, generator=torch.Generator().manual_seed(1)).to(device, torch.bfloat16)
+    return expert_codes(w, get_format("e4m3"))
+
+
+def test_dequant_is_exact_and_leaves_the_codes_as_they_were():
+    """experts._dequant (scaled in place since one trace showed two bf16 copies of a layer's gate_up at backward's
+    peak): every element codes x scale, computed apart in fp32 (exact: FP8 codes times a power of two), in the asked
+    dtype; the codes unchanged; a 0-d scale too."""
+    from coat_ds.activation.experts import _dequant
+    codes, scale = _codes()
+    before = codes.clone()
+    want = codes.float() * scale[:, None, None]
+    for dtype in (torch.float32, torch.bfloat16):
+        got = _dequant(codes, scale, dtype)
+        assert got.dtype == dtype and torch.equal(got.float(), want)
+    assert torch.equal(codes.view(torch.uint8), before.view(torch.uint8))
+    assert torch.equal(_dequant(codes, scale[3], torch.float32), codes.float() * scale[3])
+
+
+@pytest.mark.gpu
+def test_gpu_dequant_holds_one_copy_of_the_weights():
+    """On the GPU _dequant's peak is its result's size (one copy), not two (a cast, then a product beside it)."""
+    from coat_ds.activation.experts import _dequant
+    codes, scale = _codes("cuda")
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = _dequant(codes, scale, torch.bfloat16)
+    assert torch.cuda.max_memory_allocated() - base < 1.5 * out.untyped_storage().nbytes()   # the scale's bytes
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("scaled", [True, False])
 def test_gpu_grouped_fp8_matches_the_cpu_reference(scaled):

@@ -60,9 +60,11 @@ def expert_codes(w: Tensor, fmt: FP8Format) -> tuple[Tensor, Tensor]:
 
 
 def _dequant(codes: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
-    """codes * scale in `dtype` (exact for FP8 codes and power-of-two scales); scale 0-d or per leading index."""
+    """codes * scale in `dtype` (exact for FP8 codes and power-of-two scales); scale 0-d or per leading index. Scaled
+    in place: one copy of the weights' size, not two (a layer's gate_up at Qwen3-30B-A3B: 0.75 GiB in bf16, backward's
+    peak)."""
     s = scale.reshape(-1, *([1] * (codes.dim() - 1))) if scale.dim() else scale
-    return (codes.to(dtype) * s.to(dtype))
+    return codes.to(dtype, copy=True).mul_(s.to(dtype))
 
 
 def _work_dtype(x: Tensor, dtype: torch.dtype) -> torch.dtype:
