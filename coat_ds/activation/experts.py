@@ -113,8 +113,14 @@ def grouped_mm_t(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
     if a.is_cuda and hasattr(torch, "_grouped_mm"):
         a, b, offs = aligned_groups(a, b, offs)
         # K-contiguous copies: the transposed views measured 4x faster on an H200 and bit-identical at Qwen3-30B-A3B's
-        # shapes (benchmarks/logs/moe_step_mb8_2026-12-02.log) but need both widths 16-byte aligned; not yet switched
-        return torch._grouped_mm(a.t().contiguous(), b.t().contiguous().t(), offs=offs)
+        # shapes (benchmarks/logs/moe_step_mb8_2026-12-02.log) but need both widths 16-byte aligned; not yet switched.
+        # Each padded operand goes as its copy is made: at most one of them beside both copies (2.2 GiB less at
+        # Qwen3-30B-A3B's micro-batch 10, where both padded operands beside both copies were the step's peak)
+        at = a.t().contiguous()
+        del a
+        bt = b.t().contiguous().t()
+        del b
+        return torch._grouped_mm(at, bt, offs=offs)
     ends = offs.tolist()
     starts = [0] + ends[:-1]
     out = a.new_zeros(len(ends), a.shape[1], b.shape[1], dtype=torch.float32)
@@ -235,6 +241,7 @@ class ExpertsFn(Function):
         del gd
         dgs = quant.tensor_scale(amax, bwd)
         dgq = quant.quant_tensor(dgu, dgs, bwd)[0]
+        del dgu
         dx_pairs = _input_grad(dgq, dgs, gu_q, gu_s, offs, dtype)         # dgu @ gate_up_e: [S, H]
         del gu_q
         dgate_up = grouped_mm_t(_dequant(dgq, dgs, dt), _dequant(_rows(xq, tok), xs, dt), offs)   # [E, 2I, H]
