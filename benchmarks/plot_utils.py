@@ -300,16 +300,24 @@ def plot_accuracy_scale(res: dict, path: Path) -> None:
                          [200 * s / m for m, s in zip(base[1], base[2])], color=colors["bf16"], alpha=0.2,
                          label="bf16 +- 2 std")
     loss_ylim(ax, finals)
-    gap_axes(ax2, "vs BF16's seed mean (%)", "gap to BF16")
+    ft_curves = _curves([e for e in runs if e["phase"] == "finetune"])
+    if len(pre) < 2 and ft_curves.get("bf16"):   # BF16 pretrained alone (--recipe long): the fine-tuning's gap
+        b = dict(zip(*_seed_mean(ft_curves["bf16"])[:2]))
+        for name, curves in ft_curves.items():
+            steps, mean, _ = _seed_mean(curves)
+            if name != "bf16":
+                ax2.plot(steps, [100 * (m - b[s]) / b[s] for s, m in zip(steps, mean)], "o-", ms=3,
+                         color=colors.get(name), label=name)
+    gap_axes(ax2, "vs BF16's seed mean (%)", "gap to BF16" + " (fine-tuning)" * (len(pre) < 2))
     rc = res["recipe"]["pretrain"]
     ax.set(xlabel="step", ylabel="validation loss", title=f"pretraining: llama-{rc['model_size']}, "
            f"{rc['tokens'] / 1e6:.3g}M tokens of {rc['corpus']}, seq {rc['seq_len']}")
-    for name, curves in _curves([e for e in runs if e["phase"] == "finetune"]).items():
+    for name, curves in ft_curves.items():
         steps, mean, _ = _seed_mean(curves)
         ax3.plot(steps, mean, "o-", ms=3, color=colors.get(name), label=name)
     ft = res["recipe"]["finetune"]
-    ax3.set(xlabel="step", ylabel="validation loss", title=f"fine-tuning BF16's model on {ft['corpus']} at seq "
-            f"{ft['seq_len']:,} ({ft['steps']:,} steps)")
+    ax3.set(xlabel="step", ylabel="validation loss", title=f"fine-tuning BF16's model: {ft['corpus']}, seq "
+            f"{ft['seq_len']:,}, {ft['steps']:,} steps")
     save(fig, path, legend=8)
 
 
