@@ -119,6 +119,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.recipes = ({"pretrain": R.SMOKE_LONG_PRETRAIN, "finetune": R.SMOKE_LONG_FINETUNE} if args.smoke else
                         {"pretrain": R.LONG_PRETRAIN, "finetune": R.LONG_FINETUNE})
         args.speeds = args.speeds if args.smoke else R.LONG_SPEED
+    for phase, r in args.recipes.items():   # the long recipe fine-tunes one sequence a step
+        gpus = side_gpus(args, phase) if args.side_by_side else args.num_gpus
+        if r.global_batch % gpus:
+            p.error(f"--num-gpus={args.num_gpus} is invalid for --recipe {args.recipe}: its {phase} runs "
+                    f"{r.global_batch} sample(s) a step on {gpus} GPUs; allowed: a count dividing {r.global_batch}"
+                    + " (or --side-by-side: one GPU a fine-tuning)" * (phase == "finetune"))
     return args
 
 

@@ -214,6 +214,11 @@ def test_the_long_recipe_fine_tunes_bf16s_export_at_16k_with_fp8_checkpoints_on_
     assert S.main([*argv, "--plan-only"]) == 0
     assert "6 jobs on 1 GPUs" in capsys.readouterr().out
     with pytest.raises(SystemExit):
+        S.parse_args(["--recipe", "long", "--num-gpus", "2"])                 # one sequence a step over 2 GPUs
+    assert "--num-gpus=2 is invalid for --recipe long: its finetune runs 1 sample(s) a step on 2 GPUs; allowed: a " \
+        "count dividing 1 (or --side-by-side: one GPU a fine-tuning)" in capsys.readouterr().err
+    assert S.parse_args(["--recipe", "long", "--num-gpus", "2", "--side-by-side"]).num_gpus == 2
+    with pytest.raises(SystemExit):
         S.parse_args(["--configs", "long_context"])
     assert "allowed: a comma-separated list from ['bf16', 'exact', 'lowest_memory', 'largest_model']" in \
         capsys.readouterr().err
