@@ -191,13 +191,14 @@ def phases(job: Job, micro_batch: int) -> dict[str, dict[str, float]]:
     if follows_moments(s, job.activation, job.checkpoint):
         return moment_phases(job, t, states, at_loss, loss, head, st["gradients"], in_backward) | step
     acts = activation_bytes(job, t)
+    experts = s.experts.backward_bytes(s.hidden, job.activation, t) if s.experts and s.sparse_layers else 0.0
     return {
         "forward": dict(states, activations=acts, **{"logits/loss": loss["forward"]}),
         "loss backward": dict(at_loss, activations=acts, **{"logits/loss": loss["backward"]},
                               buffers=head if job.chunk else 0.0),
         "first gradient bucket": dict(states, activations=acts, **{"logits/loss": loss["first_grad"]},
                                       gradients=st["gradients"] if in_backward else 0.0,
-                                      buffers=head + buffers(job.zero)),
+                                      buffers=head + buffers(job.zero) + experts),
     } | step
 
 

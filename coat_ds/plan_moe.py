@@ -55,6 +55,23 @@ class Experts:
         """What one token's forward runs through: k experts and the router."""
         return self.top_k * 3 * hidden * self.intermediate + self.num * hidden
 
+    def backward_bytes(self, hidden: int, activation: Any, tokens: int) -> float:
+        """Bytes one sparse layer's backward holds beside the activations at its highest, `tokens` tokens routed to
+        k experts each (pairs): coat's ExpertsFn (activation/experts.py), from allocator traces of Qwen3-30B-A3B's
+        step (benchmarks/logs/moe_one_gpu_*trace*_2026-12-03.log). At the input gradient: the gate_up FP8 codes
+        (1 B a value), their dequantized bf16 copy (2 B), the down projection's bf16 gradient (2 B); per pair the
+        gate/up gradient in FP8 (2I) and dequantized (4I), the input gradient (2H). At the gate_up gradient's
+        grouped GEMM: the down gradient; per pair the input gradient (2H), the FP8 gate/up gradient (2I), both
+        dequantized operands (4I, 2H) beside their copies padded to the groups (the same again). Then its output
+        (2 B a gate_up value) beside the K-contiguous copies. The stock experts: 0 (not traced)."""
+        if activation is None or not activation.enabled:
+            return 0.0
+        gate_up, down = self.num * 2 * self.intermediate * hidden, self.num * hidden * self.intermediate
+        i, h, pairs = self.intermediate, hidden, self.top_k * tokens
+        return max(3.0 * gate_up + 2.0 * down + pairs * (6 * i + 2 * h),
+                   2.0 * down + pairs * (10 * i + 6 * h),
+                   2.0 * gate_up + 2.0 * down + pairs * (6 * i + 4 * h))
+
     def saved_bytes(self, hidden: int, activation: Any) -> float:
         """Bytes per token per hidden unit the router and the experts keep for backward beyond what a dense layer's
         norm term counts: `activation` coat's ActivationConfig (its experts always run ExpertsFn), None: stock."""

@@ -205,12 +205,7 @@ def test_long_context_rows_are_planned_within_5_percent():
     for row in rows:
         job = job_of(row)
         p, host = P.plan(job, 1), P.plan(job_of(dict(row, shape=row["host_shape"])), 1)
-        # ZeRO-3 at world 1: a gather views the partition (DeepSpeed 0.19.8's NoGatherHandle), so these dense rows hold
-        # none of the plan's gathered parameters (max_live's 1e9 values, 1.86 GiB); the MoE rows at world 1 measure
-        # about as much above a plan without them (traced: the FP8 experts' backward transients, docs/plan.md), so
-        # the planner keeps them
-        unheld = P.states_of(job)["gathered"] if job.zero.stage == 3 and job.zero.world == 1 else 0.0
-        highest, peak = (p.highest - unheld) / GIB, (p.peak - unheld) / GIB
+        highest, peak = p.highest / GIB, p.peak / GIB
         assert highest == pytest.approx(row["peak"], rel=0.05), (row["seq"], highest, row["peak"])
         if row["config"].startswith("gpu"):   # the checkpoints on the GPU: the plan keeps nothing on the host
             assert host.host == 0, (row["config"], host.host)
@@ -719,8 +714,9 @@ def test_a_layer_keeps_what_the_planner_counts(model_type, act):
 def test_qwen3_30b_a3b_names_the_preset_and_micro_batch_for_one_80_gb_gpu(capsys):
     """Qwen3-30B-A3B at seq 4096 on one H100: 30.53B parameters, 3.35B a token; the optimizer, master and gradients
     are of all of them, so of the presets whose host need is that of the FP8 states alone only
-    zero3_offload_largest_model fits: micro-batch 1 without recompute, 9 with it (measured: 10 ran, at 78.9 of 79 GiB
-    reserved). The chunked loss (the router's
+    zero3_offload_largest_model fits: micro-batch 1 without recompute, 7 with it under the planner's fit rule (95% of
+    the GPU with its reserve estimate; measured: 8 to 12 ran under a 79 GiB cap, 12 at 79.0 GiB reserved, each
+    planned within 2%). The chunked loss (the router's
     aux loss added as HF adds it) keeps 0.8 GiB of logits where HF's stock loss kept 7 GiB a micro-batch."""
     shape = P.resolve_shape("qwen3-30b-a3b")
     assert (shape.params, shape.active_params) == (30_532_122_624, 3_353_032_704)
@@ -729,12 +725,12 @@ def test_qwen3_30b_a3b_names_the_preset_and_micro_batch_for_one_80_gb_gpu(capsys
     assert job.chunk is not None and job.checkpoint
     assert P.plan(job, 1).parts["logits/loss"] < 12 * 151_936 * 4096 / 8   # the stock loss's fp32 logits: 7 GiB
     fits = P.preset_fits(shape, 4096, 1, H100)
-    assert fits[0].name == "zero3_offload_largest_model" and (fits[0].micro_batch, fits[0].checkpointed) == (1, 9)
+    assert fits[0].name == "zero3_offload_largest_model" and (fits[0].micro_batch, fits[0].checkpointed) == (1, 7)
     assert fits[0].host == 2.125 * shape.params
     assert P.main(["--model", "qwen3-30b-a3b", "--seq", "4096", "--config", "zero3_offload_largest_model"]) == 0
     out = capsys.readouterr().out
     assert "30.53B parameters (3.35B active a token: 128 experts, 8 a token)" in out
-    assert "\n  zero3_offload_largest_model            1 / 9 " in out
+    assert "\n  zero3_offload_largest_model            1 / 7 " in out
 
 
 @pytest.mark.parametrize("model_type,key", [("gpt_oss", "attention sinks"), ("qwen2_moe", "shared expert"),

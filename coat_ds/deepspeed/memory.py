@@ -120,8 +120,10 @@ def model_states(job: ZeroJob, n: int, layer_params: int, largest: int, sub_grou
     sub-group's values per rank (largest_sub_group)."""
     part = n / job.world if job.stage >= 1 else n
     # ZeRO-3: the partition plus what is gathered: the layers at work, or as many values as stay alive (gathered
-    # parameters reused within stage3_max_reuse_distance are kept, up to max_live: a 1.1B model stays whole)
-    gathered = job.param_bytes * max(2 * layer_params + largest, min(n, job.max_live)) if job.stage == 3 else 0.0
+    # parameters reused within stage3_max_reuse_distance are kept, up to max_live: a 1.1B model stays whole). At
+    # world 1 nothing: DeepSpeed 0.19.8 points a parameter at its partition, the whole tensor (NoGatherHandle)
+    gathered = job.param_bytes * max(2 * layer_params + largest, min(n, job.max_live)) \
+        if job.stage == 3 and job.world > 1 else 0.0
     weights = job.param_bytes * n / job.world + gathered if job.stage == 3 else job.param_bytes * n
     master = MASTER_BYTES[job.master] * part if job.mixed else 0.0
     grads = job.grad_bytes * part if job.stage >= 2 else 2.0 * n if job.mixed else 4.0 * n
