@@ -105,6 +105,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.host_gpus % args.num_gpus:
         p.error(f"--host-gpus={args.host_gpus} is invalid; allowed: a multiple of --num-gpus ({args.num_gpus})")
     args.rates = rates_flag(p, args.tokens_per_s)
+    pick_recipe(p, args)
+    return args
+
+
+def pick_recipe(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--recipe's (and --smoke's) results name, run root, recipes and assumed speeds; p.error where a phase's samples
+    a step do not divide over its jobs' GPUs."""
     args.name = NAME if args.recipe == "dense" else f"accuracy_{args.recipe}"
     args.run_root = args.run_root or ROOT / "runs" / (args.name + ("_smoke" if args.smoke else ""))
     args.recipes = {"pretrain": R.SMOKE_PRETRAIN if args.smoke else R.PRETRAIN,
@@ -125,7 +132,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"--num-gpus={args.num_gpus} is invalid for --recipe {args.recipe}: its {phase} runs "
                     f"{r.global_batch} sample(s) a step on {gpus} GPUs; allowed: a count dividing {r.global_batch}"
                     + " (or --side-by-side: one GPU a fine-tuning)" * (phase == "finetune"))
-    return args
 
 
 def rates_flag(p: argparse.ArgumentParser, value: str | None) -> dict[str, float]:
