@@ -270,6 +270,14 @@ def _seed_mean(curves: list[dict[int, float]]) -> tuple[list[int], list[float], 
     return steps, [statistics.mean(v) for v in vals], [statistics.stdev(v) if len(v) > 1 else 0.0 for v in vals]
 
 
+def _gap_curve(ax, base: tuple, steps: list[int], mean: list[float], **style) -> None:
+    """A curve's gap to `base` (_seed_mean's steps, mean) in %, at the steps both have."""
+    b = dict(zip(base[0], base[1]))
+    gap = [(s, 100 * (m - b[s]) / b[s]) for s, m in zip(steps, mean) if s in b]
+    if gap:
+        ax.plot(*zip(*gap), "o-", ms=3, **style)
+
+
 def plot_accuracy_scale(res: dict, path: Path) -> None:
     """Pretraining's validation loss (BF16's seeds: mean +- 2 std; each preset's seed mean), its gap to BF16's mean,
     the fine-tuning's validation loss from BF16's model (step 0: before the first step)."""
@@ -291,10 +299,7 @@ def plot_accuracy_scale(res: dict, path: Path) -> None:
             ax.fill_between(steps, [m - 2 * s for m, s in zip(mean, std)], [m + 2 * s for m, s in zip(mean, std)],
                             color=colors[name], alpha=0.2, label="bf16 mean +- 2 std")
         elif base:
-            b = dict(zip(base[0], base[1]))
-            gap = [(s, 100 * (m - b[s]) / b[s]) for s, m in zip(steps, mean) if s in b]
-            if gap:
-                ax2.plot(*zip(*gap), "o-", ms=3, color=colors.get(name), label=name)
+            _gap_curve(ax2, base, steps, mean, color=colors.get(name), label=name)
     if base:
         ax2.fill_between(base[0], [-200 * s / m for m, s in zip(base[1], base[2])],
                          [200 * s / m for m, s in zip(base[1], base[2])], color=colors["bf16"], alpha=0.2,
@@ -302,12 +307,10 @@ def plot_accuracy_scale(res: dict, path: Path) -> None:
     loss_ylim(ax, finals)
     ft_curves = _curves([e for e in runs if e["phase"] == "finetune"])
     if len(pre) < 2 and ft_curves.get("bf16"):   # BF16 pretrained alone (--recipe long): the fine-tuning's gap
-        b = dict(zip(*_seed_mean(ft_curves["bf16"])[:2]))
+        ft_base = _seed_mean(ft_curves["bf16"])
         for name, curves in ft_curves.items():
-            steps, mean, _ = _seed_mean(curves)
             if name != "bf16":
-                ax2.plot(steps, [100 * (m - b[s]) / b[s] for s, m in zip(steps, mean)], "o-", ms=3,
-                         color=colors.get(name), label=name)
+                _gap_curve(ax2, ft_base, *_seed_mean(curves)[:2], color=colors.get(name), label=name)
     gap_axes(ax2, "vs BF16's seed mean (%)", "gap to BF16" + " (fine-tuning)" * (len(pre) < 2))
     rc = res["recipe"]["pretrain"]
     ax.set(xlabel="step", ylabel="validation loss", title=f"pretraining: llama-{rc['model_size']}, "

@@ -41,9 +41,13 @@ class Experts:
     router_first: bool = False        # the router's weight comes before the experts' in module order (Mixtral)
     dense_layers: tuple[int, ...] = ()   # layers with a dense MLP instead (Qwen3-MoE: mlp_only_layers, sparse step)
 
+    def expert_values(self, hidden: int) -> tuple[int, int]:
+        """Values of the layer's two 3D expert weights: gate_up [E, 2I, H], down [E, H, I]."""
+        return self.num * 2 * self.intermediate * hidden, self.num * hidden * self.intermediate
+
     def tensors(self, hidden: int) -> list[int]:
         """The sparse MLP's parameters' values in module order: router, gate_up, down (Qwen3-MoE: router last)."""
-        experts = [self.num * 2 * self.intermediate * hidden, self.num * hidden * self.intermediate]
+        experts = list(self.expert_values(hidden))
         router = [self.num * hidden]
         return router + experts if self.router_first else experts + router
 
@@ -66,7 +70,7 @@ class Experts:
         (2 B a gate_up value) beside the K-contiguous copies. The stock experts: 0 (not traced)."""
         if activation is None or not activation.enabled:
             return 0.0
-        gate_up, down = self.num * 2 * self.intermediate * hidden, self.num * hidden * self.intermediate
+        gate_up, down = self.expert_values(hidden)
         i, h, pairs = self.intermediate, hidden, self.top_k * tokens
         return max(3.0 * gate_up + 2.0 * down + pairs * (6 * i + 2 * h),
                    2.0 * down + pairs * (10 * i + 6 * h),
