@@ -28,6 +28,8 @@ import sys
 
 import pytest
 import torch
+import transformers
+from packaging.version import Version
 
 from harness import DS_SCRIPTS, ROOT, TRAIN_SMALL, child_env, free_port, launch_json, ranks_launcher, unsupported
 
@@ -175,8 +177,9 @@ def test_hf_trainer_with_parallelism_config_trains_as_one_rank(tmp_path):
     """HF Trainer with accelerate's ParallelismConfig(sp_backend="deepspeed", sp_size=2) and
     ds_configs/hf/zero2_coat.json on 2 ranks (tests/ds_scripts/ulysses_hf_job.py) against the same Trainer on 1 rank:
     the FP8 layers run DeepSpeed's Ulysses attention, the first loss is one rank's bit for bit and every one within
-    LOSS_TOL (measured: 1.4e-3 at most). Trainer averages the shards with DeepSpeed's recipe, so under ZeRO-2 its
-    gradient norm is 2x one rank's (docs/activation.md: the clip acts at half its value); this pins it."""
+    LOSS_TOL (measured: 1.4e-3 at most). Before transformers 5.25 Trainer averaged the shards with DeepSpeed's recipe,
+    so under ZeRO-2 its gradient norm was 2x one rank's (the clip acted at half its value); 5.25 rescales its SP loss
+    and the norm is one rank's (measured: 2.39 both). This pins the installed version's factor."""
     if torch.cuda.is_available():
         pytest.skip("CPU-accelerator runs (gloo)")
     job = str(DS_SCRIPTS / "ulysses_hf_job.py")
@@ -191,4 +194,5 @@ def test_hf_trainer_with_parallelism_config_trains_as_one_rank(tmp_path):
     assert (one["attention"], one["fp8"]) == ("sdpa_attention_forward", 2)
     assert len(sp["losses"]) == len(one["losses"]) == 4 and sp["losses"][0] == one["losses"][0]
     assert max(_rel(one["losses"], sp["losses"])) < LOSS_TOL
-    assert sp["norms"][0] == pytest.approx(2 * one["norms"][0], rel=NORM_TOL)
+    factor = 1 if Version(transformers.__version__) >= Version("5.25") else 2
+    assert sp["norms"][0] == pytest.approx(factor * one["norms"][0], rel=NORM_TOL)
