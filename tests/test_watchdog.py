@@ -103,6 +103,43 @@ def test_a_beating_or_finished_peer_is_not_lost(store):
     assert store.get("coat_ds/watchdog/state/0") == b"done"
 
 
+class SlowRead:
+    """A client whose `slow`-th multi_get waits `wait_s` first, as the watchdog thread waits there for the GIL its main
+    thread holds, the peer beating once meanwhile; `returned`: when that read ended."""
+
+    def __init__(self, master, peer: dist.TCPStore, slow: int, wait_s: float):
+        self.inner, self.peer, self.slow, self.wait_s = client(master), peer, slow, wait_s
+        self.calls, self.returned = 0, 0.0
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        self.calls += 1
+        if self.calls != self.slow:
+            return self.inner.multi_get(keys)
+        time.sleep(self.wait_s)
+        self.peer.add("coat_ds/watchdog/beat/1", 1)
+        values = self.inner.multi_get(keys)
+        self.returned = time.monotonic()
+        return values
+
+
+def test_a_beat_read_after_a_long_wait_counts_from_its_reading(store):
+    """The look that waited 1.5 s inside the store's read saw the peer's beat: the peer, silent after it, is lost a
+    whole timeout (1 s) later, not at the next look (which dated that beat from before the wait: a CI run's rank 1,
+    holding its GIL, named a beating rank 0 lost)."""
+    peer = play_peer(store)
+    seen: list = []
+    slow = SlowRead(store, peer, slow=2, wait_s=1.5)
+    dog = Watchdog(slow, 0, 2, 1.0, on_verdict=lambda line: seen.append((time.monotonic(), line)), interval=0.1)
+    _STARTED.append(dog)
+    dog.start()
+    wait_for(seen, 20)
+    assert seen and "rank 1 (" in seen[0][1] and "was lost: no heartbeat for " in seen[0][1], seen
+    assert slow.returned and seen[0][0] - slow.returned >= 1.0, (seen[0][0] - slow.returned, seen)
+
+
 def test_a_failed_peer_is_reported_with_its_error(store):
     peer = play_peer(store)
     dog, lines = rank0(store, timeout=60)

@@ -223,7 +223,7 @@ class Watchdog:
 
     def check(self) -> Verdict | None:
         """One beat and one look at every rank: the verdict, or None while every rank is there."""
-        now = time.monotonic()
+        asked = time.monotonic()
         ended = {r for r in self._same_node if start_time(self.peers[r].pid) != self.peers[r].start}
         if 0 in ended:   # the store's host: no call to it (each would fail with a page of C++ warnings)
             self._store_gone = True
@@ -232,7 +232,11 @@ class Watchdog:
             self.store.add(_key("beat", self.rank), 1)
             values = self.store.multi_get([_key(kind, r) for kind in ("beat", "state") for r in range(self.world)])
         except Exception as exc:   # noqa: BLE001 - any store failure: rank 0 (its host) or the network is gone
-            return self._store_failed(now, exc)
+            return self._store_failed(asked, exc)
+        # the counters' age counts from their reading: this thread may have waited seconds inside the calls for the
+        # GIL its main thread held, and a change seen then dated from before the wait made the next look call a
+        # beating peer silent (a CI run: rank 1, holding its GIL, named rank 0 lost)
+        now = time.monotonic()
         self._store_down = None
         beats, states = values[:self.world], values[self.world:]
         gone: list[tuple[int, float, int, str]] = []   # (0 failed, 1 ended, 2 silent; seconds silent; rank; how)
